@@ -1,0 +1,17 @@
+"""Frozen configs and the pure functions derived from them (no nn.Module, no device state)."""
+
+from neuronfx.config.buckets import generate_buckets, select_bucket
+from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.kv import KVAccess, KVLayout, decode_access, prefill_access
+from neuronfx.config.masks import decode_mask, prefill_mask
+from neuronfx.config.model import ModelConfig, RopeScaling
+from neuronfx.config.plan import GraphSpec, Plan, TensorSpec, make_plan
+from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampling
+from neuronfx.config.serialization import plan_from_json, plan_to_json, structure, unstructure
+
+__all__ = [
+    "GraphSpec", "InferenceConfig", "KVAccess", "KVLayout", "ModelConfig", "Plan", "RopeScaling",
+    "SamplingParams", "TensorSpec", "check_sampling", "decode_access", "decode_mask",
+    "generate_buckets", "make_plan", "pack_sampling", "plan_from_json", "plan_to_json",
+    "prefill_access", "prefill_mask", "select_bucket", "structure", "unstructure",
+]

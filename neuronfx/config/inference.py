@@ -1,0 +1,78 @@
+"""InferenceConfig: the static capacities and options every graph of a plan is compiled for."""
+
+from __future__ import annotations
+
+import attrs
+from attrs import validators as v
+
+from neuronfx.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("eager", "export", "neuron")
+_positive = [v.instance_of(int), v.gt(0)]
+
+
+def _buckets(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field: str, limit: int) -> None:
+    if buckets is None:
+        return
+    if not buckets:
+        raise ConfigError(f"{field}=() is empty; give at least one bucket or None to derive them.")
+    for b in buckets:
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ConfigError(f"{field} contains {b!r}; buckets are positive token counts (int).")
+    if list(buckets) != sorted(set(buckets)):
+        raise ConfigError(f"{field}={buckets} must be strictly increasing; sort it and drop duplicates.")
+    if buckets[-1] > limit:
+        raise ConfigError(
+            f"{field} has bucket {buckets[-1]} > {limit_field}={limit}; drop it or raise {limit_field}."
+        )
+
+
+@attrs.frozen(kw_only=True)
+class InferenceConfig:
+    """Static options of a compiled runtime (the scope of NxD's ``NeuronConfig`` neuronfx covers).
+
+    - ``batch_size``: rows per graph, and the number of KV-cache slots (requests held at once).
+    - ``max_context_length``: longest prompt, tokens (largest prefill bucket).
+    - ``sequence_length``: KV-cache length per slot, tokens (prompt + generated).
+    - ``enable_bucketing``: derive power-of-two bucket ladders; otherwise one bucket per phase.
+    - ``prefill_buckets`` / ``decode_buckets``: explicit ladders (tokens), override derivation.
+    - ``dtype``: weights, activations and KV cache ("float32", "bfloat16", "float16").
+    - ``on_device_sampling``: graphs return sampled tokens; ``max_topk`` caps top_k in the graph.
+    - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
+    - ``backend``: "eager" (reference), "export" (torch.export per graph), "neuron" (optional extra).
+
+    Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
+    """
+
+    batch_size: int = attrs.field(default=1, validator=_positive)
+    max_context_length: int = attrs.field(default=256, validator=_positive)
+    sequence_length: int = attrs.field(default=512, validator=_positive)
+    enable_bucketing: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
+    decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
+    dtype: str = attrs.field(default="float32", validator=v.in_(DTYPES))
+    on_device_sampling: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    max_topk: int = attrs.field(default=256, validator=_positive)
+    output_logits: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    backend: str = attrs.field(default="eager", validator=v.in_(BACKENDS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_context_length > self.sequence_length:
+            raise ConfigError(
+                f"max_context_length={self.max_context_length} > sequence_length={self.sequence_length}; "
+                "a prompt must fit in the KV cache: lower max_context_length or raise sequence_length."
+            )
+        _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
+        _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
+        if not self.on_device_sampling and not self.output_logits:
+            raise ConfigError(
+                "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
+                "set one of them to True."
+            )

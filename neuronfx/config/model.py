@@ -1,0 +1,142 @@
+"""ModelConfig: the architecture facts neuronfx needs, read once from a transformers config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+from neuronfx.errors import ConfigError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_positive = [v.instance_of(int), v.gt(0)]
+
+
+@attrs.frozen(kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+
+    ``rope_type`` "linear" divides every frequency by ``factor``; "llama3" applies the
+    piecewise rule of Meta's Llama 3.1 reference (``apply_scaling`` in meta-llama/llama-models,
+    also transformers ``_compute_llama3_parameters``) using ``low_freq_factor``,
+    ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
+    """
+
+    rope_type: str = attrs.field(validator=v.in_(("linear", "llama3")))
+    factor: float = attrs.field(converter=float, validator=v.gt(0.0))
+    low_freq_factor: float = attrs.field(default=1.0, converter=float)
+    high_freq_factor: float = attrs.field(default=4.0, converter=float)
+    original_max_position_embeddings: int = attrs.field(default=8192, validator=_positive)
+
+
+def _check_heads(inst: "ModelConfig", attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_attention_heads % value:
+        raise ConfigError(
+            f"num_key_value_heads={value} must divide num_attention_heads={inst.num_attention_heads}; "
+            "fix the model config (grouped-query attention needs whole groups)."
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (llama, mistral, qwen2, qwen3).
+
+    Sizes are counts (``num_*``) or widths in elements; ``rope_theta`` is the RoPE base;
+    ``eos_token_ids`` come from the checkpoint's generation config (else its config).
+    Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
+    """
+
+    model_type: str = attrs.field(validator=v.in_(SUPPORTED_MODEL_TYPES))
+    vocab_size: int = attrs.field(validator=_positive)
+    hidden_size: int = attrs.field(validator=_positive)
+    num_hidden_layers: int = attrs.field(validator=_positive)
+    num_attention_heads: int = attrs.field(validator=_positive)
+    num_key_value_heads: int = attrs.field(validator=_positive + [_check_heads])
+    head_dim: int = attrs.field(validator=_positive)
+    intermediate_size: int = attrs.field(validator=_positive)
+    rope_theta: float = attrs.field(converter=float, validator=v.gt(0.0))
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = attrs.field(converter=float, validator=v.gt(0.0))
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = attrs.field(default=4096, validator=_positive)
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, generation_config: Any = None) -> "ModelConfig":
+        """Read a transformers ``PretrainedConfig`` (and optional ``GenerationConfig``).
+
+        Raises UnsupportedModelError for a ``model_type`` outside
+        ``SUPPORTED_MODEL_TYPES``, an unsupported activation or RoPE type.
+        """
+        model_type = hf_config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only 'silu' GLU MLPs are.")
+        if getattr(hf_config, "mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias=True is not supported; only bias-free MLPs are.")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        theta, scaling = _rope_from_hf(hf_config)
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf_config.intermediate_size,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # qwen2 always has q/k/v biases; llama/mistral/qwen3 carry the flag.
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            sliding_window=_sliding_window(hf_config),
+            eos_token_ids=_eos_ids(hf_config, generation_config),
+        )
+
+
+def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 folds theta and scaling into rope_parameters; 4.x has both fields.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    if rope_type == "default":
+        return theta, None
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, RopeScaling(rope_type=rope_type, **{k: params[k] for k in keys if k in params})
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    # qwen2/qwen3 carry sliding_window but only use it when use_sliding_window is set.
+    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return getattr(hf_config, "sliding_window", None)
+
+
+def _eos_ids(hf_config: Any, generation_config: Any) -> tuple[int, ...]:
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

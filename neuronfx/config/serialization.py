@@ -1,0 +1,85 @@
+"""JSON (de)serialization of configs and plans through a private cattrs converter.
+
+Unknown keys are errors (``forbid_extra_keys=True``); every failure becomes a ConfigError that
+names the class, the key path and the offending value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.model import ModelConfig
+from neuronfx.config.plan import Plan, make_plan
+from neuronfx.errors import ConfigError, NeuronfxError
+
+T = TypeVar("T")
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return f"unknown key(s) {sorted(exc.extra_fields)} (remove them; check spelling)"
+    if isinstance(exc, ClassValidationError):
+        notes = [_describe(e) for e in exc.exceptions]
+        return "; ".join(notes)
+    notes = getattr(exc, "__notes__", [])  # noqa: B009 - PEP 678 notes, absent on most exceptions
+    return f"{exc}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def structure(data: dict[str, Any], cls: type[T]) -> T:
+    """Build ``cls`` from plain data; raises ConfigError on unknown keys or bad values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}.")
+    try:
+        return _converter.structure(data, cls)
+    except NeuronfxError:
+        raise
+    except (ClassValidationError, ForbiddenExtraKeysError, TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"invalid {cls.__name__}: {_describe(exc)}") from exc
+
+
+def unstructure(value: Any) -> dict[str, Any]:
+    """Plain-data form of an attrs config (tuples become lists)."""
+    return _converter.unstructure(value)
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The plan's sources (model, inference, checkpoint); everything else is re-derived on load."""
+    return {
+        "model": unstructure(plan.model),
+        "inference": unstructure(plan.inference),
+        "checkpoint": plan.checkpoint,
+    }
+
+
+def plan_from_dict(data: dict[str, Any]) -> Plan:
+    """Inverse of :func:`plan_to_dict`; raises ConfigError on unknown or missing keys."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"plan must be a JSON object, got {type(data).__name__}.")
+    extra = set(data) - {"model", "inference", "checkpoint"}
+    if extra:
+        raise ConfigError(f"invalid Plan: unknown key(s) {sorted(extra)} (allowed: model, inference, checkpoint).")
+    for key in ("model", "inference"):
+        if key not in data:
+            raise ConfigError(f"invalid Plan: missing key {key!r}.")
+    model = structure(data["model"], ModelConfig)
+    inference = structure(data["inference"], InferenceConfig)
+    return make_plan(model, inference, checkpoint=data.get("checkpoint"))
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan_to_dict(plan), indent=2, sort_keys=True)
+
+
+def plan_from_json(text: str) -> Plan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"plan JSON does not parse: {exc}") from exc
+    return plan_from_dict(data)
