@@ -1,0 +1,34 @@
+"""neuronfx: decoder-only LLMs as a fixed set of static-shape graphs with explicit state passing.
+
+Typical use::
+
+    plan = neuronfx.make_plan(ModelConfig.from_hf(hf_config), InferenceConfig(batch_size=4))
+    runtime = neuronfx.compile(plan, state_dict)
+    state = neuronfx.init_state(runtime, seed=0)
+    result, state = neuronfx.generate(runtime, state, [[1, 2, 3]], max_new_tokens=16)
+"""
+
+from neuronfx import errors
+from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
+from neuronfx.runtime import (
+    DecodeBatch,
+    GenerateResult,
+    PrefillBatch,
+    Runtime,
+    State,
+    StepOutput,
+    compile,
+    decode_step,
+    generate,
+    init_state,
+    prefill_step,
+    release,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DecodeBatch", "GenerateResult", "InferenceConfig", "ModelConfig", "Plan", "PrefillBatch",
+    "Runtime", "SamplingParams", "State", "StepOutput", "compile", "decode_step", "errors",
+    "generate", "init_state", "make_plan", "prefill_step", "release",
+]

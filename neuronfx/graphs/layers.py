@@ -1,0 +1,134 @@
+"""Small shared tensor helpers for the Llama-family model files (functions, not base classes).
+
+Numerics follow transformers' Llama implementation (``modeling_llama.py``): RMSNorm in fp32 then
+cast back, RoPE cos/sin computed in fp32 from ``inv_freq @ position_ids``, rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from neuronfx.config.model import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+# attend(layer, q, k, v) -> attention output; q: (B, n_heads, T, D), k/v: (B, n_kv_heads, T, D).
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 (Zhang & Sennrich 2019; HF ``LlamaRMSNorm``)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, float32 [head_dim // 2] (Su et al. 2021, RoFormer).
+
+    "linear" scaling divides by ``factor``; "llama3" follows Meta's ``apply_scaling``
+    (meta-llama/llama-models ``reference_impl/model.py``), same as transformers'
+    ``_compute_llama3_parameters``.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type == "linear":
+        return inv / rs.factor
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (B, 1, T, head_dim) in ``dtype``, for int ``position_ids`` (B, T)."""
+    freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x (B, heads, T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); weight (out, in) as in HF checkpoints."""
+    return F.linear(x, weight, bias)
+
+
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """(B, T, num_heads * head_dim) -> (B, num_heads, T, head_dim)."""
+    b, t, _ = x.shape
+    return x.view(b, t, num_heads, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, head_dim) -> (B, T, heads * head_dim)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def glu_mlp(w: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020), x (B, T, hidden)."""
+    return linear(F.silu(linear(x, w[prefix + "gate"])) * linear(x, w[prefix + "up"]), w[prefix + "down"])
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with a boolean mask (True = attend), scale 1/sqrt(head_dim).
+
+    q (B, n_heads, Tq, D), k/v (B, n_kv_heads, Tk, D), mask (B, 1, Tq, Tk) -> (B, n_heads, Tq, D).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def llama_attention(
+    w: Weights, i: int, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    attend: Attend, qk_norm: bool,
+) -> torch.Tensor:
+    """Self-attention block shared by llama/mistral/qwen2/qwen3; x (B, T, hidden).
+
+    Optional q/k/v biases are used when present in ``w`` (qwen2; llama with attention_bias);
+    ``qk_norm`` applies per-head RMSNorm to q and k before RoPE (qwen3).
+    """
+    p = f"layers.{i}."
+    bias = cfg.attention_bias
+    q = split_heads(linear(x, w[p + "wq"], w[p + "bq"] if bias else None), cfg.num_attention_heads, cfg.head_dim)
+    k = split_heads(linear(x, w[p + "wk"], w[p + "bk"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
+    v = split_heads(linear(x, w[p + "wv"], w[p + "bv"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
+    if qk_norm:
+        q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = attend(i, q, k, v)  # (B, n_heads, T, D)
+    return linear(merge_heads(out), w[p + "wo"])
+
+
+def llama_stack(
+    w: Weights, cfg: ModelConfig, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend,
+    qk_norm: bool = False,
+) -> torch.Tensor:
+    """Embedding, pre-norm decoder layers and final norm; ids (B, T) -> hidden (B, T, hidden)."""
+    h = w["embed"][input_ids]  # (B, T, hidden)
+    cos, sin = rope_cos_sin(position_ids, rope_inv_freq(cfg).to(h.device), h.dtype)
+    eps = cfg.rms_norm_eps
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        h = h + llama_attention(w, i, cfg, rms_norm(h, w[p + "attn_norm"], eps), cos, sin, attend, qk_norm)
+        h = h + glu_mlp(w, p + "mlp.", rms_norm(h, w[p + "mlp_norm"], eps))
+    return rms_norm(h, w["norm"], eps)

@@ -1,0 +1,86 @@
+"""State: the KV cache, per-slot cache_lens and liveness, and the RNG key, passed explicitly.
+
+A step consumes its input state and returns a new one. KV tensors are updated in place for
+speed, so a consumed state must not be used again: its lease is revoked and any further use
+raises StateConsumedError.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from neuronfx.config.plan import Plan
+from neuronfx.errors import StateConsumedError, StateMismatchError
+from neuronfx.graphs.weights import DTYPES
+
+
+@attrs.define
+class _Lease:
+    """The one mutable cell: whether the state holding it may still be used."""
+
+    valid: bool = True
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class State:
+    """Per-request mutable facts of a runtime, as a value.
+
+    - ``kv``: 2 * num_layers tensors (K of layer l at 2l, V at 2l+1), each
+      [num_slots, num_kv_heads, sequence_length, head_dim] in the plan's dtype; the last slot is scratch.
+    - ``cache_lens``: tokens held per request slot, [batch_size] host ints.
+    - ``live``: whether each request slot belongs to a request, [batch_size] bools.
+    - ``rng_key``: int seed of the next step's random numbers.
+    - ``plan_key``: identifies the plan the state was made for.
+    """
+
+    kv: tuple[torch.Tensor, ...]
+    cache_lens: tuple[int, ...]
+    live: tuple[bool, ...]
+    rng_key: int
+    plan_key: int
+    _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
+
+    @property
+    def num_slots(self) -> int:
+        """Request slots (excludes the scratch slot)."""
+        return len(self.cache_lens)
+
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        return tuple(s for s, on in enumerate(self.live) if not on)
+
+    @property
+    def consumed(self) -> bool:
+        return not self._lease.valid
+
+
+def plan_key(plan: Plan) -> int:
+    return hash((plan.model, plan.inference))
+
+
+def empty_state(plan: Plan, seed: int = 0) -> State:
+    """Fresh state: zero KV cache (plan.kv.nbytes bytes), all slots free, RNG key ``seed``."""
+    kv = tuple(torch.zeros(plan.kv.shape, dtype=DTYPES[plan.kv.dtype]) for _ in range(2 * plan.kv.num_layers))
+    n = plan.inference.batch_size
+    return State(kv=kv, cache_lens=(0,) * n, live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan))
+
+
+def check_usable(state: State, plan: Plan) -> None:
+    """Raise StateConsumedError / StateMismatchError unless ``state`` may be used with ``plan``."""
+    if state.consumed:
+        raise StateConsumedError(
+            "this state was already consumed by a step (its KV cache was updated in place); "
+            "use the new state that step returned."
+        )
+    if state.plan_key != plan_key(plan):
+        raise StateMismatchError(
+            "this state was made for a different plan (KV shape, dtype or model differ); "
+            "create one with neuronfx.init_state(runtime)."
+        )
+
+
+def advance(state: State, *, cache_lens: tuple[int, ...], live: tuple[bool, ...], rng_key: int) -> State:
+    """Revoke ``state``'s lease; return a new state sharing its KV tensors with the new counts."""
+    state._lease.valid = False
+    return State(kv=state.kv, cache_lens=cache_lens, live=live, rng_key=rng_key, plan_key=state.plan_key)
