@@ -30,4 +30,4 @@ def decode_mask(position_ids: torch.Tensor, bucket: int) -> torch.Tensor:
     Returns bool [B, 1, 1, bucket].
     """
     idx = torch.arange(bucket, device=position_ids.device)
-    return (idx[None, :] <= position_ids)[:, None, :, :].reshape(-1, 1, 1, bucket)  # (B, 1, 1, S)
+    return (idx[None, :] <= position_ids)[:, None, None, :]  # (B, 1, 1, S)

@@ -10,7 +10,7 @@ import json
 from typing import Any, TypeVar
 
 import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+from cattrs.errors import BaseValidationError, ClassValidationError, ForbiddenExtraKeysError
 
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.model import ModelConfig
@@ -22,12 +22,30 @@ T = TypeVar("T")
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
+def _strict(kind: type) -> Any:
+    # cattrs' default hooks call bool()/int()/float() on anything: "false" -> True, 2.7 -> 2.
+    # JSON already gives the right Python types, so accept only those (ints for float fields).
+    accepted = (int, float) if kind is float else (kind,)
+
+    def hook(value: Any, _cls: Any) -> Any:
+        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, accepted):
+            raise TypeError(f"expected {kind.__name__}, got {value!r}")
+        return kind(value)
+
+    return hook
+
+
+for _kind in (bool, int, float):
+    _converter.register_structure_hook(_kind, _strict(_kind))
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ForbiddenExtraKeysError):
         return f"unknown key(s) {sorted(exc.extra_fields)} (remove them; check spelling)"
-    if isinstance(exc, ClassValidationError):
-        notes = [_describe(e) for e in exc.exceptions]
-        return "; ".join(notes)
+    if isinstance(exc, BaseValidationError):  # ClassValidationError, or IterableValidationError (tuple items)
+        inner = "; ".join(_describe(e) for e in exc.exceptions)
+        where = [n for n in getattr(exc, "__notes__", []) if n]
+        return inner + (f" ({'; '.join(where)})" if where else "")
     notes = getattr(exc, "__notes__", [])  # noqa: B009 - PEP 678 notes, absent on most exceptions
     return f"{exc}" + (f" ({'; '.join(notes)})" if notes else "")
 

@@ -1,0 +1,544 @@
+"""ModelConfig.from_hf, InferenceConfig validation, make_plan, JSON (de)serialization, sampling."""
+
+import json
+import math
+import warnings
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from transformers import GenerationConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from neuronfx.config import (
+    InferenceConfig,
+    KVLayout,
+    ModelConfig,
+    RopeScaling,
+    SamplingParams,
+    TensorSpec,
+    check_sampling,
+    make_plan,
+    pack_sampling,
+    plan_from_json,
+    plan_to_json,
+    structure,
+    unstructure,
+)
+from neuronfx.config.serialization import plan_from_dict, plan_to_dict
+from neuronfx.errors import ConfigError, SamplingParamsError, UnsupportedModelError
+
+TINY = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128)
+
+
+def tiny_model(**overrides) -> ModelConfig:
+    fields = dict(model_type="llama", vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelConfig.from_hf
+# ---------------------------------------------------------------------------------------------
+
+
+def test_from_hf_llama():
+    hf = LlamaConfig(**TINY, rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=1024,
+                     tie_word_embeddings=True, eos_token_id=2)
+    m = ModelConfig.from_hf(hf)
+    assert m == ModelConfig(
+        model_type="llama", vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=50000.0, rope_scaling=None,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+        max_position_embeddings=1024, sliding_window=None, eos_token_ids=(2,),
+    )
+
+
+def test_from_hf_llama3_rope_scaling():
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf = LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=131072)
+    m = ModelConfig.from_hf(hf)
+    assert m.rope_theta == 500000.0
+    assert m.rope_scaling == RopeScaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8192)
+    assert m.max_position_embeddings == 131072
+
+
+def test_from_hf_linear_rope_scaling_uses_defaults_for_missing_keys():
+    hf = LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    m = ModelConfig.from_hf(hf)
+    assert m.rope_scaling is not None
+    assert (m.rope_scaling.rope_type, m.rope_scaling.factor) == ("linear", 2.0)
+
+
+def test_from_hf_mistral_keeps_sliding_window():
+    hf = MistralConfig(**TINY, sliding_window=4096)
+    m = ModelConfig.from_hf(hf)
+    assert (m.model_type, m.sliding_window, m.attention_bias, m.qk_norm, m.head_dim) == ("mistral", 4096, False, False, 16)
+
+
+def test_from_hf_qwen2_has_attention_bias_and_ignores_unused_sliding_window():
+    hf = Qwen2Config(**TINY, use_sliding_window=False, sliding_window=64)
+    m = ModelConfig.from_hf(hf)
+    assert m.model_type == "qwen2"
+    assert m.attention_bias is True  # qwen2 always has q/k/v biases
+    assert m.qk_norm is False
+    assert m.sliding_window is None  # only used when use_sliding_window is set
+    assert m.head_dim == 16
+
+
+def test_from_hf_qwen3_explicit_head_dim_and_qk_norm():
+    # head_dim 32 != hidden_size / num_attention_heads = 16: the explicit field must win.
+    hf = Qwen3Config(**TINY, head_dim=32, attention_bias=False, tie_word_embeddings=True)
+    m = ModelConfig.from_hf(hf)
+    assert (m.model_type, m.head_dim, m.qk_norm, m.attention_bias) == ("qwen3", 32, True, False)
+    assert m.tie_word_embeddings is True
+
+
+def test_from_hf_eos_ids_prefer_generation_config():
+    hf = LlamaConfig(**TINY, eos_token_id=2)
+    assert ModelConfig.from_hf(hf).eos_token_ids == (2,)
+    assert ModelConfig.from_hf(hf, GenerationConfig(eos_token_id=[128001, 128009])).eos_token_ids == (128001, 128009)
+    assert ModelConfig.from_hf(hf, GenerationConfig()).eos_token_ids == (2,)  # falls back to the config
+    assert ModelConfig.from_hf(LlamaConfig(**TINY, eos_token_id=None)).eos_token_ids == ()
+
+
+def test_from_hf_unsupported_model_type():
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
+        ModelConfig.from_hf(GPT2Config(n_layer=1, n_head=2, n_embd=8))
+
+
+def test_from_hf_unsupported_activation_and_rope():
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf(LlamaConfig(**TINY, hidden_act="gelu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                               "original_max_position_embeddings": 1024})
+    with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
+        ModelConfig.from_hf(hf)
+
+
+def test_heads_not_divisible_by_kv_heads():
+    hf = LlamaConfig(vocab_size=100, hidden_size=48, num_hidden_layers=1, num_attention_heads=6,
+                     num_key_value_heads=4, intermediate_size=96)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_hf(hf)
+    assert "num_key_value_heads=4" in str(info.value)
+    assert "num_attention_heads=6" in str(info.value)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=3 must divide num_attention_heads=4"):
+        tiny_model(num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 0), ("head_dim", -1), ("model_type", "gpt2"),
+                                          ("rope_theta", 0.0), ("rms_norm_eps", -1.0)])
+def test_model_config_field_validators(field, value):
+    with pytest.raises(ValueError, match=field):
+        tiny_model(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------
+# InferenceConfig
+# ---------------------------------------------------------------------------------------------
+
+
+def test_inference_defaults_are_valid():
+    inf = InferenceConfig()
+    assert (inf.batch_size, inf.max_context_length, inf.sequence_length) == (1, 256, 512)
+    assert inf.prefill_buckets is None and inf.decode_buckets is None
+
+
+def test_inference_converts_bucket_lists_to_tuples():
+    inf = InferenceConfig(prefill_buckets=[64, 256], decode_buckets=[512])
+    assert inf.prefill_buckets == (64, 256) and inf.decode_buckets == (512,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        (dict(max_context_length=1024, sequence_length=512), ["max_context_length=1024", "sequence_length=512"]),
+        (dict(prefill_buckets=(128, 512)), ["prefill_buckets", "512", "max_context_length=256"]),
+        (dict(decode_buckets=(128, 1024)), ["decode_buckets", "1024", "sequence_length=512"]),
+        (dict(prefill_buckets=(128, 257)), ["prefill_buckets", "257", "max_context_length=256"]),  # limit + 1
+        (dict(decode_buckets=(513,)), ["decode_buckets", "513", "sequence_length=512"]),
+        (dict(prefill_buckets=(256, 128)), ["prefill_buckets=(256, 128)", "strictly increasing"]),
+        (dict(decode_buckets=(128, 128)), ["decode_buckets=(128, 128)", "strictly increasing"]),
+        (dict(prefill_buckets=()), ["prefill_buckets=()"]),
+        (dict(decode_buckets=(0, 128)), ["decode_buckets", "0"]),
+        (dict(decode_buckets=(128.0,)), ["decode_buckets", "128.0"]),
+        (dict(prefill_buckets=(True, 128)), ["prefill_buckets", "True"]),
+        (dict(on_device_sampling=False, output_logits=False), ["on_device_sampling=False", "output_logits=False"]),
+    ],
+)
+def test_inference_cross_field_errors(kwargs, needles):
+    with pytest.raises(ConfigError) as info:
+        InferenceConfig(**kwargs)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("batch_size", 0), ("max_topk", -1), ("dtype", "int8"), ("backend", "cuda"),
+                                          ("sequence_length", "512"), ("enable_bucketing", 1)])
+def test_inference_field_validators(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        InferenceConfig(**{field: value})
+
+
+def test_inference_limits_inclusive():
+    # A bucket equal to its limit and max_context_length == sequence_length are fine.
+    inf = InferenceConfig(max_context_length=512, sequence_length=512, prefill_buckets=(512,), decode_buckets=(512,))
+    assert inf.prefill_buckets == (512,)
+    assert InferenceConfig(on_device_sampling=False, output_logits=True).output_logits
+
+
+# ---------------------------------------------------------------------------------------------
+# make_plan
+# ---------------------------------------------------------------------------------------------
+
+PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "prompt_lens", "sampling_params", "rand")
+DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", "sampling_params", "rand")
+
+
+def test_make_plan_defaults():
+    plan = make_plan(tiny_model(), InferenceConfig(batch_size=3, dtype="bfloat16", max_topk=4096))
+    assert plan.prefill_buckets == (128, 256)
+    assert plan.decode_buckets == (128, 256, 512)
+    assert [g.key for g in plan.graphs] == [("prefill", 128), ("prefill", 256),
+                                            ("decode", 128), ("decode", 256), ("decode", 512)]
+    assert plan.kv == KVLayout(num_layers=3, num_slots=4, num_kv_heads=2, sequence_length=512, head_dim=16,
+                               dtype="bfloat16")
+    assert plan.kv.scratch_slot == 3
+    assert plan.topk_width == 1000  # min(max_topk=4096, vocab_size=1000)
+    assert plan.checkpoint is None
+
+    prefill = plan.graph("prefill", 256)
+    assert (prefill.phase, prefill.bucket, prefill.batch_size) == ("prefill", 256, 3)
+    assert prefill.inputs == (
+        TensorSpec("input_ids", (3, 256), "int32"),
+        TensorSpec("position_ids", (3, 256), "int32"),
+        TensorSpec("seq_ids", (3,), "int32"),
+        TensorSpec("prompt_lens", (3,), "int32"),
+        TensorSpec("sampling_params", (3, 3), "float32"),
+        TensorSpec("rand", (3,), "float32"),
+    )
+    decode = plan.graph("decode", 512)
+    assert decode.inputs == (
+        TensorSpec("input_ids", (3, 1), "int32"),
+        TensorSpec("position_ids", (3, 1), "int32"),
+        TensorSpec("seq_ids", (3,), "int32"),
+        TensorSpec("sampling_params", (3, 3), "float32"),
+        TensorSpec("rand", (3,), "float32"),
+    )
+    with pytest.raises(KeyError, match="decode graph for bucket 300"):
+        plan.graph("decode", 300)
+    with pytest.raises(KeyError):
+        plan.graph("speculate", 128)
+
+
+def test_make_plan_topk_width_capped_by_max_topk():
+    assert make_plan(tiny_model(vocab_size=50000), InferenceConfig(max_topk=64)).topk_width == 64
+
+
+def test_make_plan_without_bucketing_has_one_bucket_per_phase():
+    plan = make_plan(tiny_model(), InferenceConfig(enable_bucketing=False, max_context_length=300,
+                                                   sequence_length=1000))
+    assert (plan.prefill_buckets, plan.decode_buckets) == ((300,), (1000,))
+    assert [g.key for g in plan.graphs] == [("prefill", 300), ("decode", 1000)]
+
+
+@pytest.mark.parametrize("enable_bucketing", [True, False])
+def test_make_plan_explicit_buckets_win(enable_bucketing):
+    inf = InferenceConfig(enable_bucketing=enable_bucketing, max_context_length=1024, sequence_length=2048,
+                          prefill_buckets=(100, 1000), decode_buckets=(2048,))
+    plan = make_plan(tiny_model(), inf)
+    assert (plan.prefill_buckets, plan.decode_buckets) == ((100, 1000), (2048,))
+
+
+def test_make_plan_one_explicit_list_other_derived():
+    plan = make_plan(tiny_model(), InferenceConfig(max_context_length=1000, sequence_length=2000,
+                                                   decode_buckets=(64, 2000)))
+    assert plan.prefill_buckets == (128, 256, 512, 1000)
+    assert plan.decode_buckets == (64, 2000)
+
+
+def test_make_plan_small_limits_below_min_bucket():
+    plan = make_plan(tiny_model(), InferenceConfig(max_context_length=16, sequence_length=100))
+    assert (plan.prefill_buckets, plan.decode_buckets) == ((16,), (100,))
+
+
+def test_make_plan_sliding_window():
+    with pytest.raises(UnsupportedModelError) as info:
+        make_plan(tiny_model(sliding_window=256), InferenceConfig(sequence_length=512))
+    assert "sliding_window=256" in str(info.value) and "sequence_length=512" in str(info.value)
+    # A window at least as long as the cache never slides: fine.
+    assert make_plan(tiny_model(sliding_window=512), InferenceConfig(sequence_length=512)).kv.sequence_length == 512
+    mistral = ModelConfig.from_hf(MistralConfig(**TINY, sliding_window=4096))
+    make_plan(mistral, InferenceConfig(max_context_length=2048, sequence_length=4096))
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        make_plan(mistral, InferenceConfig(max_context_length=2048, sequence_length=8192))
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: valid configs
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def bucket_lists(draw, limit):
+    return draw(st.none() | st.lists(st.integers(1, limit), min_size=1, max_size=6, unique=True)
+                .map(lambda xs: tuple(sorted(xs))))
+
+
+@st.composite
+def inference_configs(draw):
+    seq = draw(st.integers(min_value=1, max_value=8192))
+    ctx = draw(st.integers(min_value=1, max_value=seq))
+    on_device = draw(st.booleans())
+    return InferenceConfig(
+        batch_size=draw(st.integers(1, 64)),
+        max_context_length=ctx,
+        sequence_length=seq,
+        enable_bucketing=draw(st.booleans()),
+        prefill_buckets=draw(bucket_lists(ctx)),
+        decode_buckets=draw(bucket_lists(seq)),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        on_device_sampling=on_device,
+        max_topk=draw(st.integers(1, 1 << 17)),
+        output_logits=True if not on_device else draw(st.booleans()),
+        backend=draw(st.sampled_from(["eager", "export", "neuron"])),
+    )
+
+
+model_configs = st.builds(
+    tiny_model,
+    model_type=st.sampled_from(["llama", "mistral", "qwen2", "qwen3"]),
+    vocab_size=st.integers(1, 200000),
+    rope_theta=st.floats(1.0, 1e7, allow_nan=False),
+    rope_scaling=st.none() | st.builds(RopeScaling, rope_type=st.sampled_from(["linear", "llama3"]),
+                                       factor=st.floats(0.5, 64.0), low_freq_factor=st.floats(0.5, 2.0),
+                                       high_freq_factor=st.floats(2.0, 8.0),
+                                       original_max_position_embeddings=st.integers(1, 1 << 17)),
+    rms_norm_eps=st.floats(1e-8, 1e-3),
+    tie_word_embeddings=st.booleans(),
+    attention_bias=st.booleans(),
+    qk_norm=st.booleans(),
+    eos_token_ids=st.lists(st.integers(0, 200000), max_size=3).map(tuple),
+)
+
+
+@given(inference_configs())
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_make_plan_invariants(inf):
+    plan = make_plan(tiny_model(), inf)
+    for ladder, limit, explicit in ((plan.prefill_buckets, inf.max_context_length, inf.prefill_buckets),
+                                    (plan.decode_buckets, inf.sequence_length, inf.decode_buckets)):
+        assert all(a < b for a, b in zip(ladder, ladder[1:]))
+        assert ladder[-1] <= limit
+        if explicit is not None:
+            assert ladder == explicit
+        else:
+            assert ladder[-1] == limit  # derived ladders cover the whole limit
+            assert len(ladder) == 1 or inf.enable_bucketing
+    assert len(plan.graphs) == len(plan.prefill_buckets) + len(plan.decode_buckets)
+    assert len({g.key for g in plan.graphs}) == len(plan.graphs)
+    for g in plan.graphs:
+        names = tuple(t.name for t in g.inputs)
+        n = g.bucket if g.phase == "prefill" else 1
+        assert names == (PREFILL_INPUTS if g.phase == "prefill" else DECODE_INPUTS)
+        assert g.inputs[0].shape == g.inputs[1].shape == (inf.batch_size, n)
+        assert plan.graph(g.phase, g.bucket) is g
+    assert plan.kv.shape == (inf.batch_size + 1, 2, inf.sequence_length, 16)
+    assert plan.kv.dtype == inf.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Serialization
+# ---------------------------------------------------------------------------------------------
+
+
+@given(inference_configs(), model_configs, st.none() | st.text(max_size=20))
+@example(InferenceConfig(), tiny_model(), None)
+@example(InferenceConfig(prefill_buckets=(1,), decode_buckets=(1, 512)), tiny_model(eos_token_ids=(0,)), "/m.gguf")
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_plan_json_round_trip(inf, model, checkpoint):
+    plan = make_plan(model, inf, checkpoint=checkpoint)
+    text = plan_to_json(plan)
+    back = plan_from_json(text)
+    assert back == plan
+    assert plan_to_json(back) == text  # stable text
+    assert structure(unstructure(inf), InferenceConfig) == inf
+    assert structure(unstructure(model), ModelConfig) == model
+
+
+def _plan_dict() -> dict:
+    model = tiny_model(rope_scaling=RopeScaling(rope_type="llama3", factor=8.0))
+    return json.loads(plan_to_json(make_plan(model, InferenceConfig())))
+
+
+@pytest.mark.parametrize(
+    "path, cls_name",
+    [((), "Plan"), (("inference",), "InferenceConfig"), (("model",), "ModelConfig"),
+     (("model", "rope_scaling"), "ModelConfig")],
+)
+def test_unknown_key_is_an_error(path, cls_name):
+    data = _plan_dict()
+    target = data
+    for key in path:
+        target = target[key]
+    target["max_batch_sizee"] = 4
+    with pytest.raises(ConfigError) as info:
+        plan_from_json(json.dumps(data))
+    msg = str(info.value)
+    assert "max_batch_sizee" in msg
+    assert cls_name in msg
+    if path == ("model", "rope_scaling"):
+        assert "rope_scaling" in msg
+
+
+def test_missing_and_malformed_input():
+    data = _plan_dict()
+    del data["model"]
+    with pytest.raises(ConfigError, match="missing key 'model'"):
+        plan_from_dict(data)
+    with pytest.raises(ConfigError, match="does not parse"):
+        plan_from_json("{not json")
+    with pytest.raises(ConfigError, match="plan must be a JSON object"):
+        plan_from_json("[1, 2]")
+    data = _plan_dict()
+    data["inference"] = [1]
+    with pytest.raises(ConfigError, match="InferenceConfig must be a JSON object"):
+        plan_from_dict(data)
+    data = _plan_dict()
+    del data["inference"]["batch_size"]  # fields with defaults may be omitted
+    assert plan_from_dict(data).inference.batch_size == 1
+    data = _plan_dict()
+    del data["model"]["vocab_size"]  # required fields may not
+    with pytest.raises(ConfigError, match="ModelConfig"):
+        plan_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    "section, key, value, needles",
+    [
+        ("inference", "sequence_length", 100, ["max_context_length=256", "sequence_length=100"]),
+        ("inference", "decode_buckets", [512, 128], ["decode_buckets=(512, 128)"]),
+        ("inference", "batch_size", 0, ["batch_size", "0"]),
+        ("inference", "dtype", "int8", ["dtype", "int8"]),
+        # cattrs would coerce these silently ("false" -> True, 2.7 -> 2); they must be errors.
+        ("inference", "enable_bucketing", "false", ["enable_bucketing", "'false'"]),
+        ("inference", "batch_size", 2.7, ["batch_size", "2.7"]),
+        ("inference", "batch_size", "3", ["batch_size", "'3'"]),
+        ("inference", "prefill_buckets", [128, 256.5], ["prefill_buckets", "256.5"]),
+        ("model", "eos_token_ids", [1, "2"], ["eos_token_ids", "'2'"]),
+        ("model", "num_key_value_heads", 3, ["num_key_value_heads=3", "num_attention_heads=4"]),
+        ("model", "model_type", "gpt2", ["model_type", "gpt2"]),
+    ],
+)
+def test_bad_values_from_json(section, key, value, needles):
+    data = _plan_dict()
+    data[section][key] = value
+    with pytest.raises(ConfigError) as info:
+        plan_from_dict(data)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_json_ints_accepted_for_float_fields():
+    data = _plan_dict()
+    data["model"]["rope_theta"] = 500000
+    assert plan_from_dict(data).model.rope_theta == 500000.0
+
+
+def test_plan_to_dict_holds_only_sources():
+    plan = make_plan(tiny_model(), InferenceConfig(), checkpoint="ckpt")
+    assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint"}
+    assert plan_to_dict(plan)["inference"]["prefill_buckets"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        (SamplingParams(temperature=math.nan), "temperature=nan"),
+        (SamplingParams(temperature=math.inf), "temperature=inf"),
+        (SamplingParams(temperature=-0.1), "temperature=-0.1"),
+        (SamplingParams(temperature="1.0"), "temperature='1.0'"),  # type: ignore[arg-type]
+        (SamplingParams(top_k=-2), "top_k=-2"),
+        (SamplingParams(top_k=65), "max_topk=64"),
+        (SamplingParams(top_k=5.0), "top_k=5.0"),  # type: ignore[arg-type]
+        (SamplingParams(top_k=True), "top_k=True"),  # type: ignore[arg-type]
+        (SamplingParams(top_p=0.0), "top_p=0.0"),
+        (SamplingParams(top_p=1.0001), "top_p=1.0001"),
+        (SamplingParams(top_p=-0.5), "top_p=-0.5"),
+        (SamplingParams(top_p=math.nan), "top_p=nan"),
+    ],
+)
+def test_check_sampling_rejects(params, needle):
+    with pytest.raises(SamplingParamsError) as info:
+        check_sampling(params, max_topk=64)
+    assert needle in str(info.value)
+    with pytest.raises(SamplingParamsError):
+        pack_sampling([SamplingParams(), params], max_topk=64)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=-1), SamplingParams(top_k=64),
+     SamplingParams(top_p=1), SamplingParams(top_p=1e-9), SamplingParams(temperature=100.0, top_k=1, top_p=0.5)],
+)
+def test_check_sampling_accepts(params):
+    check_sampling(params, max_topk=64)
+
+
+def test_pack_sampling_rows():
+    rows = pack_sampling(
+        [
+            SamplingParams(),  # greedy default
+            SamplingParams(temperature=1e-5, top_k=50, top_p=0.5),  # at the greedy threshold
+            SamplingParams(temperature=0.7, top_k=1, top_p=0.9),  # top_k 1 is greedy
+            SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+            SamplingParams(temperature=1.5, top_k=0),  # top_k off -> max_topk
+            SamplingParams(temperature=2e-5, top_k=-1, top_p=0.25),  # just above the threshold
+        ],
+        max_topk=64,
+    )
+    assert rows == [
+        [1.0, 1.0, 1.0],
+        [1.0, 1.0, 1.0],
+        [1.0, 1.0, 1.0],
+        [50.0, 0.9, 0.7],
+        [64.0, 1.0, 1.5],
+        [64.0, 0.25, 2e-5],
+    ]
+    assert pack_sampling([], max_topk=8) == []
+
+
+@given(
+    st.floats(0.0, 10.0), st.integers(-1, 64), st.floats(1e-6, 1.0), st.integers(1, 64),
+)
+def test_pack_sampling_rows_are_in_graph_range(temperature, top_k, top_p, max_topk):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if top_k > max_topk:
+        with pytest.raises(SamplingParamsError):
+            pack_sampling([params], max_topk)
+        return
+    [[k, p, t]] = pack_sampling([params], max_topk)
+    assert k == int(k) and 1 <= k <= max_topk
+    assert 0 < p <= 1 and t > 0
+    if params.greedy:
+        assert [k, p, t] == [1.0, 1.0, 1.0]
+    else:
+        assert k == (max_topk if top_k in (0, -1) else top_k)
+        assert (p, t) == (top_p, temperature)
+
+
+def test_sampling_params_are_frozen():
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        SamplingParams().top_k = 3  # type: ignore[misc]
