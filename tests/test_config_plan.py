@@ -156,6 +156,17 @@ def test_inference_converts_bucket_lists_to_tuples():
     assert inf.prefill_buckets == (64, 256) and inf.decode_buckets == (512,)
 
 
+@pytest.mark.parametrize("field, limit_field, buckets", [
+    ("prefill_buckets", "max_context_length=256", (64, 128)),
+    ("decode_buckets", "sequence_length=512", (256,)),
+])
+def test_inference_buckets_must_reach_limit(field, limit_field, buckets):
+    # A prompt of 200 tokens passes max_context_length=256 but would find no bucket in (64, 128).
+    with pytest.raises(ConfigError) as e:
+        InferenceConfig(**{field: buckets})
+    assert field in str(e.value) and limit_field in str(e.value) and str(buckets[-1]) in str(e.value)
+
+
 @pytest.mark.parametrize(
     "kwargs, needles",
     [
@@ -252,9 +263,9 @@ def test_make_plan_without_bucketing_has_one_bucket_per_phase():
 @pytest.mark.parametrize("enable_bucketing", [True, False])
 def test_make_plan_explicit_buckets_win(enable_bucketing):
     inf = InferenceConfig(enable_bucketing=enable_bucketing, max_context_length=1024, sequence_length=2048,
-                          prefill_buckets=(100, 1000), decode_buckets=(2048,))
+                          prefill_buckets=(100, 1024), decode_buckets=(2048,))
     plan = make_plan(tiny_model(), inf)
-    assert (plan.prefill_buckets, plan.decode_buckets) == ((100, 1000), (2048,))
+    assert (plan.prefill_buckets, plan.decode_buckets) == ((100, 1024), (2048,))
 
 
 def test_make_plan_one_explicit_list_other_derived():
@@ -288,8 +299,9 @@ def test_make_plan_sliding_window():
 
 @st.composite
 def bucket_lists(draw, limit):
-    return draw(st.none() | st.lists(st.integers(1, limit), min_size=1, max_size=6, unique=True)
-                .map(lambda xs: tuple(sorted(xs))))
+    # The largest explicit bucket must equal its limit (see test_inference_buckets_must_reach_limit).
+    return draw(st.none() | st.lists(st.integers(1, max(1, limit - 1)), max_size=5, unique=True)
+                .map(lambda xs: tuple(sorted(set(xs) - {limit})) + (limit,)))
 
 
 @st.composite
@@ -361,7 +373,7 @@ def test_make_plan_invariants(inf):
 
 @given(inference_configs(), model_configs, st.none() | st.text(max_size=20))
 @example(InferenceConfig(), tiny_model(), None)
-@example(InferenceConfig(prefill_buckets=(1,), decode_buckets=(1, 512)), tiny_model(eos_token_ids=(0,)), "/m.gguf")
+@example(InferenceConfig(max_context_length=1, prefill_buckets=(1,), decode_buckets=(1, 512)), tiny_model(eos_token_ids=(0,)), "/m.gguf")
 @settings(suppress_health_check=[HealthCheck.too_slow])
 def test_plan_json_round_trip(inf, model, checkpoint):
     plan = make_plan(model, inf, checkpoint=checkpoint)

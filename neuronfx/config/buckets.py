@@ -50,6 +50,8 @@ def select_bucket(buckets: Sequence[int], needed: int, what: str = "length") -> 
     """
     if needed <= 0:
         raise BucketOverflowError(f"{what}={needed} must be positive.")
+    if not buckets:
+        raise BucketOverflowError(f"no buckets to hold {what}={needed}; give at least one bucket.")
     for b in buckets:
         if b >= needed:
             return b

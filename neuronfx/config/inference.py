@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import attrs
-from attrs import validators as v
 
+from neuronfx.config.validators import boolean, one_of, positive_int
 from neuronfx.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("eager", "export", "neuron")
-_positive = [v.instance_of(int), v.gt(0)]
 
 
 def _buckets(value: object) -> tuple[int, ...] | None:
@@ -32,6 +31,12 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         raise ConfigError(
             f"{field} has bucket {buckets[-1]} > {limit_field}={limit}; drop it or raise {limit_field}."
         )
+    if buckets[-1] != limit:
+        # Otherwise a length the config accepts could find no bucket at run time.
+        raise ConfigError(
+            f"{field} ends at {buckets[-1]} < {limit_field}={limit}; the largest bucket must equal "
+            f"{limit_field}: append {limit} or lower {limit_field}."
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -51,17 +56,17 @@ class InferenceConfig:
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
 
-    batch_size: int = attrs.field(default=1, validator=_positive)
-    max_context_length: int = attrs.field(default=256, validator=_positive)
-    sequence_length: int = attrs.field(default=512, validator=_positive)
-    enable_bucketing: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    batch_size: int = attrs.field(default=1, validator=positive_int)
+    max_context_length: int = attrs.field(default=256, validator=positive_int)
+    sequence_length: int = attrs.field(default=512, validator=positive_int)
+    enable_bucketing: bool = attrs.field(default=True, validator=boolean)
     prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
-    dtype: str = attrs.field(default="float32", validator=v.in_(DTYPES))
-    on_device_sampling: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    max_topk: int = attrs.field(default=256, validator=_positive)
-    output_logits: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    backend: str = attrs.field(default="eager", validator=v.in_(BACKENDS))
+    dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
+    on_device_sampling: bool = attrs.field(default=True, validator=boolean)
+    max_topk: int = attrs.field(default=256, validator=positive_int)
+    output_logits: bool = attrs.field(default=False, validator=boolean)
+    backend: str = attrs.field(default="eager", validator=one_of(BACKENDS))
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:

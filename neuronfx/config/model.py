@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-from attrs import validators as v
 
+from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_positive = [v.instance_of(int), v.gt(0)]
 
 
 @attrs.frozen(kw_only=True)
@@ -24,11 +23,11 @@ class RopeScaling:
     ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
     """
 
-    rope_type: str = attrs.field(validator=v.in_(("linear", "llama3")))
-    factor: float = attrs.field(converter=float, validator=v.gt(0.0))
-    low_freq_factor: float = attrs.field(default=1.0, converter=float)
-    high_freq_factor: float = attrs.field(default=4.0, converter=float)
-    original_max_position_embeddings: int = attrs.field(default=8192, validator=_positive)
+    rope_type: str = attrs.field(validator=one_of(("linear", "llama3")))
+    factor: float = attrs.field(validator=positive_number)
+    low_freq_factor: float = attrs.field(default=1.0, validator=positive_number)
+    high_freq_factor: float = attrs.field(default=4.0, validator=positive_number)
+    original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
 
 
 def _check_heads(inst: "ModelConfig", attribute: attrs.Attribute, value: int) -> None:
@@ -48,22 +47,22 @@ class ModelConfig:
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
-    model_type: str = attrs.field(validator=v.in_(SUPPORTED_MODEL_TYPES))
-    vocab_size: int = attrs.field(validator=_positive)
-    hidden_size: int = attrs.field(validator=_positive)
-    num_hidden_layers: int = attrs.field(validator=_positive)
-    num_attention_heads: int = attrs.field(validator=_positive)
-    num_key_value_heads: int = attrs.field(validator=_positive + [_check_heads])
-    head_dim: int = attrs.field(validator=_positive)
-    intermediate_size: int = attrs.field(validator=_positive)
-    rope_theta: float = attrs.field(converter=float, validator=v.gt(0.0))
+    model_type: str = attrs.field(validator=one_of(SUPPORTED_MODEL_TYPES))
+    vocab_size: int = attrs.field(validator=positive_int)
+    hidden_size: int = attrs.field(validator=positive_int)
+    num_hidden_layers: int = attrs.field(validator=positive_int)
+    num_attention_heads: int = attrs.field(validator=positive_int)
+    num_key_value_heads: int = attrs.field(validator=[positive_int, _check_heads])
+    head_dim: int = attrs.field(validator=positive_int)
+    intermediate_size: int = attrs.field(validator=positive_int)
+    rope_theta: float = attrs.field(validator=positive_number)
     rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = attrs.field(converter=float, validator=v.gt(0.0))
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int = attrs.field(default=4096, validator=_positive)
-    sliding_window: int | None = None
+    rms_norm_eps: float = attrs.field(validator=positive_number)
+    tie_word_embeddings: bool = attrs.field(default=False, validator=boolean)
+    attention_bias: bool = attrs.field(default=False, validator=boolean)
+    qk_norm: bool = attrs.field(default=False, validator=boolean)
+    max_position_embeddings: int = attrs.field(default=4096, validator=positive_int)
+    sliding_window: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod
