@@ -58,7 +58,9 @@ def decode(
     """Decode one token per row: input_ids/position_ids (B, 1), slots ``seq_ids`` (B,).
 
     Writes K/V at position_ids into each slot, then attends KV positions [0, bucket) masked to
-    ``j <= position`` (see ``config.kv.decode_access``).
+    ``j <= position`` (see ``config.kv.decode_access``). Positions past ``position`` are zeroed
+    after the read: they may hold anything (stale rows, NaN), and a masked NaN still poisons
+    attention (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN).
     """
     cfg = plan.model
     pos = position_ids[:, 0].long()  # (B,)
@@ -67,11 +69,12 @@ def decode(
         k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
         k_cache[seq_ids, :, pos] = k[:, :, 0]  # (B, n_kv, D)
         v_cache[seq_ids, :, pos] = v[:, :, 0]
-        keys = k_cache[:, :, :bucket][seq_ids]  # (B, n_kv, S, D)
-        values = v_cache[:, :, :bucket][seq_ids]
+        keys = k_cache[:, :, :bucket][seq_ids].masked_fill(~visible, 0.0)  # (B, n_kv, S, D)
+        values = v_cache[:, :, :bucket][seq_ids].masked_fill(~visible, 0.0)
         return sdpa(q, keys, values, mask)
 
     mask = decode_mask(position_ids, bucket)  # (B, 1, 1, S)
+    visible = mask[:, :, 0, :, None]  # (B, 1, S, 1)
     hidden = model_module(cfg.model_type).forward(w, cfg, input_ids, position_ids, attend)  # (B, 1, H)
     return _head(w, hidden[:, 0], sampling_params, rand, plan)
 

@@ -1,0 +1,117 @@
+"""Shared builders for runtime tests: tiny random HF models, their runtimes, and step drivers.
+
+Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import neuronfx
+from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Runtime, SamplingParams, State, make_plan
+
+# One intra-op thread: these graphs are tiny, and with 2 threads on a busy 2-core machine every op
+# waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
+torch.set_num_threads(1)
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads
+}
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+VOCAB = TINY["vocab_size"]
+
+# Small explicit bucket ladders so every boundary is cheap to reach.
+TINY_INFERENCE = dict(
+    batch_size=4, max_context_length=32, sequence_length=64,
+    prefill_buckets=(8, 16, 32), decode_buckets=(16, 32, 64), output_logits=True,
+)
+GREEDY = SamplingParams()
+
+
+def tiny_hf_model(model_type: str = "llama", seed: int = 0) -> PreTrainedModel:
+    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval."""
+    config_cls, model_cls, extra = _HF_CLASSES[model_type]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **extra)).to(torch.float32).eval()
+    model.generation_config.eos_token_id = None  # tests choose eos explicitly
+    return model
+
+
+def tiny_plan(hf_model: PreTrainedModel, backend: str = "eager", **overrides: object) -> neuronfx.Plan:
+    inference = InferenceConfig(**(TINY_INFERENCE | {"backend": backend} | overrides))
+    return make_plan(ModelConfig.from_hf(hf_model.config, hf_model.generation_config), inference)
+
+
+def tiny_runtime(hf_model: PreTrainedModel, backend: str = "eager", **overrides: object) -> Runtime:
+    """Compile ``hf_model``'s weights with the tiny bucket plan; ``overrides`` are InferenceConfig fields."""
+    return neuronfx.compile(tiny_plan(hf_model, backend, **overrides), hf_model.state_dict(), progress=False)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=g).tolist()
+
+
+@torch.no_grad()
+def hf_last_logits(hf_model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
+    """transformers' logits [vocab] for the token after ``ids``."""
+    return hf_model(torch.tensor([list(ids)])).logits[0, -1].float()
+
+
+@torch.no_grad()
+def hf_greedy(hf_model: PreTrainedModel, prompt: Sequence[int], n: int) -> list[int]:
+    """``n`` greedy tokens from ``hf_model.generate`` (no eos stop)."""
+    ids = torch.tensor([list(prompt)])
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+        eos_token_id=None, pad_token_id=0,
+    )
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == n, f"transformers stopped early: {tokens}"
+    return tokens
+
+
+def run_steps(
+    runtime: Runtime, state: State, slots: Sequence[int], prompts: Sequence[Sequence[int]], n: int,
+    sampling: SamplingParams = GREEDY,
+) -> tuple[list[list[int]], list[list[torch.Tensor]], list[int], State]:
+    """Prefill ``prompts`` into ``slots``, then decode until each row has ``n`` tokens.
+
+    Returns (tokens [row][n], logits [row][n] each [vocab], buckets per step, state); the slots
+    stay live.
+    """
+    rows = range(len(prompts))
+    out, state = neuronfx.prefill_step(
+        runtime, state, PrefillBatch(seq_ids=slots, prompts=prompts, sampling=[sampling] * len(prompts))
+    )
+    tokens = [[t] for t in out.tokens]
+    logits = [[out.logits[r].clone()] for r in rows]
+    buckets = [out.bucket]
+    for _ in range(n - 1):
+        batch = DecodeBatch(seq_ids=slots, input_ids=[tokens[r][-1] for r in rows], sampling=[sampling] * len(prompts))
+        out, state = neuronfx.decode_step(runtime, state, batch)
+        for r in rows:
+            tokens[r].append(out.tokens[r])
+            logits[r].append(out.logits[r].clone())
+        buckets.append(out.bucket)
+    return tokens, logits, buckets, state
