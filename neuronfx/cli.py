@@ -8,10 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tqdm.auto import tqdm
+
 import neuronfx
 from neuronfx.config.inference import BACKENDS, DTYPES, InferenceConfig
 from neuronfx.config.plan import make_plan
-from neuronfx.config.sampling import SamplingParams
+from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import NeuronfxError
 
 
@@ -55,11 +57,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
-    model_path = args.model or default_model_path()
-    t0 = time.perf_counter()
-    ckpt = load_checkpoint(model_path)
-    tokenizer = load_tokenizer(model_path)
-    load_s = time.perf_counter() - t0
+    # Options are checked before the (slow) load so a typo fails at once.
     inference = InferenceConfig(
         batch_size=args.batch_size,
         max_context_length=args.max_context_length,
@@ -67,12 +65,23 @@ def run_generate(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         backend=args.backend,
     )
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    check_sampling(sampling, inference.max_topk)
+    model_path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
+        bar.set_postfix_str("weights")
+        ckpt = load_checkpoint(model_path)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = load_tokenizer(model_path)
+        bar.update()
+    load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
     t0 = time.perf_counter()
     runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
     compile_s = time.perf_counter() - t0
     prompts = _prompt_ids(tokenizer, args)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     state = neuronfx.init_state(runtime, seed=args.seed)
     result, _ = neuronfx.generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling)
     texts = [tokenizer.decode(list(t), skip_special_tokens=True) for t in result.token_ids]
