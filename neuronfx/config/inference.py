@@ -8,7 +8,7 @@ from neuronfx.config.validators import boolean, one_of, positive_int
 from neuronfx.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("eager", "export", "neuron")
+BACKENDS = ("eager", "export", "inductor", "neuron")
 
 
 def _buckets(value: object) -> tuple[int, ...] | None:
@@ -51,7 +51,8 @@ class InferenceConfig:
     - ``dtype``: weights, activations and KV cache ("float32", "bfloat16", "float16").
     - ``on_device_sampling``: graphs return sampled tokens; ``max_topk`` caps top_k in the graph.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
-    - ``backend``: "eager" (reference), "export" (torch.export per graph), "neuron" (optional extra).
+    - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
+      (torch.compile per graph part), "neuron" (optional extra).
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """

@@ -4,11 +4,14 @@
 - export: ``torch.export.export`` per (phase, bucket); the KV cache is updated in place (the
   exported program keeps the ``index_put_`` on the input) and weights are inputs, so all
   programs share one copy.
+- inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, one decoder
+  layer reused for every layer, epilogue) per (phase, bucket); fast on CPU, no artifacts.
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -16,7 +19,7 @@ import torch
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import BackendUnavailableError, ConfigError
 from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.phases import GraphModule
+from neuronfx.graphs.phases import GraphModule, phase_parts
 
 Graph = Callable[..., dict[str, torch.Tensor]]
 TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32}
@@ -32,14 +35,31 @@ def example_inputs(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
 
 
 def build_eager(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    return GraphModule(plan, spec)
+    return GraphModule(phase_parts(plan, spec), spec.phase)
 
 
 def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
     # ``kv`` is compile's template cache, not a live state: tracing may write into it.
     args = (weights, kv, *example_inputs(spec))
-    program = torch.export.export(GraphModule(plan, spec), args, strict=False)
+    program = torch.export.export(GraphModule(phase_parts(plan, spec), spec.phase), args, strict=False)
     return program.module()
+
+
+def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
+    # Each part (prologue, layer, epilogue) is compiled once for this (phase, bucket); the one
+    # compiled layer serves every layer, so compile time does not grow with depth. Weights and
+    # KV stay inputs (shared, KV mutated in place). Running once on the template cache compiles
+    # now rather than on the first user step.
+    # Parts of every (phase, bucket) share three code objects, and dynamo caches compiled code
+    # per code object: allow one entry per graph of the plan (each is hit by an id guard).
+    limit = max(64, 2 * len(plan.graphs))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
+    compile_part = functools.partial(torch.compile, fullgraph=True, dynamic=False)
+    graph = GraphModule(phase_parts(plan, spec, wrap=compile_part), spec.phase)
+    with torch.no_grad():
+        graph(weights, kv, *example_inputs(spec))
+    return graph
 
 
 def build_neuron(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
@@ -54,7 +74,7 @@ def build_neuron(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.T
     raise BackendUnavailableError("backend='neuron' tracing is not implemented yet; use 'eager' or 'export'.")
 
 
-BUILDERS = {"eager": build_eager, "export": build_export, "neuron": build_neuron}
+BUILDERS = {"eager": build_eager, "export": build_export, "inductor": build_inductor, "neuron": build_neuron}
 
 
 def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:

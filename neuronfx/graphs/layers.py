@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from neuronfx.config.model import ModelConfig
 
-Weights = dict[str, torch.Tensor]
-# attend(layer, q, k, v) -> attention output; q: (B, n_heads, T, D), k/v: (B, n_kv_heads, T, D).
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+LayerWeights = dict[str, torch.Tensor]
+# {"embed", "norm", "lm_head": tensors, "layers": [LayerWeights per layer]}; nested so every layer
+# has the same keys and one compiled layer function serves them all.
+Weights = dict[str, Any]
+# attend(q, k, v) -> attention output; q: (B, n_heads, T, D), k/v: (B, n_kv_heads, T, D).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,9 +88,9 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, t, h * d)
 
 
-def glu_mlp(w: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
+def glu_mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020), x (B, T, hidden)."""
-    return linear(F.silu(linear(x, w[prefix + "gate"])) * linear(x, w[prefix + "up"]), w[prefix + "down"])
+    return linear(F.silu(linear(x, lw["gate"])) * linear(x, lw["up"]), lw["down"])
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -97,38 +101,24 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def llama_attention(
-    w: Weights, i: int, cfg: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    attend: Attend, qk_norm: bool,
+def llama_layer(
+    cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    attend: Attend, qk_norm: bool = False,
 ) -> torch.Tensor:
-    """Self-attention block shared by llama/mistral/qwen2/qwen3; x (B, T, hidden).
+    """One pre-norm decoder layer shared by llama/mistral/qwen2/qwen3; h (B, T, hidden).
 
-    Optional q/k/v biases are used when present in ``w`` (qwen2; llama with attention_bias);
+    q/k/v biases are used when ``cfg.attention_bias`` (qwen2; llama with attention_bias);
     ``qk_norm`` applies per-head RMSNorm to q and k before RoPE (qwen3).
     """
-    p = f"layers.{i}."
-    bias = cfg.attention_bias
-    q = split_heads(linear(x, w[p + "wq"], w[p + "bq"] if bias else None), cfg.num_attention_heads, cfg.head_dim)
-    k = split_heads(linear(x, w[p + "wk"], w[p + "bk"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
-    v = split_heads(linear(x, w[p + "wv"], w[p + "bv"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
-    if qk_norm:
-        q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attend(i, q, k, v)  # (B, n_heads, T, D)
-    return linear(merge_heads(out), w[p + "wo"])
-
-
-def llama_stack(
-    w: Weights, cfg: ModelConfig, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend,
-    qk_norm: bool = False,
-) -> torch.Tensor:
-    """Embedding, pre-norm decoder layers and final norm; ids (B, T) -> hidden (B, T, hidden)."""
-    h = w["embed"][input_ids]  # (B, T, hidden)
-    cos, sin = rope_cos_sin(position_ids, rope_inv_freq(cfg).to(h.device), h.dtype)
     eps = cfg.rms_norm_eps
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        h = h + llama_attention(w, i, cfg, rms_norm(h, w[p + "attn_norm"], eps), cos, sin, attend, qk_norm)
-        h = h + glu_mlp(w, p + "mlp.", rms_norm(h, w[p + "mlp_norm"], eps))
-    return rms_norm(h, w["norm"], eps)
+    x = rms_norm(h, lw["attn_norm"], eps)
+    bias = cfg.attention_bias
+    q = split_heads(linear(x, lw["wq"], lw["bq"] if bias else None), cfg.num_attention_heads, cfg.head_dim)
+    k = split_heads(linear(x, lw["wk"], lw["bk"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
+    v = split_heads(linear(x, lw["wv"], lw["bv"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
+    if qk_norm:
+        q = rms_norm(q, lw["q_norm"], eps)
+        k = rms_norm(k, lw["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    h = h + linear(merge_heads(attend(q, k, v)), lw["wo"])  # attend: (B, n_heads, T, D)
+    return h + glu_mlp(lw, rms_norm(h, lw["mlp_norm"], eps))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from neuronfx.config.model import ModelConfig
-from neuronfx.graphs.layers import Attend, Weights, llama_stack
+from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
 
 # HF checkpoint name -> neuronfx weight name; "{i}" is the layer index.
 KEY_MAP = {
@@ -18,9 +18,9 @@ KEY_MAP = {
     "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.wk",
     "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.wv",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.wo",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up",
-    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.gate",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.up",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.down",
 }
 # Present only when ModelConfig.attention_bias is set.
 BIAS_KEY_MAP = {
@@ -34,6 +34,6 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {})
 
 
-def forward(w: Weights, cfg: ModelConfig, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """ids and position_ids (B, T) int -> final-normed hidden states (B, T, hidden)."""
-    return llama_stack(w, cfg, input_ids, position_ids, attend)
+def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
+    return llama_layer(cfg, lw, h, cos, sin, attend)

@@ -7,13 +7,13 @@ import torch
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.graphs import llama
-from neuronfx.graphs.layers import Attend, Weights, llama_stack
+from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     return llama.key_map(cfg)
 
 
-def forward(w: Weights, cfg: ModelConfig, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """ids and position_ids (B, T) int -> final-normed hidden states (B, T, hidden)."""
-    return llama_stack(w, cfg, input_ids, position_ids, attend)
+def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
+    return llama_layer(cfg, lw, h, cos, sin, attend)

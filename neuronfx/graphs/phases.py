@@ -1,24 +1,41 @@
 """Per-phase graph functions: (weights, KV cache, step inputs) -> outputs, KV updated in place.
 
-Each phase is its own small function, specialised at build time by ``GraphModule``: no phase
-branches, no ``.item()``, no shape sniffing. Input names and order follow
-``neuronfx.config.plan.step_inputs``.
+Each phase is three small functions, specialised at build time (no phase branches, no
+``.item()``, no shape sniffing): a prologue (embedding, RoPE tables, mask), one decoder layer
+(run once per layer with that layer's weights and K/V tensors) and an epilogue (final norm,
+LM head, sampling). Backends compose them into a graph; the ``inductor`` backend compiles each
+part once per (phase, bucket) and reuses the compiled layer for every layer. Input names and
+order follow ``neuronfx.config.plan.step_inputs``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import attrs
 import torch
 
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
-from neuronfx.graphs.layers import Weights, sdpa
+from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_cos_sin, rope_inv_freq, sdpa
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.sampling import sample
 
+Tensor = torch.Tensor
 
-def _head(w: Weights, hidden: torch.Tensor, sampling_params: torch.Tensor, rand: torch.Tensor, plan: Plan) -> dict[str, torch.Tensor]:
+
+def _embed(plan: Plan, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """ids (B, T) -> h (B, T, hidden) and RoPE cos/sin (B, 1, T, head_dim)."""
+    h = embed[input_ids]
+    cos, sin = rope_cos_sin(position_ids, rope_inv_freq(plan.model).to(h.device), h.dtype)
+    return h, cos, sin
+
+
+def _head(plan: Plan, norm: Tensor, lm_head: Tensor, hidden: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
     """hidden (B, hidden) -> {"tokens": (B,) int32 and/or "logits": (B, V) float32}."""
-    logits = (hidden @ w["lm_head"].T).float()  # (B, V)
+    hidden = rms_norm(hidden, norm, plan.model.rms_norm_eps)
+    logits = (hidden @ lm_head.T).float()  # (B, V)
     out = {}
     if plan.inference.on_device_sampling:
         out["tokens"] = sample(logits, sampling_params, rand, plan.topk_width)
@@ -27,71 +44,121 @@ def _head(w: Weights, hidden: torch.Tensor, sampling_params: torch.Tensor, rand:
     return out
 
 
-def prefill(
-    plan: Plan, bucket: int, w: Weights, kv: list[torch.Tensor], input_ids: torch.Tensor,
-    position_ids: torch.Tensor, seq_ids: torch.Tensor, prompt_lens: torch.Tensor,
-    sampling_params: torch.Tensor, rand: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """Prefill right-padded prompts (B, bucket) into slots ``seq_ids`` (B,) starting at position 0.
+# --- prefill: right-padded prompts (B, bucket) starting at position 0 -----------------------
 
-    Writes K/V positions [0, bucket) of each row's slot (see ``config.kv.prefill_access``); the
-    prompt attends only itself. Output is for the last real token (index prompt_lens - 1).
-    """
-    cfg = plan.model
 
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kv[2 * i][seq_ids, :, :bucket] = k  # (B, n_kv, T, D) into slots
-        kv[2 * i + 1][seq_ids, :, :bucket] = v
+def prefill_prologue(plan: Plan, bucket: int, embed: Tensor, input_ids: Tensor, position_ids: Tensor, prompt_lens: Tensor) -> tuple[Tensor, ...]:
+    h, cos, sin = _embed(plan, embed, input_ids, position_ids)
+    return h, cos, sin, prefill_mask(prompt_lens, bucket)  # mask (B, 1, T, T)
+
+
+def prefill_layer(
+    plan: Plan, bucket: int, lw: LayerWeights, k_cache: Tensor, v_cache: Tensor, h: Tensor,
+    cos: Tensor, sin: Tensor, seq_ids: Tensor, mask: Tensor,
+) -> Tensor:
+    """Writes K/V positions [0, bucket) of each row's slot (``config.kv.prefill_access``); the
+    prompt attends only itself, so nothing is read from the cache."""
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache[seq_ids, :, :bucket] = k  # (B, n_kv, T, D) into slots
+        v_cache[seq_ids, :, :bucket] = v
         return sdpa(q, k, v, mask)
 
-    mask = prefill_mask(prompt_lens, bucket)  # (B, 1, T, T)
-    hidden = model_module(cfg.model_type).forward(w, cfg, input_ids, position_ids, attend)  # (B, T, H)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    last = hidden[rows, (prompt_lens - 1).long()]  # (B, H)
-    return _head(w, last, sampling_params, rand, plan)
+    return model_module(plan.model.model_type).decoder_layer(plan.model, lw, h, cos, sin, attend)
 
 
-def decode(
-    plan: Plan, bucket: int, w: Weights, kv: list[torch.Tensor], input_ids: torch.Tensor,
-    position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor, rand: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """Decode one token per row: input_ids/position_ids (B, 1), slots ``seq_ids`` (B,).
+def prefill_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, prompt_lens: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+    """Output for the last real token of each row (index prompt_lens - 1)."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return _head(plan, norm, lm_head, h[rows, (prompt_lens - 1).long()], sampling_params, rand)
 
-    Writes K/V at position_ids into each slot, then attends KV positions [0, bucket) masked to
-    ``j <= position`` (see ``config.kv.decode_access``). Positions past ``position`` are zeroed
-    after the read: they may hold anything (stale rows, NaN), and a masked NaN still poisons
-    attention (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN).
-    """
-    cfg = plan.model
+
+# --- decode: one token per row at position_ids (B, 1) ----------------------------------------
+
+
+def decode_prologue(plan: Plan, bucket: int, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
+    h, cos, sin = _embed(plan, embed, input_ids, position_ids)
+    return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, 1, S)
+
+
+def decode_layer(
+    plan: Plan, bucket: int, lw: LayerWeights, k_cache: Tensor, v_cache: Tensor, h: Tensor,
+    cos: Tensor, sin: Tensor, seq_ids: Tensor, position_ids: Tensor, mask: Tensor,
+) -> Tensor:
+    """Writes K/V at position_ids into each slot, then attends positions [0, bucket) masked to
+    ``j <= position`` (``config.kv.decode_access``). Positions past ``position`` are zeroed after
+    the read: they may hold anything (stale rows, NaN), and a masked NaN still poisons attention
+    (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
     pos = position_ids[:, 0].long()  # (B,)
+    hidden_pos = ~mask[:, :, 0, :, None]  # (B, 1, S, 1)
 
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = kv[2 * i], kv[2 * i + 1]
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache[seq_ids, :, pos] = k[:, :, 0]  # (B, n_kv, D)
         v_cache[seq_ids, :, pos] = v[:, :, 0]
-        keys = k_cache[:, :, :bucket][seq_ids].masked_fill(~visible, 0.0)  # (B, n_kv, S, D)
-        values = v_cache[:, :, :bucket][seq_ids].masked_fill(~visible, 0.0)
+        keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)  # (B, n_kv, S, D)
+        values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)
         return sdpa(q, keys, values, mask)
 
-    mask = decode_mask(position_ids, bucket)  # (B, 1, 1, S)
-    visible = mask[:, :, 0, :, None]  # (B, 1, S, 1)
-    hidden = model_module(cfg.model_type).forward(w, cfg, input_ids, position_ids, attend)  # (B, 1, H)
-    return _head(w, hidden[:, 0], sampling_params, rand, plan)
+    return model_module(plan.model.model_type).decoder_layer(plan.model, lw, h, cos, sin, attend)
 
 
-PHASE_FUNCTIONS = {"prefill": prefill, "decode": decode}
+def decode_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+    return _head(plan, norm, lm_head, h[:, 0], sampling_params, rand)
+
+
+# --- composition ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PhaseParts:
+    """The three callables of one (phase, bucket) graph, with plan and bucket already bound."""
+
+    prologue: Callable[..., tuple[Tensor, ...]]
+    layer: Callable[..., Tensor]
+    epilogue: Callable[..., dict[str, Tensor]]
+
+
+PART_FUNCTIONS = {
+    "prefill": (prefill_prologue, prefill_layer, prefill_epilogue),
+    "decode": (decode_prologue, decode_layer, decode_epilogue),
+}
+
+
+def phase_parts(plan: Plan, spec: GraphSpec, wrap: Callable[[Callable], Callable] = lambda f: f) -> PhaseParts:
+    """Bind plan and bucket into the phase's parts; ``wrap`` (e.g. torch.compile) wraps each."""
+    fns = PART_FUNCTIONS[spec.phase]
+    bound = [wrap(functools.partial(f, plan, spec.bucket)) for f in fns]
+    return PhaseParts(prologue=bound[0], layer=bound[1], epilogue=bound[2])
+
+
+def run_prefill(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
+                seq_ids: Tensor, prompt_lens: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+    h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids, prompt_lens)
+    for i, lw in enumerate(w["layers"]):
+        h = parts.layer(lw, kv[2 * i], kv[2 * i + 1], h, cos, sin, seq_ids, mask)
+    return parts.epilogue(w["norm"], w["lm_head"], h, prompt_lens, sampling_params, rand)
+
+
+def run_decode(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
+               seq_ids: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+    h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids)
+    for i, lw in enumerate(w["layers"]):
+        h = parts.layer(lw, kv[2 * i], kv[2 * i + 1], h, cos, sin, seq_ids, position_ids, mask)
+    return parts.epilogue(w["norm"], w["lm_head"], h, sampling_params, rand)
+
+
+RUNNERS = {"prefill": run_prefill, "decode": run_decode}
 
 
 class GraphModule(torch.nn.Module):
     """One (phase, bucket) graph as an nn.Module holding only static values (no parameters):
     ``forward(weights, kv, *step_inputs)``. Weights and KV cache are inputs, so every graph shares
-    one copy of each."""
+    one copy of each. ``kv``: 2 * num_layers tensors, K of layer l at 2l and V at 2l + 1."""
 
-    def __init__(self, plan: Plan, spec: GraphSpec):
+    def __init__(self, parts: PhaseParts, phase: str):
         super().__init__()
-        self.plan = plan
-        self.spec = spec
-        self.fn = PHASE_FUNCTIONS[spec.phase]
+        self.parts = parts
+        self.run = RUNNERS[phase]
 
-    def forward(self, w: Weights, kv: list[torch.Tensor], *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.fn(self.plan, self.spec.bucket, w, kv, *inputs)
+    def forward(self, w: Weights, kv: list[Tensor], *inputs: Tensor) -> dict[str, Tensor]:
+        return self.run(self.parts, w, kv, *inputs)

@@ -7,7 +7,7 @@ import torch
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.graphs import llama
-from neuronfx.graphs.layers import Attend, Weights, llama_stack
+from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
 
 QK_NORM_KEY_MAP = {
     "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.q_norm",
@@ -19,6 +19,6 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return llama.key_map(cfg) | QK_NORM_KEY_MAP
 
 
-def forward(w: Weights, cfg: ModelConfig, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """ids and position_ids (B, T) int -> final-normed hidden states (B, T, hidden)."""
-    return llama_stack(w, cfg, input_ids, position_ids, attend, qk_norm=True)
+def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
+    return llama_layer(cfg, lw, h, cos, sin, attend, qk_norm=True)

@@ -18,7 +18,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,), "lm_head": (cfg.vocab_size, h)}
     per_layer = {
         "attn_norm": (h,), "mlp_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
-        "mlp.gate": (i_sz, h), "mlp.up": (i_sz, h), "mlp.down": (h, i_sz),
+        "gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz),
         "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (d,), "k_norm": (d,),
     }
     for layer in range(cfg.num_hidden_layers):
@@ -38,7 +38,8 @@ def expand_key_map(cfg: ModelConfig) -> dict[str, str]:
 
 
 def convert_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
-    """Rename, check and cast an HF state dict into neuronfx weights (dict of tensors in ``dtype``).
+    """Rename, check and cast an HF state dict into neuronfx weights in ``dtype``:
+    ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., "wk": ..., ...} per layer]}``.
 
     Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). Raises CheckpointError
     listing missing, unexpected or mis-shaped tensors (expected vs found shape).
@@ -59,7 +60,7 @@ def convert_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
         )
     shapes = expected_shapes(cfg)
     torch_dtype = DTYPES[dtype]
-    weights = {}
+    flat = {}
     for hf, ours in required.items():
         t = state_dict[hf]
         if tuple(t.shape) != shapes[ours]:
@@ -67,7 +68,20 @@ def convert_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
                 f"tensor {hf!r} has shape {tuple(t.shape)}, expected {shapes[ours]} from the config; "
                 "the checkpoint does not match its config.json."
             )
-        weights[ours] = t.to(torch_dtype).contiguous()
+        flat[ours] = t.to(torch_dtype).contiguous()
     if cfg.tie_word_embeddings:
-        weights["lm_head"] = weights["embed"]
-    return weights
+        flat["lm_head"] = flat["embed"]
+    return nest(flat, cfg.num_hidden_layers)
+
+
+def nest(flat: dict[str, torch.Tensor], num_layers: int) -> dict:
+    """"layers.{i}.{name}" keys -> ``out["layers"][i][name]``; other keys stay at the top."""
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+    out: dict = {"layers": layers}
+    for key, t in flat.items():
+        if key.startswith("layers."):
+            _, i, name = key.split(".", 2)
+            layers[int(i)][name] = t
+        else:
+            out[key] = t
+    return out
