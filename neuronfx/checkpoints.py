@@ -42,12 +42,14 @@ class Checkpoint:
 
     ``state_dict`` maps HF parameter names to tensors, all of one floating dtype on the CPU;
     ``"lm_head.weight"`` is absent when the checkpoint ties it to the embeddings and does not
-    store it. ``source`` is the path it was read from (directory or ``.gguf`` file).
+    store it. ``source`` is the path it was read from (directory or ``.gguf`` file);
+    ``hf_config`` the transformers config it came with (to build a reference model).
     """
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor] = attrs.field(repr=False)
     source: str
+    hf_config: Any = attrs.field(default=None, repr=False)
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
@@ -128,7 +130,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
     config = ModelConfig.from_hf(hf_config, generation_config)
     state_dict = _read_safetensors_dir(directory, dtype)
     _check_keys(state_dict, _expected_shapes(hf_config), config.tie_word_embeddings, directory)
-    return Checkpoint(config=config, state_dict=state_dict, source=str(directory))
+    return Checkpoint(config=config, state_dict=state_dict, source=str(directory), hf_config=hf_config)
 
 
 def _read_hf_config(directory: Path) -> Any:
@@ -248,7 +250,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Checkpoint:
     state_dict = {name: tensor.to(dtype) for name, tensor in parsed["tensors"].items()}
     expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
     _check_keys(state_dict, expected, config.tie_word_embeddings, file)
-    return Checkpoint(config=config, state_dict=state_dict, source=str(file))
+    return Checkpoint(config=config, state_dict=state_dict, source=str(file), hf_config=hf_config)
 
 
 def _read_gguf_config(file: Path) -> Any:

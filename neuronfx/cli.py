@@ -1,4 +1,5 @@
-"""Command line: ``neuronfx generate`` runs a prompt through compiled static-shape graphs."""
+"""Command line: ``neuronfx generate`` runs prompts through compiled static-shape graphs;
+``neuronfx bench`` measures them (optionally against transformers in the same run)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 import neuronfx
-from neuronfx.config.inference import BACKENDS, DTYPES, InferenceConfig
+from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DTYPES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling
-from neuronfx.errors import NeuronfxError
+from neuronfx.errors import InputError, NeuronfxError
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,15 +33,56 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--backend", choices=BACKENDS, default="eager")
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure TTFT, TPOT, ITL and tok/s; optionally against transformers")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128], help="prompt tokens")
+    p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
+    p.add_argument("--compare", choices=["transformers"], default=None, help="also run this engine in the same process")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _bench_parser(sub)
     return parser
+
+
+def bench_command(args: argparse.Namespace) -> dict:
+    from neuronfx.bench import plot, run_bench
+    from neuronfx.checkpoints import default_model_path, load_checkpoint
+
+    for name in ("batch_sizes", "prompt_lens", "gen_lens"):
+        bad = [v for v in getattr(args, name) if v < 1 or (name == "gen_lens" and v < 2)]
+        if bad:
+            raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
+    ckpt = load_checkpoint(args.model or default_model_path())
+    log = (lambda line: None) if args.json else print
+    data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
+                     compare_transformers=args.compare == "transformers", log=log)
+    if not args.json:
+        for c in data["compile"]:
+            print(f"compile B={c['batch_size']}: {c['compile_s']:.1f} s for {c['graphs']} graphs")
+        for m in data["memory"]:
+            bound = 1.3 * (m["weights_bytes"] + m["kv_bytes"]) + 400 * 2**20
+            print(f"memory B={m['batch_size']}: RSS {m['rss_bytes'] / 2**20:.0f} MiB; weights {m['weights_bytes'] / 2**20:.0f} MiB "
+                  f"+ KV {m['kv_bytes'] / 2**20:.0f} MiB; bound 1.3x(w+kv)+400 MiB = {bound / 2**20:.0f} MiB")
+        for r in data["ratios"]:
+            print(f"ratio B={r['batch_size']} prompt={r['prompt_len']} gen={r['gen_len']}: decode x{r['decode_tok_s_ratio']:.2f}, "
+                  f"output x{r['output_tok_s_ratio']:.2f}, TTFT x{r['ttft_ratio']:.2f} (neuronfx / transformers)")
+    if args.plot:
+        plot(data, args.plot)
+    return data
 
 
 def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
@@ -105,6 +147,11 @@ def run_generate(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            data = bench_command(args)
+            if args.json:
+                print(json.dumps(data))
+            return 0
         out = run_generate(args)
     except NeuronfxError as exc:
         print(f"neuronfx: error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ from neuronfx.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("eager", "export", "inductor", "neuron")
+DEFAULT_BACKEND = "eager"
 
 
 def _buckets(value: object) -> tuple[int, ...] | None:
@@ -67,7 +68,7 @@ class InferenceConfig:
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
     output_logits: bool = attrs.field(default=False, validator=boolean)
-    backend: str = attrs.field(default="eager", validator=one_of(BACKENDS))
+    backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:
