@@ -15,7 +15,9 @@ import neuronfx
 from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DTYPES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling
-from neuronfx.errors import InputError, NeuronfxError
+from neuronfx.errors import BatchTooLargeError, InputError, NeuronfxError, SequenceLengthExceededError
+from neuronfx.graphs.backends import check_backend
+from neuronfx.runtime.state import MAX_SEED
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +97,22 @@ def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
     return [list(tokenizer(t)["input_ids"]) for t in texts]
 
 
+def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
+    """What can be checked before the model loads: token budget, prompt count, seed."""
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={args.max_new_tokens} must be >= 1.")
+    if args.max_new_tokens >= inference.sequence_length:
+        raise SequenceLengthExceededError(
+            f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in --sequence-length="
+            f"{inference.sequence_length}; lower it or raise --sequence-length."
+        )
+    n = len(args.chat or args.prompt or [None])
+    if n > inference.batch_size:
+        raise BatchTooLargeError(f"{n} prompts > --batch-size={inference.batch_size}; raise --batch-size to {n}.")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
+
+
 def run_generate(args: argparse.Namespace) -> dict:
     """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
@@ -109,6 +127,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     )
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_sampling(sampling, inference.max_topk)
+    check_cli_limits(args, inference)
+    check_backend(inference.backend)
     model_path = args.model or default_model_path()
     t0 = time.perf_counter()
     with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:

@@ -1,7 +1,7 @@
 """neuronfx against transformers on the same random weights, per model file and backend.
 
 Each (model_type, backend) runtime is compiled once per module (export: one torch.export per
-graph, about a second each). Buckets are prefill (8, 16, 32) and decode (16, 32, 64).
+graph, about a second each; inductor: three torch.compile parts per graph, a few seconds each). Buckets are prefill (8, 16, 32) and decode (16, 32, 64).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ ATOL = 1e-4
 CASES = [
     ("llama", "eager"), ("mistral", "eager"), ("qwen2", "eager"), ("qwen3", "eager"),
     ("llama", "export"), ("qwen3", "export"),
+    ("llama", "inductor"), ("qwen2", "inductor"),
 ]
 
 

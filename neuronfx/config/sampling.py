@@ -37,7 +37,7 @@ class SamplingParams:
 def check_sampling(params: SamplingParams, max_topk: int) -> None:
     """Raise SamplingParamsError naming the field, value and limit if ``params`` is invalid."""
     t, k, p = params.temperature, params.top_k, params.top_p
-    if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise SamplingParamsError(f"temperature={t!r} must be a finite number >= 0 (0 means greedy).")
     if isinstance(k, bool) or not isinstance(k, int) or k < -1:
         raise SamplingParamsError(f"top_k={k!r} must be an int >= 1, or 0/-1 to disable it.")
@@ -46,7 +46,7 @@ def check_sampling(params: SamplingParams, max_topk: int) -> None:
             f"top_k={k} > max_topk={max_topk} compiled into the graphs; lower top_k or recompile "
             "with a larger max_topk."
         )
-    if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
         raise SamplingParamsError(f"top_p={p!r} must be in (0, 1].")
 
 

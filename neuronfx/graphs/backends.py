@@ -62,15 +62,23 @@ def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch
     return graph
 
 
-def build_neuron(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
+def check_backend(backend: str) -> None:
+    """Raise BackendUnavailableError if ``backend``'s optional dependencies are missing
+    (cheap; call it before loading weights)."""
+    if backend != "neuron":
+        return
     try:
         import torch_neuronx  # noqa: F401
     except Exception as exc:  # the PyPI placeholder raises on import, not just ImportError
         raise BackendUnavailableError(
             "backend='neuron' needs torch-neuronx and neuronx-distributed from AWS's Neuron package "
-            "index (pip install 'neuronfx[neuron]' on a Trainium/Inferentia host); use backend='eager' "
-            "or 'export' elsewhere."
+            "index (pip install 'neuronfx[neuron]' on a Trainium/Inferentia host); use backend='eager', "
+            "'export' or 'inductor' elsewhere."
         ) from exc
+
+
+def build_neuron(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
+    check_backend("neuron")
     raise BackendUnavailableError("backend='neuron' tracing is not implemented yet; use 'eager' or 'export'.")
 
 

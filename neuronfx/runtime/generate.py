@@ -6,15 +6,16 @@ import time
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SequenceLengthExceededError
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, check_usable
-from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step, release
+from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, check_prompts, decode_step, prefill_step, release
 
-Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
+Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -35,18 +36,41 @@ class GenerateResult:
 def normalize_prompts(ids: Prompts) -> list[list[int]]:
     """Accept one prompt (list of ints or 1-D tensor) or many (list of lists or 2-D tensor without
     padding); returns a list of int lists. Raises InputError for other shapes or dtypes."""
+    if isinstance(ids, np.ndarray):
+        ids = torch.from_numpy(ids)
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InputError(f"token ids tensor has dtype {ids.dtype}; give an integer tensor (int32/int64).")
         if ids.dim() not in (1, 2):
             raise InputError(f"token ids tensor has shape {tuple(ids.shape)}; give [T] or [B, T].")
         ids = ids.tolist()
-    rows = list(ids)
-    if rows and all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
-        return [rows]
-    if not all(isinstance(r, (list, tuple)) for r in rows):
-        raise InputError("ids must be a list of token ids, a list of such lists, or an integer tensor.")
-    return [list(r) for r in rows]
+    rows = [_as_row(r) if isinstance(r, (np.ndarray, torch.Tensor)) else r for r in ids]
+    if rows and all(_is_id(r) for r in rows):
+        return [[int(t) for t in rows]]
+    for b, r in enumerate(rows):
+        if not isinstance(r, (list, tuple)) or not all(_is_id(t) for t in r):
+            raise InputError(
+                f"prompt {b} is {r!r:.60}; ids must be a list of int token ids, a list of such lists, "
+                "or an integer tensor/array of shape [T] or [B, T]."
+            )
+    return [[int(t) for t in r] for r in rows]
+
+
+def _is_id(t: object) -> bool:
+    # numpy integer scalars count as ids; bools do not.
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _as_row(r: np.ndarray | torch.Tensor) -> list:
+    return r.tolist() if r.ndim == 1 else [r.tolist()]
+
+
+def eos_set(eos_token_ids: int | Sequence[int]) -> set[int]:
+    """One id or a sequence of ids (as transformers' ``eos_token_id`` accepts); raises InputError otherwise."""
+    ids = [eos_token_ids] if _is_id(eos_token_ids) else eos_token_ids
+    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_id(t) for t in ids):
+        raise InputError(f"eos_token_ids={eos_token_ids!r} must be a token id or a sequence of token ids.")
+    return {int(t) for t in ids}
 
 
 def generate(
@@ -75,6 +99,7 @@ def generate(
     prompts = normalize_prompts(ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+    check_prompts(runtime, prompts)
     free = state.free_slots
     if len(prompts) > len(free):
         raise BatchTooLargeError(
@@ -89,11 +114,13 @@ def generate(
                 f"> sequence_length={seq_len}; lower max_new_tokens or compile with a larger sequence_length."
             )
     params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
-    if len(params) != len(prompts):
-        raise InputError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt.")
+    if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
+        raise InputError(
+            f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({len(prompts)})."
+        )
     for sp in params:
         check_sampling(sp, plan.topk_width)
-    eos = set(plan.model.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    eos = eos_set(plan.model.eos_token_ids if eos_token_ids is None else eos_token_ids)
 
     slots = free[: len(prompts)]
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from neuronfx.config.plan import Plan
-from neuronfx.errors import StateConsumedError, StateMismatchError
+from neuronfx.errors import InputError, StateConsumedError, StateMismatchError
 from neuronfx.graphs.weights import DTYPES
 
 
@@ -59,8 +59,15 @@ def plan_key(plan: Plan) -> int:
     return hash((plan.model, plan.inference))
 
 
+MAX_SEED = 2**63 - 1
+
+
 def empty_state(plan: Plan, seed: int = 0) -> State:
-    """Fresh state: zero KV cache (plan.kv.nbytes bytes), all slots free, RNG key ``seed``."""
+    """Fresh state: zero KV cache (plan.kv.nbytes bytes), all slots free, RNG key ``seed``.
+
+    Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (a torch.Generator seed)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise InputError(f"seed={seed!r} must be an int in [0, {MAX_SEED}].")
     kv = tuple(torch.zeros(plan.kv.shape, dtype=DTYPES[plan.kv.dtype]) for _ in range(2 * plan.kv.num_layers))
     n = plan.inference.batch_size
     return State(kv=kv, cache_lens=(0,) * n, live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan))

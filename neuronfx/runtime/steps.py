@@ -28,12 +28,19 @@ from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance, check_usable
 
 
+def _rows(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    for b, row in enumerate(prompts):
+        if not isinstance(row, (list, tuple)):
+            raise InputError(f"prompt of row {b} is {type(row).__name__}; each prompt is a list of token ids.")
+    return tuple(tuple(r) for r in prompts)
+
+
 @attrs.frozen(kw_only=True)
 class PrefillBatch:
     """New requests to prefill; row b goes to slot ``seq_ids[b]``."""
 
     seq_ids: tuple[int, ...] = attrs.field(converter=tuple)  # [n] free slots, distinct
-    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda p: tuple(tuple(r) for r in p))  # [n][len_b] ids
+    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=_rows)  # [n][len_b] ids
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=tuple)  # [n]
 
 
@@ -87,6 +94,20 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
             raise TokenOutOfVocabError(f"token id {t!r} is outside the vocabulary [0, {vocab_size}); check the tokenizer matches the model.")
 
 
+def check_prompts(runtime: Runtime, prompts: Sequence[Sequence[int]]) -> None:
+    """Raise EmptyPromptError, PromptTooLongError (> max_context_length) or TokenOutOfVocabError
+    for the first bad prompt."""
+    limit = runtime.plan.inference.max_context_length
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise EmptyPromptError(f"prompt of row {b} is empty; every prompt needs at least one token.")
+        if len(prompt) > limit:
+            raise PromptTooLongError(
+                f"prompt of row {b} has {len(prompt)} tokens > max_context_length={limit}; shorten it or compile with a larger max_context_length."
+            )
+        check_token_ids(prompt, runtime.plan.model.vocab_size)
+
+
 def _draws(key: int, n: int) -> tuple[torch.Tensor, int]:
     """(n uniform floats in [0, 1), next key) from the state's RNG key; pure in ``key``."""
     g = torch.Generator().manual_seed(key)
@@ -119,15 +140,7 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     _check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
     _check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
     _check_slots(state, batch.seq_ids, live=False)
-    limit = plan.inference.max_context_length
-    for b, prompt in enumerate(batch.prompts):
-        if not prompt:
-            raise EmptyPromptError(f"prompt of row {b} is empty; every prompt needs at least one token.")
-        if len(prompt) > limit:
-            raise PromptTooLongError(
-                f"prompt of row {b} has {len(prompt)} tokens > max_context_length={limit}; shorten it or compile with a larger max_context_length."
-            )
-        check_token_ids(prompt, plan.model.vocab_size)
+    check_prompts(runtime, batch.prompts)
     rows = pack_sampling(batch.sampling, plan.topk_width)
 
     n, bsz = len(batch.prompts), plan.inference.batch_size

@@ -1,0 +1,56 @@
+"""neuronfx bench: metric formulas on exact inputs, and a tiny end-to-end run with --compare."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import tiny_hf_model
+
+from neuronfx.bench import percentile, plot, run_bench, summarize
+from neuronfx.checkpoints import load_checkpoint
+from neuronfx.cli import main
+
+
+def test_summarize_follows_vllm_definitions():
+    # TTFT 0.5 s, then 3 decode gaps: latency 1.1 s for 4 tokens per row, batch 2.
+    r = summarize("neuronfx", "eager", "float32", 2, 16, 0.5, [0.1, 0.2, 0.3])
+    assert r.gen_len == 4
+    assert r.tpot_s == pytest.approx(0.2)  # (1.1 - 0.5) / (4 - 1)
+    assert r.itl_p50_s == pytest.approx(0.2)
+    assert r.itl_p90_s == pytest.approx(0.28)  # numpy linear: 0.2 + 0.8 * 0.1
+    assert r.output_tok_s == pytest.approx(2 * 4 / 1.1)
+    assert r.decode_tok_s == pytest.approx(2 * 3 / 0.6)
+
+
+def test_percentile_matches_numpy_linear():
+    import numpy as np
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9]
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model("llama", seed=0).save_pretrained(directory)
+    return load_checkpoint(directory)
+
+
+def test_run_bench_compares_engines_in_one_run(tiny_checkpoint, tmp_path):
+    data = run_bench(tiny_checkpoint, "eager", "float32", [1, 2], [8], [4], compare_transformers=True, log=lambda s: None)
+    engines = sorted((r["engine"], r["batch_size"]) for r in data["results"])
+    assert engines == [("neuronfx", 1), ("neuronfx", 2), ("transformers", 1), ("transformers", 2)]
+    assert all(r["gen_len"] == 4 and r["prompt_len"] == 8 for r in data["results"])
+    assert len(data["ratios"]) == 2 and all(r["decode_tok_s_ratio"] > 0 for r in data["ratios"])
+    assert [m["batch_size"] for m in data["memory"]] == [1, 2]
+    assert data["memory"][1]["kv_bytes"] > data["memory"][0]["kv_bytes"]
+    json.dumps(data)
+    plot(data, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_json(tiny_checkpoint, capsys):
+    assert main(["bench", "--model", tiny_checkpoint.source, "--batch-sizes", "1", "--prompt-lens", "8", "--gen-lens", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["engine"] for r in data["results"]] == ["neuronfx"] and data["results"][0]["gen_len"] == 3
