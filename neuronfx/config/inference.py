@@ -9,7 +9,7 @@ from neuronfx.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("eager", "export", "inductor", "neuron")
-DEFAULT_BACKEND = "eager"
+DEFAULT_BACKEND = "inductor"
 
 
 def _buckets(value: object) -> tuple[int, ...] | None:

@@ -45,6 +45,16 @@ def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.T
     return program.module()
 
 
+MAX_LAYER_GROUP = 10
+"""Layers per compiled call in the inductor backend: bigger groups cut per-call overhead (about
+0.2 ms each), smaller ones cut compile time (it grows with the traced graph)."""
+
+
+def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP) -> int:
+    """Largest divisor of ``num_layers`` not above ``limit`` (SmolLM2's 30 layers -> 10)."""
+    return max(d for d in range(1, min(num_layers, limit) + 1) if num_layers % d == 0)
+
+
 def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
     # Each part (prologue, layer, epilogue) is compiled once for this (phase, bucket); the one
     # compiled layer serves every layer, so compile time does not grow with depth. Weights and
@@ -56,7 +66,8 @@ def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
     compile_part = functools.partial(torch.compile, fullgraph=True, dynamic=False)
-    graph = GraphModule(phase_parts(plan, spec, wrap=compile_part), spec.phase)
+    group = layer_group_size(plan.model.num_hidden_layers)
+    graph = GraphModule(phase_parts(plan, spec, group_size=group, wrap=compile_part), spec.phase)
     with torch.no_grad():
         graph(weights, kv, *example_inputs(spec))
     return graph

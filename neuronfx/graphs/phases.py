@@ -106,44 +106,76 @@ def decode_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: T
     return _head(plan, norm, lm_head, h[:, 0], sampling_params, rand)
 
 
+# --- layer groups: one call runs several consecutive layers -----------------------------------
+
+
+def prefill_layers(plan: Plan, bucket: int, lws: list[LayerWeights], kv: list[Tensor], h: Tensor,
+                   cos: Tensor, sin: Tensor, seq_ids: Tensor, mask: Tensor) -> Tensor:
+    """``len(lws)`` consecutive layers; ``kv`` holds their K/V tensors (K at 2j, V at 2j + 1)."""
+    for j, lw in enumerate(lws):
+        h = prefill_layer(plan, bucket, lw, kv[2 * j], kv[2 * j + 1], h, cos, sin, seq_ids, mask)
+    return h
+
+
+def decode_layers(plan: Plan, bucket: int, lws: list[LayerWeights], kv: list[Tensor], h: Tensor,
+                  cos: Tensor, sin: Tensor, seq_ids: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+    """``len(lws)`` consecutive layers; ``kv`` holds their K/V tensors (K at 2j, V at 2j + 1)."""
+    for j, lw in enumerate(lws):
+        h = decode_layer(plan, bucket, lw, kv[2 * j], kv[2 * j + 1], h, cos, sin, seq_ids, position_ids, mask)
+    return h
+
+
 # --- composition ------------------------------------------------------------------------------
 
 
 @attrs.frozen
 class PhaseParts:
-    """The three callables of one (phase, bucket) graph, with plan and bucket already bound."""
+    """The three callables of one (phase, bucket) graph, with plan and bucket already bound;
+    ``layers`` runs ``group_size`` consecutive layers per call."""
 
     prologue: Callable[..., tuple[Tensor, ...]]
-    layer: Callable[..., Tensor]
+    layers: Callable[..., Tensor]
     epilogue: Callable[..., dict[str, Tensor]]
+    group_size: int
 
 
 PART_FUNCTIONS = {
-    "prefill": (prefill_prologue, prefill_layer, prefill_epilogue),
-    "decode": (decode_prologue, decode_layer, decode_epilogue),
+    "prefill": (prefill_prologue, prefill_layers, prefill_epilogue),
+    "decode": (decode_prologue, decode_layers, decode_epilogue),
 }
 
 
-def phase_parts(plan: Plan, spec: GraphSpec, wrap: Callable[[Callable], Callable] = lambda f: f) -> PhaseParts:
-    """Bind plan and bucket into the phase's parts; ``wrap`` (e.g. torch.compile) wraps each."""
+def phase_parts(plan: Plan, spec: GraphSpec, group_size: int | None = None,
+                wrap: Callable[[Callable], Callable] = lambda f: f) -> PhaseParts:
+    """Bind plan and bucket into the phase's parts; ``wrap`` (e.g. torch.compile) wraps each.
+    ``group_size`` (a divisor of num_layers, default all layers) sets layers per ``layers`` call."""
+    n = plan.model.num_hidden_layers
+    group_size = n if group_size is None else group_size
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size={group_size} must divide num_hidden_layers={n}")
     fns = PART_FUNCTIONS[spec.phase]
     bound = [wrap(functools.partial(f, plan, spec.bucket)) for f in fns]
-    return PhaseParts(prologue=bound[0], layer=bound[1], epilogue=bound[2])
+    return PhaseParts(prologue=bound[0], layers=bound[1], epilogue=bound[2], group_size=group_size)
+
+
+def _groups(parts: PhaseParts, w: Weights, kv: list[Tensor]) -> list[tuple[list[LayerWeights], list[Tensor]]]:
+    g = parts.group_size
+    return [(w["layers"][i:i + g], kv[2 * i:2 * (i + g)]) for i in range(0, len(w["layers"]), g)]
 
 
 def run_prefill(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
                 seq_ids: Tensor, prompt_lens: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids, prompt_lens)
-    for i, lw in enumerate(w["layers"]):
-        h = parts.layer(lw, kv[2 * i], kv[2 * i + 1], h, cos, sin, seq_ids, mask)
+    for lws, group_kv in _groups(parts, w, kv):
+        h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, mask)
     return parts.epilogue(w["norm"], w["lm_head"], h, prompt_lens, sampling_params, rand)
 
 
 def run_decode(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
                seq_ids: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids)
-    for i, lw in enumerate(w["layers"]):
-        h = parts.layer(lw, kv[2 * i], kv[2 * i + 1], h, cos, sin, seq_ids, position_ids, mask)
+    for lws, group_kv in _groups(parts, w, kv):
+        h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, position_ids, mask)
     return parts.epilogue(w["norm"], w["lm_head"], h, sampling_params, rand)
 
 

@@ -154,7 +154,8 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     params = torch.tensor(_pad(rows, bsz, [1.0, 1.0, 1.0]), dtype=torch.float32)
     rand, next_key = _draws(state.rng_key, bsz)
 
-    out = runtime.graphs[("prefill", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, params, rand)
+    with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
+        out = runtime.graphs[("prefill", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, params, rand)
     tokens, logits = _outputs(runtime, out, n, params, rand)
     cache_lens, live = list(state.cache_lens), list(state.live)
     for s, prompt in zip(batch.seq_ids, batch.prompts):
@@ -193,7 +194,8 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     params = torch.tensor(_pad(rows, bsz, [1.0, 1.0, 1.0]), dtype=torch.float32)
     rand, next_key = _draws(state.rng_key, bsz)
 
-    out = runtime.graphs[("decode", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, params, rand)
+    with torch.no_grad():
+        out = runtime.graphs[("decode", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, params, rand)
     tokens, logits = _outputs(runtime, out, n, params, rand)
     new_lens = list(state.cache_lens)
     for s in batch.seq_ids:
