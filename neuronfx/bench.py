@@ -142,7 +142,7 @@ def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, promp
 
 def run_bench(
     checkpoint: Any, backend: str, dtype: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int],
-    gen_lens: Sequence[int], compare_transformers: bool, log: Any = print,
+    gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
     ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...]}``."""
@@ -167,12 +167,13 @@ def run_bench(
         del runtime
     if compare_transformers:
         # Built after the neuronfx runs so it does not count in their resident memory.
-        reference = transformers_model(checkpoint, dtype)
+        ref_dtype = reference_dtype or dtype
+        reference = transformers_model(checkpoint, ref_dtype)
         for b in batch_sizes:
             time_transformers(reference, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
             for p in prompt_lens:
                 for g in gen_lens:
-                    theirs = summarize("transformers", "eager", dtype, b, p, *time_transformers(reference, random_prompts(vocab, b, p), g))
+                    theirs = summarize("transformers", "eager", ref_dtype, b, p, *time_transformers(reference, random_prompts(vocab, b, p), g))
                     results.append(theirs)
                     log(format_result(theirs))
     return {

@@ -17,6 +17,7 @@ from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, NeuronfxError, SequenceLengthExceededError
 from neuronfx.graphs.backends import check_backend
+from neuronfx.graphs.weights import DTYPES as DTYPES_TORCH
 from neuronfx.runtime.state import MAX_SEED
 
 
@@ -48,6 +49,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
     p.add_argument("--compare", choices=["transformers"], default=None, help="also run this engine in the same process")
+    p.add_argument("--compare-dtype", choices=DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
 
@@ -68,10 +70,12 @@ def bench_command(args: argparse.Namespace) -> dict:
         bad = [v for v in getattr(args, name) if v < 1 or (name == "gen_lens" and v < 2)]
         if bad:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
-    ckpt = load_checkpoint(args.model or default_model_path())
+    # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
+    ckpt = load_checkpoint(args.model or default_model_path(), dtype=DTYPES_TORCH[args.dtype])
     log = (lambda line: None) if args.json else print
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
-                     compare_transformers=args.compare == "transformers", log=log)
+                     compare_transformers=args.compare == "transformers", log=log,
+                     reference_dtype=args.compare_dtype or args.dtype)
     if not args.json:
         for c in data["compile"]:
             print(f"compile B={c['batch_size']}: {c['compile_s']:.1f} s for {c['graphs']} graphs")
@@ -133,7 +137,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
         bar.set_postfix_str("weights")
-        ckpt = load_checkpoint(model_path)
+        ckpt = load_checkpoint(model_path, dtype=DTYPES_TORCH[args.dtype])
         bar.update()
         bar.set_postfix_str("tokenizer")
         tokenizer = load_tokenizer(model_path)

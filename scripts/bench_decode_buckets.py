@@ -13,6 +13,7 @@ import time
 import neuronfx
 from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.config.sampling import SamplingParams
+from neuronfx.graphs.weights import DTYPES
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    ckpt = load_checkpoint(default_model_path())
+    ckpt = load_checkpoint(default_model_path(), dtype=DTYPES[args.dtype])
     inference = neuronfx.InferenceConfig(max_context_length=1024, sequence_length=1024, backend=args.backend, dtype=args.dtype)
     runtime = neuronfx.compile(neuronfx.make_plan(ckpt.config, inference), ckpt.state_dict)
     step_ms(runtime, 50, 3)  # warm-up
