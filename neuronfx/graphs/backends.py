@@ -4,8 +4,9 @@
 - export: ``torch.export.export`` per (phase, bucket); the KV cache is updated in place (the
   exported program keeps the ``index_put_`` on the input) and weights are inputs, so all
   programs share one copy.
-- inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, one decoder
-  layer reused for every layer, epilogue) per (phase, bucket); fast on CPU, no artifacts.
+- inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, a group of
+  decoder layers reused for every group, epilogue) per (phase, bucket); the fastest on CPU
+  (the default), no saved artifacts yet.
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
@@ -56,8 +57,8 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP) -> int:
 
 
 def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    # Each part (prologue, layer, epilogue) is compiled once for this (phase, bucket); the one
-    # compiled layer serves every layer, so compile time does not grow with depth. Weights and
+    # Each part (prologue, layer group, epilogue) is compiled once for this (phase, bucket); the
+    # one compiled group serves every group, so compile time does not grow with depth. Weights and
     # KV stay inputs (shared, KV mutated in place). Running once on the template cache compiles
     # now rather than on the first user step.
     # Parts of every (phase, bucket) share three code objects, and dynamo caches compiled code

@@ -1,10 +1,11 @@
 """Per-phase graph functions: (weights, KV cache, step inputs) -> outputs, KV updated in place.
 
 Each phase is three small functions, specialised at build time (no phase branches, no
-``.item()``, no shape sniffing): a prologue (embedding, RoPE tables, mask), one decoder layer
-(run once per layer with that layer's weights and K/V tensors) and an epilogue (final norm,
-LM head, sampling). Backends compose them into a graph; the ``inductor`` backend compiles each
-part once per (phase, bucket) and reuses the compiled layer for every layer. Input names and
+``.item()``, no shape sniffing): a prologue (embedding, RoPE tables, mask), a group of
+consecutive decoder layers (run once per group with those layers' weights and K/V tensors) and
+an epilogue (final norm, LM head, sampling). Backends compose them into a graph; the
+``inductor`` backend compiles each part once per (phase, bucket) and reuses the compiled group
+for every group of layers. Input names and
 order follow ``neuronfx.config.plan.step_inputs``.
 """
 
