@@ -40,7 +40,7 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         )
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class InferenceConfig:
     """Static options of a compiled runtime (the scope of NxD's ``NeuronConfig`` neuronfx covers).
 

@@ -38,7 +38,7 @@ def _check_heads(inst: "ModelConfig", attribute: attrs.Attribute, value: int) ->
         )
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class ModelConfig:
     """Architecture of a Llama-family decoder (llama, mistral, qwen2, qwen3).
 
