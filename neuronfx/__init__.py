@@ -12,23 +12,28 @@ from neuronfx import errors
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
     DecodeBatch,
+    Finished,
     GenerateResult,
+    Logprobs,
     PrefillBatch,
+    Request,
     Runtime,
     State,
     StepOutput,
+    TokenEvent,
     compile,
     decode_step,
     generate,
     init_state,
     prefill_step,
     release,
+    schedule,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DecodeBatch", "GenerateResult", "InferenceConfig", "ModelConfig", "Plan", "PrefillBatch",
-    "Runtime", "SamplingParams", "State", "StepOutput", "compile", "decode_step", "errors",
-    "generate", "init_state", "make_plan", "prefill_step", "release",
+    "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan",
+    "PrefillBatch", "Request", "Runtime", "SamplingParams", "State", "StepOutput", "TokenEvent", "compile",
+    "decode_step", "errors", "generate", "init_state", "make_plan", "prefill_step", "release", "schedule",
 ]

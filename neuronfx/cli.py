@@ -7,7 +7,9 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import attrs
 
 from tqdm.auto import tqdm
 
@@ -15,9 +17,10 @@ import neuronfx
 from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DTYPES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling
-from neuronfx.errors import BatchTooLargeError, InputError, NeuronfxError, SequenceLengthExceededError
+from neuronfx.errors import InputError, NeuronfxError, SequenceLengthExceededError
 from neuronfx.graphs.backends import check_backend
 from neuronfx.graphs.weights import DTYPES as DTYPES_TORCH
+from neuronfx.runtime.generate import collect
 from neuronfx.runtime.state import MAX_SEED
 
 
@@ -31,8 +34,17 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="seed of the state's RNG key (sampling only)")
-    p.add_argument("--batch-size", type=int, default=1, help="compiled batch size = KV-cache slots")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens with p < min_p * p_max (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM/transformers repetition penalty (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="vLLM presence penalty in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="vLLM frequency penalty in [-2, 2]")
+    p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
+    p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
+    p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--batch-size", type=int, default=1, help="KV-cache slots (requests decoded together); more prompts wait for a slot")
     p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -52,6 +64,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-dtype", choices=DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
+    p.add_argument("--serving", action="store_true",
+                   help="serving throughput instead: --num-requests requests (prompts 32-512, generations 16-256 tokens, "
+                        "fixed seed) through the continuous-batching scheduler over --slots slots")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--slots", type=int, default=8)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,9 +87,16 @@ def bench_command(args: argparse.Namespace) -> dict:
         bad = [v for v in getattr(args, name) if v < 1 or (name == "gen_lens" and v < 2)]
         if bad:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
+    if args.num_requests < 1 or args.slots < 1:
+        raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
     ckpt = load_checkpoint(args.model or default_model_path(), dtype=DTYPES_TORCH[args.dtype])
     log = (lambda line: None) if args.json else print
+    if args.serving:
+        from neuronfx.bench import run_serving_bench
+
+        return run_serving_bench(ckpt, args.backend, args.dtype, args.num_requests, args.slots,
+                                 compare_transformers=args.compare == "transformers", log=log)
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
                      reference_dtype=args.compare_dtype or args.dtype)
@@ -110,9 +134,8 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
             f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in --sequence-length="
             f"{inference.sequence_length}; lower it or raise --sequence-length."
         )
-    n = len(args.chat or args.prompt or [None])
-    if n > inference.batch_size:
-        raise BatchTooLargeError(f"{n} prompts > --batch-size={inference.batch_size}; raise --batch-size to {n}.")
+    if args.stream and args.json:
+        raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
     if not 0 <= args.seed <= MAX_SEED:
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
 
@@ -129,9 +152,14 @@ def run_generate(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         backend=args.backend,
     )
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    check_sampling(sampling, inference.max_topk)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.seed,
+    )
     check_cli_limits(args, inference)
+    check_sampling(sampling, inference.max_topk, inference.max_logprobs)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
     t0 = time.perf_counter()
@@ -149,13 +177,22 @@ def run_generate(args: argparse.Namespace) -> dict:
     compile_s = time.perf_counter() - t0
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
-    result, _ = neuronfx.generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling)
-    texts = [tokenizer.decode(list(t), skip_special_tokens=True) for t in result.token_ids]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
+    if args.stream:
+        events = neuronfx.generate(runtime, state, prompts, stream=True, **kwargs)
+        result, _ = collect(_print_stream(events, len(prompts)), len(prompts), with_text=True)
+    else:
+        result, _ = neuronfx.generate(runtime, state, prompts, **kwargs)
     single = len(prompts) == 1
+    one = (lambda xs: xs[0]) if single else list
+    logprobs = [None if lps is None else [attrs.asdict(lp) for lp in lps] for lps in result.logprobs]
     return {
-        "text": texts[0] if single else texts,
-        "token_ids": list(result.token_ids[0]) if single else [list(t) for t in result.token_ids],
-        "finish_reason": result.finish_reasons[0] if single else list(result.finish_reasons),
+        "text": one(list(result.texts)),
+        "token_ids": one([list(t) for t in result.token_ids]),
+        "finish_reason": one(list(result.finish_reasons)),
+        "stop_reason": one(list(result.stop_reasons)),
+        "logprobs": one(logprobs),
+        "streamed": args.stream,
         "num_generated": result.num_generated,
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
@@ -166,6 +203,18 @@ def run_generate(args: argparse.Namespace) -> dict:
         "backend": args.backend,
         "dtype": args.dtype,
     }
+
+
+def _print_stream(events: Iterator, n: int) -> Iterator:
+    """Print each text delta as it arrives (prefixed by the prompt index when several), pass the
+    events on."""
+    for ev in events:
+        if isinstance(ev, neuronfx.TokenEvent) and ev.text:
+            sys.stdout.write(ev.text if n == 1 else f"[{ev.index}] {ev.text}\n")
+            sys.stdout.flush()
+        elif isinstance(ev, neuronfx.Finished) and n == 1:
+            sys.stdout.write("\n")
+        yield ev
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,8 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        for text in out["text"] if isinstance(out["text"], list) else [out["text"]]:
-            print(text)
+        if not out["streamed"]:
+            for text in out["text"] if isinstance(out["text"], list) else [out["text"]]:
+                print(text)
         print(
             f"[{out['num_generated']} tokens; prefill {out['prefill_s']:.3f} s, decode {out['decode_s']:.3f} s; "
             f"load {out['load_s']:.1f} s, compile {out['compile_s']:.1f} s]",

@@ -33,7 +33,7 @@ def main() -> None:
         state = neuronfx.init_state(runtime)
         _, state = neuronfx.generate(runtime, state, prompt, max_new_tokens=4, eos_token_ids=[])  # warm-up
         result, state = neuronfx.generate(runtime, state, prompt, max_new_tokens=args.new_tokens, eos_token_ids=[])
-        per_graph = ", ".join(f"{p}{b}={s:.1f}s" for (p, b), s in runtime.compile_s.items())
+        per_graph = ", ".join(f"{p}{k}x{b}={s:.1f}s" for (p, b, k), s in runtime.compile_s.items())
         print(
             f"{backend:7s} {args.dtype}: compile {compile_s:.1f} s ({per_graph}); "
             f"prefill(100 tok) {result.prefill_s * 1000:.0f} ms; "

@@ -58,6 +58,10 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0) -> PreTrainedModel:
 
 
 def tiny_plan(hf_model: PreTrainedModel, backend: str = "eager", **overrides: object) -> neuronfx.Plan:
+    if backend != "eager":
+        # Compiled backends build one graph per (phase, batch bucket, length bucket): compile only
+        # the full batch unless a test asks (batch buckets are exercised on eager).
+        overrides = {"batch_buckets": (overrides.get("batch_size", TINY_INFERENCE["batch_size"]),)} | overrides
     inference = InferenceConfig(**(TINY_INFERENCE | {"backend": backend} | overrides))
     return make_plan(ModelConfig.from_hf(hf_model.config, hf_model.generation_config), inference)
 

@@ -54,3 +54,24 @@ def test_bench_cli_json(tiny_checkpoint, capsys):
     assert main(["bench", "--model", tiny_checkpoint.source, "--batch-sizes", "1", "--prompt-lens", "8", "--gen-lens", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in data["results"]] == ["neuronfx"] and data["results"][0]["gen_len"] == 3
+
+
+def test_workload_is_seeded_and_in_range():
+    from neuronfx.bench import make_workload
+
+    a = make_workload(256, 20, (32, 64), (2, 9), seed=3)
+    assert a == make_workload(256, 20, (32, 64), (2, 9), seed=3)
+    assert a != make_workload(256, 20, (32, 64), (2, 9), seed=4)
+    assert all(32 <= len(p) <= 64 for p in a.prompts) and all(2 <= g <= 9 for g in a.gen_lens)
+    assert all(3 <= t < 256 for p in a.prompts for t in p)
+
+
+def test_serving_bench_tiny(tiny_checkpoint):
+    from neuronfx.bench import run_serving_bench
+
+    data = run_serving_bench(tiny_checkpoint, "eager", "float32", num_requests=10, slots=4,
+                             prompt_range=(4, 40), gen_range=(2, 12), log=lambda s: None)
+    assert data["num_requests"] == 10 and data["slots"] == 4
+    assert data["neuronfx_tok_s"] > 0 and data["transformers_tok_s"] > 0
+    assert data["ratio"] == pytest.approx(data["neuronfx_tok_s"] / data["transformers_tok_s"])
+    json.dumps(data)

@@ -1,10 +1,8 @@
 """ModelConfig.from_hf, InferenceConfig validation, make_plan, JSON (de)serialization, sampling."""
 
 import json
-import math
 import warnings
 
-import attrs
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -15,18 +13,15 @@ from neuronfx.config import (
     KVLayout,
     ModelConfig,
     RopeScaling,
-    SamplingParams,
     TensorSpec,
-    check_sampling,
     make_plan,
-    pack_sampling,
     plan_from_json,
     plan_to_json,
     structure,
     unstructure,
 )
 from neuronfx.config.serialization import plan_from_dict, plan_to_dict
-from neuronfx.errors import ConfigError, SamplingParamsError, UnsupportedModelError
+from neuronfx.errors import ConfigError, UnsupportedModelError
 
 TINY = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128)
@@ -209,44 +204,51 @@ def test_inference_limits_inclusive():
 # make_plan
 # ---------------------------------------------------------------------------------------------
 
-PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "prompt_lens", "sampling_params", "rand")
-DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", "sampling_params", "rand")
+SAMPLER_INPUTS = ("sampling_params", "output_counts", "prompt_mask", "logits_bias", "rand")
+PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "prompt_lens", *SAMPLER_INPUTS)
+DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", *SAMPLER_INPUTS)
 
 
 def test_make_plan_defaults():
     plan = make_plan(tiny_model(), InferenceConfig(batch_size=3, dtype="bfloat16", max_topk=4096))
     assert plan.prefill_buckets == (128, 256)
     assert plan.decode_buckets == (128, 256, 512)
-    assert [g.key for g in plan.graphs] == [("prefill", 128), ("prefill", 256),
-                                            ("decode", 128), ("decode", 256), ("decode", 512)]
+    assert plan.batch_buckets == (1, 2, 3)
+    assert [g.key for g in plan.graphs] == [
+        ("prefill", b, k) for b in (1, 2, 3) for k in (128, 256)
+    ] + [("decode", b, k) for b in (1, 2, 3) for k in (128, 256, 512)]
     assert plan.kv == KVLayout(num_layers=3, num_slots=4, num_kv_heads=2, sequence_length=512, head_dim=16,
                                dtype="bfloat16")
     assert plan.kv.scratch_slot == 3
     assert plan.topk_width == 1000  # min(max_topk=4096, vocab_size=1000)
     assert plan.checkpoint is None
 
-    prefill = plan.graph("prefill", 256)
+    sampler = (
+        TensorSpec("sampling_params", (3, 7), "float32"),
+        TensorSpec("output_counts", (3, 1000), "int32"),
+        TensorSpec("prompt_mask", (3, 1000), "bool"),
+        TensorSpec("logits_bias", (3, 1000), "float32"),
+        TensorSpec("rand", (3,), "float32"),
+    )
+    prefill = plan.graph("prefill", 3, 256)
     assert (prefill.phase, prefill.bucket, prefill.batch_size) == ("prefill", 256, 3)
     assert prefill.inputs == (
         TensorSpec("input_ids", (3, 256), "int32"),
         TensorSpec("position_ids", (3, 256), "int32"),
         TensorSpec("seq_ids", (3,), "int32"),
         TensorSpec("prompt_lens", (3,), "int32"),
-        TensorSpec("sampling_params", (3, 3), "float32"),
-        TensorSpec("rand", (3,), "float32"),
-    )
-    decode = plan.graph("decode", 512)
+    ) + sampler
+    decode = plan.graph("decode", 3, 512)
     assert decode.inputs == (
         TensorSpec("input_ids", (3, 1), "int32"),
         TensorSpec("position_ids", (3, 1), "int32"),
         TensorSpec("seq_ids", (3,), "int32"),
-        TensorSpec("sampling_params", (3, 3), "float32"),
-        TensorSpec("rand", (3,), "float32"),
-    )
-    with pytest.raises(KeyError, match="decode graph for bucket 300"):
-        plan.graph("decode", 300)
+    ) + sampler
+    assert plan.graph("decode", 1, 128).inputs[0] == TensorSpec("input_ids", (1, 1), "int32")
+    with pytest.raises(KeyError, match="decode graph for batch size 3 and bucket 300"):
+        plan.graph("decode", 3, 300)
     with pytest.raises(KeyError):
-        plan.graph("speculate", 128)
+        plan.graph("speculate", 3, 128)
 
 
 def test_make_plan_topk_width_capped_by_max_topk():
@@ -257,7 +259,18 @@ def test_make_plan_without_bucketing_has_one_bucket_per_phase():
     plan = make_plan(tiny_model(), InferenceConfig(enable_bucketing=False, max_context_length=300,
                                                    sequence_length=1000))
     assert (plan.prefill_buckets, plan.decode_buckets) == ((300,), (1000,))
-    assert [g.key for g in plan.graphs] == [("prefill", 300), ("decode", 1000)]
+    assert [g.key for g in plan.graphs] == [("prefill", 1, 300), ("decode", 1, 1000)]
+
+
+def test_batch_buckets_derived_explicit_and_unbucketed():
+    assert make_plan(tiny_model(), InferenceConfig(batch_size=8)).batch_buckets == (1, 2, 4, 8)
+    assert make_plan(tiny_model(), InferenceConfig(batch_size=6)).batch_buckets == (1, 2, 4, 6)
+    assert make_plan(tiny_model(), InferenceConfig(batch_size=6, enable_bucketing=False)).batch_buckets == (6,)
+    assert make_plan(tiny_model(), InferenceConfig(batch_size=6, batch_buckets=(2, 6))).batch_buckets == (2, 6)
+    with pytest.raises(ConfigError, match="batch_buckets ends at 4 < batch_size=6"):
+        InferenceConfig(batch_size=6, batch_buckets=(2, 4))
+    with pytest.raises(ConfigError, match="batch_buckets"):
+        InferenceConfig(batch_size=6, batch_buckets=(4, 2, 6))
 
 
 @pytest.mark.parametrize("enable_bucketing", [True, False])
@@ -354,14 +367,16 @@ def test_make_plan_invariants(inf):
         else:
             assert ladder[-1] == limit  # derived ladders cover the whole limit
             assert len(ladder) == 1 or inf.enable_bucketing
-    assert len(plan.graphs) == len(plan.prefill_buckets) + len(plan.decode_buckets)
+    assert plan.batch_buckets[-1] == inf.batch_size
+    assert len(plan.graphs) == len(plan.batch_buckets) * (len(plan.prefill_buckets) + len(plan.decode_buckets))
     assert len({g.key for g in plan.graphs}) == len(plan.graphs)
     for g in plan.graphs:
         names = tuple(t.name for t in g.inputs)
         n = g.bucket if g.phase == "prefill" else 1
         assert names == (PREFILL_INPUTS if g.phase == "prefill" else DECODE_INPUTS)
-        assert g.inputs[0].shape == g.inputs[1].shape == (inf.batch_size, n)
-        assert plan.graph(g.phase, g.bucket) is g
+        assert g.inputs[0].shape == g.inputs[1].shape == (g.batch_size, n)
+        assert g.batch_size in plan.batch_buckets
+        assert plan.graph(g.phase, g.batch_size, g.bucket) is g
     assert plan.kv.shape == (inf.batch_size + 1, 2, inf.sequence_length, 16)
     assert plan.kv.dtype == inf.dtype
 
@@ -468,89 +483,3 @@ def test_plan_to_dict_holds_only_sources():
     plan = make_plan(tiny_model(), InferenceConfig(), checkpoint="ckpt")
     assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint"}
     assert plan_to_dict(plan)["inference"]["prefill_buckets"] is None
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "params, needle",
-    [
-        (SamplingParams(temperature=math.nan), "temperature=nan"),
-        (SamplingParams(temperature=math.inf), "temperature=inf"),
-        (SamplingParams(temperature=-0.1), "temperature=-0.1"),
-        (SamplingParams(temperature="1.0"), "temperature='1.0'"),  # type: ignore[arg-type]
-        (SamplingParams(top_k=-2), "top_k=-2"),
-        (SamplingParams(top_k=65), "max_topk=64"),
-        (SamplingParams(top_k=5.0), "top_k=5.0"),  # type: ignore[arg-type]
-        (SamplingParams(top_k=True), "top_k=True"),  # type: ignore[arg-type]
-        (SamplingParams(top_p=0.0), "top_p=0.0"),
-        (SamplingParams(top_p=1.0001), "top_p=1.0001"),
-        (SamplingParams(top_p=-0.5), "top_p=-0.5"),
-        (SamplingParams(top_p=math.nan), "top_p=nan"),
-    ],
-)
-def test_check_sampling_rejects(params, needle):
-    with pytest.raises(SamplingParamsError) as info:
-        check_sampling(params, max_topk=64)
-    assert needle in str(info.value)
-    with pytest.raises(SamplingParamsError):
-        pack_sampling([SamplingParams(), params], max_topk=64)
-
-
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=-1), SamplingParams(top_k=64),
-     SamplingParams(top_p=1), SamplingParams(top_p=1e-9), SamplingParams(temperature=100.0, top_k=1, top_p=0.5)],
-)
-def test_check_sampling_accepts(params):
-    check_sampling(params, max_topk=64)
-
-
-def test_pack_sampling_rows():
-    rows = pack_sampling(
-        [
-            SamplingParams(),  # greedy default
-            SamplingParams(temperature=1e-5, top_k=50, top_p=0.5),  # at the greedy threshold
-            SamplingParams(temperature=0.7, top_k=1, top_p=0.9),  # top_k 1 is greedy
-            SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
-            SamplingParams(temperature=1.5, top_k=0),  # top_k off -> max_topk
-            SamplingParams(temperature=2e-5, top_k=-1, top_p=0.25),  # just above the threshold
-        ],
-        max_topk=64,
-    )
-    assert rows == [
-        [1.0, 1.0, 1.0],
-        [1.0, 1.0, 1.0],
-        [1.0, 1.0, 1.0],
-        [50.0, 0.9, 0.7],
-        [64.0, 1.0, 1.5],
-        [64.0, 0.25, 2e-5],
-    ]
-    assert pack_sampling([], max_topk=8) == []
-
-
-@given(
-    st.floats(0.0, 10.0), st.integers(-1, 64), st.floats(1e-6, 1.0), st.integers(1, 64),
-)
-def test_pack_sampling_rows_are_in_graph_range(temperature, top_k, top_p, max_topk):
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if top_k > max_topk:
-        with pytest.raises(SamplingParamsError):
-            pack_sampling([params], max_topk)
-        return
-    [[k, p, t]] = pack_sampling([params], max_topk)
-    assert k == int(k) and 1 <= k <= max_topk
-    assert 0 < p <= 1 and t > 0
-    if params.greedy:
-        assert [k, p, t] == [1.0, 1.0, 1.0]
-    else:
-        assert k == (max_topk if top_k in (0, -1) else top_k)
-        assert (p, t) == (top_p, temperature)
-
-
-def test_sampling_params_are_frozen():
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        SamplingParams().top_k = 3  # type: ignore[misc]

@@ -61,3 +61,13 @@ def test_cli_batch_of_chat_prompts_matches_transformers(reference, capsys):
     out = run_cli(capsys, *args, "--max-new-tokens", "32", "--batch-size", "2")
     for q, ids in zip(questions, out["token_ids"]):
         assert ids == hf_greedy(reference, q, 32), q
+
+
+def test_cli_stream_prints_text_cut_at_stop_string(reference, capsys):
+    tok, _ = reference
+    q = "What is the capital of France?"
+    full = tok.decode(hf_greedy(reference, q, 24), skip_special_tokens=True)
+    assert "Paris" in full
+    assert main(["generate", "--chat", q, "--max-new-tokens", "24", "--stream", "--stop", "Paris"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == full[: full.index("Paris")] + "\n"

@@ -135,7 +135,7 @@ def test_padding_rows_never_write_other_slots(rt):
     held_kv = slot_kv(state, 2)
 
     out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0], prompts=[random_prompt(14, seed=32)], sampling=[GREEDY]))
-    _, state = decode_from(rt, state, 0, out.tokens[0], 6)  # decode buckets 16 then 32, 3 padding rows each
+    _, state = decode_from(rt, state, 0, out.tokens[0], 6)  # decode buckets 16 then 32 (batch bucket 1)
     for s in (1, 3):
         assert_kv_equal(slot_kv(state, s), untouched[s])
     assert_kv_equal(slot_kv(state, 2), held_kv)
@@ -226,6 +226,10 @@ BAD_SAMPLING = [
     SamplingParams(temperature=float("inf")), SamplingParams(temperature=1.0, top_p=0.0),
     SamplingParams(temperature=1.0, top_p=1.5), SamplingParams(temperature=1.0, top_k=-2),
     SamplingParams(temperature=1.0, top_k=VOCAB + 1), SamplingParams(temperature=1.0, top_k=2.0),
+    SamplingParams(min_p=1.5), SamplingParams(repetition_penalty=0.0), SamplingParams(presence_penalty=3.0),
+    SamplingParams(frequency_penalty=float("nan")), SamplingParams(seed=-1), SamplingParams(min_tokens=-1),
+    SamplingParams(max_tokens=0), SamplingParams(min_tokens=5, max_tokens=2), SamplingParams(stop_token_ids=(VOCAB,)),
+    SamplingParams(logprobs=21), SamplingParams(logprobs=-1), SamplingParams(ignore_eos=1),
 ]
 
 # (error, call(rt, state)); state has slot 0 live holding HELD (+ its first token).
@@ -234,8 +238,8 @@ BAD_INPUTS = {
     "prefill-prompt-too-long": (PromptTooLongError, lambda rt, s: neuronfx.prefill_step(rt, s, P([1], [random_prompt(33, 1)]))),
     "sequence-length": (SequenceLengthExceededError, lambda rt, s: generate(rt, s, [random_prompt(30, 1)], n=35)),
     "sequence-length-one-over": (SequenceLengthExceededError, lambda rt, s: generate(rt, s, [[1] * 32], n=33)),
-    "generate-5-prompts": (BatchTooLargeError, lambda rt, s: generate(rt, s, [[1]] * 5)),
-    "generate-4-prompts-3-free": (BatchTooLargeError, lambda rt, s: generate(rt, s, [[1]] * 4)),
+    "generate-stop-string-without-tokenizer": (InputError, lambda rt, s: generate(rt, s, [[1]], sampling=SamplingParams(stop="x"))),
+    "generate-no-prompts": (InputError, lambda rt, s: generate(rt, s, [])),
     "prefill-5-rows": (BatchTooLargeError, lambda rt, s: neuronfx.prefill_step(rt, s, P([1, 2, 3, 4, 5], [[1]] * 5))),
     "decode-5-rows": (BatchTooLargeError, lambda rt, s: neuronfx.decode_step(rt, s, D([0, 1, 2, 3, 4], [1] * 5))),
     "generate-empty-prompt": (EmptyPromptError, lambda rt, s: generate(rt, s, [[1, 2], []])),
@@ -281,14 +285,16 @@ def test_bad_input_raises_before_any_state_change(rt, held_reference, case):
     error, call = BAD_INPUTS[case]
     first, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt, seed=3), P([0], [HELD]))
     assert first.tokens[0] == held_reference[0]
-    before = ([t.clone() for t in state.kv], state.cache_lens, state.live, state.rng_key)
+    before = ([t.clone() for t in state.kv], state.cache_lens, state.live, state.rng_key, state.generated,
+              state.output_counts.clone(), state.prompt_mask.clone())
 
     with pytest.raises(error) as info:
         call(rt, state)
     assert type(info.value) is error, f"expected exactly {error.__name__}, got {type(info.value).__name__}: {info.value}"
 
     assert not state.consumed
-    assert (state.cache_lens, state.live, state.rng_key) == before[1:]
+    assert (state.cache_lens, state.live, state.rng_key, state.generated) == before[1:5]
+    assert torch.equal(state.output_counts, before[5]) and torch.equal(state.prompt_mask, before[6])
     assert_kv_equal(list(state.kv), before[0])
     continuation, _ = decode_from(rt, state, 0, first.tokens[0], 5)
     assert [first.tokens[0]] + continuation == held_reference

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from neuronfx.config.validators import boolean, one_of, positive_int
+from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -25,7 +25,7 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         raise ConfigError(f"{field}=() is empty; give at least one bucket or None to derive them.")
     for b in buckets:
         if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
-            raise ConfigError(f"{field} contains {b!r}; buckets are positive token counts (int).")
+            raise ConfigError(f"{field} contains {b!r}; buckets are positive ints (tokens, or rows for batch_buckets).")
     if list(buckets) != sorted(set(buckets)):
         raise ConfigError(f"{field}={buckets} must be strictly increasing; sort it and drop duplicates.")
     if buckets[-1] > limit:
@@ -44,13 +44,19 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
 class InferenceConfig:
     """Static options of a compiled runtime (the scope of NxD's ``NeuronConfig`` neuronfx covers).
 
-    - ``batch_size``: rows per graph, and the number of KV-cache slots (requests held at once).
+    - ``batch_size``: KV-cache slots, i.e. requests held at once (vLLM's ``max_num_seqs``), and
+      the largest batch a graph runs.
+    - ``batch_buckets``: compiled batch sizes (rows per graph), strictly increasing and ending at
+      ``batch_size``; a step over n rows runs in the smallest one >= n. Derived when None:
+      1, 2, 4, ... below ``batch_size``, then ``batch_size`` (only ``batch_size`` without bucketing).
     - ``max_context_length``: longest prompt, tokens (largest prefill bucket).
     - ``sequence_length``: KV-cache length per slot, tokens (prompt + generated).
     - ``enable_bucketing``: derive power-of-two bucket ladders; otherwise one bucket per phase.
     - ``prefill_buckets`` / ``decode_buckets``: explicit ladders (tokens), override derivation.
     - ``dtype``: weights, activations and KV cache ("float32", "bfloat16", "float16").
     - ``on_device_sampling``: graphs return sampled tokens; ``max_topk`` caps top_k in the graph.
+    - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
+      20); 0 compiles no logprob outputs.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
     - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
       (torch.compile per graph part), "neuron" (optional extra).
@@ -62,11 +68,13 @@ class InferenceConfig:
     max_context_length: int = attrs.field(default=256, validator=positive_int)
     sequence_length: int = attrs.field(default=512, validator=positive_int)
     enable_bucketing: bool = attrs.field(default=True, validator=boolean)
+    batch_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
+    max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
     output_logits: bool = attrs.field(default=False, validator=boolean)
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
 
@@ -76,6 +84,7 @@ class InferenceConfig:
                 f"max_context_length={self.max_context_length} > sequence_length={self.sequence_length}; "
                 "a prompt must fit in the KV cache: lower max_context_length or raise sequence_length."
             )
+        _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
         _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
         if not self.on_device_sampling and not self.output_logits:

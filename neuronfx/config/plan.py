@@ -8,6 +8,7 @@ from neuronfx.config.buckets import MIN_BUCKET, generate_buckets
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
+from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.errors import UnsupportedModelError
 
 PHASES = ("prefill", "decode")
@@ -24,7 +25,8 @@ class TensorSpec:
 
 @attrs.frozen(kw_only=True)
 class GraphSpec:
-    """One static-shape graph: its phase, bucket (tokens) and exact step inputs, in call order.
+    """One static-shape graph: its phase, batch size (rows), bucket (tokens) and exact step
+    inputs, in call order.
 
     Prefill: ``bucket`` prompt tokens per row. Decode: 1 token per row attending ``bucket`` KV
     positions. Every graph also takes the shared weights and the KV cache (not listed here).
@@ -36,20 +38,24 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.phase, self.bucket)
+    def key(self) -> tuple[str, int, int]:
+        """(phase, batch_size, bucket): how a runtime finds the graph."""
+        return (self.phase, self.batch_size, self.bucket)
 
 
 @attrs.frozen(kw_only=True)
 class Plan:
     """A frozen value derived from (ModelConfig, InferenceConfig) by :func:`make_plan`.
 
+    ``batch_buckets`` (rows) and ``prefill_buckets`` / ``decode_buckets`` (tokens) are the
+    ladders; ``graphs`` holds one GraphSpec per (phase, batch bucket, length bucket).
     ``checkpoint`` optionally names where the weights come from (a local HF directory or a
     ``.gguf`` file) so that ``neuronfx.compile(plan)`` can load them itself.
     """
 
     model: ModelConfig
     inference: InferenceConfig
+    batch_buckets: tuple[int, ...]
     prefill_buckets: tuple[int, ...]
     decode_buckets: tuple[int, ...]
     kv: KVLayout
@@ -57,11 +63,12 @@ class Plan:
     graphs: tuple[GraphSpec, ...]
     checkpoint: str | None = None
 
-    def graph(self, phase: str, bucket: int) -> GraphSpec:
+    def graph(self, phase: str, batch_size: int, bucket: int) -> GraphSpec:
+        """The GraphSpec for (phase, batch_size rows, bucket tokens); KeyError if not compiled."""
         for g in self.graphs:
-            if g.key == (phase, bucket):
+            if g.key == (phase, batch_size, bucket):
                 return g
-        raise KeyError(f"plan has no {phase} graph for bucket {bucket}")
+        raise KeyError(f"plan has no {phase} graph for batch size {batch_size} and bucket {bucket}")
 
 
 def bucket_plan(inference: InferenceConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -76,8 +83,25 @@ def bucket_plan(inference: InferenceConfig) -> tuple[tuple[int, ...], tuple[int,
     return inference.prefill_buckets or prefill, inference.decode_buckets or decode
 
 
-def step_inputs(phase: str, bucket: int, batch_size: int) -> tuple[TensorSpec, ...]:
-    """Input specs of one graph, in call order (after weights and KV cache)."""
+def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
+    """Compiled batch sizes (rows): explicit ``batch_buckets`` win; else 1, 2, 4, ... below
+    ``batch_size`` then ``batch_size`` when ``enable_bucketing`` (vLLM captures CUDA graphs at
+    [1, 2, 4, 8, ...] for the same reason: a step pads its rows to the next compiled size);
+    else ``(batch_size,)``."""
+    if inference.batch_buckets:
+        return inference.batch_buckets
+    if inference.enable_bucketing:
+        return generate_buckets(1, inference.batch_size)
+    return (inference.batch_size,)
+
+
+def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int) -> tuple[TensorSpec, ...]:
+    """Input specs of one graph, in call order (after weights and KV cache).
+
+    Besides ids and positions, each row carries its sampling parameters (``NUM_PARAM_COLUMNS``
+    floats), its request's generated-token counts and prompt-token mask (for penalties), an
+    additive logits bias (min_tokens) and one uniform random number.
+    """
     n = bucket if phase == "prefill" else 1
     specs = [
         TensorSpec("input_ids", (batch_size, n), "int32"),
@@ -87,7 +111,10 @@ def step_inputs(phase: str, bucket: int, batch_size: int) -> tuple[TensorSpec, .
     if phase == "prefill":
         specs.append(TensorSpec("prompt_lens", (batch_size,), "int32"))
     specs += [
-        TensorSpec("sampling_params", (batch_size, 3), "float32"),
+        TensorSpec("sampling_params", (batch_size, NUM_PARAM_COLUMNS), "float32"),
+        TensorSpec("output_counts", (batch_size, vocab_size), "int32"),
+        TensorSpec("prompt_mask", (batch_size, vocab_size), "bool"),
+        TensorSpec("logits_bias", (batch_size, vocab_size), "float32"),
         TensorSpec("rand", (batch_size,), "float32"),
     ]
     return tuple(specs)
@@ -102,12 +129,14 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
             "sliding-window attention is not supported; set sequence_length <= sliding_window."
         )
     prefill, decode = bucket_plan(inference)
-    b = inference.batch_size
+    batches = batch_bucket_plan(inference)
     graphs = tuple(
-        GraphSpec(phase=phase, bucket=k, batch_size=b, inputs=step_inputs(phase, k, b))
+        GraphSpec(phase=phase, bucket=k, batch_size=b, inputs=step_inputs(phase, k, b, model.vocab_size))
         for phase, ladder in (("prefill", prefill), ("decode", decode))
+        for b in batches
         for k in ladder
     )
+    b = inference.batch_size
     kv = KVLayout(
         num_layers=model.num_hidden_layers,
         num_slots=b + 1,
@@ -119,6 +148,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
     return Plan(
         model=model,
         inference=inference,
+        batch_buckets=batches,
         prefill_buckets=prefill,
         decode_buckets=decode,
         kv=kv,

@@ -18,6 +18,12 @@ def positive_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{type(inst).__name__}.{attribute.name}={value!r} must be a positive int.")
 
 
+def non_negative_int(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """A count that may be zero: an int (not bool) >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{type(inst).__name__}.{attribute.name}={value!r} must be an int >= 0.")
+
+
 def positive_number(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     """A finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

@@ -18,20 +18,24 @@ from collections.abc import Callable
 import torch
 
 from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import BackendUnavailableError, ConfigError
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.phases import GraphModule, phase_parts
 
 Graph = Callable[..., dict[str, torch.Tensor]]
-TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32}
+TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bool": torch.bool}
 
 
-def example_inputs(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
-    """Zero-filled trace inputs from the spec (prompt_lens and sampling rows set to valid values)."""
+def example_inputs(plan: Plan, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
+    """Trace inputs from the spec: zeros, except prompt_lens (1) and greedy sampling rows."""
+    greedy = pack_sampling([SamplingParams()] * spec.batch_size, plan.topk_width)
     out = []
     for t in spec.inputs:
-        fill = 1 if t.name in ("prompt_lens", "sampling_params") else 0
-        out.append(torch.full(t.shape, fill, dtype=TORCH_DTYPES[t.dtype]))
+        if t.name == "sampling_params":
+            out.append(torch.tensor(greedy, dtype=torch.float32))
+        else:
+            out.append(torch.full(t.shape, int(t.name == "prompt_lens"), dtype=TORCH_DTYPES[t.dtype]))
     return tuple(out)
 
 
@@ -41,7 +45,7 @@ def build_eager(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Te
 
 def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
     # ``kv`` is compile's template cache, not a live state: tracing may write into it.
-    args = (weights, kv, *example_inputs(spec))
+    args = (weights, kv, *example_inputs(plan, spec))
     program = torch.export.export(GraphModule(phase_parts(plan, spec), spec.phase), args, strict=False)
     return program.module()
 
@@ -61,16 +65,17 @@ def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch
     # one compiled group serves every group, so compile time does not grow with depth. Weights and
     # KV stay inputs (shared, KV mutated in place). Running once on the template cache compiles
     # now rather than on the first user step.
-    # Parts of every (phase, bucket) share three code objects, and dynamo caches compiled code
-    # per code object: allow one entry per graph of the plan (each is hit by an id guard).
-    limit = max(64, 2 * len(plan.graphs))
+    # Parts of every graph share three code objects, and dynamo caches compiled code per code
+    # object for the whole process: each (phase, batch, bucket) graph of every runtime built in
+    # it adds one entry (hit by an id guard), so the limits must cover all of them.
+    limit = max(1024, 4 * len(plan.graphs))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
     compile_part = functools.partial(torch.compile, fullgraph=True, dynamic=False)
     group = layer_group_size(plan.model.num_hidden_layers)
     graph = GraphModule(phase_parts(plan, spec, group_size=group, wrap=compile_part), spec.phase)
     with torch.no_grad():
-        graph(weights, kv, *example_inputs(spec))
+        graph(weights, kv, *example_inputs(plan, spec))
     return graph
 
 

@@ -19,7 +19,7 @@ import torch
 
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
-from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_cos_sin, rope_inv_freq, sdpa
+from neuronfx.graphs.layers import LayerWeights, Weights, linear, rms_norm, rope_cos_sin, rope_inv_freq, sdpa
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.sampling import sample
 
@@ -33,13 +33,15 @@ def _embed(plan: Plan, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -
     return h, cos, sin
 
 
-def _head(plan: Plan, norm: Tensor, lm_head: Tensor, hidden: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
-    """hidden (B, hidden) -> {"tokens": (B,) int32 and/or "logits": (B, V) float32}."""
+def _head(plan: Plan, norm: Tensor, lm_head: Tensor, hidden: Tensor, sampler_inputs: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """hidden (B, hidden) -> {"tokens": (B,) int32, logprob outputs (see ``sample``) and/or
+    "logits": (B, V) float32}. ``sampler_inputs``: (sampling_params, output_counts, prompt_mask,
+    logits_bias, rand) as in ``config.plan.step_inputs``."""
     hidden = rms_norm(hidden, norm, plan.model.rms_norm_eps)
-    logits = (hidden @ lm_head.T).float()  # (B, V)
+    logits = linear(hidden, lm_head).float()  # (B, V)
     out = {}
     if plan.inference.on_device_sampling:
-        out["tokens"] = sample(logits, sampling_params, rand, plan.topk_width)
+        out = sample(logits, *sampler_inputs, plan.topk_width, plan.inference.max_logprobs)
     if plan.inference.output_logits:
         out["logits"] = logits
     return out
@@ -68,10 +70,10 @@ def prefill_layer(
     return model_module(plan.model.model_type).decoder_layer(plan.model, lw, h, cos, sin, attend)
 
 
-def prefill_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, prompt_lens: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+def prefill_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, prompt_lens: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
     """Output for the last real token of each row (index prompt_lens - 1)."""
     rows = torch.arange(h.shape[0], device=h.device)
-    return _head(plan, norm, lm_head, h[rows, (prompt_lens - 1).long()], sampling_params, rand)
+    return _head(plan, norm, lm_head, h[rows, (prompt_lens - 1).long()], sampler_inputs)
 
 
 # --- decode: one token per row at position_ids (B, 1) ----------------------------------------
@@ -103,8 +105,8 @@ def decode_layer(
     return model_module(plan.model.model_type).decoder_layer(plan.model, lw, h, cos, sin, attend)
 
 
-def decode_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
-    return _head(plan, norm, lm_head, h[:, 0], sampling_params, rand)
+def decode_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
+    return _head(plan, norm, lm_head, h[:, 0], sampler_inputs)
 
 
 # --- layer groups: one call runs several consecutive layers -----------------------------------
@@ -165,19 +167,19 @@ def _groups(parts: PhaseParts, w: Weights, kv: list[Tensor]) -> list[tuple[list[
 
 
 def run_prefill(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
-                seq_ids: Tensor, prompt_lens: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+                seq_ids: Tensor, prompt_lens: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids, prompt_lens)
     for lws, group_kv in _groups(parts, w, kv):
         h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, mask)
-    return parts.epilogue(w["norm"], w["lm_head"], h, prompt_lens, sampling_params, rand)
+    return parts.epilogue(w["norm"], w["lm_head"], h, prompt_lens, *sampler_inputs)
 
 
 def run_decode(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
-               seq_ids: Tensor, sampling_params: Tensor, rand: Tensor) -> dict[str, Tensor]:
+               seq_ids: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids)
     for lws, group_kv in _groups(parts, w, kv):
         h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, position_ids, mask)
-    return parts.epilogue(w["norm"], w["lm_head"], h, sampling_params, rand)
+    return parts.epilogue(w["norm"], w["lm_head"], h, *sampler_inputs)
 
 
 RUNNERS = {"prefill": run_prefill, "decode": run_decode}

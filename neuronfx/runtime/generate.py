@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -13,7 +13,8 @@ from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SequenceLengthExceededError
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, check_usable
-from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, check_prompts, decode_step, prefill_step, release
+from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
+from neuronfx.runtime.steps import Logprobs, check_prompts
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 
@@ -22,9 +23,12 @@ Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 class GenerateResult:
     """Output of :func:`generate`, one entry per prompt in input order."""
 
-    token_ids: tuple[tuple[int, ...], ...]  # [n][generated_b] generated ids only (a hit eos id included)
-    finish_reasons: tuple[str, ...]  # [n] "stop" (eos id produced) or "length" (max_new_tokens reached)
-    prefill_s: float  # seconds in the prefill step
+    token_ids: tuple[tuple[int, ...], ...]  # [n][generated_b] generated ids (a stopping eos/stop id included)
+    finish_reasons: tuple[str, ...]  # [n] "stop" (eos, stop id or stop string) or "length" (max tokens reached)
+    stop_reasons: tuple[int | str | None, ...]  # [n] stop token id or stop string; None for eos or length
+    texts: tuple[str, ...] | None  # [n] detokenized outputs (stop strings cut), when a tokenizer was given
+    logprobs: tuple[tuple[Logprobs, ...] | None, ...]  # [n][generated_b] for requests that asked
+    prefill_s: float  # seconds in prefill steps
     decode_s: float  # seconds in decode steps
 
     @property
@@ -73,6 +77,56 @@ def eos_set(eos_token_ids: int | Sequence[int]) -> set[int]:
     return {int(t) for t in ids}
 
 
+def make_requests(
+    runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None,
+) -> tuple[list[Request], frozenset[int]]:
+    """Validate everything :func:`generate` needs and build its requests and eos set.
+
+    Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
+    SamplingParams or one per prompt, stop strings without a tokenizer), BatchTooLargeError (no
+    free slot), SequenceLengthExceededError (prompt + max tokens > sequence_length),
+    SamplingParamsError, and the prompt errors of :func:`check_prompts`.
+    """
+    plan = runtime.plan
+    check_usable(state, plan)
+    prompts = normalize_prompts(ids)
+    if not prompts:
+        raise InputError("no prompts given; pass at least one list of token ids.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+    check_prompts(runtime, prompts)
+    if not state.free_slots:
+        raise BatchTooLargeError(
+            f"all {state.num_slots} slots are live; release some or use a state with free slots (neuronfx.init_state)."
+        )
+    params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
+    if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
+        raise InputError(
+            f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({len(prompts)})."
+        )
+    for sp in params:
+        check_sampling(sp, plan.topk_width, plan.inference.max_logprobs, plan.model.vocab_size)
+        if sp.stop and tokenizer is None:
+            raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.checkpoints.load_tokenizer).")
+    eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids)
+    if eos_token_ids is not None:
+        # The caller's eos ids replace the model's: min_tokens must hold back those ids.
+        params = tuple(attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos))) for sp in params)
+    seq_len = plan.inference.sequence_length
+    requests = []
+    for b, (p, sp) in enumerate(zip(prompts, params)):
+        budget = max_new_tokens if sp.max_tokens is None else sp.max_tokens
+        if len(p) + budget > seq_len:
+            raise SequenceLengthExceededError(
+                f"prompt {b} has {len(p)} tokens + max tokens {budget} = {len(p) + budget} "
+                f"> sequence_length={seq_len}; lower max_new_tokens/max_tokens or compile with a larger sequence_length."
+            )
+        requests.append(Request(prompt=tuple(p), sampling=sp, max_tokens=budget))
+    return requests, frozenset(eos)
+
+
 def generate(
     runtime: Runtime,
     state: State,
@@ -80,88 +134,53 @@ def generate(
     *,
     max_new_tokens: int = 32,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-    eos_token_ids: Sequence[int] | None = None,
-) -> tuple[GenerateResult, State]:
-    """Generate up to ``max_new_tokens`` tokens for each prompt; prompts may differ in length.
+    eos_token_ids: int | Sequence[int] | None = None,
+    tokenizer: Any = None,
+    stream: bool = False,
+) -> tuple[GenerateResult, State] | Iterator[TokenEvent | Finished]:
+    """Generate for any number of prompts through the reference scheduler (continuous batching
+    over the state's free slots; prompts beyond them wait for a slot).
 
-    Prompts take free slots of ``state``, are prefilled together, decoded together (finished rows
-    leave the batch), and their slots are released before returning. ``eos_token_ids`` defaults
-    to the model's (generation_config); a row stops after producing one (it is included, as in
-    transformers ``generate``). Greedy unless ``sampling`` says otherwise (one SamplingParams for
-    all rows or one per row; seeded through the state's RNG key).
+    Each request stops at its ``sampling.max_tokens`` (default ``max_new_tokens``), an eos id
+    (``eos_token_ids`` or the model's; included in token_ids, as in transformers), a stop token
+    id or stop string (``tokenizer`` needed for text and stop strings). Greedy unless ``sampling``
+    says otherwise (one SamplingParams for all prompts or one per prompt). Unseeded sampling
+    draws from the state's RNG key; a request with ``seed`` draws from its own.
 
-    Raises, before any state change: BatchTooLargeError (more prompts than free slots),
-    SequenceLengthExceededError (prompt + max_new_tokens > sequence_length), InputError
-    (max_new_tokens < 1), plus every error of :func:`prefill_step`.
+    Returns (GenerateResult, new state); with ``stream=True`` returns an iterator of
+    :class:`TokenEvent` (one per token, with its text delta) ending with a :class:`Finished`
+    that carries the new state. Raises before any state change: see :func:`make_requests`.
     """
-    plan = runtime.plan
-    check_usable(state, plan)
-    prompts = normalize_prompts(ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
-    check_prompts(runtime, prompts)
-    free = state.free_slots
-    if len(prompts) > len(free):
-        raise BatchTooLargeError(
-            f"{len(prompts)} prompts > {len(free)} free slots (batch_size={plan.inference.batch_size}); "
-            "send fewer prompts or compile with a larger batch_size."
-        )
-    seq_len = plan.inference.sequence_length
-    for b, p in enumerate(prompts):
-        if len(p) + max_new_tokens > seq_len:
-            raise SequenceLengthExceededError(
-                f"prompt {b} has {len(p)} tokens + max_new_tokens={max_new_tokens} = {len(p) + max_new_tokens} "
-                f"> sequence_length={seq_len}; lower max_new_tokens or compile with a larger sequence_length."
-            )
-    params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
-    if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
-        raise InputError(
-            f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({len(prompts)})."
-        )
-    for sp in params:
-        check_sampling(sp, plan.topk_width)
-    eos = eos_set(plan.model.eos_token_ids if eos_token_ids is None else eos_token_ids)
-
-    slots = free[: len(prompts)]
-    t0 = time.perf_counter()
-    out, state = prefill_step(runtime, state, PrefillBatch(seq_ids=slots, prompts=prompts, sampling=params))
-    prefill_s = time.perf_counter() - t0
-    generated = [[t] for t in out.tokens]
-    reasons: list[str | None] = [None] * len(prompts)
-
-    def retire(rows: Sequence[int]) -> list[int]:
-        done = []
-        for r in rows:
-            if generated[r][-1] in eos:
-                reasons[r] = "stop"
-            elif len(generated[r]) >= max_new_tokens:
-                reasons[r] = "length"
-            if reasons[r] is not None:
-                done.append(r)
-        return done
-
-    active = list(range(len(prompts)))
-    t0 = time.perf_counter()
-    while True:
-        done = retire(active)
-        if done:
-            state = release(runtime, state, [slots[r] for r in done])
-            active = [r for r in active if r not in done]
-        if not active:
-            break
-        batch = DecodeBatch(
-            seq_ids=[slots[r] for r in active],
-            input_ids=[generated[r][-1] for r in active],
-            sampling=[params[r] for r in active],
-        )
-        out, state = decode_step(runtime, state, batch)
-        for r, tok in zip(active, out.tokens):
-            generated[r].append(tok)
-    decode_s = time.perf_counter() - t0
-    result = GenerateResult(
-        token_ids=tuple(tuple(g) for g in generated),
-        finish_reasons=tuple(r or "length" for r in reasons),
-        prefill_s=prefill_s,
-        decode_s=decode_s,
+    requests, eos = make_requests(
+        runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
     )
-    return result, state
+    events = schedule(runtime, state, requests, eos, tokenizer)
+    if stream:
+        return events
+    return collect(events, len(requests), tokenizer is not None)
+
+
+def collect(events: Iterator[TokenEvent | Finished], n: int, with_text: bool) -> tuple[GenerateResult, State]:
+    """Drain a schedule into a GenerateResult and the final state."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    texts, logprobs = [""] * n, [[] for _ in range(n)]
+    reasons: list[str] = ["length"] * n
+    stop_reasons: list[int | str | None] = [None] * n
+    wants_logprobs = [False] * n
+    for ev in events:
+        if isinstance(ev, Finished):
+            result = GenerateResult(
+                token_ids=tuple(tuple(t) for t in tokens), finish_reasons=tuple(reasons), stop_reasons=tuple(stop_reasons),
+                texts=tuple(texts) if with_text else None,
+                logprobs=tuple(tuple(lp) if want else None for lp, want in zip(logprobs, wants_logprobs)),
+                prefill_s=ev.prefill_s, decode_s=ev.decode_s,
+            )
+            return result, ev.state
+        tokens[ev.index].append(ev.token_id)
+        texts[ev.index] += ev.text
+        if ev.logprobs is not None:
+            wants_logprobs[ev.index] = True
+            logprobs[ev.index].append(ev.logprobs)
+        if ev.finish_reason is not None:
+            reasons[ev.index], stop_reasons[ev.index] = ev.finish_reason, ev.stop_reason
+    raise RuntimeError("schedule ended without a Finished event")  # unreachable: schedule always ends with one

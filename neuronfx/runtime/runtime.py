@@ -23,14 +23,14 @@ class Runtime:
 
     - ``plan``: the Plan it was compiled for.
     - ``weights``: neuronfx weight name -> tensor in the plan's dtype, one copy shared by all graphs.
-    - ``graphs``: (phase, bucket) -> callable ``graph(weights, kv, *step_inputs)``.
-    - ``compile_s``: (phase, bucket) -> seconds spent building that graph.
+    - ``graphs``: (phase, batch_size, bucket) -> callable ``graph(weights, kv, *step_inputs)``.
+    - ``compile_s``: (phase, batch_size, bucket) -> seconds spent building that graph.
     """
 
     plan: Plan
     weights: Weights
-    graphs: Mapping[tuple[str, int], Graph]
-    compile_s: Mapping[tuple[str, int], float]
+    graphs: Mapping[tuple[str, int, int], Graph]
+    compile_s: Mapping[tuple[str, int, int], float]
 
 
 def compile(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Runtime:
@@ -52,7 +52,7 @@ def compile(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None = None, pr
     graphs, times = {}, {}
     bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
     for spec in bar:
-        bar.set_postfix_str(f"{spec.phase} {spec.bucket}")
+        bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
         t0 = time.perf_counter()
         graphs[spec.key] = build_graph(plan, spec, weights, template_kv)
         times[spec.key] = time.perf_counter() - t0

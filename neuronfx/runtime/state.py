@@ -1,4 +1,4 @@
-"""State: the KV cache, per-slot cache_lens and liveness, and the RNG key, passed explicitly.
+"""State: the KV cache, per-slot token bookkeeping and liveness, and the RNG key, passed explicitly.
 
 A step consumes its input state and returns a new one. KV tensors are updated in place for
 speed, so a consumed state must not be used again: its lease is revoked and any further use
@@ -28,14 +28,22 @@ class State:
 
     - ``kv``: 2 * num_layers tensors (K of layer l at 2l, V at 2l+1), each
       [num_slots, num_kv_heads, sequence_length, head_dim] in the plan's dtype; the last slot is scratch.
+    - ``output_counts``: [batch_size, vocab] int32, how often each token was sampled by the
+      request in each slot (presence/frequency/repetition penalties).
+    - ``prompt_mask``: [batch_size, vocab] bool, tokens of each slot's prompt (repetition penalty).
     - ``cache_lens``: tokens held per request slot, [batch_size] host ints.
+    - ``generated``: tokens sampled so far per request slot, [batch_size] host ints (a seeded
+      request's n-th draw depends only on its seed and n).
     - ``live``: whether each request slot belongs to a request, [batch_size] bools.
     - ``rng_key``: int seed of the next step's random numbers.
     - ``plan_key``: identifies the plan the state was made for.
     """
 
     kv: tuple[torch.Tensor, ...]
+    output_counts: torch.Tensor
+    prompt_mask: torch.Tensor
     cache_lens: tuple[int, ...]
+    generated: tuple[int, ...]
     live: tuple[bool, ...]
     rng_key: int
     plan_key: int
@@ -63,14 +71,17 @@ MAX_SEED = 2**63 - 1
 
 
 def empty_state(plan: Plan, seed: int = 0) -> State:
-    """Fresh state: zero KV cache (plan.kv.nbytes bytes), all slots free, RNG key ``seed``.
+    """Fresh state: zero KV cache (plan.kv.nbytes bytes) and token counts, all slots free, RNG key ``seed``.
 
     Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (a torch.Generator seed)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise InputError(f"seed={seed!r} must be an int in [0, {MAX_SEED}].")
     kv = tuple(torch.zeros(plan.kv.shape, dtype=DTYPES[plan.kv.dtype]) for _ in range(2 * plan.kv.num_layers))
-    n = plan.inference.batch_size
-    return State(kv=kv, cache_lens=(0,) * n, live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan))
+    n, vocab = plan.inference.batch_size, plan.model.vocab_size
+    return State(
+        kv=kv, output_counts=torch.zeros(n, vocab, dtype=torch.int32), prompt_mask=torch.zeros(n, vocab, dtype=torch.bool),
+        cache_lens=(0,) * n, generated=(0,) * n, live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan),
+    )
 
 
 def check_usable(state: State, plan: Plan) -> None:
@@ -87,7 +98,11 @@ def check_usable(state: State, plan: Plan) -> None:
         )
 
 
-def advance(state: State, *, cache_lens: tuple[int, ...], live: tuple[bool, ...], rng_key: int) -> State:
-    """Revoke ``state``'s lease; return a new state sharing its KV tensors with the new counts."""
+def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, ...], live: tuple[bool, ...], rng_key: int) -> State:
+    """Revoke ``state``'s lease; return a new state sharing its tensors (updated in place by the
+    step) with the new host counts."""
     state._lease.valid = False
-    return State(kv=state.kv, cache_lens=cache_lens, live=live, rng_key=rng_key, plan_key=state.plan_key)
+    return State(
+        kv=state.kv, output_counts=state.output_counts, prompt_mask=state.prompt_mask, cache_lens=cache_lens,
+        generated=generated, live=live, rng_key=rng_key, plan_key=state.plan_key,
+    )

@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from neuronfx.config.buckets import select_bucket
-from neuronfx.config.sampling import SamplingParams, pack_sampling
+from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampling
 from neuronfx.errors import (
     BatchTooLargeError,
     EmptyPromptError,
@@ -53,13 +53,26 @@ class DecodeBatch:
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=tuple)  # [n]
 
 
+@attrs.frozen(kw_only=True)
+class Logprobs:
+    """Raw logprobs (log_softmax of the model's logits, before penalties and temperature: vLLM
+    V1's default ``raw_logprobs`` mode) for one sampled token."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its raw logprob
+    top_ids: tuple[int, ...]  # [N] most likely token ids, descending
+    top_logprobs: tuple[float, ...]  # [N] their raw logprobs
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class StepOutput:
     """What one step produced, row-aligned with its batch."""
 
     tokens: tuple[int, ...]  # [n] sampled token ids
     logits: torch.Tensor | None  # [n, vocab] float32 of the last position, when output_logits
+    logprobs: tuple[Logprobs | None, ...]  # [n]; None for rows that did not ask (logprobs=None)
     bucket: int  # tokens: prompt bucket (prefill) or attended KV length (decode)
+    batch_size: int  # rows of the graph that ran (the batch bucket; rows past n were padding)
 
 
 def _check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object], what: str) -> None:
@@ -108,31 +121,95 @@ def check_prompts(runtime: Runtime, prompts: Sequence[Sequence[int]]) -> None:
         check_token_ids(prompt, runtime.plan.model.vocab_size)
 
 
-def _draws(key: int, n: int) -> tuple[torch.Tensor, int]:
-    """(n uniform floats in [0, 1), next key) from the state's RNG key; pure in ``key``."""
-    g = torch.Generator().manual_seed(key)
-    rand = torch.rand(n, generator=g)
-    return rand, int(torch.randint(0, 2**62, (1,), generator=g))
-
-
-def _pad(rows: list[list[float]] | list[int], n: int, fill: object) -> list:
+def _pad(rows: list, n: int, fill: object) -> list:
     return list(rows) + [fill] * (n - len(rows))
 
 
-def _outputs(runtime: Runtime, out: dict[str, torch.Tensor], n: int, params: torch.Tensor, rand: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor | None]:
-    logits = out["logits"][:n] if runtime.plan.inference.output_logits else None
-    if runtime.plan.inference.on_device_sampling:
-        tokens = out["tokens"][:n]
-    else:  # same sampler as the graph, on the host
-        tokens = sample(out["logits"][:n], params[:n], rand[:n], runtime.plan.topk_width)
-    return tuple(tokens.tolist()), logits
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform in [0, 1) for draw ``index`` (0-based, tokens sampled so far) of a request
+    seeded with ``seed``: a pure function of (seed, index), so a seeded request samples the same
+    tokens whatever shares its batch and whichever slot it holds (vLLM keeps one torch.Generator
+    per seeded request for the same reason). Mixing: splitmix64 (Steele et al. 2014)."""
+    z = (seed + (index + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return float(torch.rand(1, generator=torch.Generator().manual_seed(z >> 1)))
+
+
+def _draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int], bsz: int) -> tuple[torch.Tensor, int]:
+    """(bsz uniforms, next key). Unseeded rows draw from the state's key (pure in ``key``);
+    seeded rows from their own (seed, index)."""
+    g = torch.Generator().manual_seed(key)
+    rand = torch.rand(bsz, generator=g)
+    for r, (sp, n) in enumerate(zip(params, generated)):
+        if sp.seed is not None:
+            rand[r] = seeded_uniform(sp.seed, n)
+    return rand, int(torch.randint(0, 2**62, (1,), generator=g))
+
+
+def _stop_ids(plan_eos: Sequence[int], sp: SamplingParams) -> list[int]:
+    """Tokens min_tokens holds back: the model's eos ids (unless ignore_eos) and stop_token_ids."""
+    return ([] if sp.ignore_eos else list(plan_eos)) + list(sp.stop_token_ids)
+
+
+def _sampler_inputs(
+    runtime: Runtime, state: State, params: Sequence[SamplingParams], generated: Sequence[int],
+    counts: torch.Tensor, prompt_mask: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], int]:
+    """Graph inputs (sampling_params, output_counts, prompt_mask, logits_bias, rand), each padded
+    to ``counts.shape[0]`` rows, and the next RNG key. ``counts``/``prompt_mask``: [bsz, vocab]
+    with the real rows filled."""
+    plan = runtime.plan
+    bsz, n = counts.shape[0], len(params)
+    rows = pack_sampling(params, plan.topk_width) + pack_sampling([SamplingParams()] * (bsz - n), plan.topk_width)
+    bias = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.float32)
+    for r, (sp, done) in enumerate(zip(params, generated)):
+        if done < sp.min_tokens:
+            bias[r, _stop_ids(plan.model.eos_token_ids, sp)] = float("-inf")
+    rand, next_key = _draws(state.rng_key, params, generated, bsz)
+    return (torch.tensor(rows, dtype=torch.float32), counts, prompt_mask, bias, rand), next_key
+
+
+def _outputs(runtime: Runtime, out: dict[str, torch.Tensor], params: Sequence[SamplingParams], inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[Logprobs | None, ...]]:
+    plan, n = runtime.plan, len(params)
+    if not plan.inference.on_device_sampling:  # same sampler as the graph, on the host
+        out = out | sample(out["logits"], *inputs, plan.topk_width, plan.inference.max_logprobs)
+    tokens = tuple(out["tokens"][:n].tolist())
+    logits = out["logits"][:n] if plan.inference.output_logits else None
+    logprobs = []
+    for r, sp in enumerate(params):
+        if sp.logprobs is None:
+            logprobs.append(None)
+            continue
+        k = sp.logprobs
+        logprobs.append(Logprobs(
+            token_id=tokens[r], logprob=float(out["sampled_logprobs"][r]),
+            top_ids=tuple(out["top_ids"][r, :k].tolist()), top_logprobs=tuple(out["top_logprobs"][r, :k].tolist()),
+        ))
+    return tokens, logits, tuple(logprobs)
+
+
+def _count_tokens(state: State, slots: Sequence[int], tokens: Sequence[int]) -> None:
+    state.output_counts[list(slots), list(tokens)] += 1  # distinct slots: no duplicate index
+
+
+def _check_params(runtime: Runtime, sampling: Sequence[SamplingParams]) -> None:
+    plan = runtime.plan
+    for sp in sampling:
+        check_sampling(sp, plan.topk_width, plan.inference.max_logprobs, plan.model.vocab_size)
 
 
 def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
     """Prefill ``batch.prompts`` into free slots ``batch.seq_ids``; returns each row's first token.
 
-    Raises (before any change) BatchTooLargeError, SlotError (slot out of range, duplicate or
-    live), EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
+    Runs the (prefill, batch bucket >= n rows, prompt bucket >= longest prompt) graph. Raises
+    (before any change) BatchTooLargeError, SlotError (slot out of range, duplicate or live),
+    EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
     plan = runtime.plan
@@ -141,35 +218,44 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     _check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
     _check_slots(state, batch.seq_ids, live=False)
     check_prompts(runtime, batch.prompts)
-    rows = pack_sampling(batch.sampling, plan.topk_width)
+    _check_params(runtime, batch.sampling)
 
-    n, bsz = len(batch.prompts), plan.inference.batch_size
+    n, vocab = len(batch.prompts), plan.model.vocab_size
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
     bucket = select_bucket(plan.prefill_buckets, max(len(p) for p in batch.prompts), "prompt length")
     ids = torch.zeros(bsz, bucket, dtype=torch.int32)
+    prompt_mask = torch.zeros(bsz, vocab, dtype=torch.bool)
     for b, prompt in enumerate(batch.prompts):
         ids[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+        prompt_mask[b, list(prompt)] = True
     positions = torch.arange(bucket, dtype=torch.int32).expand(bsz, bucket).contiguous()
     seq_ids = torch.tensor(_pad(list(batch.seq_ids), bsz, plan.kv.scratch_slot), dtype=torch.int32)
     lens = torch.tensor(_pad([len(p) for p in batch.prompts], bsz, 1), dtype=torch.int32)
-    params = torch.tensor(_pad(rows, bsz, [1.0, 1.0, 1.0]), dtype=torch.float32)
-    rand, next_key = _draws(state.rng_key, bsz)
+    counts = torch.zeros(bsz, vocab, dtype=torch.int32)
+    inputs, next_key = _sampler_inputs(runtime, state, batch.sampling, [0] * n, counts, prompt_mask)
 
     with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
-        out = runtime.graphs[("prefill", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, params, rand)
-    tokens, logits = _outputs(runtime, out, n, params, rand)
-    cache_lens, live = list(state.cache_lens), list(state.live)
-    for s, prompt in zip(batch.seq_ids, batch.prompts):
-        cache_lens[s], live[s] = len(prompt), True
-    new = advance(state, cache_lens=tuple(cache_lens), live=tuple(live), rng_key=next_key)
-    return StepOutput(tokens=tokens, logits=logits, bucket=bucket), new
+        out = runtime.graphs[("prefill", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, *inputs)
+    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
+    slots = list(batch.seq_ids)
+    state.prompt_mask[slots] = prompt_mask[:n]
+    state.output_counts[slots] = 0
+    _count_tokens(state, slots, tokens)
+    cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
+    for s, prompt in zip(slots, batch.prompts):
+        cache_lens[s], generated[s], live[s] = len(prompt), 1, True
+    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=next_key)
+    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz), new
 
 
 def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """Decode one token for each live slot in ``batch.seq_ids``, feeding ``batch.input_ids``.
 
-    Raises (before any change) BatchTooLargeError, SlotError (out of range, duplicate or free),
-    TokenOutOfVocabError, SequenceLengthExceededError (slot already holds sequence_length
-    tokens), SamplingParamsError, StateConsumedError / StateMismatchError.
+    Runs the (decode, batch bucket >= n rows, KV bucket >= longest cache_len + 1) graph; padding
+    rows write only the scratch slot. Raises (before any change) BatchTooLargeError, SlotError
+    (out of range, duplicate or free), TokenOutOfVocabError, SequenceLengthExceededError (slot
+    already holds sequence_length tokens), SamplingParamsError, StateConsumedError /
+    StateMismatchError.
     """
     plan = runtime.plan
     check_usable(state, plan)
@@ -183,25 +269,32 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
             raise SequenceLengthExceededError(
                 f"slot {s} holds {state.cache_lens[s]} tokens = sequence_length={seq_len}; release it or compile with a larger sequence_length."
             )
-    rows = pack_sampling(batch.sampling, plan.topk_width)
+    _check_params(runtime, batch.sampling)
 
-    n, bsz = len(batch.seq_ids), plan.inference.batch_size
-    cache_lens = [state.cache_lens[s] for s in batch.seq_ids]
+    n, slots = len(batch.seq_ids), list(batch.seq_ids)
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    cache_lens = [state.cache_lens[s] for s in slots]
     bucket = select_bucket(plan.decode_buckets, max(cache_lens) + 1, "attended KV length")
     ids = torch.tensor(_pad(list(batch.input_ids), bsz, 0), dtype=torch.int32)[:, None]
     positions = torch.tensor(_pad(cache_lens, bsz, 0), dtype=torch.int32)[:, None]
-    seq_ids = torch.tensor(_pad(list(batch.seq_ids), bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    params = torch.tensor(_pad(rows, bsz, [1.0, 1.0, 1.0]), dtype=torch.float32)
-    rand, next_key = _draws(state.rng_key, bsz)
+    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
+    counts = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.int32)
+    counts[:n] = state.output_counts[slots]
+    prompt_mask = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.bool)
+    prompt_mask[:n] = state.prompt_mask[slots]
+    generated = [state.generated[s] for s in slots]
+    inputs, next_key = _sampler_inputs(runtime, state, batch.sampling, generated, counts, prompt_mask)
 
     with torch.no_grad():
-        out = runtime.graphs[("decode", bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, params, rand)
-    tokens, logits = _outputs(runtime, out, n, params, rand)
-    new_lens = list(state.cache_lens)
-    for s in batch.seq_ids:
+        out = runtime.graphs[("decode", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, *inputs)
+    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
+    _count_tokens(state, slots, tokens)
+    new_lens, new_generated = list(state.cache_lens), list(state.generated)
+    for s in slots:
         new_lens[s] += 1
-    new = advance(state, cache_lens=tuple(new_lens), live=state.live, rng_key=next_key)
-    return StepOutput(tokens=tokens, logits=logits, bucket=bucket), new
+        new_generated[s] += 1
+    new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key)
+    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz), new
 
 
 def release(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
@@ -209,7 +302,7 @@ def release(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
     slot that is out of range, duplicated or already free."""
     check_usable(state, runtime.plan)
     _check_slots(state, seq_ids, live=True)
-    cache_lens, live = list(state.cache_lens), list(state.live)
+    cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
     for s in seq_ids:
-        cache_lens[s], live[s] = 0, False
-    return advance(state, cache_lens=tuple(cache_lens), live=tuple(live), rng_key=state.rng_key)
+        cache_lens[s], generated[s], live[s] = 0, 0, False
+    return advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=state.rng_key)

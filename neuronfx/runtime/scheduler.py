@@ -1,0 +1,185 @@
+"""A reference continuous-batching scheduler over the step API: first come, first served.
+
+Read it as a template for your own. Each iteration of :func:`schedule`:
+
+1. admit: while requests wait and slots are free, prefill the oldest waiting ones (one step);
+2. decode: every running request advances one token (one step, padded to a batch bucket);
+3. retire: requests that met a stop condition release their slots.
+
+It never looks inside tensors; it only calls ``prefill_step``, ``decode_step`` and ``release``
+and yields one :class:`TokenEvent` per generated token, then a :class:`Finished` with the new
+state. Stop rules follow vLLM's ``StopChecker`` (see :func:`stop_check`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from neuronfx.config.sampling import SamplingParams
+from neuronfx.runtime.runtime import Runtime
+from neuronfx.runtime.state import State
+from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, decode_step, prefill_step, release
+
+
+@attrs.frozen(kw_only=True)
+class Request:
+    """One request: prompt ids, its sampling, and the resolved token budget."""
+
+    prompt: tuple[int, ...]  # [T] token ids
+    sampling: SamplingParams
+    max_tokens: int  # tokens to generate at most (sampling.max_tokens or the caller's default)
+
+
+@attrs.frozen(kw_only=True)
+class TokenEvent:
+    """One generated token of request ``index`` (input order)."""
+
+    index: int
+    token_id: int
+    text: str  # text added by this token ("" without a tokenizer; may be held back, see module doc)
+    logprobs: Logprobs | None  # when the request asked for logprobs
+    finish_reason: str | None  # None while running, else "stop" or "length"
+    stop_reason: int | str | None  # the stop token id or stop string that ended it (vLLM's stop_reason)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Finished:
+    """Last item of a schedule: the state after every request was released, and step timings."""
+
+    state: State
+    prefill_s: float  # seconds in prefill steps
+    decode_s: float  # seconds in decode steps
+
+
+@attrs.frozen(kw_only=True)
+class Progress:
+    """One admitted request: its slot and what it produced so far."""
+
+    index: int  # caller's request index
+    request: Request
+    slot: int
+    tokens: tuple[int, ...] = ()
+    text: str = ""  # detokenized output so far (skip_special_tokens)
+    sent: int = 0  # characters of ``text`` already emitted
+
+
+@attrs.frozen(kw_only=True)
+class Queue:
+    """The scheduler's host-side bookkeeping, as a value: waiting requests (oldest first),
+    running ones (in slot-admission order) and seconds spent in each phase."""
+
+    waiting: tuple[tuple[int, Request], ...] = ()
+    running: tuple[Progress, ...] = ()
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+
+def submit(queue: Queue, index: int, request: Request) -> Queue:
+    """Queue ``request`` (already validated, see ``neuronfx.runtime.generate.make_requests``)."""
+    return attrs.evolve(queue, waiting=queue.waiting + ((index, request),))
+
+
+def stop_check(req: Request, tokens: Sequence[int], text: str, eos: frozenset[int], new_chars: int) -> tuple[str | None, int | str | None, str]:
+    """(finish_reason, stop_reason, text) after ``tokens[-1]`` was appended, vLLM's order:
+    nothing stops before ``min_tokens``; then eos (unless ``ignore_eos``), ``stop_token_ids``
+    (the token's text is dropped), stop strings (text cut before the string unless
+    ``include_stop_str_in_output``; searched only where the last ``new_chars`` characters could
+    complete one), and finally ``max_tokens`` ("length")."""
+    sp, last = req.sampling, tokens[-1]
+    if len(tokens) >= sp.min_tokens:
+        if not sp.ignore_eos and last in eos:
+            return "stop", None, text
+        if last in sp.stop_token_ids:
+            return "stop", last, text[: len(text) - new_chars] if new_chars else text
+        for stop in sp.stop:
+            at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+            if at >= 0:
+                return "stop", stop, text[: at + len(stop) if sp.include_stop_str_in_output else at]
+    if len(tokens) >= req.max_tokens:
+        return "length", None, text
+    return None, None, text
+
+
+def advance_request(run: Progress, token: int, logprobs: Logprobs | None, tokenizer: Any, eos: frozenset[int]) -> tuple[Progress, TokenEvent]:
+    """Append ``token`` to ``run``: detokenize, check stop rules, and cut the text delta to emit.
+    While running, a trailing partial UTF-8 character and anything that could still become a
+    stop string are held back."""
+    tokens = run.tokens + (token,)
+    text = tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else ""
+    reason, stop_reason, text = stop_check(run.request, tokens, text, eos, max(0, len(text) - len(run.text)))
+    ready = len(text)
+    if reason is None:
+        hold = max((len(s) - 1 for s in run.request.sampling.stop), default=0)
+        ready = max(run.sent, len(text.rstrip("\ufffd")) - hold)
+    event = TokenEvent(index=run.index, token_id=token, text=text[run.sent:ready], logprobs=logprobs,
+                       finish_reason=reason, stop_reason=stop_reason)
+    return attrs.evolve(run, tokens=tokens, text=text, sent=ready), event
+
+
+def step(
+    runtime: Runtime, state: State, queue: Queue, eos_token_ids: frozenset[int], tokenizer: Any = None,
+) -> tuple[list[TokenEvent], State, Queue]:
+    """One scheduler iteration: admit waiting requests into free slots (one prefill step), decode
+    every running request (one decode step), release finished ones. Returns the iteration's
+    events (one per token), the new state and queue. ``state`` is consumed."""
+    events: list[TokenEvent] = []
+    free = list(state.free_slots)
+    take = min(len(free), len(queue.waiting))
+    admitted = [Progress(index=i, request=r, slot=s) for (i, r), s in zip(queue.waiting[:take], free)]
+    queue = attrs.evolve(queue, waiting=queue.waiting[take:])
+    if admitted:
+        t0 = time.perf_counter()
+        batch = PrefillBatch(seq_ids=[r.slot for r in admitted], prompts=[r.request.prompt for r in admitted],
+                             sampling=[r.request.sampling for r in admitted])
+        out, state = prefill_step(runtime, state, batch)
+        queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0)
+        state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events)
+    if queue.running:
+        t0 = time.perf_counter()
+        running = queue.running
+        batch = DecodeBatch(seq_ids=[r.slot for r in running], input_ids=[r.tokens[-1] for r in running],
+                            sampling=[r.request.sampling for r in running])
+        out, state = decode_step(runtime, state, batch)
+        queue = attrs.evolve(queue, decode_s=queue.decode_s + time.perf_counter() - t0, running=())
+        state, queue = _finish_step(runtime, state, queue, list(running), out, tokenizer, eos_token_ids, events)
+    return events, state, queue
+
+
+def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progress], out: Any, tokenizer: Any,
+                 eos: frozenset[int], events: list[TokenEvent]) -> tuple[State, Queue]:
+    """Record one step's tokens for ``rows``; finished rows release their slots, the others run on."""
+    keep, done = [], []
+    for run, token, lp in zip(rows, out.tokens, out.logprobs):
+        run, event = advance_request(run, token, lp, tokenizer, eos)
+        events.append(event)
+        (done if event.finish_reason is not None else keep).append(run)
+    if done:
+        state = release(runtime, state, [r.slot for r in done])
+    return state, attrs.evolve(queue, running=queue.running + tuple(keep))
+
+
+def schedule(
+    runtime: Runtime, state: State, requests: Sequence[Request], eos_token_ids: frozenset[int], tokenizer: Any = None,
+) -> Iterator[TokenEvent | Finished]:
+    """Run ``requests`` to completion, first come first served: yields every token's
+    :class:`TokenEvent`, then :class:`Finished` with the new state (``state`` is consumed).
+
+    Requests are assumed validated (``neuronfx.generate`` does it first); a step error is
+    raised before that step changes anything. ``tokenizer`` (transformers) enables text and stop
+    strings. A caller that stops iterating early keeps no usable state (slots stay live).
+    """
+    queue = Queue()
+    for i, req in enumerate(requests):
+        queue = submit(queue, i, req)
+    while not queue.idle:
+        events, state, queue = step(runtime, state, queue, eos_token_ids, tokenizer)
+        yield from events
+    yield Finished(state=state, prefill_s=queue.prefill_s, decode_s=queue.decode_s)
