@@ -12,7 +12,10 @@ from neuronfx import errors
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
     DecodeBatch,
+    Draft,
     Finished,
+    SpeculationStats,
+    generate_speculative,
     GenerateResult,
     Logprobs,
     PrefillBatch,
@@ -33,7 +36,7 @@ from neuronfx.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan",
+    "DecodeBatch", "Draft", "Finished", "SpeculationStats", "generate_speculative", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan",
     "PrefillBatch", "Request", "Runtime", "SamplingParams", "State", "StepOutput", "TokenEvent", "compile",
     "decode_step", "errors", "generate", "init_state", "make_plan", "prefill_step", "release", "schedule",
 ]

@@ -331,3 +331,68 @@ def run_serving_bench(
         log(f"transformers static batches of {slots}: {tokens} tokens in {out['transformers_s']:.1f} s = {out['transformers_tok_s']:.1f} tok/s")
         log(f"ratio neuronfx / transformers: x{out['ratio']:.2f}")
     return out
+
+
+# --- speculative decoding: plain decode vs self-speculation vs a draft model -------------------
+
+SPECULATE_PROMPTS = (
+    "Explain in a few sentences how a CPU cache works.",
+    "Write a short story about a lighthouse keeper.",
+)
+
+
+def _chat_prompts(tokenizer: Any) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for q in SPECULATE_PROMPTS]
+
+
+def run_speculative_bench(
+    checkpoint: Any, tokenizer: Any, backend: str, dtype: str, k: int, draft_layers: Sequence[int],
+    draft_checkpoint: Any = None, gen_len: int = 128, log: Any = print,
+) -> dict[str, Any]:
+    """Batch 1, greedy, the chat prompts above, ``gen_len`` tokens each (eos ignored): decode tok/s
+    of plain decode, of self-speculation for each N in ``draft_layers``, and of
+    ``draft_checkpoint`` as draft model, all in this run; with acceptance statistics. tok/s counts
+    tokens after the first (the prefill's) over the time after the prefill."""
+    prompts = _chat_prompts(tokenizer)
+    sp = SamplingParams(ignore_eos=True, max_tokens=gen_len)
+
+    def runtime_for(ckpt: Any, **extra: Any) -> Runtime:
+        inference = InferenceConfig(batch_size=1, dtype=dtype, backend=backend, **extra)
+        return neuronfx.compile(make_plan(ckpt.config, inference), ckpt.state_dict, progress=log is print)
+
+    def measure(name: str, run: Any) -> dict[str, Any]:
+        run(prompts[0][:16])  # warm-up
+        decode_s, tokens, stats = 0.0, 0, []
+        for p in prompts:
+            result = run(p)
+            decode_s += result.decode_s
+            tokens += result.num_generated - 1
+            stats += list(result.speculation or ())
+        row = {"name": name, "decode_tok_s": tokens / decode_s}
+        if stats:
+            row["acceptance_rate"] = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
+            row["mean_accepted_length"] = sum(s.emitted for s in stats) / sum(s.target_passes for s in stats)
+        log(f"{name:28s} decode {row['decode_tok_s']:6.1f} tok/s" + (
+            f"  acceptance {row['acceptance_rate']:.2f}  tokens/pass {row['mean_accepted_length']:.2f}" if stats else ""))
+        return row
+
+    rows = []
+    for n in draft_layers:
+        rt = runtime_for(checkpoint, speculation_length=k, draft_layers=n)
+        if not rows:
+            rows.append(measure("plain decode", lambda p, rt=rt: neuronfx.generate(rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
+        rows.append(measure(f"self-speculation N={n} k={k}", lambda p, rt=rt: neuronfx.generate_speculative(
+            rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
+        del rt
+    if draft_checkpoint is not None:
+        rt = runtime_for(checkpoint, speculation_length=k)
+        if not rows:
+            rows.append(measure("plain decode", lambda p: neuronfx.generate(rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
+        drt = runtime_for(draft_checkpoint)
+        rows.append(measure(f"draft model k={k}", lambda p: neuronfx.generate_speculative(
+            rt, neuronfx.init_state(rt), [p], sampling=sp, draft=neuronfx.Draft(runtime=drt, state=neuronfx.init_state(drt)))[0]))
+    plain = rows[0]["decode_tok_s"]
+    for row in rows:
+        row["speedup"] = row["decode_tok_s"] / plain
+    return {"k": k, "gen_len": gen_len, "dtype": dtype, "backend": backend, "rows": rows}

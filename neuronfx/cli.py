@@ -21,6 +21,7 @@ from neuronfx.errors import InputError, NeuronfxError, SequenceLengthExceededErr
 from neuronfx.graphs.backends import check_backend
 from neuronfx.graphs.weights import DTYPES as DTYPES_TORCH
 from neuronfx.runtime.generate import collect
+from neuronfx.runtime.speculate import check_speculation_params
 from neuronfx.runtime.state import MAX_SEED
 
 
@@ -44,6 +45,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--speculation-length", type=int, default=0, metavar="K",
+                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
+    p.add_argument("--draft-layers", type=int, default=0, metavar="N", help="self-speculation: draft with the model's first N layers")
+    p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
     p.add_argument("--batch-size", type=int, default=1, help="KV-cache slots (requests decoded together); more prompts wait for a slot")
     p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
@@ -69,6 +74,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "fixed seed) through the continuous-batching scheduler over --slots slots")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--speculate", action="store_true",
+                   help="speculative decoding instead: batch 1 plain decode vs self-speculation (--draft-layers) "
+                        "and a --draft-model, same run")
+    p.add_argument("--speculation-length", type=int, default=4, metavar="K")
+    p.add_argument("--draft-layers", type=int, nargs="*", default=[8, 15], metavar="N")
+    p.add_argument("--draft-model", default=None, metavar="PATH")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +103,13 @@ def bench_command(args: argparse.Namespace) -> dict:
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
     ckpt = load_checkpoint(args.model or default_model_path(), dtype=DTYPES_TORCH[args.dtype])
     log = (lambda line: None) if args.json else print
+    if args.speculate:
+        from neuronfx.bench import run_speculative_bench
+        from neuronfx.checkpoints import load_tokenizer
+
+        draft = load_checkpoint(args.draft_model, dtype=DTYPES_TORCH[args.dtype]) if args.draft_model else None
+        return run_speculative_bench(ckpt, load_tokenizer(args.model or default_model_path()), args.backend, args.dtype,
+                                     args.speculation_length, args.draft_layers, draft, gen_len=args.gen_lens[0], log=log)
     if args.serving:
         from neuronfx.bench import run_serving_bench
 
@@ -136,6 +154,13 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
         )
     if args.stream and args.json:
         raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
+    if args.speculation_length:
+        if bool(args.draft_layers) == bool(args.draft_model):
+            raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
+        if args.stream:
+            raise InputError("--stream is not supported with --speculation-length yet; drop one of them.")
+    elif args.draft_layers or args.draft_model:
+        raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
     if not 0 <= args.seed <= MAX_SEED:
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
 
@@ -151,6 +176,8 @@ def run_generate(args: argparse.Namespace) -> dict:
         sequence_length=args.sequence_length,
         dtype=args.dtype,
         backend=args.backend,
+        speculation_length=args.speculation_length,
+        draft_layers=args.draft_layers,
     )
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -160,6 +187,9 @@ def run_generate(args: argparse.Namespace) -> dict:
     )
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
+    if args.speculation_length:
+        sampling = attrs.evolve(sampling, seed=None)  # speculation draws from the state's key (--seed)
+        check_speculation_params(sampling)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
     t0 = time.perf_counter()
@@ -178,7 +208,12 @@ def run_generate(args: argparse.Namespace) -> dict:
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
-    if args.stream:
+    if args.speculation_length:
+        draft = _load_draft(args, inference, sampling) if args.draft_model else None
+        result, _, _ = neuronfx.generate_speculative(runtime, state, prompts, max_new_tokens=args.max_new_tokens,
+                                                     sampling=sampling, draft=draft)
+        result = attrs.evolve(result, texts=tuple(tokenizer.decode(list(t), skip_special_tokens=True) for t in result.token_ids))
+    elif args.stream:
         events = neuronfx.generate(runtime, state, prompts, stream=True, **kwargs)
         result, _ = collect(_print_stream(events, len(prompts)), len(prompts), with_text=True)
     else:
@@ -193,6 +228,10 @@ def run_generate(args: argparse.Namespace) -> dict:
         "stop_reason": one(list(result.stop_reasons)),
         "logprobs": one(logprobs),
         "streamed": args.stream,
+        "speculation": None if result.speculation is None else one([
+            {"acceptance_rate": st.acceptance_rate, "mean_accepted_length": st.mean_accepted_length, **attrs.asdict(st)}
+            for st in result.speculation
+        ]),
         "num_generated": result.num_generated,
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
@@ -203,6 +242,16 @@ def run_generate(args: argparse.Namespace) -> dict:
         "backend": args.backend,
         "dtype": args.dtype,
     }
+
+
+def _load_draft(args: argparse.Namespace, inference: InferenceConfig, sampling: SamplingParams) -> neuronfx.Draft:
+    """The --draft-model runtime: the target's capacities, logits on when sampling."""
+    from neuronfx.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(args.draft_model, dtype=DTYPES_TORCH[args.dtype])
+    draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=not sampling.greedy)
+    runtime = neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
+    return neuronfx.Draft(runtime=runtime, state=neuronfx.init_state(runtime, seed=args.seed))
 
 
 def _print_stream(events: Iterator, n: int) -> Iterator:

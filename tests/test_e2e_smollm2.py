@@ -71,3 +71,15 @@ def test_cli_stream_prints_text_cut_at_stop_string(reference, capsys):
     assert main(["generate", "--chat", q, "--max-new-tokens", "24", "--stream", "--stop", "Paris"]) == 0
     printed = capsys.readouterr().out
     assert printed == full[: full.index("Paris")] + "\n"
+
+
+@pytest.mark.parametrize("draft", [["--draft-layers", "15"], ["--draft-model", "DEFAULT"]], ids=["self", "draft-model"])
+def test_cli_speculative_greedy_matches_transformers(reference, capsys, draft):
+    draft = [default_model_path() if a == "DEFAULT" else a for a in draft]
+    q = "What is the capital of France?"
+    out = run_cli(capsys, "--chat", q, "--max-new-tokens", "24", "--speculation-length", "4", *draft)
+    assert out["token_ids"] == hf_greedy(reference, q, 24)
+    stats = out["speculation"]
+    assert stats["emitted"] == len(out["token_ids"]) - 1 and stats["drafted"] == 3 * stats["target_passes"]
+    if "--draft-model" in draft:  # the draft is the target itself: every draft is accepted
+        assert stats["acceptance_rate"] == 1.0

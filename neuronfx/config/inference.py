@@ -58,6 +58,10 @@ class InferenceConfig:
     - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
       20); 0 compiles no logprob outputs.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
+    - ``speculation_length``: k >= 2 compiles "speculate" graphs that verify k tokens per row in
+      one pass (k - 1 drafted plus the last accepted token); 0 = no speculation.
+    - ``draft_layers``: N > 0 compiles "draft" graphs: decode through the first N layers plus
+      the final norm and LM head (self-speculation, weights and KV shared with the target).
     - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
       (torch.compile per graph part), "neuron" (optional extra).
 
@@ -77,6 +81,8 @@ class InferenceConfig:
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
     output_logits: bool = attrs.field(default=False, validator=boolean)
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
+    speculation_length: int = attrs.field(default=0, validator=non_negative_int)
+    draft_layers: int = attrs.field(default=0, validator=non_negative_int)
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:
@@ -87,6 +93,13 @@ class InferenceConfig:
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
         _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
+        if self.speculation_length == 1 or self.speculation_length > self.sequence_length:
+            raise ConfigError(
+                f"speculation_length={self.speculation_length} must be 0 (off) or in [2, sequence_length="
+                f"{self.sequence_length}]: it counts the verified tokens (drafted + 1)."
+            )
+        if self.draft_layers and not self.speculation_length:
+            raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "

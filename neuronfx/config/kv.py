@@ -83,3 +83,21 @@ def decode_access(cache_len: int, bucket: int) -> KVAccess:
         write=range(cache_len, cache_len + 1),
         cache_len_after=cache_len + 1,
     )
+
+
+def speculate_access(cache_len: int, k: int, bucket: int) -> KVAccess:
+    """Verification of ``k`` tokens at positions ``[cache_len, cache_len + k)`` in a graph
+    attending ``bucket`` positions: writes those k positions, reads ``[0, bucket)``, and the last
+    query attends ``[0, cache_len + k)``. ``cache_len_after`` counts all k; the caller then
+    rewinds it to the accepted length, and positions past it are never attended again (every
+    read is masked at ``j <= position``, and the next write starts at the new cache_len).
+    Raises BucketOverflowError if ``cache_len + k > bucket``.
+    """
+    if k < 1 or not 0 <= cache_len or cache_len + k > bucket:
+        raise BucketOverflowError(f"cache_len={cache_len} + k={k} does not fit speculate bucket {bucket}.")
+    return KVAccess(
+        read=range(bucket),
+        attend=range(cache_len + k),
+        write=range(cache_len, cache_len + k),
+        cache_len_after=cache_len + k,
+    )

@@ -23,11 +23,12 @@ def prefill_mask(prompt_lens: torch.Tensor, bucket: int) -> torch.Tensor:
 
 
 def decode_mask(position_ids: torch.Tensor, bucket: int) -> torch.Tensor:
-    """Mask for one new token per row at ``position_ids`` over a KV window of ``bucket`` positions.
+    """Mask for T new tokens per row at ``position_ids`` over a KV window of ``bucket`` positions
+    (decode: T = 1; speculate: T = k consecutive positions).
 
-    ``position_ids``: [B, 1] int32, the new token's position (= the slot's cache_len before the
-    step). The step writes its K/V at that position first, so ``M[b, 0, 0, j] = (j <= position_ids[b])``.
-    Returns bool [B, 1, 1, bucket].
+    ``position_ids``: [B, T] int32, each new token's position (the first is the slot's cache_len
+    before the step). The step writes all T K/V first, so ``M[b, 0, t, j] = (j <= position_ids[b, t])``:
+    the cached prefix plus causal attention among the T new tokens. Returns bool [B, 1, T, bucket].
     """
     idx = torch.arange(bucket, device=position_ids.device)
-    return (idx[None, :] <= position_ids)[:, None, None, :]  # (B, 1, 1, S)
+    return (idx[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, S)

@@ -9,9 +9,9 @@ from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
-from neuronfx.errors import UnsupportedModelError
+from neuronfx.errors import ConfigError, UnsupportedModelError
 
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "speculate", "draft")
 
 
 @attrs.frozen
@@ -95,13 +95,20 @@ def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
     return (inference.batch_size,)
 
 
-def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int) -> tuple[TensorSpec, ...]:
+def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0) -> tuple[TensorSpec, ...]:
     """Input specs of one graph, in call order (after weights and KV cache).
 
-    Besides ids and positions, each row carries its sampling parameters (``NUM_PARAM_COLUMNS``
+    Prefill/decode/draft: besides ids and positions, each row carries its sampling parameters (``NUM_PARAM_COLUMNS``
     floats), its request's generated-token counts and prompt-token mask (for penalties), an
     additive logits bias (min_tokens) and one uniform random number.
     """
+    if phase == "speculate":  # k tokens per row in, logits [B, k, vocab] out: acceptance runs on the host
+        k = speculation_length
+        return (
+            TensorSpec("input_ids", (batch_size, k), "int32"),
+            TensorSpec("position_ids", (batch_size, k), "int32"),
+            TensorSpec("seq_ids", (batch_size,), "int32"),
+        )
     n = bucket if phase == "prefill" else 1
     specs = [
         TensorSpec("input_ids", (batch_size, n), "int32"),
@@ -128,11 +135,22 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
             f"sliding_window={model.sliding_window} < sequence_length={inference.sequence_length}: "
             "sliding-window attention is not supported; set sequence_length <= sliding_window."
         )
+    if inference.draft_layers >= model.num_hidden_layers:
+        raise ConfigError(
+            f"draft_layers={inference.draft_layers} must be < num_hidden_layers={model.num_hidden_layers} "
+            "(the draft is the target's first layers)."
+        )
     prefill, decode = bucket_plan(inference)
     batches = batch_bucket_plan(inference)
+    phases = [("prefill", prefill), ("decode", decode)]
+    if inference.speculation_length:
+        phases.append(("speculate", decode))
+    if inference.draft_layers:
+        phases.append(("draft", decode))
     graphs = tuple(
-        GraphSpec(phase=phase, bucket=k, batch_size=b, inputs=step_inputs(phase, k, b, model.vocab_size))
-        for phase, ladder in (("prefill", prefill), ("decode", decode))
+        GraphSpec(phase=phase, bucket=k, batch_size=b,
+                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length))
+        for phase, ladder in phases
         for b in batches
         for k in ladder
     )

@@ -21,7 +21,7 @@ from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import BackendUnavailableError, ConfigError
 from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.phases import GraphModule, phase_parts
+from neuronfx.graphs.phases import GraphModule, phase_num_layers, phase_parts
 
 Graph = Callable[..., dict[str, torch.Tensor]]
 TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bool": torch.bool}
@@ -40,13 +40,14 @@ def example_inputs(plan: Plan, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
 
 
 def build_eager(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    return GraphModule(phase_parts(plan, spec), spec.phase)
+    return GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
 
 
 def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
     # ``kv`` is compile's template cache, not a live state: tracing may write into it.
     args = (weights, kv, *example_inputs(plan, spec))
-    program = torch.export.export(GraphModule(phase_parts(plan, spec), spec.phase), args, strict=False)
+    module = GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
+    program = torch.export.export(module, args, strict=False)
     return program.module()
 
 
@@ -72,8 +73,8 @@ def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
     compile_part = functools.partial(torch.compile, fullgraph=True, dynamic=False)
-    group = layer_group_size(plan.model.num_hidden_layers)
-    graph = GraphModule(phase_parts(plan, spec, group_size=group, wrap=compile_part), spec.phase)
+    layers = phase_num_layers(plan, spec.phase)
+    graph = GraphModule(phase_parts(plan, spec, group_size=layer_group_size(layers), wrap=compile_part), spec.phase, layers)
     with torch.no_grad():
         graph(weights, kv, *example_inputs(plan, spec))
     return graph

@@ -80,24 +80,26 @@ def prefill_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: 
 
 
 def decode_prologue(plan: Plan, bucket: int, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
+    """ids/positions (B, T): T = 1 for decode and draft, k for speculate."""
     h, cos, sin = _embed(plan, embed, input_ids, position_ids)
-    return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, 1, S)
+    return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, T, S)
 
 
 def decode_layer(
     plan: Plan, bucket: int, lw: LayerWeights, k_cache: Tensor, v_cache: Tensor, h: Tensor,
     cos: Tensor, sin: Tensor, seq_ids: Tensor, position_ids: Tensor, mask: Tensor,
 ) -> Tensor:
-    """Writes K/V at position_ids into each slot, then attends positions [0, bucket) masked to
-    ``j <= position`` (``config.kv.decode_access``). Positions past ``position`` are zeroed after
-    the read: they may hold anything (stale rows, NaN), and a masked NaN still poisons attention
-    (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
-    pos = position_ids[:, 0].long()  # (B,)
-    hidden_pos = ~mask[:, :, 0, :, None]  # (B, 1, S, 1)
+    """Writes K/V of the T new tokens at position_ids (B, T) into each slot, then attends
+    positions [0, bucket) masked to ``j <= position`` (``config.kv.decode_access`` /
+    ``speculate_access``). Positions past the row's last new token are zeroed after the read:
+    they may hold anything (stale rows, rejected speculation, NaN), and a masked NaN still poisons
+    attention (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
+    pos = position_ids.long()  # (B, T)
+    hidden_pos = ~mask[:, :, -1, :, None]  # (B, 1, S, 1): beyond the last new token
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache[seq_ids, :, pos] = k[:, :, 0]  # (B, n_kv, D)
-        v_cache[seq_ids, :, pos] = v[:, :, 0]
+        k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
+        v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
         keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)  # (B, n_kv, S, D)
         values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)
         return sdpa(q, keys, values, mask)
@@ -107,6 +109,19 @@ def decode_layer(
 
 def decode_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
     return _head(plan, norm, lm_head, h[:, 0], sampler_inputs)
+
+
+def speculate_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor) -> dict[str, Tensor]:
+    """{"logits": (B, k, V) float32} at every verified position; acceptance runs on the host."""
+    hidden = rms_norm(h, norm, plan.model.rms_norm_eps)
+    return {"logits": linear(hidden, lm_head).float()}
+
+
+def draft_epilogue(plan: Plan, bucket: int, norm: Tensor, lm_head: Tensor, h: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
+    """The draft's sampled token and its logits (B, V) (rejection sampling needs q)."""
+    hidden = rms_norm(h[:, 0], norm, plan.model.rms_norm_eps)
+    logits = linear(hidden, lm_head).float()
+    return sample(logits, *sampler_inputs, plan.topk_width, 0) | {"logits": logits}
 
 
 # --- layer groups: one call runs several consecutive layers -----------------------------------
@@ -145,14 +160,21 @@ class PhaseParts:
 PART_FUNCTIONS = {
     "prefill": (prefill_prologue, prefill_layers, prefill_epilogue),
     "decode": (decode_prologue, decode_layers, decode_epilogue),
+    "speculate": (decode_prologue, decode_layers, speculate_epilogue),
+    "draft": (decode_prologue, decode_layers, draft_epilogue),
 }
+
+
+def phase_num_layers(plan: Plan, phase: str) -> int:
+    """Decoder layers a phase runs: the draft runs the first ``draft_layers``, others all."""
+    return plan.inference.draft_layers if phase == "draft" else plan.model.num_hidden_layers
 
 
 def phase_parts(plan: Plan, spec: GraphSpec, group_size: int | None = None,
                 wrap: Callable[[Callable], Callable] = lambda f: f) -> PhaseParts:
     """Bind plan and bucket into the phase's parts; ``wrap`` (e.g. torch.compile) wraps each.
-    ``group_size`` (a divisor of num_layers, default all layers) sets layers per ``layers`` call."""
-    n = plan.model.num_hidden_layers
+    ``group_size`` (a divisor of the phase's layer count, default all) sets layers per ``layers`` call."""
+    n = phase_num_layers(plan, spec.phase)
     group_size = n if group_size is None else group_size
     if group_size < 1 or n % group_size:
         raise ValueError(f"group_size={group_size} must divide num_hidden_layers={n}")
@@ -161,28 +183,29 @@ def phase_parts(plan: Plan, spec: GraphSpec, group_size: int | None = None,
     return PhaseParts(prologue=bound[0], layers=bound[1], epilogue=bound[2], group_size=group_size)
 
 
-def _groups(parts: PhaseParts, w: Weights, kv: list[Tensor]) -> list[tuple[list[LayerWeights], list[Tensor]]]:
+def _groups(parts: PhaseParts, w: Weights, kv: list[Tensor], num_layers: int) -> list[tuple[list[LayerWeights], list[Tensor]]]:
     g = parts.group_size
-    return [(w["layers"][i:i + g], kv[2 * i:2 * (i + g)]) for i in range(0, len(w["layers"]), g)]
+    return [(w["layers"][i:i + g], kv[2 * i:2 * (i + g)]) for i in range(0, num_layers, g)]
 
 
 def run_prefill(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
                 seq_ids: Tensor, prompt_lens: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids, prompt_lens)
-    for lws, group_kv in _groups(parts, w, kv):
+    for lws, group_kv in _groups(parts, w, kv, len(w["layers"])):
         h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, mask)
     return parts.epilogue(w["norm"], w["lm_head"], h, prompt_lens, *sampler_inputs)
 
 
 def run_decode(parts: PhaseParts, w: Weights, kv: list[Tensor], input_ids: Tensor, position_ids: Tensor,
-               seq_ids: Tensor, *sampler_inputs: Tensor) -> dict[str, Tensor]:
+               seq_ids: Tensor, *sampler_inputs: Tensor, num_layers: int | None = None) -> dict[str, Tensor]:
+    """Decode, speculate (T = k tokens, no sampler inputs) and draft (``num_layers`` first layers)."""
     h, cos, sin, mask = parts.prologue(w["embed"], input_ids, position_ids)
-    for lws, group_kv in _groups(parts, w, kv):
+    for lws, group_kv in _groups(parts, w, kv, num_layers or len(w["layers"])):
         h = parts.layers(lws, group_kv, h, cos, sin, seq_ids, position_ids, mask)
     return parts.epilogue(w["norm"], w["lm_head"], h, *sampler_inputs)
 
 
-RUNNERS = {"prefill": run_prefill, "decode": run_decode}
+RUNNERS = {"prefill": run_prefill, "decode": run_decode, "speculate": run_decode, "draft": run_decode}
 
 
 class GraphModule(torch.nn.Module):
@@ -190,10 +213,10 @@ class GraphModule(torch.nn.Module):
     ``forward(weights, kv, *step_inputs)``. Weights and KV cache are inputs, so every graph shares
     one copy of each. ``kv``: 2 * num_layers tensors, K of layer l at 2l and V at 2l + 1."""
 
-    def __init__(self, parts: PhaseParts, phase: str):
+    def __init__(self, parts: PhaseParts, phase: str, num_layers: int | None = None):
         super().__init__()
         self.parts = parts
-        self.run = RUNNERS[phase]
+        self.run = functools.partial(RUNNERS[phase], num_layers=num_layers) if phase != "prefill" else RUNNERS[phase]
 
     def forward(self, w: Weights, kv: list[Tensor], *inputs: Tensor) -> dict[str, Tensor]:
         return self.run(self.parts, w, kv, *inputs)

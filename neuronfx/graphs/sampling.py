@@ -128,3 +128,18 @@ def sample(
     if raw is not None:
         out.update(raw_logprobs(raw, out["tokens"], num_logprobs))
     return out
+
+
+def filtered_distribution(logits: torch.Tensor, params: torch.Tensor, topk_width: int) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, over the whole vocabulary, without penalties
+    or bias: logits (N, V) float32, params (N, 7) -> probabilities (N, V) float32 summing to 1.
+    Greedy rows are one-hot at the argmax. Speculative decoding's rejection sampling needs the
+    draft's q and the target's p in this form."""
+    temperature = params[:, 0:1]
+    greedy = temperature <= GREEDY_TEMPERATURE
+    vals, idx = torch.topk(logits / torch.where(greedy, 1.0, temperature), topk_width, dim=-1)
+    probs = filtered_probs(vals, params)
+    probs = probs / probs.sum(-1, keepdim=True)
+    full = torch.zeros_like(logits).scatter(1, idx, probs)
+    onehot = torch.zeros_like(logits).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, full)

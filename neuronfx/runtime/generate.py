@@ -29,7 +29,8 @@ class GenerateResult:
     texts: tuple[str, ...] | None  # [n] detokenized outputs (stop strings cut), when a tokenizer was given
     logprobs: tuple[tuple[Logprobs, ...] | None, ...]  # [n][generated_b] for requests that asked
     prefill_s: float  # seconds in prefill steps
-    decode_s: float  # seconds in decode steps
+    decode_s: float  # seconds in decode steps (speculation: drafting and verification)
+    speculation: tuple[Any, ...] | None = None  # [n] SpeculationStats, from generate_speculative
 
     @property
     def num_generated(self) -> int:
