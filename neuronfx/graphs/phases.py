@@ -3,10 +3,11 @@
 Each phase is three small functions, specialised at build time (no phase branches, no
 ``.item()``, no shape sniffing): a prologue (embedding, RoPE tables, mask), a group of
 consecutive decoder layers (run once per group with those layers' weights and K/V tensors) and
-an epilogue (final norm, LM head, sampling). Backends compose them into a graph; the
-``inductor`` backend compiles each part once per (phase, bucket) and reuses the compiled group
-for every group of layers. Input names and
-order follow ``neuronfx.config.plan.step_inputs``.
+an epilogue (final norm, LM head, sampling). Phases: prefill (right-padded prompts), decode
+(1 token per row), speculate (k tokens per row, logits out) and draft (decode through the first
+``draft_layers`` layers). Backends compose them into a graph; the ``inductor`` backend compiles
+each part once per (phase, batch, bucket) and reuses the compiled group for every group of
+layers. Input names and order follow ``neuronfx.config.plan.step_inputs``.
 """
 
 from __future__ import annotations
