@@ -67,3 +67,8 @@ class StateMismatchError(NeuronfxError, ValueError):
 
 class BackendUnavailableError(NeuronfxError, ImportError):
     """A backend's optional dependencies (e.g. torch-neuronx for ``neuron``) are not installed."""
+
+
+class ArtifactError(NeuronfxError, ValueError):
+    """A saved runtime or compile-cache entry is missing a file, corrupt, or was built for
+    another neuronfx/torch version or machine."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from neuronfx.config.plan import GraphSpec, Plan
@@ -43,12 +44,24 @@ def build_eager(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Te
     return GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
 
 
+@attrs.frozen(eq=False)
+class ExportedGraph:
+    """An exported (phase, batch, bucket) graph: the ExportedProgram (what ``neuronfx.save``
+    writes) and its runnable module."""
+
+    program: torch.export.ExportedProgram
+    module: Callable[..., dict[str, torch.Tensor]]
+
+    def __call__(self, *args: object) -> dict[str, torch.Tensor]:
+        return self.module(*args)
+
+
 def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
     # ``kv`` is compile's template cache, not a live state: tracing may write into it.
     args = (weights, kv, *example_inputs(plan, spec))
     module = GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
     program = torch.export.export(module, args, strict=False)
-    return program.module()
+    return ExportedGraph(program=program, module=program.module())
 
 
 MAX_LAYER_GROUP = 10

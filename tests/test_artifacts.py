@@ -1,0 +1,105 @@
+"""Saved runtimes: round trips give identical tokens and logits; damaged or foreign artifacts
+give ArtifactError/ConfigError before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
+
+import neuronfx
+from neuronfx.artifacts import MANIFEST, PLAN, WEIGHTS, sha256
+from neuronfx.errors import ArtifactError, ConfigError
+
+PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("qwen2", seed=4)
+
+
+def outputs(rt):
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("backend", ["eager", "export", "inductor"])
+def test_round_trip_identical_tokens_and_logits(hf, backend, tmp_path):
+    rt = tiny_runtime(hf, backend)
+    want_tokens, want_logits = outputs(rt)
+    neuronfx.save(rt, tmp_path / "rt")
+    loaded = neuronfx.load(tmp_path / "rt")
+    assert loaded.plan == rt.plan
+    tokens, logits = outputs(loaded)
+    assert tokens == want_tokens
+    for a, b in zip(logits, want_logits):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_tied_weights_stored_once(tmp_path):
+    hf = tiny_hf_model("llama", seed=0)
+    hf.config.tie_word_embeddings = True
+    hf.tie_weights()
+    rt = tiny_runtime(hf, "eager")
+    assert rt.weights["lm_head"] is rt.weights["embed"]
+    neuronfx.save(rt, tmp_path / "rt")
+    manifest = json.loads((tmp_path / "rt" / MANIFEST).read_text())
+    assert manifest["aliases"] == {"lm_head": "embed"}
+    loaded = neuronfx.load(tmp_path / "rt")
+    assert loaded.weights["lm_head"].data_ptr() == loaded.weights["embed"].data_ptr()
+
+
+@pytest.fixture()
+def saved(hf, tmp_path):
+    rt = tiny_runtime(hf, "export")
+    return neuronfx.save(rt, tmp_path / "rt")
+
+
+def test_truncated_graph_file(saved):
+    graph = next((saved / "graphs").iterdir())
+    graph.write_bytes(graph.read_bytes()[:100])
+    with pytest.raises(ArtifactError, match=f"{graph.name} is corrupt"):
+        neuronfx.load(saved)
+
+
+def test_flipped_byte_in_weights(saved):
+    data = bytearray((saved / WEIGHTS).read_bytes())
+    data[-5] ^= 0xFF
+    (saved / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="weights.safetensors is corrupt"):
+        neuronfx.load(saved)
+
+
+def test_missing_file(saved):
+    (saved / WEIGHTS).unlink()
+    with pytest.raises(ArtifactError, match="weights.safetensors is missing"):
+        neuronfx.load(saved)
+
+
+def test_manifest_from_another_torch_version(saved):
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["environment"]["torch"] = "1.0.0"
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=re.escape(f"torch '1.0.0', this process has '{torch.__version__}'") + ".*rebuild"):
+        neuronfx.load(saved)
+
+
+def test_plan_with_unknown_key(saved):
+    plan = json.loads((saved / PLAN).read_text())
+    plan["inference"]["bogus"] = 1
+    (saved / PLAN).write_text(json.dumps(plan))
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["files"][PLAN] = sha256(saved / PLAN)  # a consistent but invalid artifact
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="bogus"):
+        neuronfx.load(saved)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        neuronfx.load(tmp_path)
