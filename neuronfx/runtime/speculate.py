@@ -29,7 +29,7 @@ from neuronfx.graphs.sampling import filtered_distribution
 from neuronfx.runtime.generate import GenerateResult, Prompts, make_requests
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance, check_usable
-from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, _pad, _sampler_inputs, decode_step, prefill_step, release
+from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, _pad, decode_step, prefill_step, release, run_one_token
 
 
 @attrs.frozen(kw_only=True)
@@ -179,19 +179,9 @@ def _self_draft(runtime: Runtime, state: State, slots: list[int], tokens: list[i
     """One self-speculative draft token per row at position cache_len + offset, from the target's
     first ``draft_layers`` layers (their K/V written there; the verify pass rewrites them).
     Returns (tokens, logits (n, V), state with the next RNG key)."""
-    plan, n = runtime.plan, len(slots)
-    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    n = len(slots)
     positions = [state.cache_lens[s] + offset for s in slots]
-    bucket = select_bucket(plan.decode_buckets, max(positions) + 1, "attended KV length")
-    vocab = plan.model.vocab_size
-    counts = torch.zeros(bsz, vocab, dtype=torch.int32)
-    mask = torch.zeros(bsz, vocab, dtype=torch.bool)
-    inputs, next_key = _sampler_inputs(runtime, state, params, [state.generated[s] for s in slots], counts, mask)
-    ids = torch.tensor(_pad(tokens, bsz, 0), dtype=torch.int32)[:, None]
-    pos = torch.tensor(_pad(positions, bsz, 0), dtype=torch.int32)[:, None]
-    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    with torch.no_grad():
-        out = runtime.graphs[("draft", bsz, bucket)](runtime.weights, list(state.kv), ids, pos, seq_ids, *inputs)
+    out, _, next_key, _ = run_one_token(runtime, state, "draft", slots, tokens, positions, params)
     new = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=next_key)
     return out["tokens"][:n].tolist(), out["logits"][:n], new
 

@@ -248,6 +248,31 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz), new
 
 
+def run_one_token(
+    runtime: Runtime, state: State, phase: str, slots: list[int], input_ids: list[int], positions: list[int],
+    sampling: Sequence[SamplingParams],
+) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...], int, tuple[int, int]]:
+    """Run the ``phase`` ("decode" or "draft") graph for one token per row at ``positions``
+    (inputs already validated): rows padded to the batch bucket (padding writes the scratch
+    slot), KV bucket >= max(positions) + 1. Returns (graph outputs, sampler inputs, next RNG key,
+    (batch bucket, KV bucket)); the state's host counts are left to the caller."""
+    plan, n = runtime.plan, len(slots)
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    bucket = select_bucket(plan.decode_buckets, max(positions) + 1, "attended KV length")
+    ids = torch.tensor(_pad(input_ids, bsz, 0), dtype=torch.int32)[:, None]
+    pos = torch.tensor(_pad(positions, bsz, 0), dtype=torch.int32)[:, None]
+    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
+    counts = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.int32)
+    counts[:n] = state.output_counts[slots]
+    prompt_mask = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.bool)
+    prompt_mask[:n] = state.prompt_mask[slots]
+    generated = [state.generated[s] for s in slots]
+    inputs, next_key = _sampler_inputs(runtime, state, sampling, generated, counts, prompt_mask)
+    with torch.no_grad():
+        out = runtime.graphs[(phase, bsz, bucket)](runtime.weights, list(state.kv), ids, pos, seq_ids, *inputs)
+    return out, inputs, next_key, (bsz, bucket)
+
+
 def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """Decode one token for each live slot in ``batch.seq_ids``, feeding ``batch.input_ids``.
 
@@ -271,22 +296,9 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
             )
     _check_params(runtime, batch.sampling)
 
-    n, slots = len(batch.seq_ids), list(batch.seq_ids)
-    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
-    cache_lens = [state.cache_lens[s] for s in slots]
-    bucket = select_bucket(plan.decode_buckets, max(cache_lens) + 1, "attended KV length")
-    ids = torch.tensor(_pad(list(batch.input_ids), bsz, 0), dtype=torch.int32)[:, None]
-    positions = torch.tensor(_pad(cache_lens, bsz, 0), dtype=torch.int32)[:, None]
-    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    counts = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.int32)
-    counts[:n] = state.output_counts[slots]
-    prompt_mask = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.bool)
-    prompt_mask[:n] = state.prompt_mask[slots]
-    generated = [state.generated[s] for s in slots]
-    inputs, next_key = _sampler_inputs(runtime, state, batch.sampling, generated, counts, prompt_mask)
-
-    with torch.no_grad():
-        out = runtime.graphs[("decode", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, *inputs)
+    slots = list(batch.seq_ids)
+    positions = [state.cache_lens[s] for s in slots]
+    out, inputs, next_key, (bsz, bucket) = run_one_token(runtime, state, "decode", slots, list(batch.input_ids), positions, batch.sampling)
     tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
     _count_tokens(state, slots, tokens)
     new_lens, new_generated = list(state.cache_lens), list(state.generated)
