@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronfx.config.model import ModelConfig
+from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available
 
 LayerWeights = dict[str, torch.Tensor]
 # {"embed", "norm", "lm_head": tensors, "layers": [LayerWeights per layer]}; nested so every layer
@@ -74,15 +75,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ weight.T (+ bias) -> (..., out); weight (out, in) as in HF checkpoints.
 
-    Kernel choice, fixed at trace time from static shapes: when torch.compile traces a
-    single-row product (decode at batch 1) with 16-bit weights, the product is written as an
-    explicit fp32-accumulating reduction, which inductor turns into one vectorized streaming
-    loop (~25 GB/s here) where oneDNN's bf16 GEMV streams ~10 GB/s. Everything else is F.linear.
+    Kernel choice, fixed at trace time from static shapes, only when torch.compile traces (eager
+    and export keep F.linear, the reference): up to SMALL_GEMM_MAX_ROWS rows (decode at small
+    batch) run neuronfx's small_gemm kernel, which streams each weight row once in fp32 accumulation
+    where torch's GEMM paths stream small-M products slowly (kernels.py); without the kernel, a
+    single-row product with 16-bit weights is an explicit fp32-accumulating reduction that inductor
+    turns into one streaming loop. Everything else is F.linear.
     """
     rows = x.numel() // x.shape[-1]
-    if rows == 1 and weight.dtype != torch.float32 and torch.compiler.is_compiling():
-        return gemv(x, weight, bias)
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        if rows <= SMALL_GEMM_MAX_ROWS and _use_small_gemm():
+            return small_gemm(x, weight, bias)
+        if rows == 1 and weight.dtype != torch.float32:
+            return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@torch.compiler.assume_constant_result
+def _use_small_gemm() -> bool:
+    # Evaluated once while tracing (a constant in the graph), so building the kernel library
+    # happens outside the traced code.
+    return small_gemm_available()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

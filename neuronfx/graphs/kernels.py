@@ -1,0 +1,75 @@
+"""Hand-written CPU kernels used inside compiled graphs (inductor backend).
+
+``neuronfx::small_gemm(x, w, bias)``: ``x (..., K) @ w.T (+ bias)`` for at most
+:data:`SMALL_GEMM_MAX_ROWS` rows of x, weights fp32, bf16 or fp16 of shape (N, K), fp32
+accumulation, output in x's dtype. Decode at small batch is bound by reading the weights once per
+step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
+this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
+
+The C++ source is built once per machine with torch's extension builder (about 25 s; cached
+under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
+so the library name carries a hash of the CPU's feature flags: a cache shared between different
+CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
+a build failure (no C++ compiler) warns once and falls back to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+SMALL_GEMM_MAX_ROWS = 8
+"""Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
+bound and torch's blocked GEMM wins."""
+
+SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_name() -> str:
+    """Extension name: source hash + CPU feature hash + torch version (one build per machine)."""
+    h = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    return f"neuronfx_kernels_{h.hexdigest()[:12]}"
+
+
+@functools.cache
+def small_gemm_available() -> bool:
+    """Build (first call on a machine) and load the kernel library; False, with one warning,
+    when it cannot be built or ``NEURONFX_KERNELS=0``."""
+    if os.environ.get("NEURONFX_KERNELS", "1") == "0":
+        return False
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(name=library_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"],
+             is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
+        warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
+        return False
+    torch.library.register_fake("neuronfx::small_gemm")(_small_gemm_fake)
+    return True
+
+
+def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) in any float dtype @ weight (N, K).T + bias (N,) -> (..., N) in x.dtype;
+    fp32 accumulation. Needs :func:`small_gemm_available` to have returned True."""
+    return torch.ops.neuronfx.small_gemm(x, weight, bias)
