@@ -63,6 +63,12 @@ class Plan:
     graphs: tuple[GraphSpec, ...]
     checkpoint: str | None = None
 
+    @property
+    def logprobs_width(self) -> int:
+        """Top logprobs the graphs return per token: ``max_logprobs`` capped at the vocabulary
+        (a request may ask for at most this many)."""
+        return min(self.inference.max_logprobs, self.model.vocab_size)
+
     def graph(self, phase: str, batch_size: int, bucket: int) -> GraphSpec:
         """The GraphSpec for (phase, batch_size rows, bucket tokens); KeyError if not compiled."""
         for g in self.graphs:

@@ -36,13 +36,14 @@ def _embed(plan: Plan, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -
 
 def _head(plan: Plan, norm: Tensor, lm_head: Tensor, hidden: Tensor, sampler_inputs: tuple[Tensor, ...]) -> dict[str, Tensor]:
     """hidden (B, hidden) -> {"tokens": (B,) int32, logprob outputs (see ``sample``) and/or
-    "logits": (B, V) float32}. ``sampler_inputs``: (sampling_params, output_counts, prompt_mask,
-    logits_bias, rand) as in ``config.plan.step_inputs``."""
+    "logits": (B, V) float32, and "finite": (B,) bool, False where a row's logits hold NaN/inf
+    (its token is garbage; the runtime reports the row)}. ``sampler_inputs``: (sampling_params,
+    output_counts, prompt_mask, logits_bias, rand) as in ``config.plan.step_inputs``."""
     hidden = rms_norm(hidden, norm, plan.model.rms_norm_eps)
     logits = linear(hidden, lm_head).float()  # (B, V)
-    out = {}
+    out = {"finite": torch.isfinite(logits).all(-1)}  # (B,) one reduction over logits already here
     if plan.inference.on_device_sampling:
-        out = sample(logits, *sampler_inputs, plan.topk_width, plan.inference.max_logprobs)
+        out |= sample(logits, *sampler_inputs, plan.topk_width, plan.logprobs_width)
     if plan.inference.output_logits:
         out["logits"] = logits
     return out

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
-from neuronfx.errors import BatchTooLargeError, InputError, SequenceLengthExceededError
+from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, check_usable
-from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
+from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, check_budget, schedule
 from neuronfx.runtime.steps import Logprobs, check_prompts
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
@@ -24,7 +24,7 @@ class GenerateResult:
     """Output of :func:`generate`, one entry per prompt in input order."""
 
     token_ids: tuple[tuple[int, ...], ...]  # [n][generated_b] generated ids (a stopping eos/stop id included)
-    finish_reasons: tuple[str, ...]  # [n] "stop" (eos, stop id or stop string) or "length" (max tokens reached)
+    finish_reasons: tuple[str, ...]  # [n] "stop" (eos, stop id or stop string), "length" (max tokens reached) or "error" (NaN/inf logits)
     stop_reasons: tuple[int | str | None, ...]  # [n] stop token id or stop string; None for eos or length
     texts: tuple[str, ...] | None  # [n] detokenized outputs (stop strings cut), when a tokenizer was given
     logprobs: tuple[tuple[Logprobs, ...] | None, ...]  # [n][generated_b] for requests that asked
@@ -40,7 +40,10 @@ class GenerateResult:
 
 def normalize_prompts(ids: Prompts) -> list[list[int]]:
     """Accept one prompt (list of ints or 1-D tensor) or many (list of lists or 2-D tensor without
-    padding); returns a list of int lists. Raises InputError for other shapes or dtypes."""
+    padding); returns a list of int lists. Raises InputError for text, other shapes, dtypes or a
+    tensor without data (meta device)."""
+    if isinstance(ids, str):
+        raise InputError(f"ids={ids!r:.40} is text; pass token ids: tokenize it first, e.g. tokenizer(text)['input_ids'].")
     if isinstance(ids, np.ndarray):
         ids = torch.from_numpy(ids)
     if isinstance(ids, torch.Tensor):
@@ -48,7 +51,7 @@ def normalize_prompts(ids: Prompts) -> list[list[int]]:
             raise InputError(f"token ids tensor has dtype {ids.dtype}; give an integer tensor (int32/int64).")
         if ids.dim() not in (1, 2):
             raise InputError(f"token ids tensor has shape {tuple(ids.shape)}; give [T] or [B, T].")
-        ids = ids.tolist()
+        ids = _host_list(ids)
     rows = [_as_row(r) if isinstance(r, (np.ndarray, torch.Tensor)) else r for r in ids]
     if rows and all(_is_id(r) for r in rows):
         return [[int(t) for t in rows]]
@@ -67,15 +70,43 @@ def _is_id(t: object) -> bool:
 
 
 def _as_row(r: np.ndarray | torch.Tensor) -> list:
-    return r.tolist() if r.ndim == 1 else [r.tolist()]
+    values = _host_list(r) if isinstance(r, torch.Tensor) else r.tolist()
+    return values if r.ndim == 1 else [values]
 
 
-def eos_set(eos_token_ids: int | Sequence[int]) -> set[int]:
-    """One id or a sequence of ids (as transformers' ``eos_token_id`` accepts); raises InputError otherwise."""
+def _host_list(t: torch.Tensor) -> list:
+    """``t.tolist()`` for a tensor on any device that holds data (cpu, cuda, ...)."""
+    if t.device.type == "meta":
+        raise InputError(f"token ids tensor is on device {t.device.type!r}, which holds no values; pass a cpu (or cuda) tensor.")
+    return t.tolist()
+
+
+def eos_set(eos_token_ids: int | Sequence[int], vocab_size: int | None = None) -> set[int]:
+    """One id or a sequence of ids (as transformers' ``eos_token_id`` accepts); raises InputError
+    otherwise, TokenOutOfVocabError for an id outside [0, vocab_size) (when given)."""
     ids = [eos_token_ids] if _is_id(eos_token_ids) else eos_token_ids
     if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_id(t) for t in ids):
         raise InputError(f"eos_token_ids={eos_token_ids!r} must be a token id or a sequence of token ids.")
+    for t in ids:
+        if vocab_size is not None and not 0 <= t < vocab_size:
+            raise TokenOutOfVocabError(
+                f"eos_token_ids contains {int(t)}, outside the vocabulary [0, {vocab_size}); use the tokenizer's eos id."
+            )
     return {int(t) for t in ids}
+
+
+def check_stop_strings(sp: SamplingParams, tokenizer: Any) -> None:
+    """Raise SamplingParamsError for a stop string the tokenizer cannot produce: it encodes to
+    nothing, or its ids decode to text that does not contain it (e.g. unknown characters), so the
+    output text could never contain it and the stop would be silently ignored."""
+    for stop in sp.stop:
+        ids = tokenizer.encode(stop, add_special_tokens=False)
+        back = tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids or stop.strip() not in back:
+            raise SamplingParamsError(
+                f"SamplingParams.stop={stop!r} cannot be produced by this tokenizer (encodes to {list(ids)[:8]}, "
+                f"which decodes to {back!r:.60}): the output could never contain it; fix the stop string or pass the model's tokenizer."
+            )
 
 
 def make_requests(
@@ -88,7 +119,8 @@ def make_requests(
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
     SamplingParams or one per prompt, stop strings without a tokenizer), BatchTooLargeError (no
     free slot), SequenceLengthExceededError (prompt + max tokens > sequence_length),
-    SamplingParamsError, and the prompt errors of :func:`check_prompts`.
+    SamplingParamsError (including stop strings the tokenizer cannot produce),
+    TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
     """
     plan = runtime.plan
     check_usable(state, plan)
@@ -108,22 +140,19 @@ def make_requests(
             f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({len(prompts)})."
         )
     for sp in params:
-        check_sampling(sp, plan.topk_width, plan.inference.max_logprobs, plan.model.vocab_size)
+        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
         if sp.stop and tokenizer is None:
             raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.checkpoints.load_tokenizer).")
-    eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids)
+        if sp.stop:
+            check_stop_strings(sp, tokenizer)
+    eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, plan.model.vocab_size)
     if eos_token_ids is not None:
         # The caller's eos ids replace the model's: min_tokens must hold back those ids.
         params = tuple(attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos))) for sp in params)
-    seq_len = plan.inference.sequence_length
     requests = []
     for b, (p, sp) in enumerate(zip(prompts, params)):
         budget = max_new_tokens if sp.max_tokens is None else sp.max_tokens
-        if len(p) + budget > seq_len:
-            raise SequenceLengthExceededError(
-                f"prompt {b} has {len(p)} tokens + max tokens {budget} = {len(p) + budget} "
-                f"> sequence_length={seq_len}; lower max_new_tokens/max_tokens or compile with a larger sequence_length."
-            )
+        check_budget(runtime, b, len(p), budget)
         requests.append(Request(prompt=tuple(p), sampling=sp, max_tokens=budget))
     return requests, frozenset(eos)
 
@@ -177,7 +206,8 @@ def collect(events: Iterator[TokenEvent | Finished], n: int, with_text: bool) ->
                 prefill_s=ev.prefill_s, decode_s=ev.decode_s,
             )
             return result, ev.state
-        tokens[ev.index].append(ev.token_id)
+        if ev.token_id is not None:  # None: the request ended with "error" (NaN/inf logits)
+            tokens[ev.index].append(ev.token_id)
         texts[ev.index] += ev.text
         if ev.logprobs is not None:
             wants_logprobs[ev.index] = True

@@ -6,6 +6,9 @@ Read it as a template for your own. Each iteration of :func:`schedule`:
 2. decode: every running request advances one token (one step, padded to a batch bucket);
 3. retire: requests that met a stop condition release their slots.
 
+A request whose logits turn NaN/inf (``StepOutput.finite``) finishes at once with
+``finish_reason="error"`` (its event carries ``token_id=None``); the others run on unaffected.
+
 It never looks inside tensors; it only calls ``prefill_step``, ``decode_step`` and ``release``
 and yields one :class:`TokenEvent` per generated token, then a :class:`Finished` with the new
 state. Stop rules follow vLLM's ``StopChecker`` (see :func:`stop_check`).
@@ -19,10 +22,11 @@ from typing import Any
 
 import attrs
 
-from neuronfx.config.sampling import SamplingParams
+from neuronfx.config.sampling import SamplingParams, check_sampling
+from neuronfx.errors import InputError, SequenceLengthExceededError
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State
-from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, decode_step, prefill_step, release
+from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, check_prompts, decode_step, prefill_step, release
 
 
 @attrs.frozen(kw_only=True)
@@ -39,10 +43,10 @@ class TokenEvent:
     """One generated token of request ``index`` (input order)."""
 
     index: int
-    token_id: int
+    token_id: int | None  # None only for finish_reason "error" (the logits were NaN/inf: no token)
     text: str  # text added by this token ("" without a tokenizer; may be held back, see module doc)
     logprobs: Logprobs | None  # when the request asked for logprobs
-    finish_reason: str | None  # None while running, else "stop" or "length"
+    finish_reason: str | None  # None while running, else "stop", "length" or "error" (NaN/inf logits)
     stop_reason: int | str | None  # the stop token id or stop string that ended it (vLLM's stop_reason)
 
 
@@ -82,9 +86,57 @@ class Queue:
         return not self.waiting and not self.running
 
 
-def submit(queue: Queue, index: int, request: Request) -> Queue:
-    """Queue ``request`` (already validated, see ``neuronfx.runtime.generate.make_requests``)."""
+def check_budget(runtime: Runtime, index: int, prompt_len: int, max_tokens: int) -> None:
+    """Raise InputError unless ``max_tokens`` is an int >= 1, SequenceLengthExceededError when
+    prompt + max_tokens does not fit a slot (``sequence_length``): nothing is ever cropped."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InputError(f"request {index}: max_tokens={max_tokens!r} must be an int >= 1.")
+    seq_len = runtime.plan.inference.sequence_length
+    if prompt_len + max_tokens > seq_len:
+        raise SequenceLengthExceededError(
+            f"prompt {index} has {prompt_len} tokens + max tokens {max_tokens} = {prompt_len + max_tokens} "
+            f"> sequence_length={seq_len}; lower max_new_tokens/max_tokens or compile with a larger sequence_length."
+        )
+
+
+def check_request(runtime: Runtime, index: int, request: Request) -> None:
+    """Raise the named error :func:`prefill_step` / :func:`decode_step` would raise for
+    ``request`` later (bad prompt, sampling or token budget), so that it never reaches a batch
+    it would fail for every other request in it."""
+    if not isinstance(request, Request):
+        raise InputError(f"request {index} is a {type(request).__name__}; submit a neuronfx.Request.")
+    plan = runtime.plan
+    if not isinstance(request.prompt, (list, tuple)):
+        raise InputError(f"request {index}: prompt={request.prompt!r:.60} must be a tuple of token ids.")
+    check_prompts(runtime, [request.prompt], start=index)
+    check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
+    check_budget(runtime, index, len(request.prompt), request.max_tokens)
+
+
+def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None = None) -> Queue:
+    """Queue ``request`` as ``index`` (a caller's id, unique among queued and running requests).
+
+    With ``runtime``, the request is validated first (:func:`check_request`); without it, it must
+    already be (``neuronfx.runtime.generate.make_requests`` does it). Raises InputError for an
+    index in use; ``queue`` is a value and stays as it was when anything raises."""
+    if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running):
+        raise InputError(f"request index {index!r} is already queued or running; give each request its own index.")
+    if runtime is not None:
+        check_request(runtime, index, request)
     return attrs.evolve(queue, waiting=queue.waiting + ((index, request),))
+
+
+def abort(runtime: Runtime, state: State, queue: Queue, index: int) -> tuple[State, Queue]:
+    """Drop request ``index`` (vLLM's ``abort_request``): a waiting one leaves the queue, a
+    running one releases its slot (``state`` is then consumed). Raises InputError for an index
+    that is neither waiting nor running."""
+    if any(i == index for i, _ in queue.waiting):
+        return state, attrs.evolve(queue, waiting=tuple(w for w in queue.waiting if w[0] != index))
+    for run in queue.running:
+        if run.index == index:
+            state = release(runtime, state, [run.slot])
+            return state, attrs.evolve(queue, running=tuple(r for r in queue.running if r.index != index))
+    raise InputError(f"request index {index!r} is neither waiting nor running; nothing to abort.")
 
 
 def stop_check(req: Request, tokens: Sequence[int], text: str, eos: frozenset[int], new_chars: int) -> tuple[str | None, int | str | None, str]:
@@ -157,8 +209,11 @@ def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progre
                  eos: frozenset[int], events: list[TokenEvent]) -> tuple[State, Queue]:
     """Record one step's tokens for ``rows``; finished rows release their slots, the others run on."""
     keep, done = [], []
-    for run, token, lp in zip(rows, out.tokens, out.logprobs):
-        run, event = advance_request(run, token, lp, tokenizer, eos)
+    for run, token, lp, finite in zip(rows, out.tokens, out.logprobs, out.finite):
+        if finite:
+            run, event = advance_request(run, token, lp, tokenizer, eos)
+        else:  # NaN/inf logits: the token is garbage; report the request, keep the others
+            event = TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)
         events.append(event)
         (done if event.finish_reason is not None else keep).append(run)
     if done:

@@ -85,16 +85,22 @@ def empty_state(plan: Plan, seed: int = 0) -> State:
 
 
 def check_usable(state: State, plan: Plan) -> None:
-    """Raise StateConsumedError / StateMismatchError unless ``state`` may be used with ``plan``."""
+    """Raise InputError (not a State), StateConsumedError or StateMismatchError unless ``state``
+    may be used with ``plan``."""
+    if not isinstance(state, State):
+        raise InputError(
+            f"state is a {type(state).__name__}; pass the State returned by neuronfx.init_state(runtime) or by the last step."
+        )
     if state.consumed:
         raise StateConsumedError(
             "this state was already consumed by a step (its KV cache was updated in place); "
             "use the new state that step returned."
         )
     if state.plan_key != plan_key(plan):
+        got = (tuple(state.kv[0].shape), str(state.kv[0].dtype).removeprefix("torch.")) if state.kv else None
         raise StateMismatchError(
-            "this state was made for a different plan (KV shape, dtype or model differ); "
-            "create one with neuronfx.init_state(runtime)."
+            f"this state was made for a different plan (its KV cache is {got}, this runtime's is "
+            f"{(plan.kv.shape, plan.kv.dtype)}, or the model/options differ); create one with neuronfx.init_state(runtime)."
         )
 
 

@@ -73,6 +73,7 @@ class StepOutput:
     logprobs: tuple[Logprobs | None, ...]  # [n]; None for rows that did not ask (logprobs=None)
     bucket: int  # tokens: prompt bucket (prefill) or attended KV length (decode)
     batch_size: int  # rows of the graph that ran (the batch bucket; rows past n were padding)
+    finite: tuple[bool, ...]  # [n] False where the row's logits held NaN/inf: its token is garbage
 
 
 def _check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object], what: str) -> None:
@@ -101,17 +102,28 @@ def _check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """Raise TokenOutOfVocabError unless every id is an int in [0, vocab_size)."""
+    """Raise InputError for an id that is not an int (bools and floats included) and
+    TokenOutOfVocabError for one outside [0, vocab_size)."""
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InputError(
+                f"token id {t!r} is a {type(t).__name__}; token ids are ints in [0, {vocab_size}): convert them with int()."
+            )
+        if not 0 <= t < vocab_size:
             raise TokenOutOfVocabError(f"token id {t!r} is outside the vocabulary [0, {vocab_size}); check the tokenizer matches the model.")
 
 
-def check_prompts(runtime: Runtime, prompts: Sequence[Sequence[int]]) -> None:
+def check_batch(batch: object, kind: type) -> None:
+    """Raise InputError unless ``batch`` is a ``kind`` (PrefillBatch or DecodeBatch)."""
+    if not isinstance(batch, kind):
+        raise InputError(f"batch is a {type(batch).__name__}; this step takes a neuronfx.{kind.__name__}.")
+
+
+def check_prompts(runtime: Runtime, prompts: Sequence[Sequence[int]], start: int = 0) -> None:
     """Raise EmptyPromptError, PromptTooLongError (> max_context_length) or TokenOutOfVocabError
-    for the first bad prompt."""
+    for the first bad prompt (messages number rows from ``start``)."""
     limit = runtime.plan.inference.max_context_length
-    for b, prompt in enumerate(prompts):
+    for b, prompt in enumerate(prompts, start):
         if not prompt:
             raise EmptyPromptError(f"prompt of row {b} is empty; every prompt needs at least one token.")
         if len(prompt) > limit:
@@ -175,10 +187,20 @@ def _sampler_inputs(
     return (torch.tensor(rows, dtype=torch.float32), counts, prompt_mask, bias, rand), next_key
 
 
+def row_finite(out: dict[str, torch.Tensor], n: int) -> tuple[bool, ...]:
+    """[n] per-row finiteness of the logits: the graph's ``finite`` output (computed in the
+    epilogue), else from ``logits`` on the host, else all True (graphs saved before the flag)."""
+    if "finite" in out:
+        return tuple(bool(f) for f in out["finite"][:n].tolist())
+    if "logits" in out:
+        return tuple(torch.isfinite(out["logits"][:n]).all(-1).tolist())
+    return (True,) * n
+
+
 def _outputs(runtime: Runtime, out: dict[str, torch.Tensor], params: Sequence[SamplingParams], inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[Logprobs | None, ...]]:
     plan, n = runtime.plan, len(params)
     if not plan.inference.on_device_sampling:  # same sampler as the graph, on the host
-        out = out | sample(out["logits"], *inputs, plan.topk_width, plan.inference.max_logprobs)
+        out = out | sample(out["logits"], *inputs, plan.topk_width, plan.logprobs_width)
     tokens = tuple(out["tokens"][:n].tolist())
     logits = out["logits"][:n] if plan.inference.output_logits else None
     logprobs = []
@@ -201,19 +223,21 @@ def _count_tokens(state: State, slots: Sequence[int], tokens: Sequence[int]) -> 
 def _check_params(runtime: Runtime, sampling: Sequence[SamplingParams]) -> None:
     plan = runtime.plan
     for sp in sampling:
-        check_sampling(sp, plan.topk_width, plan.inference.max_logprobs, plan.model.vocab_size)
+        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
 
 
 def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
     """Prefill ``batch.prompts`` into free slots ``batch.seq_ids``; returns each row's first token.
 
-    Runs the (prefill, batch bucket >= n rows, prompt bucket >= longest prompt) graph. Raises
-    (before any change) BatchTooLargeError, SlotError (slot out of range, duplicate or live),
+    Runs the (prefill, batch bucket >= n rows, prompt bucket >= longest prompt) graph; a row
+    whose logits were NaN/inf has ``finite[r] == False``. Raises (before any change) InputError
+    (not a PrefillBatch, empty batch, row counts differ, non-int ids), BatchTooLargeError, SlotError (slot out of range, duplicate or live),
     EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
     plan = runtime.plan
     check_usable(state, plan)
+    check_batch(batch, PrefillBatch)
     _check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
     _check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
     _check_slots(state, batch.seq_ids, live=False)
@@ -237,15 +261,18 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
         out = runtime.graphs[("prefill", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, *inputs)
     tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
+    finite = row_finite(out, n)
     slots = list(batch.seq_ids)
-    state.prompt_mask[slots] = prompt_mask[:n]
-    state.output_counts[slots] = 0
-    _count_tokens(state, slots, tokens)
     cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
     for s, prompt in zip(slots, batch.prompts):
         cache_lens[s], generated[s], live[s] = len(prompt), 1, True
+    # The lease is revoked before the shared host tensors change: an interrupt from here on
+    # leaves the input state clearly consumed, never silently half-updated.
     new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=next_key)
-    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz), new
+    new.prompt_mask[slots] = prompt_mask[:n]
+    new.output_counts[slots] = 0
+    _count_tokens(new, slots, tokens)
+    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz, finite=finite), new
 
 
 def run_one_token(
@@ -277,13 +304,16 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     """Decode one token for each live slot in ``batch.seq_ids``, feeding ``batch.input_ids``.
 
     Runs the (decode, batch bucket >= n rows, KV bucket >= longest cache_len + 1) graph; padding
-    rows write only the scratch slot. Raises (before any change) BatchTooLargeError, SlotError
+    rows write only the scratch slot; a row whose logits were NaN/inf (e.g. a poisoned cache) has
+    ``finite[r] == False`` and no other row is affected. Raises (before any change) InputError
+    (not a DecodeBatch, empty batch, row counts differ, non-int ids), BatchTooLargeError, SlotError
     (out of range, duplicate or free), TokenOutOfVocabError, SequenceLengthExceededError (slot
     already holds sequence_length tokens), SamplingParamsError, StateConsumedError /
     StateMismatchError.
     """
     plan = runtime.plan
     check_usable(state, plan)
+    check_batch(batch, DecodeBatch)
     _check_rows(runtime, batch.seq_ids, batch.input_ids, "decode")
     _check_rows(runtime, batch.seq_ids, batch.sampling, "decode")
     _check_slots(state, batch.seq_ids, live=True)
@@ -300,19 +330,22 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     positions = [state.cache_lens[s] for s in slots]
     out, inputs, next_key, (bsz, bucket) = run_one_token(runtime, state, "decode", slots, list(batch.input_ids), positions, batch.sampling)
     tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
-    _count_tokens(state, slots, tokens)
+    finite = row_finite(out, len(slots))
     new_lens, new_generated = list(state.cache_lens), list(state.generated)
     for s in slots:
         new_lens[s] += 1
         new_generated[s] += 1
     new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key)
-    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz), new
+    _count_tokens(new, slots, tokens)  # after the lease is revoked (see prefill_step)
+    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz, finite=finite), new
 
 
 def release(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
-    """Free live slots ``seq_ids`` (their KV content becomes unreachable). Raises SlotError for a
-    slot that is out of range, duplicated or already free."""
+    """Free live slots ``seq_ids`` (their KV content becomes unreachable). Raises SlotError for
+    ``seq_ids`` that is not a list, or a slot that is out of range, duplicated or already free."""
     check_usable(state, runtime.plan)
+    if not isinstance(seq_ids, (list, tuple)):
+        raise SlotError(f"seq_ids={seq_ids!r} must be a list of slot indices, e.g. [{seq_ids!r}].")
     _check_slots(state, seq_ids, live=True)
     cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
     for s in seq_ids:
