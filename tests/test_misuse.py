@@ -1,0 +1,539 @@
+"""The misuse catalogue (docs/misuse.md): one test per case, on a tiny llama (eager).
+
+Every case runs while a state holds two live requests (slots 0 and 2; slots 1 and 3 free). It
+must raise exactly its named error, with a message naming the offending value, the limit and the
+fix, and leave that state untouched: same host counts and KV cache, not consumed, and continuing
+the live requests gives the tokens of a control run that never saw the bad call.
+
+``python tests/test_misuse.py`` prints the catalogue table for docs/misuse.md.
+
+Plan: batch_size 4 (slots 0-3, scratch slot 4), prefill buckets (8, 16, 32), decode buckets
+(16, 32, 64), max_context_length 32, sequence_length 64, vocab 256, max_topk 256, max_logprobs 20.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from helpers import GREEDY, TINY, VOCAB, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+
+import neuronfx
+from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
+from neuronfx.checkpoints import load_checkpoint
+from neuronfx.config import plan_from_json, structure
+from neuronfx.errors import (
+    ArtifactError,
+    BatchTooLargeError,
+    CheckpointError,
+    ConfigError,
+    EmptyPromptError,
+    InputError,
+    PromptTooLongError,
+    SamplingParamsError,
+    SequenceLengthExceededError,
+    SlotError,
+    StateConsumedError,
+    StateMismatchError,
+    TokenOutOfVocabError,
+    UnsupportedModelError,
+)
+from neuronfx.runtime.scheduler import Queue, abort, submit
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
+LIVE_PROMPTS = {0: random_prompt(7, seed=50), 2: random_prompt(12, seed=51)}
+CONTINUE = 4  # tokens each live request decodes after the bad call
+
+
+@attrs.frozen
+class Case:
+    """One catalogue row: how it is triggered (``call(ctx)``), the error and what the message names."""
+
+    error: type[Exception]
+    trigger: str  # for the docs table
+    call: Callable[[Any], object]
+    names: tuple[str, ...]  # substrings the message must contain: value, limit, fix
+
+
+@attrs.define
+class Ctx:
+    """What a case may use: the runtime, the live state, a consumed state and lazy extras."""
+
+    rt: neuronfx.Runtime
+    hf: Any
+    state: neuronfx.State
+    consumed: neuronfx.State
+    tmp: Path
+    extras: dict[str, Any]
+
+
+def P(seq_ids, prompts, sampling=None):
+    return PrefillBatch(seq_ids=seq_ids, prompts=prompts, sampling=sampling or [GREEDY] * len(prompts))
+
+
+def D(seq_ids, input_ids, sampling=None):
+    return DecodeBatch(seq_ids=seq_ids, input_ids=input_ids, sampling=sampling or [GREEDY] * len(input_ids))
+
+
+def prefill(c, batch):
+    return neuronfx.prefill_step(c.rt, c.state, batch)
+
+
+def decode(c, batch):
+    return neuronfx.decode_step(c.rt, c.state, batch)
+
+
+def gen(c, ids, n=4, **kw):
+    return neuronfx.generate(c.rt, c.state, ids, max_new_tokens=n, **kw)
+
+
+def bad_sampling(c, sp, step="prefill"):
+    if step == "prefill":
+        return prefill(c, P([1], [[1, 2]], [sp]))
+    return decode(c, D([0], [1], [sp]))
+
+
+def model_config(**overrides):
+    fields = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6)
+    return ModelConfig(**(fields | overrides))
+
+
+def inference(**overrides):
+    return InferenceConfig(**({"batch_size": 4, "max_context_length": 32, "sequence_length": 64} | overrides))
+
+
+def hf_dir(c, name: str) -> Path:
+    """A saved copy of the tiny HF checkpoint, one per case."""
+    directory = c.tmp / name
+    c.hf.save_pretrained(directory)
+    return directory
+
+
+def truncated_checkpoint(c) -> Path:
+    directory = hf_dir(c, "truncated")
+    file = directory / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:1000])
+    return directory
+
+
+def unsupported_checkpoint(c) -> Path:
+    directory = c.tmp / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return directory
+
+
+def state_dict(c, drop=(), add=None, replace=None):
+    sd = {k: v for k, v in c.hf.state_dict().items() if k not in drop}
+    return sd | (add or {}) | (replace or {})
+
+
+def compile_with(c, sd):
+    return neuronfx.compile(c.rt.plan, sd, progress=False)
+
+
+def artifact(c, damage: Callable[[Path], None]) -> Path:
+    directory = c.tmp / "saved"
+    shutil.copytree(c.extras["saved"], directory)
+    damage(directory)
+    return directory
+
+
+def flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def full_slot_state(c):
+    """A state whose slot 0 holds sequence_length (64) tokens: prompt 32 + 32 decodes."""
+    out, state = neuronfx.prefill_step(c.rt, neuronfx.init_state(c.rt), P([0], [random_prompt(32, seed=9)]))
+    token = out.tokens[0]
+    for _ in range(32):
+        out, state = neuronfx.decode_step(c.rt, state, D([0], [token]))
+        token = out.tokens[0]
+    return state, token
+
+
+def decode_full_slot(c):
+    state, token = full_slot_state(c)
+    return neuronfx.decode_step(c.rt, state, D([0], [token]))
+
+
+def all_slots_live(c):
+    _, state = neuronfx.prefill_step(c.rt, neuronfx.init_state(c.rt), P([0, 1, 2, 3], [[1], [2], [3], [4]]))
+    return neuronfx.generate(c.rt, state, [[5, 6]], max_new_tokens=2)
+
+
+def word_tokenizer():
+    """Word-level tokenizer over the tiny vocab: token i is the word "w{i}"; unknown words -> w0."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def speculate(c):
+    return neuronfx.generate_speculative(c.rt, c.state, [[1, 2]], max_new_tokens=2)
+
+
+def request(prompt, max_tokens=4, sampling=GREEDY):
+    return Request(prompt=tuple(prompt), sampling=sampling, max_tokens=max_tokens)
+
+
+MAX_SEED = 2**63 - 1
+SP = SamplingParams
+
+CASES: dict[str, Case] = {
+    # --- configs and plans ----------------------------------------------------------------------
+    "config-batch-size-zero": Case(ConfigError, "`InferenceConfig(batch_size=0)`",
+                                   lambda c: inference(batch_size=0), ("batch_size=0", ">= 1")),
+    "config-bool-as-count": Case(ConfigError, "`InferenceConfig(sequence_length=True)`",
+                                 lambda c: inference(sequence_length=True), ("sequence_length=True", "positive int")),
+    "config-context-over-sequence": Case(ConfigError, "`max_context_length=128` with `sequence_length=64`",
+                                         lambda c: inference(max_context_length=128),
+                                         ("max_context_length=128", "sequence_length=64", "lower max_context_length")),
+    "config-buckets-unsorted": Case(ConfigError, "`prefill_buckets=(16, 8, 32)`",
+                                    lambda c: inference(prefill_buckets=(16, 8, 32)),
+                                    ("(16, 8, 32)", "strictly increasing", "sort it")),
+    "config-buckets-short-of-limit": Case(ConfigError, "`decode_buckets=(16, 32)` with `sequence_length=64`",
+                                          lambda c: inference(decode_buckets=(16, 32)),
+                                          ("ends at 32", "sequence_length=64", "append 64")),
+    "config-unknown-dtype": Case(ConfigError, "`InferenceConfig(dtype=\"int8\")`",
+                                 lambda c: inference(dtype="int8"), ("'int8'", "'float32'", "pick one")),
+    "config-unknown-backend": Case(ConfigError, "`InferenceConfig(backend=\"tpu\")`",
+                                   lambda c: inference(backend="tpu"), ("'tpu'", "'inductor'", "pick one")),
+    "config-no-graph-output": Case(ConfigError, "`on_device_sampling=False, output_logits=False` (contradictory)",
+                                   lambda c: inference(on_device_sampling=False, output_logits=False),
+                                   ("on_device_sampling=False", "output_logits=False", "set one of them")),
+    "config-draft-without-speculation": Case(ConfigError, "`draft_layers=1` with `speculation_length=0`",
+                                             lambda c: inference(draft_layers=1),
+                                             ("draft_layers=1", "speculation_length >= 2", "set both")),
+    "config-speculation-length-one": Case(ConfigError, "`speculation_length=1`",
+                                          lambda c: inference(speculation_length=1),
+                                          ("speculation_length=1", "[2, sequence_length=64]")),
+    "config-json-unknown-key": Case(ConfigError, "JSON config with an unknown key `bogus`",
+                                    lambda c: structure({"batch_size": 4, "bogus": 1}, InferenceConfig),
+                                    ("bogus", "remove them")),
+    "config-json-wrong-type": Case(ConfigError, "JSON config with `\"batch_size\": \"4\"`",
+                                   lambda c: structure({"batch_size": "4"}, InferenceConfig),
+                                   ("'4'", "expected int")),
+    "config-plan-json-corrupt": Case(ConfigError, "`plan_from_json` of text that is not JSON",
+                                     lambda c: plan_from_json("{not json"), ("does not parse",)),
+    "model-unsupported-type": Case(UnsupportedModelError, "`ModelConfig.from_hf` of a GPT-2 config",
+                                   lambda c: ModelConfig.from_hf(GPT2Config()),
+                                   ("model_type='gpt2'", "supported: llama, mistral, qwen2, qwen3")),
+    "model-unsupported-activation": Case(UnsupportedModelError, "llama config with `hidden_act=\"gelu\"`",
+                                         lambda c: ModelConfig.from_hf(LlamaConfig(**TINY, hidden_act="gelu")),
+                                         ("hidden_act='gelu'", "only 'silu'")),
+    "model-kv-heads-not-dividing": Case(ConfigError, "`num_key_value_heads=3` with `num_attention_heads=4`",
+                                        lambda c: model_config(num_key_value_heads=3),
+                                        ("num_key_value_heads=3", "num_attention_heads=4", "fix the model config")),
+    "plan-draft-layers-all": Case(ConfigError, "`draft_layers=2` on a 2-layer model",
+                                  lambda c: make_plan(model_config(), inference(speculation_length=2, draft_layers=2)),
+                                  ("draft_layers=2", "num_hidden_layers=2", "first layers")),
+    "plan-sliding-window": Case(UnsupportedModelError, "model `sliding_window=32` < `sequence_length=64`",
+                                lambda c: make_plan(model_config(sliding_window=32), inference()),
+                                ("sliding_window=32", "sequence_length=64", "set sequence_length <= sliding_window")),
+    "plan-compile-without-weights": Case(ConfigError, "`neuronfx.compile(plan)` with no state_dict and no checkpoint",
+                                         lambda c: neuronfx.compile(c.rt.plan, progress=False),
+                                         ("state_dict=", "checkpoint path")),
+    # --- checkpoints ----------------------------------------------------------------------------
+    "checkpoint-missing-path": Case(CheckpointError, "`load_checkpoint` of a path that does not exist",
+                                    lambda c: load_checkpoint(c.tmp / "nope"), ("nope", "does not exist", "check the path")),
+    "checkpoint-dir-without-config": Case(CheckpointError, "`load_checkpoint` of an empty directory",
+                                          lambda c: load_checkpoint(c.tmp), ("has no config.json", "save_pretrained")),
+    "checkpoint-unsupported-model-type": Case(UnsupportedModelError, "directory whose config.json says `gpt2`",
+                                              lambda c: load_checkpoint(unsupported_checkpoint(c)),
+                                              ("model_type='gpt2'", "supported: llama")),
+    "checkpoint-truncated-file": Case(CheckpointError, "`model.safetensors` cut to 1000 bytes",
+                                      lambda c: load_checkpoint(truncated_checkpoint(c)),
+                                      ("model.safetensors", "truncated or corrupt", "copy it again")),
+    "checkpoint-non-float-dtype": Case(ConfigError, "`load_checkpoint(path, dtype=torch.int8)`",
+                                       lambda c: load_checkpoint(hf_dir(c, "ok"), dtype=torch.int8),
+                                       ("torch.int8", "torch.float32")),
+    "weights-missing-tensor": Case(CheckpointError, "state dict without `model.norm.weight`",
+                                   lambda c: compile_with(c, state_dict(c, drop=("model.norm.weight",))),
+                                   ("missing ['model.norm.weight']", "belong together")),
+    "weights-extra-tensor": Case(CheckpointError, "state dict with an extra `model.extra.weight`",
+                                 lambda c: compile_with(c, state_dict(c, add={"model.extra.weight": torch.zeros(2)})),
+                                 ("unexpected ['model.extra.weight']", "belong together")),
+    "weights-misshaped-tensor": Case(CheckpointError, "`model.norm.weight` of shape (65,) where the config implies (64,)",
+                                     lambda c: compile_with(c, state_dict(c, replace={"model.norm.weight": torch.ones(65)})),
+                                     ("(65,)", "expected (64,)", "config.json")),
+    # --- saved runtimes (neuronfx.save / neuronfx.load) ----------------------------------------
+    "artifact-not-a-runtime": Case(ArtifactError, "`neuronfx.load` of a directory without a manifest",
+                                   lambda c: neuronfx.load(c.tmp), ("manifest.json", "neuronfx.save")),
+    "artifact-corrupt-weights": Case(ArtifactError, "one byte of `weights.safetensors` flipped",
+                                     lambda c: neuronfx.load(artifact(c, lambda d: flip_byte(d / "weights.safetensors"))),
+                                     ("weights.safetensors", "corrupt")),
+    "artifact-missing-file": Case(ArtifactError, "`plan.json` deleted",
+                                  lambda c: neuronfx.load(artifact(c, lambda d: (d / "plan.json").unlink())),
+                                  ("plan.json", "missing")),
+    # --- prefill_step inputs --------------------------------------------------------------------
+    "prefill-wrong-batch-type": Case(InputError, "`prefill_step` given a DecodeBatch",
+                                     lambda c: prefill(c, D([1], [1])), ("DecodeBatch", "neuronfx.PrefillBatch")),
+    "prefill-empty-batch": Case(InputError, "`PrefillBatch` with no rows",
+                                lambda c: prefill(c, P([], [])), ("batch is empty", "at least one row")),
+    "prefill-too-many-rows": Case(BatchTooLargeError, "5 rows with `batch_size=4` (max_num_seqs)",
+                                  lambda c: prefill(c, P([1, 3, 0, 2, 4], [[1]] * 5)),
+                                  ("5 rows", "batch_size=4", "split it")),
+    "prefill-row-count-mismatch": Case(InputError, "2 seq_ids, 1 prompt",
+                                       lambda c: prefill(c, PrefillBatch(seq_ids=[1, 3], prompts=[[1]], sampling=[GREEDY])),
+                                       ("2 seq_ids", "1 rows", "one per row")),
+    "prefill-live-slot": Case(SlotError, "prefill into slot 0, which holds a live request",
+                              lambda c: prefill(c, P([0], [[1, 2]])), ("slot 0", "free slots are [1, 3]", "release it first")),
+    "prefill-scratch-slot": Case(SlotError, "prefill into slot 4 (the scratch slot)",
+                                 lambda c: prefill(c, P([4], [[1, 2]])), ("seq_id 4", "[0, 4)", "below batch_size=4")),
+    "prefill-negative-slot": Case(SlotError, "prefill into slot -1",
+                                  lambda c: prefill(c, P([-1], [[1, 2]])), ("seq_id -1", "[0, 4)")),
+    "prefill-duplicate-slots": Case(SlotError, "two rows for slot 1",
+                                    lambda c: prefill(c, P([1, 1], [[1], [2]])), ("[1, 1]", "duplicates", "its own slot")),
+    "prefill-empty-prompt": Case(EmptyPromptError, "a prompt of 0 tokens",
+                                 lambda c: prefill(c, P([1], [[]])), ("row 0 is empty", "at least one token")),
+    "prefill-prompt-too-long": Case(PromptTooLongError, "a 33-token prompt with `max_context_length=32` (never cropped)",
+                                    lambda c: prefill(c, P([1], [random_prompt(33, 1)])),
+                                    ("33 tokens", "max_context_length=32", "shorten it")),
+    "prefill-token-out-of-vocab": Case(TokenOutOfVocabError, "token id 256 with `vocab_size=256`",
+                                       lambda c: prefill(c, P([1], [[5, VOCAB]])), ("256", "[0, 256)", "tokenizer")),
+    "prefill-token-negative": Case(TokenOutOfVocabError, "token id -1",
+                                   lambda c: prefill(c, P([1], [[-1, 5]])), ("-1", "[0, 256)")),
+    "prefill-token-float": Case(InputError, "token id 1.5 (a float)",
+                                lambda c: prefill(c, P([1], [[1.5]])), ("1.5", "float", "int()")),
+    "prefill-prompt-not-a-list": Case(InputError, "`PrefillBatch(prompts=[5])` (a bare int as a prompt)",
+                                      lambda c: P([1], [5]), ("row 0 is int", "list of token ids")),
+    # --- decode_step inputs ---------------------------------------------------------------------
+    "decode-wrong-batch-type": Case(InputError, "`decode_step` given a PrefillBatch",
+                                    lambda c: decode(c, P([0], [[1]])), ("PrefillBatch", "neuronfx.DecodeBatch")),
+    "decode-free-slot": Case(SlotError, "decode slot 1, which is free",
+                             lambda c: decode(c, D([1], [1])), ("slot 1", "live request", "prefill it first")),
+    "decode-duplicate-slots": Case(SlotError, "two rows for slot 0",
+                                   lambda c: decode(c, D([0, 0], [1, 1])), ("[0, 0]", "duplicates")),
+    "decode-slot-out-of-range": Case(SlotError, "decode slot 7 with 4 slots",
+                                     lambda c: decode(c, D([7], [1])), ("seq_id 7", "[0, 4)")),
+    "decode-too-many-rows": Case(BatchTooLargeError, "5 decode rows with `batch_size=4`",
+                                 lambda c: decode(c, D([0, 1, 2, 3, 4], [1] * 5)), ("5 rows", "batch_size=4")),
+    "decode-token-out-of-vocab": Case(TokenOutOfVocabError, "input id 256 for live slot 0",
+                                      lambda c: decode(c, D([0], [VOCAB])), ("256", "[0, 256)")),
+    "decode-sampling-count-mismatch": Case(InputError, "2 rows, 1 SamplingParams",
+                                           lambda c: decode(c, DecodeBatch(seq_ids=[0, 2], input_ids=[1, 2], sampling=[GREEDY])),
+                                           ("2 seq_ids", "1 rows")),
+    "decode-full-slot": Case(SequenceLengthExceededError, "decode a slot holding 64 tokens = `sequence_length` (never overwrites)",
+                             decode_full_slot, ("holds 64 tokens", "sequence_length=64", "release it")),
+    "release-free-slot": Case(SlotError, "`release` of free slot 1",
+                              lambda c: neuronfx.release(c.rt, c.state, [1]), ("slot 1", "live request")),
+    "release-not-a-list": Case(SlotError, "`release(runtime, state, 0)` (an int, not a list)",
+                               lambda c: neuronfx.release(c.rt, c.state, 0), ("seq_ids=0", "e.g. [0]")),
+    # --- generate -------------------------------------------------------------------------------
+    "generate-text-instead-of-ids": Case(InputError, "`generate(..., \"hello\")`",
+                                         lambda c: gen(c, "hello"), ("'hello'", "tokenize it first")),
+    "generate-float-ids": Case(InputError, "a float32 ids tensor",
+                               lambda c: gen(c, torch.tensor([[1.0, 2.0]])), ("torch.float32", "int32/int64")),
+    "generate-3d-ids": Case(InputError, "an ids tensor of shape (1, 1, 2)",
+                            lambda c: gen(c, torch.ones(1, 1, 2, dtype=torch.long)), ("(1, 1, 2)", "[B, T]")),
+    "generate-ids-on-meta-device": Case(InputError, "an ids tensor on the meta device (no data)",
+                                        lambda c: gen(c, torch.ones(1, 3, dtype=torch.long, device="meta")),
+                                        ("'meta'", "cpu")),
+    "generate-no-prompts": Case(InputError, "`generate(..., [])`", lambda c: gen(c, []), ("no prompts", "at least one")),
+    "generate-empty-prompt": Case(EmptyPromptError, "second prompt empty",
+                                  lambda c: gen(c, [[1, 2], []]), ("row 1 is empty", "at least one token")),
+    "generate-prompt-too-long": Case(PromptTooLongError, "a 40-token prompt",
+                                     lambda c: gen(c, [list(range(40))]), ("40 tokens", "max_context_length=32")),
+    "generate-total-over-sequence": Case(SequenceLengthExceededError, "30-token prompt + `max_new_tokens=35` > 64",
+                                         lambda c: gen(c, [random_prompt(30, 1)], n=35),
+                                         ("30 tokens + max tokens 35 = 65", "sequence_length=64", "lower max_new_tokens")),
+    "generate-max-tokens-over-sequence": Case(SequenceLengthExceededError, "`SamplingParams(max_tokens=64)` on a 1-token prompt",
+                                              lambda c: gen(c, [[1]], sampling=SP(max_tokens=64)),
+                                              ("1 tokens + max tokens 64 = 65", "sequence_length=64")),
+    "generate-max-new-tokens-zero": Case(InputError, "`max_new_tokens=0`",
+                                         lambda c: gen(c, [[1, 2]], n=0), ("max_new_tokens=0", ">= 1")),
+    "generate-sampling-count": Case(InputError, "3 SamplingParams for 2 prompts",
+                                    lambda c: gen(c, [[1], [2]], sampling=[GREEDY] * 3), ("one per prompt (2)",)),
+    "generate-no-free-slot": Case(BatchTooLargeError, "`generate` on a state whose 4 slots are all live",
+                                  all_slots_live, ("all 4 slots are live", "release some")),
+    "generate-eos-out-of-vocab": Case(TokenOutOfVocabError, "`eos_token_ids=[256]`",
+                                      lambda c: gen(c, [[1, 2]], eos_token_ids=[VOCAB]), ("256", "[0, 256)", "eos id")),
+    "generate-eos-not-ids": Case(InputError, "`eos_token_ids=\"2\"`",
+                                 lambda c: gen(c, [[1, 2]], eos_token_ids="2"), ("'2'", "token id")),
+    "generate-stop-without-tokenizer": Case(InputError, "`SamplingParams(stop=\"x\")` without a tokenizer",
+                                            lambda c: gen(c, [[1]], sampling=SP(stop="x")), ("stop=('x',)", "tokenizer=")),
+    "generate-stop-not-tokenizable": Case(SamplingParamsError, "stop string `\"zz\"` that the tokenizer can never produce",
+                                          lambda c: gen(c, [[1]], sampling=SP(stop="zz"), tokenizer=c.extras["tokenizer"]),
+                                          ("stop='zz'", "cannot be produced", "'w0'", "fix the stop string")),
+    "speculate-without-graphs": Case(ConfigError, "`generate_speculative` on a runtime compiled without speculation",
+                                     speculate, ("speculation_length=k >= 2",)),
+    # --- sampling parameters --------------------------------------------------------------------
+    "sampling-not-params": Case(SamplingParamsError, "a dict instead of SamplingParams in a PrefillBatch",
+                                lambda c: bad_sampling(c, {"temperature": 1.0}), ("{'temperature': 1.0}", "neuronfx.SamplingParams")),
+    "sampling-temperature-negative": Case(SamplingParamsError, "`temperature=-1.0`",
+                                          lambda c: bad_sampling(c, SP(temperature=-1.0)), ("temperature=-1.0", ">= 0")),
+    "sampling-temperature-nan": Case(SamplingParamsError, "`temperature=nan` (decode)",
+                                     lambda c: bad_sampling(c, SP(temperature=float("nan")), "decode"), ("temperature=nan", "finite")),
+    "sampling-top-p-zero": Case(SamplingParamsError, "`top_p=0.0`",
+                                lambda c: bad_sampling(c, SP(temperature=1.0, top_p=0.0)), ("top_p=0.0", "(0, 1]", "1 disables")),
+    "sampling-top-k-over-width": Case(SamplingParamsError, "`top_k=257` > `max_topk=256`",
+                                      lambda c: bad_sampling(c, SP(temperature=1.0, top_k=257)),
+                                      ("top_k=257", "max_topk=256", "recompile")),
+    "sampling-top-k-float": Case(SamplingParamsError, "`top_k=2.0`",
+                                 lambda c: bad_sampling(c, SP(temperature=1.0, top_k=2.0)), ("top_k=2.0", "int")),
+    "sampling-min-p-over-one": Case(SamplingParamsError, "`min_p=1.5`",
+                                    lambda c: bad_sampling(c, SP(min_p=1.5)), ("min_p=1.5", "[0, 1]")),
+    "sampling-repetition-penalty-zero": Case(SamplingParamsError, "`repetition_penalty=0.0`",
+                                             lambda c: bad_sampling(c, SP(repetition_penalty=0.0)),
+                                             ("repetition_penalty=0.0", "> 0", "1 disables")),
+    "sampling-presence-penalty-range": Case(SamplingParamsError, "`presence_penalty=3.0`",
+                                            lambda c: bad_sampling(c, SP(presence_penalty=3.0)), ("presence_penalty=3.0", "[-2, 2]")),
+    "sampling-frequency-penalty-inf": Case(SamplingParamsError, "`frequency_penalty=inf` (decode)",
+                                           lambda c: bad_sampling(c, SP(frequency_penalty=float("inf")), "decode"),
+                                           ("frequency_penalty=inf", "finite")),
+    "sampling-seed-out-of-range": Case(SamplingParamsError, "`seed=2**63`",
+                                       lambda c: bad_sampling(c, SP(seed=2**63)), (f"seed={2**63}", f"[0, {MAX_SEED}]")),
+    "sampling-min-over-max-tokens": Case(SamplingParamsError, "`min_tokens=5, max_tokens=2`",
+                                         lambda c: bad_sampling(c, SP(min_tokens=5, max_tokens=2)),
+                                         ("min_tokens=5", "max_tokens=2", "lower min_tokens")),
+    "sampling-stop-token-out-of-vocab": Case(SamplingParamsError, "`stop_token_ids=(256,)`",
+                                             lambda c: bad_sampling(c, SP(stop_token_ids=(VOCAB,))),
+                                             ("stop_token_ids=(256,)", "vocab_size=256")),
+    "sampling-logprobs-over-max": Case(SamplingParamsError, "`logprobs=21` > `max_logprobs=20`",
+                                       lambda c: bad_sampling(c, SP(logprobs=21)), ("logprobs=21", "max_logprobs=20", "recompile")),
+    "sampling-bool-flag-not-bool": Case(SamplingParamsError, "`ignore_eos=1`",
+                                        lambda c: bad_sampling(c, SP(ignore_eos=1)), ("ignore_eos=1", "bool")),
+    # --- state use ------------------------------------------------------------------------------
+    "state-consumed-decode": Case(StateConsumedError, "`decode_step` on a state a step already consumed",
+                                  lambda c: neuronfx.decode_step(c.rt, c.consumed, D([0], [1])),
+                                  ("already consumed", "use the new state")),
+    "state-consumed-generate": Case(StateConsumedError, "`generate` on a consumed state",
+                                    lambda c: neuronfx.generate(c.rt, c.consumed, [[1]]), ("already consumed",)),
+    "state-of-another-runtime": Case(StateMismatchError, "a state of a `batch_size=2` runtime",
+                                     lambda c: neuronfx.decode_step(c.rt, c.extras["foreign"], D([0], [1])),
+                                     ("(3, 2, 64, 16)", "(5, 2, 64, 16)", "neuronfx.init_state(runtime)")),
+    "state-not-a-state": Case(InputError, "`decode_step(runtime, None, batch)`",
+                              lambda c: neuronfx.decode_step(c.rt, None, D([0], [1])), ("NoneType", "neuronfx.init_state")),
+    "state-bad-seed": Case(InputError, "`init_state(runtime, seed=-1)`",
+                           lambda c: neuronfx.init_state(c.rt, -1), ("seed=-1", f"[0, {MAX_SEED}]")),
+    # --- the scheduler --------------------------------------------------------------------------
+    "submit-invalid-request": Case(EmptyPromptError, "`submit(queue, 0, Request(prompt=()), runtime=rt)`",
+                                   lambda c: submit(Queue(), 0, request([]), runtime=c.rt), ("row 0 is empty",)),
+    "submit-over-capacity": Case(SequenceLengthExceededError, "request of 30 + 40 tokens submitted",
+                                 lambda c: submit(Queue(), 3, request(range(30), 40), runtime=c.rt),
+                                 ("prompt 3 has 30 tokens + max tokens 40 = 70", "sequence_length=64")),
+    "submit-duplicate-index": Case(InputError, "second request with index 0",
+                                   lambda c: submit(submit(Queue(), 0, request([1])), 0, request([2]), runtime=c.rt),
+                                   ("index 0", "already queued", "its own index")),
+    "abort-unknown-request": Case(InputError, "`abort` of index 9, never submitted",
+                                  lambda c: abort(c.rt, c.state, Queue(), 9), ("index 9", "neither waiting nor running")),
+}
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def rt(hf):
+    return tiny_runtime(hf)
+
+
+def live_state(rt) -> tuple[neuronfx.State, neuronfx.State, dict[int, int]]:
+    """(state with slots 0 and 2 live after prefill + one decode, the state that decode consumed,
+    each live slot's last token)."""
+    slots = list(LIVE_PROMPTS)
+    out, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt, seed=3), P(slots, list(LIVE_PROMPTS.values())))
+    consumed = state
+    out, state = neuronfx.decode_step(rt, state, D(slots, list(out.tokens)))
+    return state, consumed, dict(zip(slots, out.tokens))
+
+
+def continue_live(rt, state, last: dict[int, int]) -> dict[int, list[int]]:
+    """Decode every live slot CONTINUE more tokens (one batch per step)."""
+    slots, tokens = list(last), {s: [] for s in last}
+    ids = list(last.values())
+    for _ in range(CONTINUE):
+        out, state = neuronfx.decode_step(rt, state, D(slots, ids))
+        ids = list(out.tokens)
+        for s, t in zip(slots, ids):
+            tokens[s].append(t)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def control(rt):
+    state, _, last = live_state(rt)
+    return continue_live(rt, state, last)
+
+
+@pytest.fixture(scope="module")
+def extras(hf, rt, tmp_path_factory):
+    saved = tmp_path_factory.mktemp("artifact") / "rt"
+    neuronfx.save(rt, saved)
+    foreign = neuronfx.init_state(tiny_runtime(hf, batch_size=2))
+    return {"saved": saved, "foreign": foreign, "tokenizer": word_tokenizer()}
+
+
+def snapshot(state: neuronfx.State) -> tuple:
+    return (state.cache_lens, state.generated, state.live, state.rng_key, [t.clone() for t in state.kv],
+            state.output_counts.clone(), state.prompt_mask.clone())
+
+
+def assert_unchanged(state: neuronfx.State, before: tuple) -> None:
+    assert not state.consumed
+    assert (state.cache_lens, state.generated, state.live, state.rng_key) == before[:4]
+    for a, b in zip(state.kv, before[4], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(state.output_counts, before[5]) and torch.equal(state.prompt_mask, before[6])
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_misuse_case(hf, rt, control, extras, tmp_path, case):
+    spec = CASES[case]
+    state, consumed, last = live_state(rt)
+    ctx = Ctx(rt=rt, hf=hf, state=state, consumed=consumed, tmp=tmp_path, extras=extras)
+    before = snapshot(state)
+
+    with pytest.raises(spec.error) as info:
+        spec.call(ctx)
+
+    assert type(info.value) is spec.error, f"expected exactly {spec.error.__name__}, got {type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    for needle in spec.names:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert_unchanged(state, before)
+    assert continue_live(rt, state, last) == control
+
+
+# --- the docs table agrees with the cases -----------------------------------------------------
+
+
+def table() -> str:
+    """The catalogue as a markdown table (docs/misuse.md between its markers)."""
+    rows = ["| # | case | how it is triggered | exception | the message names |", "| --- | --- | --- | --- | --- |"]
+    for i, (name, c) in enumerate(CASES.items(), 1):
+        names = ", ".join(f"`{n}`" for n in c.names)
+        rows.append(f"| {i} | `{name}` | {c.trigger} | `{c.error.__name__}` | {names} |")
+    return "\n".join(rows)
+
+
+def test_docs_table_matches_cases():
+    text = DOC.read_text()
+    documented = re.findall(r"^\| \d+ \| `([a-z0-9-]+)` \|.*\| `(\w+)` \|", text, flags=re.M)
+    assert documented == [(name, c.error.__name__) for name, c in CASES.items()]
+    assert table() in text
+    assert len(CASES) >= 40
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table() + "\n")
