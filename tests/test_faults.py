@@ -240,7 +240,7 @@ def nan_embedding(rt, token: int) -> neuronfx.Runtime:
     return attrs.evolve(rt, weights=rt.weights | {"embed": embed})
 
 
-@pytest.mark.parametrize("backend", ["eager", "export"])
+@pytest.mark.parametrize("backend", ["eager", "export", "inductor"])
 def test_generate_reports_nan_prompt_and_keeps_others(hf, backend):
     base = rt_small(hf, backend)
     good, bad = [3, 4, 5], [6, 7, 8]
