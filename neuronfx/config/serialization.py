@@ -99,5 +99,5 @@ def plan_from_json(text: str) -> Plan:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"plan JSON does not parse: {exc}") from exc
+        raise ConfigError(f"plan JSON does not parse: {exc}; pass the text plan_to_json (or neuronfx.save) wrote.") from exc
     return plan_from_dict(data)
