@@ -32,6 +32,7 @@ def test_soak_random_operations():
     assert set(by_op) == set(soak.OPERATIONS), by_op  # every kind of operation ran
     errors = figures["errors_by_kind"]
     assert {"SlotError", "StateConsumedError", "StateMismatchError", "SamplingParamsError"} <= set(errors), errors
-    assert figures["finish_reasons"].get("length", 0) >= 20, figures["finish_reasons"]
+    reasons = figures["finish_reasons"]
+    assert reasons.get("length", 0) >= 20 and reasons.get("stop", 0) >= 1, reasons
     growth = figures["rss_mib_end"] - figures["rss_mib_after_warmup"]
     assert growth <= soak.RSS_TOLERANCE_MIB, figures

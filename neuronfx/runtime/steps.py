@@ -7,7 +7,7 @@ the (phase, bucket) graph from host integers it already has, runs it, and return
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import torch
@@ -29,28 +29,43 @@ from neuronfx.runtime.state import State, advance, check_usable
 
 
 def _rows(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    prompts = _row_values("prompts")(prompts)
     for b, row in enumerate(prompts):
         if not isinstance(row, (list, tuple)):
             raise InputError(f"prompt of row {b} is {type(row).__name__}; each prompt is a list of token ids.")
     return tuple(tuple(r) for r in prompts)
 
 
+def _row_values(field: str) -> Callable[[object], tuple]:
+    """attrs converter: an iterable of per-row values (list, tuple, range, 1-D tensor) -> tuple;
+    raises InputError naming ``field`` for anything else (an int, a str, None, a 0-d tensor)."""
+
+    def convert(value: object) -> tuple:
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            value = value.tolist()
+        if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
+            raise InputError(f"{field}={value!r:.60} must be a list with one entry per row, e.g. [{value!r:.20}].")
+        return tuple(value)
+
+    return convert
+
+
 @attrs.frozen(kw_only=True)
 class PrefillBatch:
     """New requests to prefill; row b goes to slot ``seq_ids[b]``."""
 
-    seq_ids: tuple[int, ...] = attrs.field(converter=tuple)  # [n] free slots, distinct
+    seq_ids: tuple[int, ...] = attrs.field(converter=_row_values("seq_ids"))  # [n] free slots, distinct
     prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=_rows)  # [n][len_b] ids
-    sampling: tuple[SamplingParams, ...] = attrs.field(converter=tuple)  # [n]
+    sampling: tuple[SamplingParams, ...] = attrs.field(converter=_row_values("sampling"))  # [n]
 
 
 @attrs.frozen(kw_only=True)
 class DecodeBatch:
     """One token for each of the live slots ``seq_ids``."""
 
-    seq_ids: tuple[int, ...] = attrs.field(converter=tuple)  # [n] live slots, distinct
-    input_ids: tuple[int, ...] = attrs.field(converter=tuple)  # [n] last token of each row
-    sampling: tuple[SamplingParams, ...] = attrs.field(converter=tuple)  # [n]
+    seq_ids: tuple[int, ...] = attrs.field(converter=_row_values("seq_ids"))  # [n] live slots, distinct
+    input_ids: tuple[int, ...] = attrs.field(converter=_row_values("input_ids"))  # [n] last token of each row
+    sampling: tuple[SamplingParams, ...] = attrs.field(converter=_row_values("sampling"))  # [n]
 
 
 @attrs.frozen(kw_only=True)
