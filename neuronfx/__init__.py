@@ -9,7 +9,7 @@ Typical use::
 """
 
 from neuronfx import errors
-from neuronfx.artifacts import load, save
+from neuronfx.artifacts import load, push_to_hub, save
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
     DecodeBatch,
@@ -39,5 +39,6 @@ __version__ = "0.1.0"
 __all__ = [
     "DecodeBatch", "Draft", "Finished", "SpeculationStats", "generate_speculative", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan",
     "PrefillBatch", "Request", "Runtime", "SamplingParams", "State", "StepOutput", "TokenEvent", "compile",
-    "decode_step", "errors", "generate", "init_state", "load", "make_plan", "prefill_step", "release", "save", "schedule",
+    "decode_step", "errors", "generate", "init_state", "load", "make_plan", "prefill_step", "push_to_hub", "release", "save",
+    "schedule",
 ]

@@ -1,22 +1,32 @@
-"""Saved runtimes: ``save(runtime, dir)`` / ``load(dir)``.
+"""Saved runtimes: ``save(runtime, dir)`` / ``load(dir)``, and hub interop.
 
 A directory holds ``plan.json`` (the cattrs form of the plan's sources), ``weights.safetensors``
-(each shared tensor once; tied names listed in the manifest), the backend's graph files, and
-``manifest.json``: format version, versions of neuronfx and torch, backend, machine, plan hash
-and a sha256 per file. ``load`` checks the manifest before anything runs.
+(each shared tensor once; tied names listed in the manifest), the backend's graph files,
+optionally ``tokenizer/`` (``save_pretrained``) and ``generation_config.json`` (eos ids), and
+``manifest.json``: format version, versions of neuronfx, torch and Python, a fingerprint of
+neuronfx's source, backend, machine, plan hash and a sha256 per file. ``load`` checks the
+manifest and every file before anything runs.
 
 Graph files per backend: ``export`` saves each (phase, batch, bucket) ExportedProgram
-(``torch.export.save``), loaded without tracing; ``inductor`` saves torch's compile-cache
-artifacts (``torch.compiler.save_cache_artifacts``: inductor's compiled kernels), so loading
-re-traces with dynamo but compiles nothing; ``eager`` has no graph files.
+(``torch.export.save``), loaded without tracing; ``inductor`` saves the inductor cache directory
+the runtime was compiled in (``inductor/``: FX-graph and AOT-autograd cache entries and the
+compiled C++ kernels, ``.so``), so loading re-traces with dynamo but compiles nothing; ``eager``
+has no graph files. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
+weights, tokenizer and generation config.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import platform
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +34,22 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import neuronfx
+from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError
-from neuronfx.graphs.backends import ExportedGraph, build_graph
+from neuronfx.graphs.backends import ExportedGraph
+from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.weights import nest
-from neuronfx.runtime.runtime import Runtime
-from neuronfx.runtime.state import empty_state
+from neuronfx.runtime.runtime import Runtime, build_graphs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
-INDUCTOR_CACHE = "inductor_cache.bin"
+INDUCTOR_DIR = "inductor"
+TOKENIZER_DIR = "tokenizer"
+GENERATION_CONFIG = "generation_config.json"
+_SKIPPED_SUFFIXES = (".lock", ".pyc")  # inductor's lock files and bytecode are not shipped
 
 
 def _graph_file(key: tuple[str, int, int]) -> str:
@@ -43,9 +57,29 @@ def _graph_file(key: tuple[str, int, int]) -> str:
     return f"graphs/{phase}-b{batch}-t{bucket}.pt2"
 
 
+@functools.cache
+def source_fingerprint() -> str:
+    """sha256 over the source files compiled graphs are made of (``neuronfx/graphs`` and
+    ``neuronfx/config``, .py and .cpp): an edited checkout must not reuse graphs compiled from
+    the old code."""
+    root = Path(neuronfx.__file__).parent
+    h = hashlib.sha256()
+    sources = [p for sub in ("graphs", "config") for p in (root / sub).rglob("*")]
+    for path in sorted(p for p in sources if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def environment(backend: str) -> dict[str, str]:
     """What an artifact's compiled files depend on (compared on load)."""
-    return {"neuronfx": neuronfx.__version__, "torch": torch.__version__, "backend": backend, "machine": platform.machine()}
+    return {
+        "neuronfx": neuronfx.__version__, "neuronfx_source": source_fingerprint(), "torch": torch.__version__,
+        "python": platform.python_version(), "backend": backend, "machine": platform.machine(),
+    }
+
+
+def plan_sha256(plan: Plan) -> str:
+    return hashlib.sha256(plan_to_json(plan).encode()).hexdigest()
 
 
 def flatten_weights(weights: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -73,33 +107,70 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(runtime: Runtime, directory: str | os.PathLike) -> Path:
-    """Write ``runtime`` to ``directory`` (created; existing files of the same names are
-    replaced). Returns the directory. Sizes: the weights once (bytes of the unique tensors) plus
-    the graph files."""
-    out = Path(directory)
-    (out / "graphs").mkdir(parents=True, exist_ok=True)
-    plan = runtime.plan
-    (out / PLAN).write_text(plan_to_json(plan))
-    unique, aliases = flatten_weights(runtime.weights)
-    save_file(unique, str(out / WEIGHTS))
-    files = [PLAN, WEIGHTS]
-    if plan.inference.backend == "export":
+def _tree_files(directory: Path, prefix: str) -> list[str]:
+    """Relative names of the plain files under ``directory`` (skipping locks and bytecode)."""
+    return sorted(
+        f"{prefix}/{p.relative_to(directory).as_posix()}" for p in directory.rglob("*")
+        if p.is_file() and not p.name.endswith(_SKIPPED_SUFFIXES) and "__pycache__" not in p.parts
+    )
+
+
+def write_graph_files(runtime: Runtime, out: Path) -> list[str]:
+    """Write the backend's graph files of ``runtime`` under ``out``; returns their relative names."""
+    backend = runtime.plan.inference.backend
+    if backend == "export":
+        (out / "graphs").mkdir(parents=True, exist_ok=True)
         for key, graph in runtime.graphs.items():
             torch.export.save(graph.program, str(out / _graph_file(key)))
-            files.append(_graph_file(key))
-    elif plan.inference.backend == "inductor":
-        artifacts = torch.compiler.save_cache_artifacts()
-        (out / INDUCTOR_CACHE).write_bytes(artifacts[0] if artifacts else b"")
-        files.append(INDUCTOR_CACHE)
+        return [_graph_file(key) for key in runtime.graphs]
+    if backend == "inductor":
+        if runtime.compiled_dir is None or not Path(runtime.compiled_dir).is_dir():
+            raise ArtifactError(
+                f"this inductor runtime's compiled files ({runtime.compiled_dir!r}) are gone; compile it again "
+                "with neuronfx.compile and save that runtime."
+            )
+        src = Path(runtime.compiled_dir)
+        shutil.copytree(src, out / INDUCTOR_DIR, dirs_exist_ok=True,
+                        ignore=lambda _d, names: [n for n in names if n.endswith(_SKIPPED_SUFFIXES) or n == "__pycache__"])
+        return _tree_files(out / INDUCTOR_DIR, INDUCTOR_DIR)
+    return []
+
+
+def write_manifest(out: Path, plan: Plan, files: list[str], aliases: Mapping[str, str] | None = None) -> None:
     manifest = {
         "format": FORMAT_VERSION,
         "environment": environment(plan.inference.backend),
-        "plan_sha256": hashlib.sha256(plan_to_json(plan).encode()).hexdigest(),
-        "aliases": aliases,
+        "plan_sha256": plan_sha256(plan),
+        "aliases": dict(aliases or {}),
         "files": {f: sha256(out / f) for f in files},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """Write ``runtime`` to ``directory`` (created; existing files of the same names are
+    replaced). Returns the directory.
+
+    ``tokenizer``: a transformers tokenizer, written with ``save_pretrained`` to ``tokenizer/``
+    so the directory is all ``neuronfx generate --model DIR`` needs. Sizes: the weights once
+    (bytes of the unique tensors) plus the graph files (inductor: its kernel cache, tens of MB).
+    Raises ArtifactError when an inductor runtime's compiled files were deleted.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = runtime.plan
+    files = write_graph_files(runtime, out)  # first: the only step that can refuse
+    (out / PLAN).write_text(plan_to_json(plan))
+    unique, aliases = flatten_weights(runtime.weights)
+    save_file(unique, str(out / WEIGHTS))
+    generation = {"eos_token_id": list(plan.model.eos_token_ids), "max_length": plan.inference.sequence_length}
+    (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+    files += [PLAN, WEIGHTS, GENERATION_CONFIG]
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        files += _tree_files(out / TOKENIZER_DIR, TOKENIZER_DIR)
+    write_manifest(out, plan, files, aliases)
     return out
 
 
@@ -111,17 +182,19 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ArtifactError(f"{str(directory)!r} has no {MANIFEST}; it is not a saved neuronfx runtime (neuronfx.save / neuronfx compile).")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} does not parse ({exc}); re-save the runtime.") from exc
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format {manifest.get('format')!r}, this neuronfx reads format {FORMAT_VERSION}; rebuild it with neuronfx.save.")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise ArtifactError(f"{path}: format {found!r}, this neuronfx reads format {FORMAT_VERSION}; rebuild it with neuronfx.save.")
     found = manifest.get("environment", {})
     want = environment(found.get("backend", ""))
-    for key in ("neuronfx", "torch", "machine"):
+    for key in ("neuronfx", "torch", "python", "machine"):  # neuronfx_source: informative (cache keys use it)
         if found.get(key) != want[key]:
             raise ArtifactError(
                 f"{directory} was built with {key} {found.get(key)!r}, this process has {want[key]!r}; its compiled "
-                "graphs may not load: rebuild it here with neuronfx.save(neuronfx.compile(plan, state_dict), dir)."
+                "graphs may not load: rebuild it here with neuronfx.save(neuronfx.compile(plan, state_dict), dir) "
+                "or `neuronfx compile MODEL --out DIR`."
             )
     for name, digest in manifest.get("files", {}).items():
         file = directory / name
@@ -132,32 +205,120 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def load(directory: str | os.PathLike, progress: bool = False) -> Runtime:
-    """Load a runtime saved by :func:`save`. Every file is verified before anything runs;
-    raises ArtifactError (missing/corrupt file, other versions or machine) or ConfigError (a
+def read_plan(directory: Path, manifest: Mapping[str, Any]) -> Plan:
+    """plan.json, structured and checked against the manifest's plan hash."""
+    plan = plan_from_json((directory / PLAN).read_text())
+    if plan_sha256(plan) != manifest.get("plan_sha256"):
+        raise ArtifactError(f"{directory / PLAN} does not match the manifest's plan hash; re-save the runtime.")
+    return plan
+
+
+def private_inductor_dir(source: Path | None = None) -> Path:
+    """A new private inductor cache directory (a copy of ``source`` when given): inductor writes
+    into its cache while it works, so shared copies (artifacts, cache entries) stay read-only."""
+    target = Path(tempfile.mkdtemp(prefix="neuronfx-inductor-"))
+    if source is not None:
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    return target
+
+
+def remove_with(runtime: Runtime) -> Runtime:
+    """Delete ``runtime.compiled_dir`` (a private temp directory) when the runtime is collected."""
+    if runtime.compiled_dir is not None:
+        weakref.finalize(runtime, shutil.rmtree, runtime.compiled_dir, True)
+    return runtime
+
+
+def build_in(plan: Plan, weights: Weights, inductor_dir: Path | None, progress: bool) -> tuple[dict, dict]:
+    """Build every graph, inductor inside ``inductor_dir`` (its kernel cache for this runtime)."""
+    if plan.inference.backend != "inductor":
+        return build_graphs(plan, weights, progress)
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with temporary_cache_dir(str(inductor_dir)):
+        return build_graphs(plan, weights, progress)
+
+
+def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False) -> tuple[dict, dict, str | None]:
+    """(graphs, seconds per graph, compiled_dir) from the graph files in ``src``, checked by
+    :func:`read_manifest` first."""
+    if plan.inference.backend == "export":
+        graphs, times = {}, {}
+        for spec in plan.graphs:
+            t0 = time.perf_counter()
+            program = torch.export.load(str(src / _graph_file(spec.key)))
+            graphs[spec.key] = ExportedGraph(program=program, module=program.module())
+            times[spec.key] = time.perf_counter() - t0
+        return graphs, times, None
+    inductor_dir = private_inductor_dir(src / INDUCTOR_DIR) if plan.inference.backend == "inductor" else None
+    graphs, times = build_in(plan, weights, inductor_dir, progress)
+    return graphs, times, None if inductor_dir is None else str(inductor_dir)
+
+
+def resolve(source: str | os.PathLike) -> Path:
+    """A local directory, or a hub repo id ("owner/name", no such local path) fetched with
+    ``huggingface_hub.snapshot_download`` (its cache; honours HF_HUB_OFFLINE and HF_HUB_CACHE).
+    Raises ArtifactError when neither exists."""
+    path = Path(source)
+    if path.exists() or not looks_like_repo_id(str(source)):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=str(source)))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise ArtifactError(
+            f"{str(source)!r} is neither a local directory nor a hub repo that could be fetched ({type(exc).__name__}: {exc}); "
+            "check the path or repo id (offline, with HF_HUB_OFFLINE=1, the repo must already be in the hub cache)."
+        ) from exc
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """"owner/name": two non-empty parts, not a relative or absolute path spelling."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def load(source: str | os.PathLike, progress: bool = False) -> Runtime:
+    """Load a runtime saved by :func:`save` from a directory or a hub repo id (see
+    :func:`resolve`). Every file is verified before anything runs; raises ArtifactError
+    (missing/corrupt file, other versions, source or machine, repo not found) or ConfigError (a
     plan.json that does not structure, e.g. an unknown key)."""
-    src = Path(directory)
+    src = resolve(source)
     manifest = read_manifest(src)
-    plan = plan_from_json((src / PLAN).read_text())
-    if hashlib.sha256(plan_to_json(plan).encode()).hexdigest() != manifest["plan_sha256"]:
-        raise ArtifactError(f"{src / PLAN} does not match the manifest's plan hash; re-save the runtime.")
+    plan = read_plan(src, manifest)
     flat = load_file(str(src / WEIGHTS))
     for name, target in manifest["aliases"].items():
         flat[name] = flat[target]
     weights = nest(flat, plan.model.num_hidden_layers)
-    graphs: dict = {}
-    if plan.inference.backend == "export":
-        for spec in plan.graphs:
-            program = torch.export.load(str(src / _graph_file(spec.key)))
-            graphs[spec.key] = ExportedGraph(program=program, module=program.module())
-    else:
-        if plan.inference.backend == "inductor":
-            data = (src / INDUCTOR_CACHE).read_bytes()
-            if data:
-                torch.compiler.load_cache_artifacts(data)
-        kv = list(empty_state(plan).kv)
-        graphs = {spec.key: build_graph(plan, spec, weights, kv) for spec in plan.graphs}
-    return Runtime(plan=plan, weights=weights, graphs=graphs, compile_s={k: 0.0 for k in graphs})
+    graphs, times, compiled_dir = load_graphs(src, plan, weights, progress)
+    return remove_with(Runtime(plan=plan, weights=weights, graphs=graphs, compile_s=times, compiled_dir=compiled_dir))
 
 
-__all__ = ["ArtifactError", "load", "read_manifest", "save"]
+def load_tokenizer(source: str | os.PathLike) -> Any:
+    """The tokenizer saved with a runtime (``save(..., tokenizer=)``), from a directory or hub
+    repo id. Raises ArtifactError when the artifact has none."""
+    src = resolve(source)
+    if not (src / TOKENIZER_DIR).is_dir():
+        raise ArtifactError(f"{src} has no {TOKENIZER_DIR}/; save the runtime with neuronfx.save(runtime, dir, tokenizer=tok).")
+    from neuronfx.checkpoints import load_tokenizer as load_dir_tokenizer
+
+    return load_dir_tokenizer(src / TOKENIZER_DIR)
+
+
+def push_to_hub(directory: str | os.PathLike, repo_id: str, token: str | None = None, private: bool = False,
+                commit_message: str = "neuronfx saved runtime") -> str:
+    """Upload a saved runtime directory to the hub repo ``repo_id`` (created if missing) with
+    ``huggingface_hub.HfApi.upload_folder``; returns the commit URL. The directory is verified
+    first (raises ArtifactError when it is not a complete saved runtime)."""
+    src = Path(directory)
+    read_manifest(src)
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id=repo_id, private=private, exist_ok=True)
+    return str(api.upload_folder(folder_path=str(src), repo_id=repo_id, commit_message=commit_message))
+
+
+__all__ = ["ArtifactError", "load", "load_tokenizer", "push_to_hub", "read_manifest", "save"]

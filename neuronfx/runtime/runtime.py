@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 
@@ -24,23 +25,41 @@ class Runtime:
     - ``plan``: the Plan it was compiled for.
     - ``weights``: neuronfx weight name -> tensor in the plan's dtype, one copy shared by all graphs.
     - ``graphs``: (phase, batch_size, bucket) -> callable ``graph(weights, kv, *step_inputs)``.
-    - ``compile_s``: (phase, batch_size, bucket) -> seconds spent building that graph.
+    - ``compile_s``: (phase, batch_size, bucket) -> seconds spent building (or loading) that graph.
+    - ``compiled_dir``: the directory of the backend's compiled files that ``neuronfx.save``
+      ships (inductor: its kernel cache, a private copy); None for eager and export.
+    - ``cache_key``: the compile-cache key the graphs came from or went into (None: no cache).
     """
 
     plan: Plan
     weights: Weights
     graphs: Mapping[tuple[str, int, int], Graph]
     compile_s: Mapping[tuple[str, int, int], float]
+    compiled_dir: str | None = None
+    cache_key: str | None = None
 
 
-def compile(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None = None, progress: bool = True) -> Runtime:
+def compile(
+    plan: Plan,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    progress: bool = True,
+    cache: bool | str | os.PathLike | None = None,
+) -> Runtime:
     """Compile every (phase, bucket) graph of ``plan`` with its backend.
 
     ``state_dict``: HF-named tensors (e.g. ``model.state_dict()`` of a transformers model); when
-    None the weights are loaded from ``plan.checkpoint``. Raises ConfigError when neither is given,
-    CheckpointError for missing/extra/mis-shaped tensors, BackendUnavailableError for a backend
-    whose optional dependencies are missing.
+    None the weights are loaded from ``plan.checkpoint``. ``cache``: the compile cache
+    (:mod:`neuronfx.cache`): None (default) uses it for the compiled backends (``export``,
+    ``inductor``) and not for ``eager``; True uses it, False does not; a path uses the cache in
+    that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
+    plan loads its graphs instead of compiling them; the cache holds graph files only, never
+    weights: the runtime always runs on ``state_dict``. Raises ConfigError when no weights are
+    given or ``cache`` is not one of those, CheckpointError for missing/extra/mis-shaped
+    tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
     """
+    from neuronfx.cache import compile_graphs, resolve_cache  # the cache imports this module
+
+    root = resolve_cache(cache, plan.inference.backend)
     if state_dict is None:
         if plan.checkpoint is None:
             raise ConfigError("compile(plan) needs weights: pass state_dict= or build the plan with a checkpoint path.")
@@ -48,6 +67,12 @@ def compile(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None = None, pr
 
         state_dict = load_checkpoint(plan.checkpoint).state_dict
     weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype)
+    return compile_graphs(plan, weights, root, progress)
+
+
+def build_graphs(plan: Plan, weights: Weights, progress: bool = True) -> tuple[dict, dict]:
+    """Build every graph of ``plan`` with its backend, no cache: (graphs, seconds) keyed by
+    (phase, batch_size, bucket)."""
     template_kv = list(empty_state(plan).kv)  # trace-time cache; live states allocate their own
     graphs, times = {}, {}
     bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
@@ -56,7 +81,7 @@ def compile(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None = None, pr
         t0 = time.perf_counter()
         graphs[spec.key] = build_graph(plan, spec, weights, template_kv)
         times[spec.key] = time.perf_counter() - t0
-    return Runtime(plan=plan, weights=weights, graphs=graphs, compile_s=times)
+    return graphs, times
 
 
 def init_state(runtime: Runtime, seed: int = 0) -> State:

@@ -1,0 +1,235 @@
+"""Compile cache: ``neuronfx.compile`` of a plan compiled before loads its graphs instead.
+
+An entry is keyed by a content hash (:func:`cache_key`) of the model config, the inference
+config, the backend, the versions of neuronfx, torch and Python, a fingerprint of neuronfx's
+source and the machine. It holds graph files only (the layout of a saved runtime without
+weights: ``plan.json``, ``manifest.json``, ``graphs/*.pt2`` or ``inductor/``): weights are
+graph inputs, never baked into compiled code, so a hit runs on the caller's weights.
+
+Location: ``$NEURONFX_CACHE_DIR``, default ``~/.cache/neuronfx``; ``<root>/<key>/`` per entry.
+Concurrency: a process holds ``<root>/<key>.lock`` (``filelock``) while it checks, builds or
+loads that entry; a new entry is written to ``<root>/.tmp-<key>-*`` and renamed into place, so
+an entry is complete or absent and a crash leaves only a temp directory (``clear`` removes it).
+A corrupt or half-written entry (sha256 mismatch, missing file, unreadable plan or graph) is
+reported with a RuntimeWarning naming the entry and the reason, moved aside, and rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from neuronfx.artifacts import (
+    MANIFEST,
+    PLAN,
+    environment,
+    load_graphs,
+    private_inductor_dir,
+    read_manifest,
+    read_plan,
+    remove_with,
+    write_graph_files,
+    write_manifest,
+    build_in,
+)
+from neuronfx.config.plan import Plan
+from neuronfx.config.serialization import plan_to_json, unstructure
+from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
+from neuronfx.graphs.layers import Weights
+from neuronfx.runtime.runtime import Runtime
+
+ENV_VAR = "NEURONFX_CACHE_DIR"
+CACHED_BACKENDS = ("export", "inductor")
+"""Backends the cache is on for by default (eager compiles nothing; neuron has no graph files yet)."""
+_ENTRY_ERRORS = (NeuronfxError, OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
+
+
+class CacheEntryWarning(RuntimeWarning):
+    """A compile-cache entry was corrupt or half-written; it was moved aside and rebuilt."""
+
+
+def default_cache_dir() -> Path:
+    """``$NEURONFX_CACHE_DIR`` if set, else ``~/.cache/neuronfx``."""
+    return Path(os.environ.get(ENV_VAR) or Path.home() / ".cache" / "neuronfx").expanduser()
+
+
+def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path | None:
+    """The cache root ``compile(..., cache=)`` uses, or None for no cache (see ``compile``).
+    Raises ConfigError for any other value."""
+    if cache is None:
+        return default_cache_dir() if backend in CACHED_BACKENDS else None
+    if isinstance(cache, bool):
+        return default_cache_dir() if cache else None
+    if isinstance(cache, (str, os.PathLike)):
+        return Path(cache).expanduser()
+    raise ConfigError(f"cache={cache!r} must be None (default), True, False or a directory path.")
+
+
+def cache_key(plan: Plan) -> str:
+    """sha256 hex of the canonical JSON of (model config, inference config, environment);
+    ``plan.checkpoint`` is left out: entries hold no weights."""
+    content = {
+        "model": unstructure(plan.model),
+        "inference": unstructure(plan.inference),
+        "environment": environment(plan.inference.backend),
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bool = True) -> Runtime:
+    """The runtime of ``plan`` on ``weights``: graphs loaded from the cache entry under ``root``
+    when there is a good one, else built (and, with a root, written as a new entry)."""
+    if root is None:
+        return _runtime(plan, weights, *_build(plan, weights, progress), None)
+    key = cache_key(plan)
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / key
+    with FileLock(str(root / f"{key}.lock")):
+        if entry.exists():
+            loaded = _load_entry(entry, plan, weights, progress)
+            if loaded is not None:
+                graphs, times, compiled_dir = loaded
+                return _runtime(plan, weights, graphs, times, compiled_dir, key)
+        runtime = _runtime(plan, weights, *_build(plan, weights, progress), key)
+        _write_entry(root, key, runtime)
+        return runtime
+
+
+def _build(plan: Plan, weights: Weights, progress: bool) -> tuple[dict, dict, Path | None]:
+    inductor_dir = private_inductor_dir() if plan.inference.backend == "inductor" else None
+    graphs, times = build_in(plan, weights, inductor_dir, progress)
+    return graphs, times, inductor_dir
+
+
+def _runtime(plan: Plan, weights: Weights, graphs: dict, times: dict, compiled_dir: Path | str | None, key: str | None) -> Runtime:
+    return remove_with(Runtime(plan=plan, weights=weights, graphs=graphs, compile_s=times,
+                               compiled_dir=None if compiled_dir is None else str(compiled_dir), cache_key=key))
+
+
+def _load_entry(entry: Path, plan: Plan, weights: Weights, progress: bool) -> tuple | None:
+    """The entry's graphs, or None after reporting and moving aside a bad entry (lock held)."""
+    try:
+        manifest = read_manifest(entry)
+        if plan_to_json(read_plan(entry, manifest)) != plan_to_json(_without_checkpoint(plan)):
+            raise ArtifactError(f"{entry / PLAN} is another plan than the one its key names")
+        return load_graphs(entry, plan, weights, progress)
+    except _ENTRY_ERRORS as exc:
+        warnings.warn(
+            f"neuronfx compile cache entry {entry} is unusable ({type(exc).__name__}: {exc}); moved aside and rebuilt.",
+            CacheEntryWarning, stacklevel=4,
+        )
+        _discard(entry)
+        return None
+
+
+def _without_checkpoint(plan: Plan) -> Plan:
+    import attrs
+
+    return attrs.evolve(plan, checkpoint=None)
+
+
+def _discard(path: Path) -> None:
+    """Move ``path`` out of the way (one rename: readers see it or nothing), then delete it."""
+    aside = path.with_name(f".corrupt-{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_entry(root: Path, key: str, runtime: Runtime) -> None:
+    """Write the entry to a temp directory and rename it into place (lock held). Failing to
+    write only costs the cache (warned); the compiled runtime is still returned."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        plan = _without_checkpoint(runtime.plan)
+        files = write_graph_files(runtime, tmp)
+        (tmp / PLAN).write_text(plan_to_json(plan))
+        write_manifest(tmp, plan, files + [PLAN])
+        os.rename(tmp, root / key)
+    except (OSError, ArtifactError) as exc:
+        warnings.warn(f"could not write neuronfx compile cache entry {root / key} ({exc}); the runtime is fine, "
+                      "the next compile of this plan compiles again.", CacheEntryWarning, stacklevel=3)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _entries(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
+    """One summary per entry under ``root`` (default :func:`default_cache_dir`): key, model
+    type, backend, dtype, batch size, number of graphs, bytes, created time. Entries whose
+    manifest or plan cannot be read are listed with ``error`` set."""
+    out = []
+    for entry in _entries(root or default_cache_dir()):
+        info: dict[str, Any] = {"key": entry.name, "bytes": _size(entry)}
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+            plan = json.loads((entry / PLAN).read_text())
+            inf = plan["inference"]
+            info |= {"model_type": plan["model"]["model_type"], "backend": inf["backend"], "dtype": inf["dtype"],
+                     "batch_size": inf["batch_size"], "files": len(manifest["files"]), "created": manifest.get("created")}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            info["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(info)
+    return out
+
+
+def _find(root: Path, key: str) -> Path:
+    matches = [e for e in _entries(root) if e.name.startswith(key)] if key else []
+    if len(matches) != 1:
+        found = "no entry" if not matches else f"{len(matches)} entries"
+        raise ArtifactError(f"key {key!r} matches {found} in {root}; `neuronfx cache list` shows the keys (a unique prefix is enough).")
+    return matches[0]
+
+
+def inspect_entry(key: str, root: Path | None = None) -> dict[str, Any]:
+    """The manifest and plan of the entry whose key starts with ``key``, and whether it verifies
+    (``ok``; ``error`` says why not). Raises ArtifactError when the prefix matches no or several entries."""
+    entry = _find(root or default_cache_dir(), key)
+    info: dict[str, Any] = {"key": entry.name, "path": str(entry), "bytes": _size(entry)}
+    try:
+        info["manifest"] = read_manifest(entry)
+        info["plan"] = json.loads((entry / PLAN).read_text())
+        info["ok"] = True
+    except (ArtifactError, OSError, ValueError) as exc:
+        info |= {"ok": False, "error": str(exc)}
+    return info
+
+
+def clear(key: str | None = None, root: Path | None = None) -> list[str]:
+    """Delete the entry whose key starts with ``key`` (or every entry and leftover temp
+    directory when None), each under its lock; returns the removed names. Raises ArtifactError
+    for a prefix matching no or several entries."""
+    root = root or default_cache_dir()
+    targets = [_find(root, key)] if key is not None else [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    removed = []
+    for path in targets:
+        name = path.name
+        lock_name = name if not name.startswith(".") else name.split("-")[1]
+        with FileLock(str(root / f"{lock_name}.lock")):
+            _discard(path)
+        removed.append(name)
+    return removed
+
+
+__all__ = ["CacheEntryWarning", "ENV_VAR", "cache_key", "clear", "compile_graphs", "default_cache_dir",
+           "inspect_entry", "list_entries", "resolve_cache"]
