@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import pytest
 import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
-from neuronfx.artifacts import MANIFEST, PLAN, WEIGHTS, sha256
+from neuronfx.artifacts import GENERATION_CONFIG, INDUCTOR_DIR, MANIFEST, PLAN, WEIGHTS, sha256
 from neuronfx.errors import ArtifactError, ConfigError
 
 PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
@@ -29,9 +30,11 @@ def outputs(rt):
 
 @pytest.mark.parametrize("backend", ["eager", "export", "inductor"])
 def test_round_trip_identical_tokens_and_logits(hf, backend, tmp_path):
-    rt = tiny_runtime(hf, backend)
+    rt = tiny_runtime(hf, backend, prefill_buckets=(32,), decode_buckets=(64,))  # 2 graphs per backend
     want_tokens, want_logits = outputs(rt)
     neuronfx.save(rt, tmp_path / "rt")
+    if backend == "inductor":  # the compiled kernels ship: loading compiles no C++
+        assert any(p.suffix == ".so" for p in (tmp_path / "rt" / INDUCTOR_DIR).rglob("*"))
     loaded = neuronfx.load(tmp_path / "rt")
     assert loaded.plan == rt.plan
     tokens, logits = outputs(loaded)
@@ -39,6 +42,7 @@ def test_round_trip_identical_tokens_and_logits(hf, backend, tmp_path):
     for a, b in zip(logits, want_logits):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+    assert json.loads((tmp_path / "rt" / GENERATION_CONFIG).read_text())["eos_token_id"] == list(rt.plan.model.eos_token_ids)
 
 
 def test_tied_weights_stored_once(tmp_path):
@@ -54,10 +58,14 @@ def test_tied_weights_stored_once(tmp_path):
     assert loaded.weights["lm_head"].data_ptr() == loaded.weights["embed"].data_ptr()
 
 
+@pytest.fixture(scope="module")
+def exported(hf):
+    return tiny_runtime(hf, "export", prefill_buckets=(32,), decode_buckets=(64,))
+
+
 @pytest.fixture()
-def saved(hf, tmp_path):
-    rt = tiny_runtime(hf, "export")
-    return neuronfx.save(rt, tmp_path / "rt")
+def saved(exported, tmp_path):
+    return neuronfx.save(exported, tmp_path / "rt")
 
 
 def test_truncated_graph_file(saved):
@@ -98,6 +106,22 @@ def test_plan_with_unknown_key(saved):
     (saved / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="bogus"):
         neuronfx.load(saved)
+
+
+def test_manifest_from_another_machine_or_python(saved):
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["environment"]["python"] = "2.7.18"
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="python '2.7.18'.*rebuild it here"):
+        neuronfx.load(saved)
+
+
+def test_inductor_runtime_without_its_compiled_files(hf, tmp_path):
+    rt = tiny_runtime(hf, "eager")
+    rt = attrs.evolve(rt, plan=attrs.evolve(rt.plan, inference=attrs.evolve(rt.plan.inference, backend="inductor")))
+    with pytest.raises(ArtifactError, match="compiled files .* are gone"):
+        neuronfx.save(rt, tmp_path / "rt")
+    assert not (tmp_path / "rt" / WEIGHTS).exists()  # refused before writing
 
 
 def test_not_an_artifact(tmp_path):

@@ -1,0 +1,248 @@
+"""Compile cache: a cached plan loads instead of compiling and runs on the caller's weights;
+concurrent compiles leave one good entry; damaged entries are reported and rebuilt while good
+ones are untouched; CLI (cache list/inspect/clear, compile --out, generate --model DIR); hub
+push and offline hub load. Export backend with one prefill and one decode bucket (cheap)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan
+
+import neuronfx
+from neuronfx import cache
+from neuronfx.artifacts import MANIFEST, PLAN, read_manifest, sha256
+from neuronfx.cli import main
+from neuronfx.errors import ArtifactError, ConfigError
+
+SMALL = dict(prefill_buckets=(32,), decode_buckets=(64,))
+PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama", seed=3)
+
+
+def outputs(rt):
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 4)
+    return tokens, logits
+
+
+def same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+
+
+def snapshot(entry: Path) -> dict[str, tuple[int, str]]:
+    """(mtime_ns, sha256) of every file of an entry: a good entry must not change."""
+    return {str(p.relative_to(entry)): (p.stat().st_mtime_ns, sha256(p)) for p in entry.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def filled(hf, tmp_path_factory):
+    """A cache with one export entry for the SMALL plan, and that compile's outputs."""
+    root = tmp_path_factory.mktemp("cache")
+    rt = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
+    return root, rt.cache_key, outputs(rt)
+
+
+def test_hit_loads_graphs_and_runs_on_the_callers_weights(hf, filled):
+    root, key, want = filled
+    before = snapshot(root / key)
+    rt = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
+    assert rt.cache_key == key and same(outputs(rt), want)
+    other = tiny_hf_model("llama", seed=11)  # same config, other weights: same entry, its own outputs
+    rt2 = neuronfx.compile(tiny_plan(other, "export", **SMALL), other.state_dict(), progress=False, cache=root)
+    eager = neuronfx.compile(tiny_plan(other, "eager", **SMALL), other.state_dict(), progress=False)
+    (tokens, logits), (eager_tokens, eager_logits) = outputs(rt2), outputs(eager)
+    assert rt2.cache_key == key and tokens == eager_tokens and tokens != want[0]
+    assert all(torch.allclose(x, y, atol=1e-5) for a, b in zip(logits, eager_logits) for x, y in zip(a, b))
+    assert snapshot(root / key) == before
+    assert [e["key"] for e in cache.list_entries(root)] == [key]
+
+
+def test_key_covers_plan_and_versions_not_checkpoint(hf, monkeypatch):
+    plan = tiny_plan(hf, "export", **SMALL)
+    assert cache.cache_key(plan) == cache.cache_key(attrs.evolve(plan, checkpoint="/elsewhere"))
+    assert cache.cache_key(plan) != cache.cache_key(tiny_plan(hf, "export", prefill_buckets=(32,), decode_buckets=(32, 64)))
+    before = cache.cache_key(plan)
+    monkeypatch.setattr(torch, "__version__", "1.0.0")
+    assert cache.cache_key(plan) != before
+
+
+def test_cache_argument(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path / "env"))
+    assert cache.resolve_cache(None, "eager") is None
+    assert cache.resolve_cache(None, "export") == tmp_path / "env"
+    assert cache.resolve_cache(False, "inductor") is None
+    assert cache.resolve_cache(tmp_path / "x", "eager") == tmp_path / "x"
+    with pytest.raises(ConfigError, match="cache=3"):
+        cache.resolve_cache(3, "export")
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    import neuronfx
+    from helpers import tiny_hf_model, tiny_plan
+    hf = tiny_hf_model("llama", seed=3)
+    rt = neuronfx.compile(tiny_plan(hf, "export", prefill_buckets=(32,), decode_buckets=(64,)), hf.state_dict(),
+                          progress=False, cache=sys.argv[1])
+    print("KEY", rt.cache_key)
+""")
+
+
+def test_two_processes_compile_the_same_plan(tmp_path):
+    root = tmp_path / "cache"
+    tests_dir = str(Path(__file__).parent)
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(root), tests_dir], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    keys = {out.split("KEY ")[1].strip() for out, _ in results}
+    assert len(keys) == 1
+    assert [p.name for p in root.iterdir() if p.is_dir()] == list(keys)  # one entry, no temp directory left
+    read_manifest(root / keys.pop())  # and it verifies
+
+
+def _truncate_graph(entry: Path) -> None:
+    graph = next((entry / "graphs").iterdir())
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+
+
+def _flip_byte_in_graph(entry: Path) -> None:
+    graph = next((entry / "graphs").iterdir())
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+
+
+def _other_torch(entry: Path) -> None:
+    manifest = json.loads((entry / MANIFEST).read_text())
+    manifest["environment"]["torch"] = "1.0.0"
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _unknown_plan_key(entry: Path) -> None:
+    plan = json.loads((entry / PLAN).read_text())
+    plan["inference"]["bogus"] = 1
+    (entry / PLAN).write_text(json.dumps(plan))
+    manifest = json.loads((entry / MANIFEST).read_text())
+    manifest["files"][PLAN] = sha256(entry / PLAN)  # consistent hashes, invalid plan
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _half_written(entry: Path) -> None:
+    (entry / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_truncate_graph, "is corrupt"), (_flip_byte_in_graph, "is corrupt"), (_other_torch, "torch '1.0.0'"),
+    (_unknown_plan_key, "bogus"), (_half_written, "no manifest.json"),
+])
+def test_damaged_entry_is_reported_and_rebuilt(hf, filled, tmp_path, damage, reason):
+    root0, key, want = filled
+    root = tmp_path / "cache"
+    shutil.copytree(root0, root)
+    good = tiny_plan(hf, "eager", **SMALL)  # a second, good entry that must stay untouched
+    neuronfx.compile(good, hf.state_dict(), progress=False, cache=root)
+    good_key = cache.cache_key(good)
+    before = snapshot(root / good_key)
+    damage(root / key)
+    with pytest.warns(cache.CacheEntryWarning, match=f"{key}.*{reason}.*rebuilt"):
+        rt = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
+    assert same(outputs(rt), want)
+    read_manifest(root / key)  # rebuilt and good
+    assert snapshot(root / good_key) == before
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([key, good_key])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)  # a clean hit
+
+
+def test_cli_cache_list_inspect_clear(hf, filled, tmp_path, capsys):
+    root = tmp_path / "cache"
+    shutil.copytree(filled[0], root)
+    key = filled[1]
+    assert main(["cache", "list", "--dir", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert key[:16] in out and "llama export float32" in out
+    assert main(["cache", "inspect", key[:10], "--dir", str(root)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["ok"] and info["key"] == key and info["plan"]["inference"]["backend"] == "export"
+    assert main(["cache", "inspect", "zz", "--dir", str(root)]) == 2
+    assert "matches no entry" in capsys.readouterr().err
+    assert main(["cache", "clear", key[:8], "--dir", str(root)]) == 0
+    assert not (root / key).exists()
+    assert cache.list_entries(root) == []
+
+
+# --- saved runtimes through the CLI and the hub -------------------------------------------------
+
+def _tiny_model_dir(hf, path: Path) -> Path:
+    """A tiny HF directory with a word-level tokenizer (ids < 256), all offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(256)} | {"<unk>": 255}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+PLAN_ARGS = ["--backend", "export", "--batch-size", "1", "--max-context-length", "32", "--sequence-length", "64"]
+
+
+def test_cli_compile_then_generate_from_dir_and_hub(hf, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(cache.ENV_VAR, str(tmp_path / "cache"))
+    model = _tiny_model_dir(hf, tmp_path / "model")
+    out = tmp_path / "saved"
+    gen = ["--prompt", "w1 w2 w3 w4", "--max-new-tokens", "5", "--ignore-eos", "--json"]
+    assert main(["generate", "--model", str(model), *PLAN_ARGS, *gen]) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(["compile", str(model), "--out", str(out), *PLAN_ARGS, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["graphs"] == 2 and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert main(["generate", "--model", str(out), *gen]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main(["generate", "--model", str(out), "--batch-size", "2", *gen]) == 2
+    assert "compiled with 1" in capsys.readouterr().err
+
+    # hub: a snapshot laid out in an HF cache, read offline through the repo id
+    hub = tmp_path / "hub"
+    snap = hub / "models--someone--tiny-neuronfx" / "snapshots" / "0123abcd"
+    shutil.copytree(out, snap)
+    (hub / "models--someone--tiny-neuronfx" / "refs").mkdir()
+    (hub / "models--someone--tiny-neuronfx" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    assert main(["generate", "--model", "someone/tiny-neuronfx", *gen]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    with pytest.raises(ArtifactError, match="nobody/missing"):
+        neuronfx.load("nobody/missing")
+
+
+def test_push_to_hub_uploads_the_verified_folder(hf, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo", lambda self, **kw: calls.append(("create_repo", kw)))
+    monkeypatch.setattr("huggingface_hub.HfApi.upload_folder", lambda self, **kw: calls.append(("upload_folder", kw)) or "url")
+    saved = neuronfx.save(neuronfx.compile(tiny_plan(hf, "eager", **SMALL), hf.state_dict(), progress=False), tmp_path / "rt")
+    assert neuronfx.push_to_hub(saved, "me/tiny", token="t") == "url"
+    assert calls == [("create_repo", {"repo_id": "me/tiny", "private": False, "exist_ok": True}),
+                     ("upload_folder", {"folder_path": str(saved), "repo_id": "me/tiny", "commit_message": "neuronfx saved runtime"})]
+    (saved / "weights.safetensors").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        neuronfx.push_to_hub(saved, "me/tiny")
+    assert len(calls) == 2  # nothing uploaded
