@@ -105,7 +105,8 @@ def check_stop_strings(sp: SamplingParams, tokenizer: Any) -> None:
         if not ids or stop.strip() not in back:
             raise SamplingParamsError(
                 f"SamplingParams.stop={stop!r} cannot be produced by this tokenizer (encodes to {list(ids)[:8]}, "
-                f"which decodes to {back!r:.60}): the output could never contain it; fix the stop string or pass the model's tokenizer."
+                f"which decodes to {back!r:.60}): the output text could never contain it; fix the stop string, pass the model's "
+                "tokenizer, or for a special token (dropped from the text) use stop_token_ids."
             )
 
 
