@@ -8,10 +8,11 @@ neuronfx's source, backend, machine, plan hash and a sha256 per file. ``load`` c
 manifest and every file before anything runs.
 
 Graph files per backend: ``export`` saves each (phase, batch, bucket) ExportedProgram
-(``torch.export.save``), loaded without tracing; ``inductor`` saves the inductor cache directory
-the runtime was compiled in (``inductor/``: FX-graph and AOT-autograd cache entries and the
-compiled C++ kernels, ``.so``), so loading re-traces with dynamo but compiles nothing; ``eager``
-has no graph files. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
+(``torch.export.save``), loaded without tracing; ``inductor`` saves each graph part's
+precompiled function (``precompiled/``, neuronfx/graphs/precompiled.py: loaded with no dynamo
+tracing and no inductor lowering) and the inductor cache directory the runtime was compiled in
+(``inductor/``: the compiled C++ kernels, ``.so``), so loading compiles nothing; ``eager`` has
+no graph files. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
 weights, tokenizer and generation config.
 """
 
@@ -32,13 +33,16 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 import neuronfx
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError
+from neuronfx.graphs import precompiled
 from neuronfx.graphs.backends import ExportedGraph
 from neuronfx.graphs.layers import Weights
+from neuronfx.graphs.phases import GraphModule
 from neuronfx.graphs.weights import nest
 from neuronfx.runtime.runtime import Runtime, build_graphs
 
@@ -129,10 +133,14 @@ def write_graph_files(runtime: Runtime, out: Path) -> list[str]:
                 f"this inductor runtime's compiled files ({runtime.compiled_dir!r}) are gone; compile it again "
                 "with neuronfx.compile and save that runtime."
             )
+        if not all(isinstance(g, GraphModule) and isinstance(g.parts.layers, precompiled.PrecompiledPart) for g in runtime.graphs.values()):
+            raise ArtifactError("this inductor runtime was not built by neuronfx.compile (no precompiled parts); compile it with neuronfx.compile.")
+        specs = {spec.key: spec for spec in runtime.plan.graphs}
+        names = [name for key, graph in runtime.graphs.items() for name in precompiled.save(graph, specs[key], out)]
         src = Path(runtime.compiled_dir)
         shutil.copytree(src, out / INDUCTOR_DIR, dirs_exist_ok=True,
                         ignore=lambda _d, names: [n for n in names if n.endswith(_SKIPPED_SUFFIXES) or n == "__pycache__"])
-        return _tree_files(out / INDUCTOR_DIR, INDUCTOR_DIR)
+        return names + _tree_files(out / INDUCTOR_DIR, INDUCTOR_DIR)
     return []
 
 
@@ -233,10 +241,8 @@ def build_in(plan: Plan, weights: Weights, inductor_dir: Path | None, progress: 
     """Build every graph, inductor inside ``inductor_dir`` (its kernel cache for this runtime)."""
     if plan.inference.backend != "inductor":
         return build_graphs(plan, weights, progress)
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
     with temporary_cache_dir(str(inductor_dir)):
-        return build_graphs(plan, weights, progress)
+        return build_graphs(plan, weights, progress, builder=precompiled.build)
 
 
 def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False) -> tuple[dict, dict, str | None]:
@@ -250,9 +256,17 @@ def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False)
             graphs[spec.key] = ExportedGraph(program=program, module=program.module())
             times[spec.key] = time.perf_counter() - t0
         return graphs, times, None
-    inductor_dir = private_inductor_dir(src / INDUCTOR_DIR) if plan.inference.backend == "inductor" else None
-    graphs, times = build_in(plan, weights, inductor_dir, progress)
-    return graphs, times, None if inductor_dir is None else str(inductor_dir)
+    if plan.inference.backend != "inductor":
+        graphs, times = build_graphs(plan, weights, progress)  # eager: nothing to load
+        return graphs, times, None
+    inductor_dir = private_inductor_dir(src / INDUCTOR_DIR)
+    graphs, times = {}, {}
+    with temporary_cache_dir(str(inductor_dir)):
+        for spec in plan.graphs:
+            t0 = time.perf_counter()
+            graphs[spec.key] = precompiled.load(plan, spec, src)
+            times[spec.key] = time.perf_counter() - t0
+    return graphs, times, str(inductor_dir)
 
 
 def resolve(source: str | os.PathLike) -> Path:

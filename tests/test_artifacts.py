@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import attrs
 import pytest
@@ -43,6 +46,26 @@ def test_round_trip_identical_tokens_and_logits(hf, backend, tmp_path):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
     assert json.loads((tmp_path / "rt" / GENERATION_CONFIG).read_text())["eos_token_id"] == list(rt.plan.model.eos_token_ids)
+    if backend == "inductor":  # and in a fresh process (custom ops registered, kernels found)
+        assert _tokens_in_fresh_process(tmp_path / "rt") == want_tokens
+
+
+FRESH = """
+import sys, json
+sys.path.insert(0, sys.argv[2])
+import neuronfx
+from helpers import run_steps, random_prompt
+rt = neuronfx.load(sys.argv[1])
+tokens, _, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], [random_prompt(9, seed=1), random_prompt(4, seed=2)], 6)
+print(json.dumps(tokens))
+"""
+
+
+def _tokens_in_fresh_process(directory: Path) -> list[list[int]]:
+    done = subprocess.run([sys.executable, "-c", FRESH, str(directory), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_tied_weights_stored_once(tmp_path):

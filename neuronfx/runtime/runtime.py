@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import torch
@@ -70,16 +70,16 @@ def compile(
     return compile_graphs(plan, weights, root, progress)
 
 
-def build_graphs(plan: Plan, weights: Weights, progress: bool = True) -> tuple[dict, dict]:
-    """Build every graph of ``plan`` with its backend, no cache: (graphs, seconds) keyed by
-    (phase, batch_size, bucket)."""
+def build_graphs(plan: Plan, weights: Weights, progress: bool = True, builder: Callable = build_graph) -> tuple[dict, dict]:
+    """Build every graph of ``plan`` with ``builder`` (default: its backend's), no cache:
+    (graphs, seconds) keyed by (phase, batch_size, bucket)."""
     template_kv = list(empty_state(plan).kv)  # trace-time cache; live states allocate their own
     graphs, times = {}, {}
     bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
     for spec in bar:
         bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
         t0 = time.perf_counter()
-        graphs[spec.key] = build_graph(plan, spec, weights, template_kv)
+        graphs[spec.key] = builder(plan, spec, weights, template_kv)
         times[spec.key] = time.perf_counter() - t0
     return graphs, times
 
