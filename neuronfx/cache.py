@@ -158,8 +158,8 @@ def _write_entry(root: Path, key: str, runtime: Runtime) -> None:
         (tmp / PLAN).write_text(plan_to_json(plan))
         write_manifest(tmp, plan, files + [PLAN])
         os.rename(tmp, root / key)
-    except (OSError, ArtifactError) as exc:
-        warnings.warn(f"could not write neuronfx compile cache entry {root / key} ({exc}); the runtime is fine, "
+    except (*_ENTRY_ERRORS, pickle.PicklingError, TypeError, AttributeError) as exc:
+        warnings.warn(f"could not write neuronfx compile cache entry {root / key} ({type(exc).__name__}: {exc}); the runtime is fine, "
                       "the next compile of this plan compiles again.", CacheEntryWarning, stacklevel=3)
         shutil.rmtree(tmp, ignore_errors=True)
 
