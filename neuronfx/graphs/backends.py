@@ -6,7 +6,9 @@
   programs share one copy.
 - inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, a group of
   decoder layers reused for every group, epilogue) per (phase, bucket); the fastest on CPU
-  (the default), no saved artifacts yet.
+  (the default). ``neuronfx.compile`` builds the same parts with torch's ``aot_compile``
+  instead (graphs/precompiled.py) so that runtimes and compile-cache entries can be saved and
+  loaded without re-tracing; ``build_inductor`` here is the plain ``torch.compile`` form.
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
