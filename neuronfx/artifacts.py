@@ -249,6 +249,7 @@ def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False)
     """(graphs, seconds per graph, compiled_dir) from the graph files in ``src``, checked by
     :func:`read_manifest` first."""
     if plan.inference.backend == "export":
+        precompiled.register_custom_ops()
         graphs, times = {}, {}
         for spec in plan.graphs:
             t0 = time.perf_counter()

@@ -65,7 +65,7 @@ def save(graph: GraphModule, spec: GraphSpec, out: Path) -> list[str]:
 def load(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (torch's inductor cache directory must hold its kernels,
     or they are compiled again from the saved source)."""
-    _register_custom_ops()
+    register_custom_ops()
     fns = []
     for name in part_files(spec):
         with open(src / name, "rb") as f:
@@ -75,8 +75,9 @@ def load(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     return GraphModule(parts, spec.phase, layers)
 
 
-def _register_custom_ops() -> None:
-    # Compiled code may call neuronfx's custom ops; tracing registers them, loading must too.
+def register_custom_ops() -> None:
+    """Register neuronfx's custom ops (kernels.py): compiled or exported code may call them;
+    tracing registers them, loading must too."""
     from neuronfx.graphs.kernels import small_gemm_available
 
     small_gemm_available()
