@@ -21,6 +21,7 @@ import safetensors
 import torch
 
 from neuronfx.config.model import SUPPORTED_MODEL_TYPES, ModelConfig
+from neuronfx.memory import trim_heap
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 
 CONFIG_NAME = "config.json"
@@ -248,6 +249,8 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Checkpoint:
             f"cannot read tensors of {str(file)!r}: {exc}; the file is truncated or corrupt, copy it again."
         ) from exc
     state_dict = {name: tensor.to(dtype) for name, tensor in parsed["tensors"].items()}
+    del parsed
+    trim_heap()  # the dequantizer's fp32 buffers are freed but would stay resident
     expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
     _check_keys(state_dict, expected, config.tie_word_embeddings, file)
     return Checkpoint(config=config, state_dict=state_dict, source=str(file), hf_config=hf_config)

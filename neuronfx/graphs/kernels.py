@@ -56,7 +56,7 @@ def small_gemm_available() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=library_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"],
+        load(name=library_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)

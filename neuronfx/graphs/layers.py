@@ -80,7 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     batch) run neuronfx's small_gemm kernel, which streams each weight row once in fp32 accumulation
     where torch's GEMM paths stream small-M products slowly (kernels.py); without the kernel, a
     single-row product with 16-bit weights is an explicit fp32-accumulating reduction that inductor
-    turns into one streaming loop. Everything else is F.linear.
+    turns into one streaming loop. Larger 16-bit products (prefill) multiply in fp32 on CPUs
+    without native bf16 GEMM (no AVX512-BF16/AMX). Everything else is F.linear.
     """
     rows = x.numel() // x.shape[-1]
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
@@ -88,7 +89,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return small_gemm(x, weight, bias)
         if rows == 1 and weight.dtype != torch.float32:
             return gemv(x, weight, bias)
+        if weight.dtype != torch.float32 and not _native_16bit_gemm():
+            # Without AVX512-BF16/AMX, oneDNN emulates 16-bit GEMM about 4x slower than fp32 on
+            # the same CPU (prefill, measured on AVX2): widen and multiply in fp32 instead.
+            out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            return out.to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+@torch.compiler.assume_constant_result
+def _native_16bit_gemm() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @torch.compiler.assume_constant_result

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError
+from neuronfx.memory import trim_heap
 from neuronfx.graphs.backends import Graph, build_graph
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.weights import convert_hf_state_dict
@@ -67,7 +68,9 @@ def compile(
 
         state_dict = load_checkpoint(plan.checkpoint).state_dict
     weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype)
-    return compile_graphs(plan, weights, root, progress)
+    runtime = compile_graphs(plan, weights, root, progress)
+    trim_heap()  # tracing and codegen garbage would otherwise stay resident
+    return runtime
 
 
 def build_graphs(plan: Plan, weights: Weights, progress: bool = True, builder: Callable = build_graph) -> tuple[dict, dict]:

@@ -65,6 +65,70 @@ inline void tile(const float* x, const W* w, int64_t K, int64_t N, int64_t n, fl
     for (int j = 0; j < NT; ++j) out[m * N + n + j] = acc_s[m][j];
 }
 
+#ifdef NFX_AVX2
+// bf16 weights, 16 per step: unpacking against zero puts each bf16 in the high half of an fp32
+// lane (one instruction per 8 weights) but in lane order [0-3, 8-11] / [4-7, 12-15]; ``xp`` holds
+// x already permuted to that order (see permute_x), so the products pair up.
+template <int MT, int NT>
+inline void tile_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n, float* out) {
+  const int64_t K16 = K / 16 * 16;
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 lo[NT], hi[NT];
+    for (int j = 0; j < NT; ++j) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + j) * K + k));
+      lo[j] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+      hi[j] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m256 xl = _mm256_loadu_ps(xp + m * K + k), xh = _mm256_loadu_ps(xp + m * K + k + 8);
+      for (int j = 0; j < NT; ++j) {
+        acc[m][j] = _mm256_fmadd_ps(xl, lo[j], acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(xh, hi[j], acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      float a = hsum(acc[m][j]);
+      for (int64_t k = K16; k < K; ++k) a += xp[m * K + k] * static_cast<float>(w[(n + j) * K + k]);
+      out[m * N + n + j] = a;
+    }
+}
+
+// x rows (M, K) -> the lane order tile_bf16 expects, per 16-block; the K % 16 tail is unchanged.
+at::Tensor permute_x(const at::Tensor& x32) {
+  const int64_t M = x32.size(0), K = x32.size(1), K16 = K / 16 * 16;
+  auto xp = x32.clone();
+  const float* src = x32.data_ptr<float>();
+  float* dst = xp.data_ptr<float>();
+  static const int order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int i = 0; i < 16; ++i) dst[m * K + k + i] = src[m * K + k + order[i]];
+  return xp;
+}
+
+template <int MT>
+void rows_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  constexpr int NT = MT >= 8 ? 1 : (MT >= 4 ? 2 : 4);
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) tile_bf16<MT, NT>(xp, w, K, N, n, out);
+  for (; n < n1; ++n) tile_bf16<MT, 1>(xp, w, K, N, n, out);
+}
+
+void rows_m_bf16(const float* xp, int64_t M, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows_bf16<8>(xp + m * K, w, K, N, n0, n1, out + m * N);
+  if (M - m >= 4) { rows_bf16<4>(xp + m * K, w, K, N, n0, n1, out + m * N); m += 4; }
+  if (M - m >= 2) { rows_bf16<2>(xp + m * K, w, K, N, n0, n1, out + m * N); m += 2; }
+  if (M - m >= 1) { rows_bf16<1>(xp + m * K, w, K, N, n0, n1, out + m * N); }
+}
+#endif
+
 // Rows [n0, n1) of the output for MT rows of x; NT output rows per tile keeps MT * NT
 // accumulators (<= 8) in registers next to the NT weight vectors.
 template <typename W, int MT>
@@ -93,11 +157,19 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
   auto out = at::empty({M, N}, x32.options());
   const float* xp = x32.data_ptr<float>();
   float* op = out.data_ptr<float>();
+#ifdef NFX_AVX2
+  auto xperm = w.scalar_type() == at::kBFloat16 ? permute_x(x32) : x32;
+  const float* xq = xperm.data_ptr<float>();
+#endif
   // Grain: ~64 output rows per task keeps both threads busy on the 192-row K/V projections.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     switch (w.scalar_type()) {
       case at::kFloat: rows_m(xp, M, w.data_ptr<float>(), K, N, n0, n1, op); break;
+#ifdef NFX_AVX2
+      case at::kBFloat16: rows_m_bf16(xq, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
+#else
       case at::kBFloat16: rows_m(xp, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
+#endif
       case at::kHalf: rows_m(xp, M, w.data_ptr<c10::Half>(), K, N, n0, n1, op); break;
       default: TORCH_CHECK(false, "small_gemm: weight dtype ", w.scalar_type(), " is not float32/bfloat16/float16");
     }
