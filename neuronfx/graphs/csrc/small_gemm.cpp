@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NFX_AVX2 1
@@ -99,6 +100,8 @@ inline void tile_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_
     }
 }
 
+#endif
+
 // x rows (M, K) -> the lane order tile_bf16 expects, per 16-block; the K % 16 tail is unchanged.
 at::Tensor permute_x(const at::Tensor& x32) {
   const int64_t M = x32.size(0), K = x32.size(1), K16 = K / 16 * 16;
@@ -112,22 +115,17 @@ at::Tensor permute_x(const at::Tensor& x32) {
   return xp;
 }
 
-template <int MT>
-void rows_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  constexpr int NT = MT >= 8 ? 1 : (MT >= 4 ? 2 : 4);
-  int64_t n = n0;
-  for (; n + NT <= n1; n += NT) tile_bf16<MT, NT>(xp, w, K, N, n, out);
-  for (; n < n1; ++n) tile_bf16<MT, 1>(xp, w, K, N, n, out);
-}
-
-void rows_m_bf16(const float* xp, int64_t M, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) rows_bf16<8>(xp + m * K, w, K, N, n0, n1, out + m * N);
-  if (M - m >= 4) { rows_bf16<4>(xp + m * K, w, K, N, n0, n1, out + m * N); m += 4; }
-  if (M - m >= 2) { rows_bf16<2>(xp + m * K, w, K, N, n0, n1, out + m * N); m += 2; }
-  if (M - m >= 1) { rows_bf16<1>(xp + m * K, w, K, N, n0, n1, out + m * N); }
-}
+// bf16 weights take the 16-wide path when it is compiled in (x then arrives permuted).
+template <typename W, int MT, int NT>
+inline void tile_any(const float* x, const W* w, int64_t K, int64_t N, int64_t n, float* out) {
+#ifdef NFX_AVX2
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    tile_bf16<MT, NT>(x, w, K, N, n, out);
+    return;
+  }
 #endif
+  tile<W, MT, NT>(x, w, K, N, n, out);
+}
 
 // Rows [n0, n1) of the output for MT rows of x; NT output rows per tile keeps MT * NT
 // accumulators (<= 8) in registers next to the NT weight vectors.
@@ -135,8 +133,8 @@ template <typename W, int MT>
 void rows(const float* x, const W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
   constexpr int NT = MT >= 8 ? 1 : (MT >= 4 ? 2 : 4);
   int64_t n = n0;
-  for (; n + NT <= n1; n += NT) tile<W, MT, NT>(x, w, K, N, n, out);
-  for (; n < n1; ++n) tile<W, MT, 1>(x, w, K, N, n, out);
+  for (; n + NT <= n1; n += NT) tile_any<W, MT, NT>(x, w, K, N, n, out);
+  for (; n < n1; ++n) tile_any<W, MT, 1>(x, w, K, N, n, out);
 }
 
 template <typename W>
@@ -158,18 +156,17 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const float* xp = x32.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #ifdef NFX_AVX2
-  auto xperm = w.scalar_type() == at::kBFloat16 ? permute_x(x32) : x32;
-  const float* xq = xperm.data_ptr<float>();
+  const bool permuted = w.scalar_type() == at::kBFloat16;  // tile_bf16's lane order
+#else
+  const bool permuted = false;
 #endif
+  auto xperm = permuted ? permute_x(x32) : x32;
+  const float* xq = xperm.data_ptr<float>();
   // Grain: ~64 output rows per task keeps both threads busy on the 192-row K/V projections.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     switch (w.scalar_type()) {
       case at::kFloat: rows_m(xp, M, w.data_ptr<float>(), K, N, n0, n1, op); break;
-#ifdef NFX_AVX2
-      case at::kBFloat16: rows_m_bf16(xq, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
-#else
-      case at::kBFloat16: rows_m(xp, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
-#endif
+      case at::kBFloat16: rows_m(xq, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
       case at::kHalf: rows_m(xp, M, w.data_ptr<c10::Half>(), K, N, n0, n1, op); break;
       default: TORCH_CHECK(false, "small_gemm: weight dtype ", w.scalar_type(), " is not float32/bfloat16/float16");
     }
