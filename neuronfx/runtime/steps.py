@@ -204,12 +204,8 @@ def _sampler_inputs(
 
 def row_finite(out: dict[str, torch.Tensor], n: int) -> tuple[bool, ...]:
     """[n] per-row finiteness of the logits: the graph's ``finite`` output (computed in the
-    epilogue), else from ``logits`` on the host, else all True (graphs saved before the flag)."""
-    if "finite" in out:
-        return tuple(bool(f) for f in out["finite"][:n].tolist())
-    if "logits" in out:
-        return tuple(torch.isfinite(out["logits"][:n]).all(-1).tolist())
-    return (True,) * n
+    prefill/decode epilogue)."""
+    return tuple(bool(f) for f in out["finite"][:n].tolist())
 
 
 def _outputs(runtime: Runtime, out: dict[str, torch.Tensor], params: Sequence[SamplingParams], inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[Logprobs | None, ...]]:
