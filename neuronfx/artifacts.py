@@ -242,7 +242,7 @@ def build_in(plan: Plan, weights: Weights, inductor_dir: Path | None, progress: 
     if plan.inference.backend != "inductor":
         return build_graphs(plan, weights, progress)
     with temporary_cache_dir(str(inductor_dir)):
-        return build_graphs(plan, weights, progress, builder=precompiled.build)
+        return build_graphs(plan, weights, progress)
 
 
 def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False) -> tuple[dict, dict, str | None]:

@@ -6,15 +6,13 @@
   programs share one copy.
 - inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, a group of
   decoder layers reused for every group, epilogue) per (phase, bucket); the fastest on CPU
-  (the default). ``neuronfx.compile`` builds the same parts with torch's ``aot_compile``
-  instead (graphs/precompiled.py) so that runtimes and compile-cache entries can be saved and
-  loaded without re-tracing; ``build_inductor`` here is the plain ``torch.compile`` form.
+  (the default). The parts are compiled with torch's ``aot_compile`` (graphs/precompiled.py)
+  so that runtimes and compile-cache entries can be saved and loaded without re-tracing.
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import attrs
@@ -77,22 +75,11 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP) -> int:
 
 
 def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    # Each part (prologue, layer group, epilogue) is compiled once for this (phase, bucket); the
-    # one compiled group serves every group, so compile time does not grow with depth. Weights and
-    # KV stay inputs (shared, KV mutated in place). Running once on the template cache compiles
-    # now rather than on the first user step.
-    # Parts of every graph share three code objects, and dynamo caches compiled code per code
-    # object for the whole process: each (phase, batch, bucket) graph of every runtime built in
-    # it adds one entry (hit by an id guard), so the limits must cover all of them.
-    limit = max(1024, 4 * len(plan.graphs))
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
-    compile_part = functools.partial(torch.compile, fullgraph=True, dynamic=False)
-    layers = phase_num_layers(plan, spec.phase)
-    graph = GraphModule(phase_parts(plan, spec, group_size=layer_group_size(layers), wrap=compile_part), spec.phase, layers)
-    with torch.no_grad():
-        graph(weights, kv, *example_inputs(plan, spec))
-    return graph
+    """Inductor graph whose parts are compiled with torch's ``aot_compile`` (graphs/precompiled.py),
+    so the runtime can be saved and reloaded without re-tracing."""
+    from neuronfx.graphs.precompiled import build  # precompiled imports this module
+
+    return build(plan, spec, weights, kv)
 
 
 def check_backend(backend: str) -> None:
