@@ -2,7 +2,8 @@
 
 ``neuronfx::small_gemm(x, w, bias)``: ``x (..., K) @ w.T (+ bias)`` for at most
 :data:`SMALL_GEMM_MAX_ROWS` rows of x, weights fp32, bf16 or fp16 of shape (N, K), fp32
-accumulation, output in x's dtype. Decode at small batch is bound by reading the weights once per
+accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights against the same x in
+one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
 step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
 this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
 
@@ -62,6 +63,8 @@ def small_gemm_available() -> bool:
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
         return False
     torch.library.register_fake("neuronfx::small_gemm")(_small_gemm_fake)
+    torch.library.register_fake("neuronfx::small_gemm_multi")(_small_gemm_multi_fake)
+    torch.library.register_fake("neuronfx::small_glu")(_small_glu_fake)
     return True
 
 
@@ -69,7 +72,27 @@ def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+
+
+def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) in any float dtype @ weight (N, K).T + bias (N,) -> (..., N) in x.dtype;
     fp32 accumulation. Needs :func:`small_gemm_available` to have returned True."""
     return torch.ops.neuronfx.small_gemm(x, weight, bias)
+
+
+def small_gemm_multi(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[small_gemm(x, w, b) for w, b in zip(weights, biases)]`` in one call and one parallel
+    region (fused Q/K/V projections); weights share K and dtype."""
+    return torch.ops.neuronfx.small_gemm_multi(x, weights, biases)
+
+
+def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype, formed from the fp32
+    accumulators and rounded once; gate and up (N, K) share a dtype."""
+    return torch.ops.neuronfx.small_glu(x, gate, up)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronfx.config.model import ModelConfig
-from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available
+from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 
 LayerWeights = dict[str, torch.Tensor]
 # {"embed", "norm", "lm_head": tensors, "layers": [LayerWeights per layer]}; nested so every layer
@@ -84,9 +84,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     without native bf16 GEMM (no AVX512-BF16/AMX). Everything else is F.linear.
     """
     rows = x.numel() // x.shape[-1]
+    if _small_gemm_path(x):
+        return small_gemm(x, weight, bias)
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-        if rows <= SMALL_GEMM_MAX_ROWS and _use_small_gemm():
-            return small_gemm(x, weight, bias)
         if rows == 1 and weight.dtype != torch.float32:
             return gemv(x, weight, bias)
         if weight.dtype != torch.float32 and not _native_16bit_gemm():
@@ -95,6 +95,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             return out.to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def _small_gemm_path(x: torch.Tensor) -> bool:
+    """True while torch.compile traces (not exports) a product of at most SMALL_GEMM_MAX_ROWS
+    rows of x and the kernel library is available: the decode/speculate projections."""
+    rows = x.numel() // x.shape[-1]
+    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    return compiling and rows <= SMALL_GEMM_MAX_ROWS and _use_small_gemm()
+
+
+def projections(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V); one kernel call on the small_gemm path."""
+    if _small_gemm_path(x):
+        return small_gemm_multi(x, weights, biases)
+    return [linear(x, w, b) for w, b in zip(weights, biases)]
 
 
 @torch.compiler.assume_constant_result
@@ -135,6 +150,8 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 def glu_mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020), x (B, T, hidden)."""
+    if _small_gemm_path(x):
+        return linear(small_glu(x, lw["gate"], lw["up"]), lw["down"])
     return linear(F.silu(linear(x, lw["gate"])) * linear(x, lw["up"]), lw["down"])
 
 
@@ -142,8 +159,38 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
     """Grouped-query attention with a boolean mask (True = attend), scale 1/sqrt(head_dim).
 
     q (B, n_heads, Tq, D), k/v (B, n_kv_heads, Tk, D), mask (B, 1, Tq, Tk) -> (B, n_heads, Tq, D).
+    Compiled 16-bit attention runs in fp32 on CPUs without native bf16 GEMM, where torch's CPU
+    flash attention in bf16 measured about 3x slower than in fp32 (prefill of 128 tokens, AVX2).
     """
+    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    if compiling and q.dtype != torch.float32 and not _native_16bit_gemm():
+        return sdpa(q.float(), k.float(), v.float(), mask).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                     bucket: int, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of T new tokens over their slots' first ``bucket`` cache positions.
+
+    q (B, n_heads, T, D); k_cache/v_cache (slots, n_kv_heads, max_len, D); seq_ids (B,) int;
+    mask (B, 1, T, bucket) bool (True = attend, at least one per query) -> (B, n_heads, T, D) in
+    q's dtype. Same math as :func:`sdpa` on the gathered window (scale 1/sqrt(D), head h reads KV
+    head h // (n_heads / n_kv_heads) as in HF ``repeat_kv``), written as fp32 reductions so that
+    inductor fuses the slot gather, masking and softmax into a few loops instead of copying the
+    window and calling SDPA (which on CPU costs ~0.1-1 ms per call at decode sizes, more in bf16).
+    Masked positions may hold anything, NaN included: they are selected away, never multiplied.
+    """
+    b, h, t, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    keys = k_cache[:, :, :bucket][seq_ids].float()  # (B, n_kv, S, D)
+    values = v_cache[:, :, :bucket][seq_ids].float()
+    qg = q.float().reshape(b, n_kv, g * t, d) * (1.0 / math.sqrt(d))  # query heads of one KV head
+    scores = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # (B, n_kv, G*T, S)
+    m = mask[:, :, None].expand(b, 1, g, t, bucket).reshape(b, 1, g * t, bucket)
+    p = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1)
+    out = torch.where(m[..., None], p[..., None] * values[:, :, None, :, :], 0.0).sum(-2)  # (B, n_kv, G*T, D)
+    return out.reshape(b, h, t, d).to(q.dtype)
 
 
 def llama_layer(
@@ -158,9 +205,11 @@ def llama_layer(
     eps = cfg.rms_norm_eps
     x = rms_norm(h, lw["attn_norm"], eps)
     bias = cfg.attention_bias
-    q = split_heads(linear(x, lw["wq"], lw["bq"] if bias else None), cfg.num_attention_heads, cfg.head_dim)
-    k = split_heads(linear(x, lw["wk"], lw["bk"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
-    v = split_heads(linear(x, lw["wv"], lw["bv"] if bias else None), cfg.num_key_value_heads, cfg.head_dim)
+    biases = [lw["bq"], lw["bk"], lw["bv"]] if bias else [None, None, None]
+    q, k, v = projections(x, [lw["wq"], lw["wk"], lw["wv"]], biases)
+    q = split_heads(q, cfg.num_attention_heads, cfg.head_dim)
+    k = split_heads(k, cfg.num_key_value_heads, cfg.head_dim)
+    v = split_heads(v, cfg.num_key_value_heads, cfg.head_dim)
     if qk_norm:
         q = rms_norm(q, lw["q_norm"], eps)
         k = rms_norm(k, lw["k_norm"], eps)

@@ -10,7 +10,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include <algorithm>
+#include <cmath>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NFX_AVX2 1
@@ -69,7 +72,7 @@ inline void tile(const float* x, const W* w, int64_t K, int64_t N, int64_t n, fl
 #ifdef NFX_AVX2
 // bf16 weights, 16 per step: unpacking against zero puts each bf16 in the high half of an fp32
 // lane (one instruction per 8 weights) but in lane order [0-3, 8-11] / [4-7, 12-15]; ``xp`` holds
-// x already permuted to that order (see permute_x), so the products pair up.
+// x already permuted to that order (see widen_x), so the products pair up.
 template <int MT, int NT>
 inline void tile_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_t N, int64_t n, float* out) {
   const int64_t K16 = K / 16 * 16;
@@ -102,17 +105,17 @@ inline void tile_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_
 
 #endif
 
-// x rows (M, K) -> the lane order tile_bf16 expects, per 16-block; the K % 16 tail is unchanged.
-at::Tensor permute_x(const at::Tensor& x32) {
-  const int64_t M = x32.size(0), K = x32.size(1), K16 = K / 16 * 16;
-  auto xp = x32.clone();
-  const float* src = x32.data_ptr<float>();
-  float* dst = xp.data_ptr<float>();
+// x (M, K), any float dtype -> fp32 rows in the lane order tile_bf16 expects when ``permute``
+// (per 16-block; the K % 16 tail unchanged). Plain loops: no dispatcher ops per call.
+template <typename X>
+void widen_x(const X* src, int64_t M, int64_t K, bool permute, float* dst) {
   static const int order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-  for (int64_t m = 0; m < M; ++m)
+  const int64_t K16 = permute ? K / 16 * 16 : 0;
+  for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K16; k += 16)
-      for (int i = 0; i < 16; ++i) dst[m * K + k + i] = src[m * K + k + order[i]];
-  return xp;
+      for (int i = 0; i < 16; ++i) dst[m * K + k + i] = static_cast<float>(src[m * K + k + order[i]]);
+    for (int64_t k = K16; k < K; ++k) dst[m * K + k] = static_cast<float>(src[m * K + k]);
+  }
 }
 
 // bf16 weights take the 16-wide path when it is compiled in (x then arrives permuted).
@@ -146,38 +149,147 @@ void rows_m(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t
   if (M - m >= 1) { rows<W, 1>(x + m * K, w, K, N, n0, n1, out + m * N); }
 }
 
-at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: weight must be a contiguous (N, K) matrix");
+// out[m, n] for n in [n0, n1) into acc (M, N) fp32, by weight dtype.
+void gemm_rows(const float* xq, int64_t M, const at::Tensor& w, int64_t n0, int64_t n1, float* acc) {
   const int64_t N = w.size(0), K = w.size(1);
+  switch (w.scalar_type()) {
+    case at::kFloat: rows_m(xq, M, w.data_ptr<float>(), K, N, n0, n1, acc); break;
+    case at::kBFloat16: rows_m(xq, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, acc); break;
+    case at::kHalf: rows_m(xq, M, w.data_ptr<c10::Half>(), K, N, n0, n1, acc); break;
+    default: TORCH_CHECK(false, "small_gemm: weight dtype ", w.scalar_type(), " is not float32/bfloat16/float16");
+  }
+}
+
+// Writes out[m, n] = f(acc[m, n]) for n in [n0, n1) in out's dtype.
+template <typename F>
+void store_rows(at::Tensor& out, int64_t M, int64_t N, int64_t n0, int64_t n1, F f) {
+  auto put = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) o[m * N + n] = static_cast<T>(f(m, n));
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: put(out.data_ptr<float>()); break;
+    case at::kBFloat16: put(out.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: put(out.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "small_gemm: x dtype ", out.scalar_type(), " is not float32/bfloat16/float16");
+  }
+}
+
+// x (..., K) -> fp32 (M, K) in the weights' lane order (bf16 weights: permuted).
+at::Tensor prepare_x(const at::Tensor& x, int64_t K, at::ScalarType wtype) {
   TORCH_CHECK(x.size(-1) == K, "small_gemm: x has ", x.size(-1), " features, weight expects ", K);
-  auto x32 = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x32.size(0);
-  auto out = at::empty({M, N}, x32.options());
-  const float* xp = x32.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  auto xc = x.contiguous();
+  const int64_t M = x.numel() / K;
 #ifdef NFX_AVX2
-  const bool permuted = w.scalar_type() == at::kBFloat16;  // tile_bf16's lane order
+  const bool permute = wtype == at::kBFloat16;  // tile_bf16's lane order
 #else
-  const bool permuted = false;
+  const bool permute = false;
 #endif
-  auto xperm = permuted ? permute_x(x32) : x32;
-  const float* xq = xperm.data_ptr<float>();
-  // Grain: ~64 output rows per task keeps both threads busy on the 192-row K/V projections.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (w.scalar_type()) {
-      case at::kFloat: rows_m(xp, M, w.data_ptr<float>(), K, N, n0, n1, op); break;
-      case at::kBFloat16: rows_m(xq, M, w.data_ptr<c10::BFloat16>(), K, N, n0, n1, op); break;
-      case at::kHalf: rows_m(xp, M, w.data_ptr<c10::Half>(), K, N, n0, n1, op); break;
-      default: TORCH_CHECK(false, "small_gemm: weight dtype ", w.scalar_type(), " is not float32/bfloat16/float16");
-    }
-  });
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  auto xq = at::empty({M, K}, x.options().dtype(at::kFloat));
+  float* dst = xq.data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kFloat: widen_x(xc.data_ptr<float>(), M, K, permute, dst); break;
+    case at::kBFloat16: widen_x(xc.data_ptr<c10::BFloat16>(), M, K, permute, dst); break;
+    case at::kHalf: widen_x(xc.data_ptr<c10::Half>(), M, K, permute, dst); break;
+    default: TORCH_CHECK(false, "small_gemm: x dtype ", x.scalar_type(), " is not float32/bfloat16/float16");
+  }
+  return xq;
+}
+
+void check_weight(const at::Tensor& w, int64_t K, at::ScalarType wtype) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: weight must be a contiguous (N, K) matrix");
+  TORCH_CHECK(w.size(1) == K, "small_gemm: weight has ", w.size(1), " features, expected ", K);
+  TORCH_CHECK(w.scalar_type() == wtype, "small_gemm: weights of one call must share a dtype");
+}
+
+at::Tensor out_like(const at::Tensor& x, int64_t N) {
   auto shape = x.sizes().vec();
   shape.back() = N;
-  return out.to(x.scalar_type()).view(shape);
+  return at::empty(shape, x.options());
+}
+
+// Grain: ~64 output rows per task keeps both threads busy on the 192-row K/V projections.
+constexpr int64_t GRAIN = 64;
+
+// x @ w_i.T (+ bias_i) for every weight of ``ws`` (same K and dtype) in one parallel region:
+// fused Q/K/V projections cost one call and one fork/join instead of three.
+std::vector<at::Tensor> small_gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef<c10::optional<at::Tensor>> biases) {
+  TORCH_CHECK(!ws.empty() && biases.size() == ws.size(), "small_gemm: one bias (or None) per weight");
+  const int64_t K = ws[0].size(1);
+  const auto wtype = ws[0].scalar_type();
+  std::vector<int64_t> offset = {0};
+  std::vector<at::Tensor> outs, accs;
+  for (const auto& w : ws) {
+    check_weight(w, K, wtype);
+    offset.push_back(offset.back() + w.size(0));
+  }
+  auto xq = prepare_x(x, K, wtype);
+  const int64_t M = xq.size(0);
+  std::vector<const float*> bias32(ws.size(), nullptr);
+  std::vector<at::Tensor> keep;  // fp32 copies of the biases, alive for the parallel region
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!biases[i].has_value()) continue;
+    TORCH_CHECK(biases[i]->numel() == ws[i].size(0), "small_gemm: bias has ", biases[i]->numel(), " values, weight has ", ws[i].size(0), " rows");
+    keep.push_back(biases[i]->to(at::kFloat).contiguous());
+    bias32[i] = keep.back().data_ptr<float>();
+  }
+  for (size_t i = 0; i < ws.size(); ++i) {
+    outs.push_back(out_like(x, ws[i].size(0)));
+    accs.push_back(at::empty({M, ws[i].size(0)}, xq.options()));
+  }
+  at::parallel_for(0, offset.back(), GRAIN, [&](int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t n0 = std::max(r0, offset[i]) - offset[i], n1 = std::min(r1, offset[i + 1]) - offset[i];
+      if (n0 >= n1) continue;
+      const int64_t N = ws[i].size(0);
+      float* acc = accs[i].data_ptr<float>();
+      gemm_rows(xq.data_ptr<float>(), M, ws[i], n0, n1, acc);
+      const float* b = bias32[i];
+      store_rows(outs[i], M, N, n0, n1, [&](int64_t m, int64_t n) { return acc[m * N + n] + (b ? b[n] : 0.f); });
+    }
+  });
+  return outs;
+}
+
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  std::vector<c10::optional<at::Tensor>> b = {bias};
+  return small_gemm_multi(x, {w}, b)[0];
+}
+
+// SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one parallel region; the product is
+// formed from the fp32 accumulators and rounded once to x's dtype.
+at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t K = gate.size(1), N = gate.size(0);
+  check_weight(gate, K, gate.scalar_type());
+  check_weight(up, K, gate.scalar_type());
+  TORCH_CHECK(up.size(0) == N, "small_glu: gate has ", N, " rows, up has ", up.size(0));
+  auto xq = prepare_x(x, K, gate.scalar_type());
+  const int64_t M = xq.size(0);
+  auto out = out_like(x, N);
+  auto g = at::empty({M, N}, xq.options()), u = at::empty({M, N}, xq.options());
+  float* gp = g.data_ptr<float>();
+  float* up_ = u.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN / 2, [&](int64_t n0, int64_t n1) {
+    gemm_rows(xq.data_ptr<float>(), M, gate, n0, n1, gp);
+    gemm_rows(xq.data_ptr<float>(), M, up, n0, n1, up_);
+    store_rows(out, M, N, n0, n1, [&](int64_t m, int64_t n) {
+      const float a = gp[m * N + n];
+      return a / (1.f + std::exp(-a)) * up_[m * N + n];
+    });
+  });
+  return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(neuronfx, m) { m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(neuronfx, CPU, m) { m.impl("small_gemm", &small_gemm); }
+TORCH_LIBRARY(neuronfx, m) {
+  m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_gemm_multi(Tensor x, Tensor[] ws, Tensor?[] biases) -> Tensor[]");
+  m.def("small_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
+  m.impl("small_gemm", &small_gemm);
+  m.impl("small_gemm_multi", &small_gemm_multi);
+  m.impl("small_glu", &small_glu);
+}
