@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1]
     if _small_gemm_path(x):
         return small_gemm(x, weight, bias)
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    if inductor_tracing():
         if rows == 1 and weight.dtype != torch.float32:
             return gemv(x, weight, bias)
         if weight.dtype != torch.float32 and not _native_16bit_gemm():
@@ -97,12 +97,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def inductor_tracing() -> bool:
+    """True while torch.compile traces (not torch.export): the graph will run on this CPU through
+    inductor, so CPU-specific kernel choices apply; eager and exported graphs keep the reference ops."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
 def _small_gemm_path(x: torch.Tensor) -> bool:
     """True while torch.compile traces (not exports) a product of at most SMALL_GEMM_MAX_ROWS
     rows of x and the kernel library is available: the decode/speculate projections."""
     rows = x.numel() // x.shape[-1]
-    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-    return compiling and rows <= SMALL_GEMM_MAX_ROWS and _use_small_gemm()
+    return inductor_tracing() and rows <= SMALL_GEMM_MAX_ROWS and _use_small_gemm()
 
 
 def projections(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -162,8 +167,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) 
     Compiled 16-bit attention runs in fp32 on CPUs without native bf16 GEMM, where torch's CPU
     flash attention in bf16 measured about 3x slower than in fp32 (prefill of 128 tokens, AVX2).
     """
-    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-    if compiling and q.dtype != torch.float32 and not _native_16bit_gemm():
+    if inductor_tracing() and q.dtype != torch.float32 and not _native_16bit_gemm():
         return sdpa(q.float(), k.float(), v.float(), mask).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -20,7 +20,7 @@ import torch
 
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
-from neuronfx.graphs.layers import LayerWeights, Weights, cached_attention, linear, rms_norm, rope_cos_sin, rope_inv_freq, sdpa
+from neuronfx.graphs.layers import LayerWeights, Weights, cached_attention, inductor_tracing, linear, rms_norm, rope_cos_sin, rope_inv_freq, sdpa
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.sampling import sample
 
@@ -102,7 +102,7 @@ def decode_layer(
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
         v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        if inductor_tracing():
             return cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)
         keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)  # (B, n_kv, S, D)
         values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden_pos, 0.0)
