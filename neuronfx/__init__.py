@@ -9,36 +9,36 @@ Typical use::
 """
 
 from neuronfx import errors
-from neuronfx.artifacts import load, push_to_hub, save
+from neuronfx.api import compile, load, push_to_hub, save
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
     DecodeBatch,
-    Draft,
     Finished,
-    SpeculationStats,
-    generate_speculative,
     GenerateResult,
     Logprobs,
     PrefillBatch,
     Request,
     Runtime,
+    SpeculateBatch,
+    SpeculationStats,
     State,
     StepOutput,
     TokenEvent,
-    compile,
     decode_step,
     generate,
     init_state,
     prefill_step,
     release,
     schedule,
+    speculate_step,
+    stream_generate,
+    with_draft,
 )
-
-__version__ = "0.1.0"
+from neuronfx.version import __version__
 
 __all__ = [
-    "DecodeBatch", "Draft", "Finished", "SpeculationStats", "generate_speculative", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan",
-    "PrefillBatch", "Request", "Runtime", "SamplingParams", "State", "StepOutput", "TokenEvent", "compile",
-    "decode_step", "errors", "generate", "init_state", "load", "make_plan", "prefill_step", "push_to_hub", "release", "save",
-    "schedule",
+    "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
+    "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
+    "__version__", "compile", "decode_step", "errors", "generate", "init_state", "load", "make_plan", "prefill_step",
+    "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

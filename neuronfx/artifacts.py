@@ -7,12 +7,10 @@ optionally ``tokenizer/`` (``save_pretrained``) and ``generation_config.json`` (
 neuronfx's source, backend, machine, plan hash and a sha256 per file. ``load`` checks the
 manifest and every file before anything runs.
 
-Graph files per backend: ``export`` saves each (phase, batch, bucket) ExportedProgram
-(``torch.export.save``), loaded without tracing; ``inductor`` saves each graph part's
-precompiled function (``precompiled/``, neuronfx/graphs/precompiled.py: loaded with no dynamo
-tracing and no inductor lowering) and the inductor cache directory the runtime was compiled in
-(``inductor/``: the compiled C++ kernels, ``.so``), so loading compiles nothing; ``eager`` has
-no graph files. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
+The graph files are whatever the plan's backend record writes and reads
+(``neuronfx.graphs.backends``): ``export`` one ExportedProgram per graph, ``inductor`` each
+graph part's precompiled function and its kernel directory (so loading compiles nothing),
+``eager`` none. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
 weights, tokenizer and generation config.
 """
 
@@ -23,42 +21,31 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import tempfile
 import time
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-import neuronfx
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError
-from neuronfx.graphs import precompiled
-from neuronfx.graphs.backends import ExportedGraph
-from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.phases import GraphModule
+from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import nest
-from neuronfx.runtime.runtime import Runtime, build_graphs
+from neuronfx.runtime.runtime import Runtime, build_runtime
+from neuronfx.version import __version__
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
-INDUCTOR_DIR = "inductor"
 TOKENIZER_DIR = "tokenizer"
 GENERATION_CONFIG = "generation_config.json"
-_SKIPPED_SUFFIXES = (".lock", ".pyc")  # inductor's lock files and bytecode are not shipped
+_SKIPPED_SUFFIXES = (".lock", ".pyc")
 
-
-def _graph_file(key: tuple[str, int, int]) -> str:
-    phase, batch, bucket = key
-    return f"graphs/{phase}-b{batch}-t{bucket}.pt2"
+__all__ = ["ArtifactError", "load", "load_tokenizer", "push_to_hub", "read_manifest", "save"]
 
 
 @functools.cache
@@ -66,7 +53,7 @@ def source_fingerprint() -> str:
     """sha256 over the source files compiled graphs are made of (``neuronfx/graphs`` and
     ``neuronfx/config``, .py and .cpp): an edited checkout must not reuse graphs compiled from
     the old code."""
-    root = Path(neuronfx.__file__).parent
+    root = Path(__file__).parent
     h = hashlib.sha256()
     sources = [p for sub in ("graphs", "config") for p in (root / sub).rglob("*")]
     for path in sorted(p for p in sources if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts):
@@ -77,7 +64,7 @@ def source_fingerprint() -> str:
 def environment(backend: str) -> dict[str, str]:
     """What an artifact's compiled files depend on (compared on load)."""
     return {
-        "neuronfx": neuronfx.__version__, "neuronfx_source": source_fingerprint(), "torch": torch.__version__,
+        "neuronfx": __version__, "neuronfx_source": source_fingerprint(), "torch": torch.__version__,
         "python": platform.python_version(), "backend": backend, "machine": platform.machine(),
     }
 
@@ -120,28 +107,10 @@ def _tree_files(directory: Path, prefix: str) -> list[str]:
 
 
 def write_graph_files(runtime: Runtime, out: Path) -> list[str]:
-    """Write the backend's graph files of ``runtime`` under ``out``; returns their relative names."""
-    backend = runtime.plan.inference.backend
-    if backend == "export":
-        (out / "graphs").mkdir(parents=True, exist_ok=True)
-        for key, graph in runtime.graphs.items():
-            torch.export.save(graph.program, str(out / _graph_file(key)))
-        return [_graph_file(key) for key in runtime.graphs]
-    if backend == "inductor":
-        if runtime.compiled_dir is None or not Path(runtime.compiled_dir).is_dir():
-            raise ArtifactError(
-                f"this inductor runtime's compiled files ({runtime.compiled_dir!r}) are gone; compile it again "
-                "with neuronfx.compile and save that runtime."
-            )
-        if not all(isinstance(g, GraphModule) and isinstance(g.parts.layers, precompiled.PrecompiledPart) for g in runtime.graphs.values()):
-            raise ArtifactError("this inductor runtime was not built by neuronfx.compile (no precompiled parts); compile it with neuronfx.compile.")
-        specs = {spec.key: spec for spec in runtime.plan.graphs}
-        names = [name for key, graph in runtime.graphs.items() for name in precompiled.save(graph, specs[key], out)]
-        src = Path(runtime.compiled_dir)
-        shutil.copytree(src, out / INDUCTOR_DIR, dirs_exist_ok=True,
-                        ignore=lambda _d, names: [n for n in names if n.endswith(_SKIPPED_SUFFIXES) or n == "__pycache__"])
-        return names + _tree_files(out / INDUCTOR_DIR, INDUCTOR_DIR)
-    return []
+    """Write the backend's graph files of ``runtime`` under ``out``; returns their relative
+    names. Raises ArtifactError when the backend cannot (e.g. its compiled files are gone)."""
+    plan = runtime.plan
+    return get_backend(plan.inference.backend).save(plan, runtime.graphs, runtime.compiled_dir, out)
 
 
 def write_manifest(out: Path, plan: Plan, files: list[str], aliases: Mapping[str, str] | None = None) -> None:
@@ -163,8 +132,12 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     ``tokenizer``: a transformers tokenizer, written with ``save_pretrained`` to ``tokenizer/``
     so the directory is all ``neuronfx generate --model DIR`` needs. Sizes: the weights once
     (bytes of the unique tensors) plus the graph files (inductor: its kernel cache, tens of MB).
-    Raises ArtifactError when an inductor runtime's compiled files were deleted.
+    Raises ArtifactError when an inductor runtime's compiled files were deleted, or the runtime
+    has a draft runtime attached (save each; attach again with ``with_draft`` after loading).
     """
+    if runtime.draft is not None:
+        raise ArtifactError("this runtime has a draft runtime attached; save each on its own (neuronfx.save(runtime.draft, dir2)) "
+                            "and attach it again after loading with neuronfx.with_draft(runtime, draft).")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     plan = runtime.plan
@@ -221,55 +194,6 @@ def read_plan(directory: Path, manifest: Mapping[str, Any]) -> Plan:
     return plan
 
 
-def private_inductor_dir(source: Path | None = None) -> Path:
-    """A new private inductor cache directory (a copy of ``source`` when given): inductor writes
-    into its cache while it works, so shared copies (artifacts, cache entries) stay read-only."""
-    target = Path(tempfile.mkdtemp(prefix="neuronfx-inductor-"))
-    if source is not None:
-        shutil.copytree(source, target, dirs_exist_ok=True)
-    return target
-
-
-def remove_with(runtime: Runtime) -> Runtime:
-    """Delete ``runtime.compiled_dir`` (a private temp directory) when the runtime is collected."""
-    if runtime.compiled_dir is not None:
-        weakref.finalize(runtime, shutil.rmtree, runtime.compiled_dir, True)
-    return runtime
-
-
-def build_in(plan: Plan, weights: Weights, inductor_dir: Path | None, progress: bool) -> tuple[dict, dict]:
-    """Build every graph, inductor inside ``inductor_dir`` (its kernel cache for this runtime)."""
-    if plan.inference.backend != "inductor":
-        return build_graphs(plan, weights, progress)
-    with temporary_cache_dir(str(inductor_dir)):
-        return build_graphs(plan, weights, progress)
-
-
-def load_graphs(src: Path, plan: Plan, weights: Weights, progress: bool = False) -> tuple[dict, dict, str | None]:
-    """(graphs, seconds per graph, compiled_dir) from the graph files in ``src``, checked by
-    :func:`read_manifest` first."""
-    if plan.inference.backend == "export":
-        precompiled.register_custom_ops()
-        graphs, times = {}, {}
-        for spec in plan.graphs:
-            t0 = time.perf_counter()
-            program = torch.export.load(str(src / _graph_file(spec.key)))
-            graphs[spec.key] = ExportedGraph(program=program, module=program.module())
-            times[spec.key] = time.perf_counter() - t0
-        return graphs, times, None
-    if plan.inference.backend != "inductor":
-        graphs, times = build_graphs(plan, weights, progress)  # eager: nothing to load
-        return graphs, times, None
-    inductor_dir = private_inductor_dir(src / INDUCTOR_DIR)
-    graphs, times = {}, {}
-    with temporary_cache_dir(str(inductor_dir)):
-        for spec in plan.graphs:
-            t0 = time.perf_counter()
-            graphs[spec.key] = precompiled.load(plan, spec, src)
-            times[spec.key] = time.perf_counter() - t0
-    return graphs, times, str(inductor_dir)
-
-
 def resolve(source: str | os.PathLike) -> Path:
     """A local directory, or a hub repo id ("owner/name", no such local path) fetched with
     ``huggingface_hub.snapshot_download`` (its cache; honours HF_HUB_OFFLINE and HF_HUB_CACHE).
@@ -295,7 +219,7 @@ def looks_like_repo_id(text: str) -> bool:
     return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
 
 
-def load(source: str | os.PathLike, progress: bool = False) -> Runtime:
+def load(source: str | os.PathLike) -> Runtime:
     """Load a runtime saved by :func:`save` from a directory or a hub repo id (see
     :func:`resolve`). Every file is verified before anything runs; raises ArtifactError
     (missing/corrupt file, other versions, source or machine, repo not found) or ConfigError (a
@@ -307,8 +231,7 @@ def load(source: str | os.PathLike, progress: bool = False) -> Runtime:
     for name, target in manifest["aliases"].items():
         flat[name] = flat[target]
     weights = nest(flat, plan.model.num_hidden_layers)
-    graphs, times, compiled_dir = load_graphs(src, plan, weights, progress)
-    return remove_with(Runtime(plan=plan, weights=weights, graphs=graphs, compile_s=times, compiled_dir=compiled_dir))
+    return build_runtime(plan, weights, get_backend(plan.inference.backend).load(plan, weights, src))
 
 
 def load_tokenizer(source: str | os.PathLike) -> Any:
@@ -335,5 +258,3 @@ def push_to_hub(directory: str | os.PathLike, repo_id: str, token: str | None = 
     api.create_repo(repo_id=repo_id, private=private, exist_ok=True)
     return str(api.upload_folder(folder_path=str(src), repo_id=repo_id, commit_message=commit_message))
 
-
-__all__ = ["ArtifactError", "load", "load_tokenizer", "push_to_hub", "read_manifest", "save"]

@@ -381,17 +381,19 @@ def run_speculative_bench(
     for n in draft_layers:
         rt = runtime_for(checkpoint, speculation_length=k, draft_layers=n)
         if not rows:
-            rows.append(measure("plain decode", lambda p, rt=rt: neuronfx.generate(rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
-        rows.append(measure(f"self-speculation N={n} k={k}", lambda p, rt=rt: neuronfx.generate_speculative(
+            rows.append(measure("plain decode", lambda p, rt=rt: neuronfx.generate(
+                rt, neuronfx.init_state(rt), [p], sampling=sp, speculative=False)[0]))
+        rows.append(measure(f"self-speculation N={n} k={k}", lambda p, rt=rt: neuronfx.generate(
             rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
         del rt
     if draft_checkpoint is not None:
         rt = runtime_for(checkpoint, speculation_length=k)
         if not rows:
             rows.append(measure("plain decode", lambda p: neuronfx.generate(rt, neuronfx.init_state(rt), [p], sampling=sp)[0]))
-        drt = runtime_for(draft_checkpoint)
-        rows.append(measure(f"draft model k={k}", lambda p: neuronfx.generate_speculative(
-            rt, neuronfx.init_state(rt), [p], sampling=sp, draft=neuronfx.Draft(runtime=drt, state=neuronfx.init_state(drt)))[0]))
+        drt = runtime_for(draft_checkpoint, output_logits=True)
+        with_draft = neuronfx.with_draft(rt, drt)
+        rows.append(measure(f"draft model k={k}", lambda p: neuronfx.generate(
+            with_draft, neuronfx.init_state(with_draft), [p], sampling=sp)[0]))
     plain = rows[0]["decode_tok_s"]
     for row in rows:
         row["speedup"] = row["decode_tok_s"] / plain

@@ -29,28 +29,17 @@ from typing import Any
 
 from filelock import FileLock
 
-from neuronfx.artifacts import (
-    MANIFEST,
-    PLAN,
-    environment,
-    load_graphs,
-    private_inductor_dir,
-    read_manifest,
-    read_plan,
-    remove_with,
-    write_graph_files,
-    write_manifest,
-    build_in,
-)
+import attrs
+
+from neuronfx.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_to_json, unstructure
 from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
+from neuronfx.graphs.backends import Built, get_backend
 from neuronfx.graphs.layers import Weights
-from neuronfx.runtime.runtime import Runtime
+from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime
 
 ENV_VAR = "NEURONFX_CACHE_DIR"
-CACHED_BACKENDS = ("export", "inductor")
-"""Backends the cache is on for by default (eager compiles nothing; neuron has no graph files yet)."""
 _ENTRY_ERRORS = (NeuronfxError, OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
 
 
@@ -64,10 +53,11 @@ def default_cache_dir() -> Path:
 
 
 def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path | None:
-    """The cache root ``compile(..., cache=)`` uses, or None for no cache (see ``compile``).
-    Raises ConfigError for any other value."""
+    """The cache root ``compile(..., cache=)`` uses, or None for no cache (see ``compile``):
+    None means on for backends whose record says ``cached`` (export, inductor). Raises
+    ConfigError for any other value."""
     if cache is None:
-        return default_cache_dir() if backend in CACHED_BACKENDS else None
+        return default_cache_dir() if get_backend(backend).cached else None
     if isinstance(cache, bool):
         return default_cache_dir() if cache else None
     if isinstance(cache, (str, os.PathLike)):
@@ -90,39 +80,27 @@ def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bo
     """The runtime of ``plan`` on ``weights``: graphs loaded from the cache entry under ``root``
     when there is a good one, else built (and, with a root, written as a new entry)."""
     if root is None:
-        return _runtime(plan, weights, *_build(plan, weights, progress), None)
+        return build_runtime(plan, weights, build_graphs(plan, weights, progress))
     key = cache_key(plan)
     root.mkdir(parents=True, exist_ok=True)
     entry = root / key
     with FileLock(str(root / f"{key}.lock")):
         if entry.exists():
-            loaded = _load_entry(entry, plan, weights, progress)
+            loaded = _load_entry(entry, plan, weights)
             if loaded is not None:
-                graphs, times, compiled_dir = loaded
-                return _runtime(plan, weights, graphs, times, compiled_dir, key)
-        runtime = _runtime(plan, weights, *_build(plan, weights, progress), key)
+                return build_runtime(plan, weights, loaded, key)
+        runtime = build_runtime(plan, weights, build_graphs(plan, weights, progress), key)
         _write_entry(root, key, runtime)
         return runtime
 
 
-def _build(plan: Plan, weights: Weights, progress: bool) -> tuple[dict, dict, Path | None]:
-    inductor_dir = private_inductor_dir() if plan.inference.backend == "inductor" else None
-    graphs, times = build_in(plan, weights, inductor_dir, progress)
-    return graphs, times, inductor_dir
-
-
-def _runtime(plan: Plan, weights: Weights, graphs: dict, times: dict, compiled_dir: Path | str | None, key: str | None) -> Runtime:
-    return remove_with(Runtime(plan=plan, weights=weights, graphs=graphs, compile_s=times,
-                               compiled_dir=None if compiled_dir is None else str(compiled_dir), cache_key=key))
-
-
-def _load_entry(entry: Path, plan: Plan, weights: Weights, progress: bool) -> tuple | None:
+def _load_entry(entry: Path, plan: Plan, weights: Weights) -> Built | None:
     """The entry's graphs, or None after reporting and moving aside a bad entry (lock held)."""
     try:
         manifest = read_manifest(entry)
         if plan_to_json(read_plan(entry, manifest)) != plan_to_json(_without_checkpoint(plan)):
             raise ArtifactError(f"{entry / PLAN} is another plan than the one its key names")
-        return load_graphs(entry, plan, weights, progress)
+        return get_backend(plan.inference.backend).load(plan, weights, entry)
     except _ENTRY_ERRORS as exc:
         warnings.warn(
             f"neuronfx compile cache entry {entry} is unusable ({type(exc).__name__}: {exc}); moved aside and rebuilt.",
@@ -133,8 +111,6 @@ def _load_entry(entry: Path, plan: Plan, weights: Weights, progress: bool) -> tu
 
 
 def _without_checkpoint(plan: Plan) -> Plan:
-    import attrs
-
     return attrs.evolve(plan, checkpoint=None)
 
 

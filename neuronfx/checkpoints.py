@@ -20,9 +20,11 @@ import attrs
 import safetensors
 import torch
 
-from neuronfx.config.model import SUPPORTED_MODEL_TYPES, ModelConfig
-from neuronfx.memory import trim_heap
+from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
+from neuronfx.graphs.weights import check_state_dict
+from neuronfx.memory import trim_heap
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -130,7 +132,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
     generation_config = _read_generation_config(directory)
     config = ModelConfig.from_hf(hf_config, generation_config)
     state_dict = _read_safetensors_dir(directory, dtype)
-    _check_keys(state_dict, _expected_shapes(hf_config), config.tie_word_embeddings, directory)
+    _check_keys(state_dict, config, directory)
     return Checkpoint(config=config, state_dict=state_dict, source=str(directory), hf_config=hf_config)
 
 
@@ -251,8 +253,7 @@ def _load_gguf(file: Path, dtype: torch.dtype) -> Checkpoint:
     state_dict = {name: tensor.to(dtype) for name, tensor in parsed["tensors"].items()}
     del parsed
     trim_heap()  # the dequantizer's fp32 buffers are freed but would stay resident
-    expected = {name: tuple(t.shape) for name, t in meta_model.state_dict().items()}
-    _check_keys(state_dict, expected, config.tie_word_embeddings, file)
+    _check_keys(state_dict, config, file)
     return Checkpoint(config=config, state_dict=state_dict, source=str(file), hf_config=hf_config)
 
 
@@ -288,38 +289,13 @@ def _meta_model(hf_config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
 
 
-def _expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in _meta_model(hf_config).state_dict().items()}
-
-
-def _check_keys(
-    state_dict: dict[str, torch.Tensor],
-    expected: dict[str, tuple[int, ...]],
-    tie_word_embeddings: bool,
-    source: Path,
-) -> None:
-    """Drop ignorable buffers in place; raise CheckpointError for missing, extra or mis-shaped tensors.
-
-    ``lm_head.weight`` may be absent when the embeddings are tied.
-    """
+def _check_keys(state_dict: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+    """Drop ignorable buffers in place, then the one checkpoint check
+    (``graphs.weights.check_state_dict``): CheckpointError for missing, extra or mis-shaped
+    tensors (``lm_head.weight`` may be absent when the embeddings are tied)."""
     for name in [n for n in state_dict if n.endswith(_IGNORED_SUFFIXES)]:
         del state_dict[name]
-    optional = {"lm_head.weight"} if tie_word_embeddings else set()
-    missing = sorted(expected.keys() - state_dict.keys() - optional)
-    extra = sorted(state_dict.keys() - expected.keys())
-    if missing or extra:
-        raise CheckpointError(
-            f"{str(source)!r} does not match its config: missing tensors {missing[:5]} ({len(missing)} in all), "
-            f"unexpected tensors {extra[:5]} ({len(extra)} in all); the weights and config.json come from "
-            "different models, or the names are not transformers' (re-save with save_pretrained())."
-        )
-    wrong = [(n, tuple(t.shape), expected[n]) for n, t in state_dict.items() if tuple(t.shape) != expected[n]]
-    if wrong:
-        name, got, want = wrong[0]
-        raise CheckpointError(
-            f"{str(source)!r}: tensor {name!r} has shape {got}, its config implies {want} "
-            f"({len(wrong)} mis-shaped in all); the weights and config.json come from different models."
-        )
+    check_state_dict(state_dict, config, source=repr(str(source)))
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

@@ -17,18 +17,16 @@ import attrs
 from tqdm.auto import tqdm
 
 import neuronfx
-from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DTYPES, InferenceConfig
-from neuronfx.config.plan import make_plan
 from neuronfx.artifacts import MANIFEST, PLAN, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
-from neuronfx.config.sampling import SamplingParams, check_sampling
+from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
+from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, InferenceConfig
+from neuronfx.config.plan import make_plan
+from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
 from neuronfx.errors import ArtifactError, InputError, NeuronfxError, SequenceLengthExceededError
 from neuronfx.graphs.backends import check_backend
-from neuronfx.graphs.weights import DTYPES as DTYPES_TORCH
 from neuronfx.runtime.generate import collect
-from neuronfx.runtime.speculate import check_speculation_params
-from neuronfx.runtime.state import MAX_SEED
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +58,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend")
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device")
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
@@ -68,8 +66,9 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="KV-cache slots (requests decoded together); more prompts wait for a slot")
     p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
+    p.add_argument("--device", default="cpu", help=f"where the runtime runs: {', '.join(DEVICES)} (no other device yet)")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -101,10 +100,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128], help="prompt tokens")
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
     p.add_argument("--compare", choices=["transformers"], default=None, help="also run this engine in the same process")
-    p.add_argument("--compare-dtype", choices=DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
+    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
     p.add_argument("--serving", action="store_true",
@@ -141,13 +140,13 @@ def bench_command(args: argparse.Namespace) -> dict:
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
-    ckpt = load_checkpoint(args.model or default_model_path(), dtype=DTYPES_TORCH[args.dtype])
+    ckpt = load_checkpoint(args.model or default_model_path(), dtype=torch_dtype(args.dtype))
     log = (lambda line: None) if args.json else print
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
         from neuronfx.checkpoints import load_tokenizer
 
-        draft = load_checkpoint(args.draft_model, dtype=DTYPES_TORCH[args.dtype]) if args.draft_model else None
+        draft = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype)) if args.draft_model else None
         return run_speculative_bench(ckpt, load_tokenizer(args.model or default_model_path()), args.backend, args.dtype,
                                      args.speculation_length, args.draft_layers, draft, gen_len=args.gen_lens[0], log=log)
     if args.serving:
@@ -197,8 +196,6 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
     if args.speculation_length:
         if bool(args.draft_layers) == bool(args.draft_model):
             raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
-        if args.stream:
-            raise InputError("--stream is not supported with --speculation-length yet; drop one of them.")
     elif args.draft_layers or args.draft_model:
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
     if not 0 <= args.seed <= MAX_SEED:
@@ -214,6 +211,7 @@ def _inference(args: argparse.Namespace) -> InferenceConfig:
         backend=args.backend,
         speculation_length=args.speculation_length,
         draft_layers=args.draft_layers,
+        device=args.device,
     )
 
 
@@ -264,21 +262,18 @@ def run_generate(args: argparse.Namespace) -> dict:
     )
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
-    if args.speculation_length:
-        sampling = attrs.evolve(sampling, seed=None)  # speculation draws from the state's key (--seed)
-        check_speculation_params(sampling)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
     if saved is not None:
         t0 = time.perf_counter()
-        runtime = neuronfx.load(saved, progress=not args.json)
+        runtime = neuronfx.load(saved)
         tokenizer = load_saved_tokenizer(saved)
         load_s, compile_s = time.perf_counter() - t0, 0.0
     else:
         t0 = time.perf_counter()
         with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
             bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=DTYPES_TORCH[args.dtype])
+            ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype))
             bar.update()
             bar.set_postfix_str("tokenizer")
             tokenizer = load_tokenizer(model_path)
@@ -288,17 +283,14 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
         compile_s = time.perf_counter() - t0
+    if args.draft_model:
+        runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
-    if args.speculation_length:
-        draft = _load_draft(args, inference, sampling) if args.draft_model else None
-        result, _, _ = neuronfx.generate_speculative(runtime, state, prompts, max_new_tokens=args.max_new_tokens,
-                                                     sampling=sampling, draft=draft)
-        result = attrs.evolve(result, texts=tuple(tokenizer.decode(list(t), skip_special_tokens=True) for t in result.token_ids))
-    elif args.stream:
-        events = neuronfx.generate(runtime, state, prompts, stream=True, **kwargs)
-        result, _ = collect(_print_stream(events, len(prompts)), len(prompts), with_text=True)
+    if args.stream:
+        events = neuronfx.stream_generate(runtime, state, prompts, **kwargs)
+        result, _ = collect(_print_stream(events, len(prompts)), with_text=True)
     else:
         result, _ = neuronfx.generate(runtime, state, prompts, **kwargs)
     single = len(prompts) == 1
@@ -312,6 +304,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         "logprobs": one(logprobs),
         "streamed": args.stream,
         "speculation": None if result.speculation is None else one([
+            None if st is None else
             {"acceptance_rate": st.acceptance_rate, "mean_accepted_length": st.mean_accepted_length, **attrs.asdict(st)}
             for st in result.speculation
         ]),
@@ -327,14 +320,14 @@ def run_generate(args: argparse.Namespace) -> dict:
     }
 
 
-def _load_draft(args: argparse.Namespace, inference: InferenceConfig, sampling: SamplingParams) -> neuronfx.Draft:
-    """The --draft-model runtime: the target's capacities, logits on when sampling."""
+def _compile_draft(args: argparse.Namespace, inference: InferenceConfig) -> neuronfx.Runtime:
+    """The --draft-model runtime: the target's capacities, no speculation of its own, logits on
+    (``with_draft`` needs them for sampled rows)."""
     from neuronfx.checkpoints import load_checkpoint
 
-    ckpt = load_checkpoint(args.draft_model, dtype=DTYPES_TORCH[args.dtype])
-    draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=not sampling.greedy)
-    runtime = neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
-    return neuronfx.Draft(runtime=runtime, state=neuronfx.init_state(runtime, seed=args.seed))
+    ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype))
+    draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
+    return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
 
 
 def _print_stream(events: Iterator, n: int) -> Iterator:
@@ -357,7 +350,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     inference = _inference(args)
     check_backend(inference.backend)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=DTYPES_TORCH[args.dtype])
+    ckpt = load_checkpoint(args.model, dtype=torch_dtype(args.dtype))
     tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))

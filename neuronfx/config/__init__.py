@@ -1,7 +1,9 @@
 """Frozen configs and the pure functions derived from them (no nn.Module, no device state)."""
 
 from neuronfx.config.buckets import generate_buckets, select_bucket
+from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
 from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs
 from neuronfx.config.kv import KVAccess, KVLayout, decode_access, prefill_access
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.model import ModelConfig, RopeScaling
@@ -10,6 +12,7 @@ from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampli
 from neuronfx.config.serialization import plan_from_json, plan_to_json, structure, unstructure
 
 __all__ = [
+    "FAMILIES", "PHASE_INPUTS", "SUPPORTED_MODEL_TYPES", "DecodeInputs", "PrefillInputs", "SamplerInputs", "SpeculateInputs",
     "GraphSpec", "InferenceConfig", "KVAccess", "KVLayout", "ModelConfig", "Plan", "RopeScaling",
     "SamplingParams", "TensorSpec", "check_sampling", "decode_access", "decode_mask",
     "generate_buckets", "make_plan", "pack_sampling", "plan_from_json", "plan_to_json",

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import attrs
 
+from neuronfx.config.dtypes import FLOAT_DTYPES
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("eager", "export", "inductor", "neuron")
+"""Names of the backends (``neuronfx.graphs.backends.BACKENDS`` holds their records)."""
 DEFAULT_BACKEND = "inductor"
+DEVICES = ("cpu",)
+"""Devices a plan may run on. CPU only: no code path places tensors on an accelerator yet."""
+
+
+def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value not in DEVICES:
+        raise ConfigError(
+            f"InferenceConfig.device={value!r} is not supported: neuronfx runs on the CPU only (no CUDA or other "
+            "device support yet); pass device='cpu'."
+        )
 
 
 def _buckets(value: object) -> tuple[int, ...] | None:
@@ -64,6 +75,8 @@ class InferenceConfig:
       the final norm and LM head (self-speculation, weights and KV shared with the target).
     - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
       (torch.compile per graph part), "neuron" (optional extra).
+    - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
+      value is a ConfigError).
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
@@ -75,7 +88,7 @@ class InferenceConfig:
     batch_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
-    dtype: str = attrs.field(default="float32", validator=one_of(DTYPES))
+    dtype: str = attrs.field(default="float32", validator=one_of(FLOAT_DTYPES))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
@@ -83,6 +96,7 @@ class InferenceConfig:
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
+    device: str = attrs.field(default="cpu", validator=_device)
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:

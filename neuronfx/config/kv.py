@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from neuronfx.config.dtypes import dtype_bytes
 from neuronfx.errors import BucketOverflowError
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @attrs.frozen(kw_only=True)
@@ -39,7 +38,7 @@ class KVLayout:
     def nbytes(self) -> int:
         """Bytes of the whole cache (all layers, K and V)."""
         n = self.num_slots * self.num_kv_heads * self.sequence_length * self.head_dim
-        return 2 * self.num_layers * n * DTYPE_BYTES[self.dtype]
+        return 2 * self.num_layers * n * dtype_bytes(self.dtype)
 
 
 @attrs.frozen

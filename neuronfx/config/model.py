@@ -6,10 +6,9 @@ from typing import Any
 
 import attrs
 
+from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
 from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -40,10 +39,13 @@ def _check_heads(inst: "ModelConfig", attribute: attrs.Attribute, value: int) ->
 
 @attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (llama, mistral, qwen2, qwen3).
+    """Architecture of a decoder of one of the registered families (``config/families.py``).
 
     Sizes are counts (``num_*``) or widths in elements; ``rope_theta`` is the RoPE base;
     ``eos_token_ids`` come from the checkpoint's generation config (else its config).
+    Family options: ``attention_bias`` (q/k/v projection biases: qwen2, llama with
+    ``attention_bias``), ``qk_norm`` (per-head RMSNorm of q and k before RoPE: qwen3),
+    ``sliding_window`` (tokens; the plan refuses one shorter than ``sequence_length``).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -67,7 +69,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Any = None) -> "ModelConfig":
-        """Read a transformers ``PretrainedConfig`` (and optional ``GenerationConfig``).
+        """Read a transformers ``PretrainedConfig`` (and optional ``GenerationConfig``): the
+        fields every family shares, then the family's own (its registry entry's ``options``).
 
         Raises UnsupportedModelError for a ``model_type`` outside
         ``SUPPORTED_MODEL_TYPES``, an unsupported activation or RoPE type.
@@ -98,12 +101,9 @@ class ModelConfig:
             rope_scaling=scaling,
             rms_norm_eps=hf_config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # qwen2 always has q/k/v biases; llama/mistral/qwen3 carry the flag.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-            sliding_window=_sliding_window(hf_config),
             eos_token_ids=_eos_ids(hf_config, generation_config),
+            **FAMILIES[model_type].options(hf_config),
         )
 
 
@@ -123,13 +123,6 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:
         return theta, None
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return theta, RopeScaling(rope_type=rope_type, **{k: params[k] for k in keys if k in params})
-
-
-def _sliding_window(hf_config: Any) -> int | None:
-    # qwen2/qwen3 carry sliding_window but only use it when use_sliding_window is set.
-    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
-        return None
-    return getattr(hf_config, "sliding_window", None)
 
 
 def _eos_ids(hf_config: Any, generation_config: Any) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ import attrs
 
 from neuronfx.config.buckets import MIN_BUCKET, generate_buckets
 from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
@@ -13,23 +14,17 @@ from neuronfx.errors import ConfigError, UnsupportedModelError
 
 PHASES = ("prefill", "decode", "speculate", "draft")
 
-
-@attrs.frozen
-class TensorSpec:
-    """One graph input: name, shape (ints) and dtype name (torch dtype attribute, e.g. "int32")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
+__all__ = ["GraphSpec", "PHASES", "Plan", "TensorSpec", "make_plan", "step_inputs"]
 
 
 @attrs.frozen(kw_only=True)
 class GraphSpec:
     """One static-shape graph: its phase, batch size (rows), bucket (tokens) and exact step
-    inputs, in call order.
+    inputs, in call order (the tensors of its phase's record, ``config.inputs.PHASE_INPUTS``).
 
-    Prefill: ``bucket`` prompt tokens per row. Decode: 1 token per row attending ``bucket`` KV
-    positions. Every graph also takes the shared weights and the KV cache (not listed here).
+    Prefill: ``bucket`` prompt tokens per row. Decode and draft: 1 token per row attending
+    ``bucket`` KV positions; speculate: k tokens per row. Every graph also takes the shared
+    weights and the KV cache (not listed here).
     """
 
     phase: str
@@ -41,6 +36,11 @@ class GraphSpec:
     def key(self) -> tuple[str, int, int]:
         """(phase, batch_size, bucket): how a runtime finds the graph."""
         return (self.phase, self.batch_size, self.bucket)
+
+    @property
+    def record(self) -> type:
+        """The step-input record class of this graph's phase."""
+        return PHASE_INPUTS[self.phase]
 
 
 @attrs.frozen(kw_only=True)
@@ -101,36 +101,17 @@ def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
     return (inference.batch_size,)
 
 
-def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0) -> tuple[TensorSpec, ...]:
-    """Input specs of one graph, in call order (after weights and KV cache).
+PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length"}
+"""New tokens per row (the record's ``T``) of each phase."""
 
-    Prefill/decode/draft: besides ids and positions, each row carries its sampling parameters (``NUM_PARAM_COLUMNS``
-    floats), its request's generated-token counts and prompt-token mask (for penalties), an
-    additive logits bias (min_tokens) and one uniform random number.
-    """
-    if phase == "speculate":  # k tokens per row in, logits [B, k, vocab] out: acceptance runs on the host
-        k = speculation_length
-        return (
-            TensorSpec("input_ids", (batch_size, k), "int32"),
-            TensorSpec("position_ids", (batch_size, k), "int32"),
-            TensorSpec("seq_ids", (batch_size,), "int32"),
-        )
-    n = bucket if phase == "prefill" else 1
-    specs = [
-        TensorSpec("input_ids", (batch_size, n), "int32"),
-        TensorSpec("position_ids", (batch_size, n), "int32"),
-        TensorSpec("seq_ids", (batch_size,), "int32"),
-    ]
-    if phase == "prefill":
-        specs.append(TensorSpec("prompt_lens", (batch_size,), "int32"))
-    specs += [
-        TensorSpec("sampling_params", (batch_size, NUM_PARAM_COLUMNS), "float32"),
-        TensorSpec("output_counts", (batch_size, vocab_size), "int32"),
-        TensorSpec("prompt_mask", (batch_size, vocab_size), "bool"),
-        TensorSpec("logits_bias", (batch_size, vocab_size), "float32"),
-        TensorSpec("rand", (batch_size,), "float32"),
-    ]
-    return tuple(specs)
+
+def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0) -> tuple[TensorSpec, ...]:
+    """Input specs of one graph, in call order (after weights and KV cache): the tensors of the
+    phase's record (``config.inputs``) at B = ``batch_size``, T = new tokens per row (prefill:
+    ``bucket``; decode, draft: 1; speculate: ``speculation_length``), V = ``vocab_size``."""
+    tokens = {"bucket": bucket, "speculation_length": speculation_length}.get(PHASE_TOKENS[phase], 1)
+    dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS}
+    return input_specs(PHASE_INPUTS[phase], dims)
 
 
 def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None) -> Plan:

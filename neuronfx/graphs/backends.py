@@ -1,92 +1,197 @@
-"""Backends: turn a (phase, bucket) GraphSpec into a callable ``graph(weights, kv, *step_inputs)``.
+"""Backends as records: how a plan's GraphSpecs become callables, and what of them is saved.
 
-- eager: the GraphModule itself, called directly; the reference for every test.
-- export: ``torch.export.export`` per (phase, bucket); the KV cache is updated in place (the
-  exported program keeps the ``index_put_`` on the input) and weights are inputs, so all
-  programs share one copy.
-- inductor: ``torch.compile`` (inductor) of each part of a phase (prologue, a group of
-  decoder layers reused for every group, epilogue) per (phase, bucket); the fastest on CPU
-  (the default). The parts are compiled with torch's ``aot_compile`` (graphs/precompiled.py)
-  so that runtimes and compile-cache entries can be saved and loaded without re-tracing.
+Every graph, whatever built it, is called ``graph(weights, kv, inputs)`` with ``kv`` the KV
+cache (one LayerKV per layer) and ``inputs`` its phase's step-input record, and returns a dict
+of output tensors. :data:`BACKENDS` is the one table keyed by backend name; nothing outside
+``graphs/`` branches on a backend's name.
+
+- eager: the GraphModule itself with the reference ops; the reference for every test.
+- export: ``torch.export.export`` per (phase, batch, bucket) with the reference ops; the KV
+  cache is updated in place (the exported program keeps the ``index_put_`` on the input) and
+  weights are inputs, so all programs share one copy. Saved as ``graphs/*.pt2``.
+- inductor: ``torch.compile`` (inductor) of each part of a phase with the CPU kernel ops,
+  precompiled so it saves and loads without re-tracing (``graphs/inductor.py``); the default.
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import attrs
 import torch
+from tqdm.auto import tqdm
 
+from neuronfx.config.inputs import leaves
 from neuronfx.config.plan import GraphSpec, Plan
-from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import BackendUnavailableError, ConfigError
+from neuronfx.graphs import inductor
+from neuronfx.graphs.inputs import KVCache, empty_kv, example_inputs
 from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.phases import GraphModule, phase_num_layers, phase_parts
+from neuronfx.graphs.ops import REFERENCE_OPS
+from neuronfx.graphs.phases import FlatGraphModule, build_module
 
 Graph = Callable[..., dict[str, torch.Tensor]]
-TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32, "bool": torch.bool}
+GraphKey = tuple[str, int, int]
 
 
-def example_inputs(plan: Plan, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
-    """Trace inputs from the spec: zeros, except prompt_lens (1) and greedy sampling rows."""
-    greedy = pack_sampling([SamplingParams()] * spec.batch_size, plan.topk_width)
-    out = []
-    for t in spec.inputs:
-        if t.name == "sampling_params":
-            out.append(torch.tensor(greedy, dtype=torch.float32))
-        else:
-            out.append(torch.full(t.shape, int(t.name == "prompt_lens"), dtype=TORCH_DTYPES[t.dtype]))
-    return tuple(out)
+@attrs.frozen(kw_only=True)
+class Built:
+    """Every graph of a plan, as a backend built or loaded them.
+
+    - ``graphs``: (phase, batch_size, bucket) -> callable ``graph(weights, kv, inputs)``.
+    - ``seconds``: (phase, batch_size, bucket) -> seconds spent building or loading it.
+    - ``compiled_dir``: a private directory of compiled files the graphs use (inductor: its
+      kernel cache), owned by the runtime that holds them; None when there is none.
+    """
+
+    graphs: dict[GraphKey, Graph]
+    seconds: dict[GraphKey, float]
+    compiled_dir: str | None = None
 
 
-def build_eager(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    return GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
+@attrs.frozen(kw_only=True)
+class Backend:
+    """One backend.
+
+    - ``check()``: raise BackendUnavailableError when its optional dependencies are missing
+      (cheap; call before loading weights).
+    - ``build(plan, weights, progress) -> Built``: compile every graph of ``plan``.
+    - ``save(plan, graphs, compiled_dir, out) -> [relative file names]``: write the graph files
+      a saved runtime or a compile-cache entry holds (none for eager).
+    - ``load(plan, weights, src) -> Built``: the graphs from what ``save`` wrote in ``src``
+      (checked by the caller's manifest first).
+    - ``cached``: whether the compile cache is on by default (it holds graph files worth keeping).
+    """
+
+    name: str
+    check: Callable[[], None]
+    build: Callable[[Plan, Weights, bool], Built]
+    save: Callable[[Plan, Mapping[GraphKey, Graph], str | None, Path], list[str]]
+    load: Callable[[Plan, Weights, Path], Built]
+    cached: bool
+
+
+def build_each(plan: Plan, weights: Weights, builder: Callable[[Plan, GraphSpec, Weights, KVCache], Graph],
+               progress: bool) -> tuple[dict[GraphKey, Graph], dict[GraphKey, float]]:
+    """``builder(plan, spec, weights, template_kv)`` for every graph of ``plan``, timed, with a
+    progress bar; the template KV cache is the trace-time cache (live states own their own)."""
+    template_kv = empty_kv(plan)
+    graphs, seconds = {}, {}
+    bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
+    for spec in bar:
+        bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
+        t0 = time.perf_counter()
+        graphs[spec.key] = builder(plan, spec, weights, template_kv)
+        seconds[spec.key] = time.perf_counter() - t0
+    return graphs, seconds
+
+
+def _nothing_to_check() -> None:
+    return None
+
+
+# --- eager --------------------------------------------------------------------------------------
+
+
+def _eager_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> Graph:
+    return build_module(plan, spec, REFERENCE_OPS)
+
+
+def _eager_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+    graphs, seconds = build_each(plan, weights, _eager_graph, progress)
+    return Built(graphs=graphs, seconds=seconds)
+
+
+def _no_files(plan: Plan, graphs: Mapping[GraphKey, Graph], compiled_dir: str | None, out: Path) -> list[str]:
+    return []
+
+
+EAGER = Backend(name="eager", check=_nothing_to_check, build=_eager_build, save=_no_files,
+                load=lambda plan, weights, src: _eager_build(plan, weights, False), cached=False)
+
+
+# --- export -------------------------------------------------------------------------------------
 
 
 @attrs.frozen(eq=False)
 class ExportedGraph:
-    """An exported (phase, batch, bucket) graph: the ExportedProgram (what ``neuronfx.save``
-    writes) and its runnable module."""
+    """An exported (phase, batch, bucket) graph: the ExportedProgram (what is saved) and its
+    runnable module, which takes the flat convention of :class:`FlatGraphModule`."""
 
     program: torch.export.ExportedProgram
     module: Callable[..., dict[str, torch.Tensor]]
 
-    def __call__(self, *args: object) -> dict[str, torch.Tensor]:
-        return self.module(*args)
+    def __call__(self, weights: Weights, kv: KVCache, inputs: object) -> dict[str, torch.Tensor]:
+        return self.module(weights, [(layer.k, layer.v) for layer in kv], *leaves(inputs))
 
 
-def build_export(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    # ``kv`` is compile's template cache, not a live state: tracing may write into it.
-    args = (weights, kv, *example_inputs(plan, spec))
-    module = GraphModule(phase_parts(plan, spec), spec.phase, phase_num_layers(plan, spec.phase))
+def _export_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> Graph:
+    # ``kv`` is the template cache, not a live state: tracing may write into it.
+    module = FlatGraphModule(build_module(plan, spec, REFERENCE_OPS), spec.record)
+    args = (weights, [(layer.k, layer.v) for layer in kv], *leaves(example_inputs(plan, spec)))
     program = torch.export.export(module, args, strict=False)
     return ExportedGraph(program=program, module=program.module())
 
 
-MAX_LAYER_GROUP = 10
-"""Layers per compiled call in the inductor backend: bigger groups cut per-call overhead (about
-0.2 ms each), smaller ones cut compile time (it grows with the traced graph)."""
+def _export_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+    graphs, seconds = build_each(plan, weights, _export_graph, progress)
+    return Built(graphs=graphs, seconds=seconds)
 
 
-def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP) -> int:
-    """Largest divisor of ``num_layers`` not above ``limit`` (SmolLM2's 30 layers -> 10)."""
-    return max(d for d in range(1, min(num_layers, limit) + 1) if num_layers % d == 0)
+def _export_file(spec: GraphSpec) -> str:
+    return f"graphs/{spec.phase}-b{spec.batch_size}-t{spec.bucket}.pt2"
 
 
-def build_inductor(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    """Inductor graph whose parts are compiled with torch's ``aot_compile`` (graphs/precompiled.py),
-    so the runtime can be saved and reloaded without re-tracing."""
-    from neuronfx.graphs.precompiled import build  # precompiled imports this module
+def _export_save(plan: Plan, graphs: Mapping[GraphKey, Graph], compiled_dir: str | None, out: Path) -> list[str]:
+    (out / "graphs").mkdir(parents=True, exist_ok=True)
+    for spec in plan.graphs:
+        torch.export.save(graphs[spec.key].program, str(out / _export_file(spec)))  # type: ignore[attr-defined]
+    return [_export_file(spec) for spec in plan.graphs]
 
-    return build(plan, spec, weights, kv)
+
+def _export_load(plan: Plan, weights: Weights, src: Path) -> Built:
+    graphs, seconds = {}, {}
+    for spec in plan.graphs:
+        t0 = time.perf_counter()
+        program = torch.export.load(str(src / _export_file(spec)))
+        graphs[spec.key] = ExportedGraph(program=program, module=program.module())
+        seconds[spec.key] = time.perf_counter() - t0
+    return Built(graphs=graphs, seconds=seconds)
 
 
-def check_backend(backend: str) -> None:
-    """Raise BackendUnavailableError if ``backend``'s optional dependencies are missing
-    (cheap; call it before loading weights)."""
-    if backend != "neuron":
-        return
+EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, save=_export_save, load=_export_load, cached=True)
+
+
+# --- inductor -----------------------------------------------------------------------------------
+
+
+def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+    directory = inductor.private_dir()
+    graphs, seconds = inductor.in_dir(directory, build_each, plan, weights, inductor.build_graph, progress)
+    return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
+
+
+def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
+    directory = inductor.private_dir(src / inductor.INDUCTOR_DIR)
+    graphs, seconds = {}, {}
+    for spec in plan.graphs:
+        t0 = time.perf_counter()
+        graphs[spec.key] = inductor.in_dir(directory, inductor.load_graph, plan, spec, src)
+        seconds[spec.key] = time.perf_counter() - t0
+    return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
+
+
+INDUCTOR = Backend(name="inductor", check=_nothing_to_check, build=_inductor_build, save=inductor.save,
+                   load=_inductor_load, cached=True)
+
+
+# --- neuron -------------------------------------------------------------------------------------
+
+
+def _neuron_check() -> None:
     try:
         import torch_neuronx  # noqa: F401
     except Exception as exc:  # the PyPI placeholder raises on import, not just ImportError
@@ -97,17 +202,27 @@ def check_backend(backend: str) -> None:
         ) from exc
 
 
-def build_neuron(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    check_backend("neuron")
-    raise BackendUnavailableError("backend='neuron' tracing is not implemented yet; use 'eager' or 'export'.")
+def _neuron_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+    _neuron_check()
+    raise BackendUnavailableError("backend='neuron' tracing is not implemented yet; use 'eager', 'export' or 'inductor'.")
 
 
-BUILDERS = {"eager": build_eager, "export": build_export, "inductor": build_inductor, "neuron": build_neuron}
+NEURON = Backend(name="neuron", check=_neuron_check, build=_neuron_build, save=_no_files,
+                 load=lambda plan, weights, src: _neuron_build(plan, weights, False), cached=False)
 
 
-def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: list[torch.Tensor]) -> Graph:
-    """Build one graph with the plan's backend; raises ConfigError for an unknown backend."""
-    backend = plan.inference.backend
-    if backend not in BUILDERS:
-        raise ConfigError(f"backend={backend!r} is not one of {sorted(BUILDERS)}.")
-    return BUILDERS[backend](plan, spec, weights, kv)
+BACKENDS: dict[str, Backend] = {b.name: b for b in (EAGER, EXPORT, INDUCTOR, NEURON)}
+"""The one table of backends, keyed by ``InferenceConfig.backend``."""
+
+
+def get_backend(name: str) -> Backend:
+    """The record of backend ``name``; ConfigError naming the choices for any other name."""
+    if name not in BACKENDS:
+        raise ConfigError(f"backend={name!r} is not one of {sorted(BACKENDS)}.")
+    return BACKENDS[name]
+
+
+def check_backend(name: str) -> None:
+    """Raise BackendUnavailableError if backend ``name``'s optional dependencies are missing
+    (cheap; call it before loading weights)."""
+    get_backend(name).check()

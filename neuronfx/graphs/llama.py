@@ -1,11 +1,17 @@
-"""Llama (HF ``model_type`` "llama", also SmolLM2): pre-norm decoder, GQA, RoPE, SwiGLU MLP."""
+"""Llama (HF ``model_type`` "llama", also SmolLM2): pre-norm decoder, GQA, RoPE, SwiGLU MLP,
+q/k/v projection biases when the config sets ``attention_bias`` (HF ``LlamaConfig``).
+
+Reference: transformers ``models/llama/modeling_llama.py``. Other families reuse the pieces
+here (mistral, qwen2) or compose them with their own (qwen3's q/k norm).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from neuronfx.config.model import ModelConfig
-from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
+from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, glu_mlp, rms_norm, split_heads
+from neuronfx.graphs.ops import Ops
 
 # HF checkpoint name -> neuronfx weight name; "{i}" is the layer index.
 KEY_MAP = {
@@ -31,9 +37,32 @@ BIAS_KEY_MAP = {
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """HF checkpoint name -> neuronfx weight name ("{i}": layer index)."""
     return KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {})
 
 
-def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
-    return llama_layer(cfg, lw, h, cos, sin, attend)
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each per-layer weight (HF layout: linear weights are (out, in))."""
+    h, i_sz = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"attn_norm": (h,), "mlp_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+              "gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz)}
+    return shapes | ({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.attention_bias else {})
+
+
+def qkv_heads(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V of x (B, T, hidden) split into heads: (B, n_heads, T, D), (B, n_kv_heads, T, D) x 2;
+    one ops call for the three projections, with their biases when ``cfg.attention_bias``."""
+    biases = (lw["bq"], lw["bk"], lw["bv"]) if cfg.attention_bias else (None, None, None)
+    q, k, v = ops.projections(x, (lw["wq"], lw["wk"], lw["wv"]), biases)
+    d = cfg.head_dim
+    return split_heads(q, cfg.num_attention_heads, d), split_heads(k, cfg.num_key_value_heads, d), split_heads(v, cfg.num_key_value_heads, d)
+
+
+def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
+    x = rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = qkv_heads(cfg, ops, lw, x)
+    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend)
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps))

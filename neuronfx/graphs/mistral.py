@@ -1,19 +1,8 @@
-"""Mistral (HF ``model_type`` "mistral"): Llama math; the plan rejects a sliding window shorter
-than ``sequence_length``, so attention is always full here."""
+"""Mistral (HF ``model_type`` "mistral"): Llama's math (transformers ``modeling_mistral.py``
+differs from ``modeling_llama.py`` only in its sliding window). The plan refuses a window
+shorter than ``sequence_length`` (``config.plan.make_plan``), so attention here is always full
+and the Llama functions serve as they are."""
 
-from __future__ import annotations
+from neuronfx.graphs.llama import decoder_layer, key_map, layer_shapes
 
-import torch
-
-from neuronfx.config.model import ModelConfig
-from neuronfx.graphs import llama
-from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
-
-
-def key_map(cfg: ModelConfig) -> dict[str, str]:
-    return llama.key_map(cfg)
-
-
-def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
-    return llama_layer(cfg, lw, h, cos, sin, attend)
+__all__ = ["decoder_layer", "key_map", "layer_shapes"]

@@ -1,17 +1,23 @@
-"""Registry: HF ``model_type`` -> the flat model file implementing it."""
+"""HF ``model_type`` -> the flat file implementing its math, ``neuronfx/graphs/<model_type>.py``.
+
+The supported types are the registry ``neuronfx.config.families.FAMILIES``; each family file
+provides ``key_map(cfg)`` (HF checkpoint name -> neuronfx weight name), ``layer_shapes(cfg)``
+(per-layer weight shapes) and ``decoder_layer(cfg, ops, lw, h, cos, sin, attend)``.
+"""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
+from neuronfx.config.families import SUPPORTED_MODEL_TYPES
 from neuronfx.errors import UnsupportedModelError
-from neuronfx.graphs import llama, mistral, qwen2, qwen3
-
-MODEL_FILES: dict[str, ModuleType] = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
 
 
 def model_module(model_type: str) -> ModuleType:
-    """The model file for ``model_type``; raises UnsupportedModelError for others."""
-    if model_type not in MODEL_FILES:
-        raise UnsupportedModelError(f"model_type={model_type!r} is not supported; supported: {sorted(MODEL_FILES)}.")
-    return MODEL_FILES[model_type]
+    """The family file of ``model_type``; raises UnsupportedModelError for a type outside the
+    registry."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
+    # The registry names the file: a new family is its registry entry plus graphs/<model_type>.py.
+    return importlib.import_module(f"neuronfx.graphs.{model_type}")

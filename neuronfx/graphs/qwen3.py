@@ -1,5 +1,6 @@
-"""Qwen3 (HF ``model_type`` "qwen3"): Llama math with per-head RMSNorm on q and k before RoPE
-and an explicit ``head_dim``."""
+"""Qwen3 (HF ``model_type`` "qwen3"): Llama's layer with per-head RMSNorm of q and k before RoPE
+(``ModelConfig.qk_norm``, set by its registry entry) and an explicit ``head_dim`` that need not
+be hidden_size / num_heads. Reference: transformers ``models/qwen3/modeling_qwen3.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.graphs import llama
-from neuronfx.graphs.layers import Attend, LayerWeights, llama_layer
+from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, glu_mlp, rms_norm
+from neuronfx.graphs.ops import Ops
 
 QK_NORM_KEY_MAP = {
     "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.q_norm",
@@ -16,9 +18,23 @@ QK_NORM_KEY_MAP = {
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
-    return llama.key_map(cfg) | QK_NORM_KEY_MAP
+    """Llama's key map, plus the q/k norm weights when ``cfg.qk_norm``."""
+    return llama.key_map(cfg) | (QK_NORM_KEY_MAP if cfg.qk_norm else {})
 
 
-def decoder_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One decoder layer: h (B, T, hidden) -> (B, T, hidden); ``attend`` owns the KV cache."""
-    return llama_layer(cfg, lw, h, cos, sin, attend, qk_norm=True)
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Llama's per-layer shapes, plus q_norm / k_norm (head_dim,) when ``cfg.qk_norm``."""
+    d = cfg.head_dim
+    return llama.layer_shapes(cfg) | ({"q_norm": (d,), "k_norm": (d,)} if cfg.qk_norm else {})
+
+
+def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden); q and k are normalised per
+    head (RMSNorm over head_dim, HF ``Qwen3RMSNorm``) before RoPE."""
+    eps = cfg.rms_norm_eps
+    q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
+    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend)
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps))

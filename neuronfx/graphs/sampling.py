@@ -1,5 +1,5 @@
-"""In-graph sampling with vLLM V1 semantics from a per-row (B, 7) parameter tensor and explicit
-uniform random numbers.
+"""In-graph sampling with vLLM V1 semantics from a per-row (B, P) parameter tensor (columns
+named by ``config.sampling.PARAM_COLUMNS``) and explicit uniform random numbers.
 
 No host sync and no data-dependent shapes (``torch.compile(fullgraph=True, dynamic=False)``
 friendly): top-k uses a static width (``max_topk`` capped at the vocab, as NxD's on-device
@@ -15,21 +15,29 @@ from __future__ import annotations
 
 import torch
 
-from neuronfx.config.sampling import GREEDY_TEMPERATURE
+from neuronfx.config.inputs import SamplerInputs
+from neuronfx.config.sampling import GREEDY_TEMPERATURE, PARAM_COLUMNS
 
 NEG_INF = float("-inf")
+_COLUMN = {name: i for i, name in enumerate(PARAM_COLUMNS)}
+
+
+def column(params: torch.Tensor, name: str) -> torch.Tensor:
+    """Column ``name`` (one of PARAM_COLUMNS) of the (B, P) parameter tensor, as (B, 1)."""
+    i = _COLUMN[name]
+    return params[:, i:i + 1]
 
 
 def apply_penalties(
     logits: torch.Tensor, params: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor
 ) -> torch.Tensor:
-    """vLLM penalties. logits (B, V) float32; params (B, 7); output_counts (B, V) int32;
+    """vLLM penalties. logits (B, V) float32; params (B, P); output_counts (B, V) int32;
     prompt_mask (B, V) bool. Returns (B, V) float32.
 
     Repetition r on tokens seen in the prompt or the output: positive logits / r, others * r;
     then ``logit -= frequency * count`` and ``logit -= presence * (count > 0)`` (output only).
     """
-    rep, presence, frequency = params[:, 4:5], params[:, 5:6], params[:, 6:7]  # (B, 1) each
+    rep, presence, frequency = (column(params, n) for n in ("repetition_penalty", "presence_penalty", "frequency_penalty"))
     seen_out = output_counts > 0  # (B, V)
     r = torch.where(prompt_mask | seen_out, rep, 1.0)  # (B, V)
     logits = torch.where(logits > 0, logits / r, logits * r)
@@ -39,10 +47,10 @@ def apply_penalties(
 def filtered_probs(vals: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """Probabilities of the sorted candidates after top_k, min_p and top_p; zero = dropped.
 
-    vals (B, K) float32 temperature-scaled logits sorted descending; params (B, 7).
+    vals (B, K) float32 temperature-scaled logits sorted descending; params (B, P).
     Returns (B, K) float32, unnormalised; the top token is always kept.
     """
-    top_k, top_p, min_p = params[:, 1:2], params[:, 2:3], params[:, 3:4]  # (B, 1) each
+    top_k, top_p, min_p = (column(params, n) for n in ("top_k", "top_p", "min_p"))  # (B, 1) each
     ranks = torch.arange(vals.shape[-1], device=vals.device)[None, :]  # (1, K)
     probs = torch.softmax(vals.masked_fill(ranks >= top_k, NEG_INF), dim=-1)  # (B, K)
     probs = probs * (probs >= min_p * probs[:, :1])  # min_p: p < min_p * p_max dropped
@@ -72,28 +80,34 @@ def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> 
     }
 
 
-def sample(
-    logits: torch.Tensor,
-    params: torch.Tensor,
-    output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    logits_bias: torch.Tensor,
-    rand: torch.Tensor,
-    topk_width: int,
-    num_logprobs: int,
-) -> dict[str, torch.Tensor]:
+def penalized_logits(logits: torch.Tensor, sampler: SamplerInputs) -> torch.Tensor:
+    """logits (B, V) float32 + ``logits_bias``, then the penalties (:func:`apply_penalties`):
+    what greedy rows take the argmax of and what temperature scales. Returns (B, V) float32."""
+    return apply_penalties(logits + sampler.logits_bias, sampler.sampling_params, sampler.output_counts, sampler.prompt_mask)
+
+
+def _scaled_topk(penalized: torch.Tensor, params: torch.Tensor, topk_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(greedy (B, 1) bool, top ``topk_width`` temperature-scaled values (B, K) sorted
+    descending, their token ids (B, K)); greedy rows are left unscaled."""
+    temperature = column(params, "temperature")  # (B, 1)
+    greedy = temperature <= GREEDY_TEMPERATURE
+    vals, idx = torch.topk(penalized / torch.where(greedy, 1.0, temperature), topk_width, dim=-1)
+    return greedy, vals, idx
+
+
+def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_logprobs: int) -> dict[str, torch.Tensor]:
     """Sample one token per row with vLLM V1 semantics.
 
     Inputs:
       logits (B, V) float32 raw model logits;
-      params (B, 7) float32 rows of :func:`neuronfx.config.sampling.pack_sampling`:
-        (temperature, top_k, top_p, min_p, repetition, presence, frequency); temperature
-        <= 1e-5 is greedy; top_k in [1, topk_width] (disabled = the width);
-      output_counts (B, V) int32 how often each token was generated so far for the row;
-      prompt_mask (B, V) bool token occurs in the row's prompt;
-      logits_bias (B, V) float32 added to the logits (the host puts -inf on EOS / stop ids
+      sampler: the rows' :class:`~neuronfx.config.inputs.SamplerInputs`:
+        sampling_params (B, P) float32 rows of :func:`neuronfx.config.sampling.pack_sampling`
+        (temperature <= 1e-5 is greedy; top_k in [1, topk_width], disabled = the width);
+        output_counts (B, V) int32 how often each token was generated so far for the row;
+        prompt_mask (B, V) bool token occurs in the row's prompt;
+        logits_bias (B, V) float32 added to the logits (the host puts -inf on EOS / stop ids
         until min_tokens);
-      rand (B,) float32 uniforms in [0, 1);
+        rand (B,) float32 uniforms in [0, 1);
       topk_width static int <= V; num_logprobs static int in [0, V].
     Returns {"tokens": (B,) int32}, plus when num_logprobs > 0 "sampled_logprobs" (B,) float32,
     "top_logprobs" (B, num_logprobs) float32 sorted descending and "top_ids" (B, num_logprobs)
@@ -117,12 +131,9 @@ def sample(
     """
     out: dict[str, torch.Tensor] = {}
     raw = torch.log_softmax(logits, dim=-1) if num_logprobs > 0 else None  # (B, V)
-    temperature = params[:, 0:1]  # (B, 1)
-    greedy = temperature <= GREEDY_TEMPERATURE  # (B, 1)
-    penalized = apply_penalties(logits + logits_bias, params, output_counts, prompt_mask)  # (B, V)
-    scaled = penalized / torch.where(greedy, 1.0, temperature)  # (B, V); greedy rows undivided
-    vals, idx = torch.topk(scaled, topk_width, dim=-1)  # (B, K) sorted descending
-    choice = inverse_cdf(filtered_probs(vals, params), rand)  # (B,)
+    penalized = penalized_logits(logits, sampler)  # (B, V)
+    greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width)  # (B, 1), (B, K) x 2
+    choice = inverse_cdf(filtered_probs(vals, sampler.sampling_params), sampler.rand)  # (B,)
     drawn = idx.gather(1, choice[:, None]).squeeze(1)  # (B,)
     out["tokens"] = torch.where(greedy[:, 0], penalized.argmax(-1), drawn).to(torch.int32)
     if raw is not None:
@@ -130,16 +141,16 @@ def sample(
     return out
 
 
-def filtered_distribution(logits: torch.Tensor, params: torch.Tensor, topk_width: int) -> torch.Tensor:
-    """The distribution :func:`sample` draws from, over the whole vocabulary, without penalties
-    or bias: logits (N, V) float32, params (N, 7) -> probabilities (N, V) float32 summing to 1.
-    Greedy rows are one-hot at the argmax. Speculative decoding's rejection sampling needs the
-    draft's q and the target's p in this form."""
-    temperature = params[:, 0:1]
-    greedy = temperature <= GREEDY_TEMPERATURE
-    vals, idx = torch.topk(logits / torch.where(greedy, 1.0, temperature), topk_width, dim=-1)
-    probs = filtered_probs(vals, params)
+def distribution(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, over the whole vocabulary: logits (N, V)
+    float32 and the rows' sampler inputs (``rand`` unused) -> probabilities (N, V) float32
+    summing to 1, with bias, penalties, temperature, top-k, min_p and top-p applied. Greedy rows
+    are one-hot at the argmax of the penalized logits. Speculative decoding's rejection sampling
+    needs the draft's q and the target's p in this form."""
+    penalized = penalized_logits(logits, sampler)
+    greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width)
+    probs = filtered_probs(vals, sampler.sampling_params)
     probs = probs / probs.sum(-1, keepdim=True)
     full = torch.zeros_like(logits).scatter(1, idx, probs)
-    onehot = torch.zeros_like(logits).scatter(1, logits.argmax(-1, keepdim=True), 1.0)
+    onehot = torch.zeros_like(logits).scatter(1, penalized.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, onehot, full)

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError
 from neuronfx.graphs.models import model_module
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every neuronfx weight name for ``cfg`` (HF layout: linear weights are (out, in))."""
-    h, d, i_sz = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    """Shape of every neuronfx weight name for ``cfg`` (HF layout: linear weights are (out, in)):
+    embedding, final norm and LM head, then the family file's ``layer_shapes`` per layer."""
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,), "lm_head": (cfg.vocab_size, h)}
-    per_layer = {
-        "attn_norm": (h,), "mlp_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
-        "gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz),
-        "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (d,), "k_norm": (d,),
-    }
+    per_layer = model_module(cfg.model_type).layer_shapes(cfg)
     for layer in range(cfg.num_hidden_layers):
         shapes |= {f"layers.{layer}.{k}": s for k, s in per_layer.items()}
     return shapes
@@ -37,13 +34,11 @@ def expand_key_map(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def convert_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
-    """Rename, check and cast an HF state dict into neuronfx weights in ``dtype``:
-    ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., "wk": ..., ...} per layer]}``.
-
-    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). Raises CheckpointError
-    listing missing, unexpected or mis-shaped tensors (expected vs found shape).
-    """
+def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, str]:
+    """The one checkpoint check: raise CheckpointError listing missing, unexpected or
+    mis-shaped tensors (expected vs found shape) of an HF-named ``state_dict`` (tensors, or
+    anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message.
+    Returns the key map to apply (HF name -> neuronfx name, tied ``lm_head.weight`` left out)."""
     names = expand_key_map(cfg)
     required = dict(names)
     if cfg.tie_word_embeddings:
@@ -54,21 +49,27 @@ def convert_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
     unexpected = sorted(set(state_dict) - set(names) - optional)
     if missing or unexpected:
         raise CheckpointError(
-            f"checkpoint tensors do not match model_type={cfg.model_type!r}: missing {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; "
-            "check that the checkpoint and its config.json belong together."
+            f"{source} does not match model_type={cfg.model_type!r}: missing tensors {missing[:5]} ({len(missing)} in all), "
+            f"unexpected tensors {unexpected[:5]} ({len(unexpected)} in all); the weights and config.json must belong "
+            "together (same model, transformers' names: re-save with save_pretrained())."
         )
     shapes = expected_shapes(cfg)
-    torch_dtype = DTYPES[dtype]
-    flat = {}
     for hf, ours in required.items():
-        t = state_dict[hf]
-        if tuple(t.shape) != shapes[ours]:
+        found = tuple(state_dict[hf].shape)  # type: ignore[attr-defined]
+        if found != shapes[ours]:
             raise CheckpointError(
-                f"tensor {hf!r} has shape {tuple(t.shape)}, expected {shapes[ours]} from the config; "
+                f"{source} tensor {hf!r} has shape {found}, expected {shapes[ours]} from the config; "
                 "the checkpoint does not match its config.json."
             )
-        flat[ours] = t.to(torch_dtype).contiguous()
+    return required
+
+
+def convert_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict:
+    """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
+    in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
+    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy)."""
+    required = check_state_dict(state_dict, cfg)
+    flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat, cfg.num_hidden_layers)

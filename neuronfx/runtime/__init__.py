@@ -1,14 +1,15 @@
-"""Explicit state and dispatch: compile, init_state, step functions and generate."""
+"""Explicit state and dispatch: the runtime, init_state, step functions, the reference scheduler
+and generate. Compiling (which reads checkpoints and the compile cache) is ``neuronfx.api``."""
 
-from neuronfx.runtime.generate import GenerateResult, generate
+from neuronfx.runtime.generate import GenerateResult, generate, stream_generate
+from neuronfx.runtime.runtime import Runtime, init_state, with_draft
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
-from neuronfx.runtime.speculate import Draft, SpeculationStats, generate_speculative
-from neuronfx.runtime.runtime import Runtime, compile, init_state
+from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
 from neuronfx.runtime.state import State
 from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, StepOutput, decode_step, prefill_step, release
 
 __all__ = [
-    "DecodeBatch", "Draft", "Finished", "SpeculationStats", "generate_speculative", "GenerateResult", "Logprobs", "PrefillBatch", "Request", "Runtime", "State",
-    "StepOutput", "TokenEvent", "compile", "decode_step", "generate", "init_state", "prefill_step", "release",
-    "schedule",
+    "DecodeBatch", "Finished", "GenerateResult", "Logprobs", "PrefillBatch", "Request", "Runtime", "SpeculateBatch",
+    "SpeculationStats", "State", "StepOutput", "TokenEvent", "decode_step", "generate", "init_state", "prefill_step",
+    "release", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

@@ -1,4 +1,5 @@
-"""generate: prompts in, generated tokens and a new state out, through the step functions."""
+"""generate: prompts in, generated tokens and a new state out, through the reference scheduler;
+stream_generate: the same, as events."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
-from neuronfx.runtime.runtime import Runtime
-from neuronfx.runtime.state import State, check_usable
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.state import State
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, check_budget, schedule
+from neuronfx.runtime.speculate import SpeculationStats
 from neuronfx.runtime.steps import Logprobs, check_prompts
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
@@ -29,8 +31,8 @@ class GenerateResult:
     texts: tuple[str, ...] | None  # [n] detokenized outputs (stop strings cut), when a tokenizer was given
     logprobs: tuple[tuple[Logprobs, ...] | None, ...]  # [n][generated_b] for requests that asked
     prefill_s: float  # seconds in prefill steps
-    decode_s: float  # seconds in decode steps (speculation: drafting and verification)
-    speculation: tuple[Any, ...] | None = None  # [n] SpeculationStats, from generate_speculative
+    decode_s: float  # seconds in decode and speculate steps (drafting and verification included)
+    speculation: tuple[SpeculationStats | None, ...] | None = None  # [n] when the runtime speculated (None for a request that errored)
 
     @property
     def num_generated(self) -> int:
@@ -124,7 +126,7 @@ def make_requests(
     TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
     """
     plan = runtime.plan
-    check_usable(state, plan)
+    check_state(runtime, state)
     prompts = normalize_prompts(ids)
     if not prompts:
         raise InputError("no prompts given; pass at least one list of token ids.")
@@ -167,52 +169,77 @@ def generate(
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     eos_token_ids: int | Sequence[int] | None = None,
     tokenizer: Any = None,
-    stream: bool = False,
-) -> tuple[GenerateResult, State] | Iterator[TokenEvent | Finished]:
+    speculative: bool = True,
+) -> tuple[GenerateResult, State]:
     """Generate for any number of prompts through the reference scheduler (continuous batching
-    over the state's free slots; prompts beyond them wait for a slot).
+    over the state's free slots; prompts beyond them wait for a slot). Returns
+    (GenerateResult, new state); ``state`` is consumed.
 
     Each request stops at its ``sampling.max_tokens`` (default ``max_new_tokens``), an eos id
     (``eos_token_ids`` or the model's; included in token_ids, as in transformers), a stop token
     id or stop string (``tokenizer`` needed for text and stop strings). Greedy unless ``sampling``
     says otherwise (one SamplingParams for all prompts or one per prompt). Unseeded sampling
-    draws from the state's RNG key; a request with ``seed`` draws from its own.
-
-    Returns (GenerateResult, new state); with ``stream=True`` returns an iterator of
-    :class:`TokenEvent` (one per token, with its text delta) ending with a :class:`Finished`
-    that carries the new state. Raises before any state change: see :func:`make_requests`.
+    draws from the state's RNG key; a request with ``seed`` draws from its own. A runtime that
+    can speculate (``Runtime.can_speculate``) decodes with ``speculate_step`` unless
+    ``speculative=False``; every option works either way and the result then carries
+    per-request ``speculation`` statistics. Raises before any state change: see
+    :func:`make_requests`.
     """
+    events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                             eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative)
+    return collect(events, tokenizer is not None)
+
+
+def stream_generate(
+    runtime: Runtime,
+    state: State,
+    ids: Prompts,
+    *,
+    max_new_tokens: int = 32,
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    eos_token_ids: int | Sequence[int] | None = None,
+    tokenizer: Any = None,
+    speculative: bool = True,
+) -> Iterator[TokenEvent | Finished]:
+    """:func:`generate` as events: an iterator of :class:`TokenEvent` (one per token, with its
+    text delta, held back while it could still become a stop string) ending with a
+    :class:`Finished` that carries the new state. The arguments are validated when this is
+    called, before any state change (see :func:`make_requests`); ``state`` is consumed as the
+    iterator runs."""
     requests, eos = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
     )
-    events = schedule(runtime, state, requests, eos, tokenizer)
-    if stream:
-        return events
-    return collect(events, len(requests), tokenizer is not None)
+    return schedule(runtime, state, requests, eos, tokenizer, speculative)
 
 
-def collect(events: Iterator[TokenEvent | Finished], n: int, with_text: bool) -> tuple[GenerateResult, State]:
+def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[GenerateResult, State]:
     """Drain a schedule into a GenerateResult and the final state."""
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    texts, logprobs = [""] * n, [[] for _ in range(n)]
-    reasons: list[str] = ["length"] * n
-    stop_reasons: list[int | str | None] = [None] * n
-    wants_logprobs = [False] * n
+    tokens: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list[Logprobs]] = {}
+    reasons: dict[int, str] = {}
+    stop_reasons: dict[int, int | str | None] = {}
+    stats: dict[int, SpeculationStats] = {}
     for ev in events:
         if isinstance(ev, Finished):
+            n = ev.num_requests
             result = GenerateResult(
-                token_ids=tuple(tuple(t) for t in tokens), finish_reasons=tuple(reasons), stop_reasons=tuple(stop_reasons),
-                texts=tuple(texts) if with_text else None,
-                logprobs=tuple(tuple(lp) if want else None for lp, want in zip(logprobs, wants_logprobs)),
+                token_ids=tuple(tuple(tokens.get(i, ())) for i in range(n)),
+                finish_reasons=tuple(reasons.get(i, "length") for i in range(n)),
+                stop_reasons=tuple(stop_reasons.get(i) for i in range(n)),
+                texts=tuple(texts.get(i, "") for i in range(n)) if with_text else None,
+                logprobs=tuple(tuple(logprobs[i]) if i in logprobs else None for i in range(n)),
                 prefill_s=ev.prefill_s, decode_s=ev.decode_s,
+                speculation=tuple(stats.get(i) for i in range(n)) if stats else None,
             )
             return result, ev.state
         if ev.token_id is not None:  # None: the request ended with "error" (NaN/inf logits)
-            tokens[ev.index].append(ev.token_id)
-        texts[ev.index] += ev.text
+            tokens.setdefault(ev.index, []).append(ev.token_id)
+        texts[ev.index] = texts.get(ev.index, "") + ev.text
         if ev.logprobs is not None:
-            wants_logprobs[ev.index] = True
-            logprobs[ev.index].append(ev.logprobs)
+            logprobs.setdefault(ev.index, []).append(ev.logprobs)
         if ev.finish_reason is not None:
             reasons[ev.index], stop_reasons[ev.index] = ev.finish_reason, ev.stop_reason
+        if ev.speculation is not None:
+            stats[ev.index] = ev.speculation
     raise RuntimeError("schedule ended without a Finished event")  # unreachable: schedule always ends with one

@@ -1,22 +1,23 @@
-"""Runtime: (plan, compiled graphs keyed by (phase, bucket), shared weights). Immutable."""
+"""Runtime: (plan, compiled graphs keyed by (phase, batch, bucket), shared weights). Immutable.
+
+Building a runtime from weights already converted to neuronfx's layout is here
+(:func:`build_runtime`); reading checkpoints, the compile cache and saved runtimes is I/O above
+this layer (``neuronfx.api.compile`` / ``load``).
+"""
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Mapping
+import shutil
+import weakref
+from collections.abc import Mapping
 
 import attrs
-import torch
-from tqdm.auto import tqdm
 
 from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError
-from neuronfx.memory import trim_heap
-from neuronfx.graphs.backends import Graph, build_graph
+from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
 from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.weights import convert_hf_state_dict
-from neuronfx.runtime.state import State, empty_state
+from neuronfx.runtime.state import State, check_usable, empty_state
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -24,70 +25,92 @@ class Runtime:
     """A compiled plan.
 
     - ``plan``: the Plan it was compiled for.
-    - ``weights``: neuronfx weight name -> tensor in the plan's dtype, one copy shared by all graphs.
-    - ``graphs``: (phase, batch_size, bucket) -> callable ``graph(weights, kv, *step_inputs)``.
+    - ``weights``: neuronfx weights in the plan's dtype, one copy shared by all graphs.
+    - ``graphs``: (phase, batch_size, bucket) -> ``graph(weights, kv, inputs)``.
     - ``compile_s``: (phase, batch_size, bucket) -> seconds spent building (or loading) that graph.
-    - ``compiled_dir``: the directory of the backend's compiled files that ``neuronfx.save``
-      ships (inductor: its kernel cache, a private copy); None for eager and export.
+    - ``compiled_dir``: the backend's private directory of compiled files the graphs use
+      (inductor: its kernel cache); removed when the runtime is collected; None when none.
     - ``cache_key``: the compile-cache key the graphs came from or went into (None: no cache).
+    - ``draft``: a draft runtime for speculative decoding (:func:`with_draft`), else None.
     """
 
     plan: Plan
     weights: Weights
-    graphs: Mapping[tuple[str, int, int], Graph]
-    compile_s: Mapping[tuple[str, int, int], float]
+    graphs: Mapping[GraphKey, Graph]
+    compile_s: Mapping[GraphKey, float]
     compiled_dir: str | None = None
     cache_key: str | None = None
+    draft: Runtime | None = None
+    _owner: object = attrs.field(default=None, alias="owner", repr=False)  # removes compiled_dir when the last copy goes
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether :func:`neuronfx.speculate_step` can run: speculate graphs plus a draft
+        (the plan's own ``draft_layers`` or a draft runtime)."""
+        inf = self.plan.inference
+        return inf.speculation_length >= 2 and (inf.draft_layers > 0 or self.draft is not None)
 
 
-def compile(
-    plan: Plan,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-    progress: bool = True,
-    cache: bool | str | os.PathLike | None = None,
-) -> Runtime:
-    """Compile every (phase, bucket) graph of ``plan`` with its backend.
+def build_runtime(plan: Plan, weights: Weights, built: Built, cache_key: str | None = None) -> Runtime:
+    """The runtime of ``plan`` over ``weights`` with the graphs of ``built``; it owns (and
+    removes when collected) ``built.compiled_dir``."""
+    owner = None
+    if built.compiled_dir is not None:
+        owner = _DirOwner()  # shared by every attrs.evolve copy of the runtime
+        weakref.finalize(owner, shutil.rmtree, built.compiled_dir, True)
+    return Runtime(plan=plan, weights=weights, graphs=built.graphs, compile_s=built.seconds,
+                   compiled_dir=built.compiled_dir, cache_key=cache_key, owner=owner)
 
-    ``state_dict``: HF-named tensors (e.g. ``model.state_dict()`` of a transformers model); when
-    None the weights are loaded from ``plan.checkpoint``. ``cache``: the compile cache
-    (:mod:`neuronfx.cache`): None (default) uses it for the compiled backends (``export``,
-    ``inductor``) and not for ``eager``; True uses it, False does not; a path uses the cache in
-    that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
-    plan loads its graphs instead of compiling them; the cache holds graph files only, never
-    weights: the runtime always runs on ``state_dict``. Raises ConfigError when no weights are
-    given or ``cache`` is not one of those, CheckpointError for missing/extra/mis-shaped
-    tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
+
+class _DirOwner:
+    """Lives as long as some runtime refers to its compiled directory."""
+
+
+def build_graphs(plan: Plan, weights: Weights, progress: bool = True) -> Built:
+    """Build every graph of ``plan`` with its backend (no cache)."""
+    return get_backend(plan.inference.backend).build(plan, weights, progress)
+
+
+def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
+    """``runtime`` with ``draft`` as its draft model for speculative decoding (vLLM's draft
+    model): ``speculate_step`` proposes with the draft's decode graphs and verifies with
+    ``runtime``'s speculate graphs. States made by :func:`init_state` then carry the draft's
+    state, slot for slot.
+
+    Raises ConfigError when ``runtime`` has no speculate graphs (``speculation_length``), or the
+    draft cannot follow every request of ``runtime``: another vocabulary, fewer slots
+    (``batch_size``), a shorter ``sequence_length`` or ``max_context_length``, a smaller
+    ``max_topk``, or no logits
+    (``output_logits=True`` is needed: sampled rows need the draft's distribution).
     """
-    from neuronfx.cache import compile_graphs, resolve_cache  # the cache imports this module
+    inf, dinf = runtime.plan.inference, draft.plan.inference
+    if inf.speculation_length < 2:
+        raise ConfigError("this runtime has no speculate graphs: compile it with InferenceConfig(speculation_length=k >= 2).")
+    checks = [
+        ("vocab_size", draft.plan.model.vocab_size, runtime.plan.model.vocab_size, "the draft must share the target's tokenizer"),
+        ("batch_size", dinf.batch_size, inf.batch_size, "it needs a slot for every target slot"),
+        ("sequence_length", dinf.sequence_length, inf.sequence_length, "it must hold every target request"),
+        ("max_context_length", dinf.max_context_length, inf.max_context_length, "it prefills every target prompt"),
+        ("max_topk", dinf.max_topk, inf.max_topk, "it samples every top_k the target accepts"),
+    ]
+    for name, got, want, why in checks:
+        if got < want or (name == "vocab_size" and got != want):
+            raise ConfigError(f"draft {name}={got} but the target's is {want}: {why}; compile the draft with {name}={want}.")
+    if not dinf.output_logits:
+        raise ConfigError("the draft runtime returns no logits: compile it with output_logits=True (sampled speculation "
+                          "needs the distribution its tokens were drawn from).")
+    return attrs.evolve(runtime, draft=draft)
 
-    root = resolve_cache(cache, plan.inference.backend)
-    if state_dict is None:
-        if plan.checkpoint is None:
-            raise ConfigError("compile(plan) needs weights: pass state_dict= or build the plan with a checkpoint path.")
-        from neuronfx.checkpoints import load_checkpoint  # I/O at the edge
 
-        state_dict = load_checkpoint(plan.checkpoint).state_dict
-    weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype)
-    runtime = compile_graphs(plan, weights, root, progress)
-    trim_heap()  # tracing and codegen garbage would otherwise stay resident
-    return runtime
-
-
-def build_graphs(plan: Plan, weights: Weights, progress: bool = True, builder: Callable = build_graph) -> tuple[dict, dict]:
-    """Build every graph of ``plan`` with ``builder`` (default: its backend's), no cache:
-    (graphs, seconds) keyed by (phase, batch_size, bucket)."""
-    template_kv = list(empty_state(plan).kv)  # trace-time cache; live states allocate their own
-    graphs, times = {}, {}
-    bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
-    for spec in bar:
-        bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
-        t0 = time.perf_counter()
-        graphs[spec.key] = builder(plan, spec, weights, template_kv)
-        times[spec.key] = time.perf_counter() - t0
-    return graphs, times
+def check_state(runtime: Runtime, state: State) -> None:
+    """Raise InputError (not a State), StateConsumedError or StateMismatchError unless ``state``
+    belongs to ``runtime`` (its draft state to the draft runtime) and may still be used."""
+    check_usable(state, runtime.plan, runtime.draft.plan if runtime.draft is not None else None)
 
 
 def init_state(runtime: Runtime, seed: int = 0) -> State:
     """A fresh state for ``runtime``: zero KV cache (``runtime.plan.kv.nbytes`` bytes), all slots
-    free, RNG key ``seed`` (same seed and inputs give the same sampled tokens)."""
-    return empty_state(runtime.plan, seed)
+    free, RNG key ``seed`` (same seed and inputs give the same sampled tokens); with a draft
+    runtime, the draft's fresh state too. Raises InputError for a seed outside [0, 2**63 - 1]."""
+    draft = empty_state(runtime.draft.plan) if runtime.draft is not None else None
+    return empty_state(runtime.plan, seed, draft=draft)

@@ -3,15 +3,21 @@
 Read it as a template for your own. Each iteration of :func:`schedule`:
 
 1. admit: while requests wait and slots are free, prefill the oldest waiting ones (one step);
-2. decode: every running request advances one token (one step, padded to a batch bucket);
+2. decode: every running request advances (one step, padded to a batch bucket): by one token
+   with ``decode_step``, or, when the runtime can speculate, by 1 to k tokens with
+   ``speculate_step`` (rows with no room left for k more tokens take a ``decode_step``);
 3. retire: requests that met a stop condition release their slots.
+
+Plain and speculative requests share this bookkeeping and one stop rule, applied to every new
+token in order (tokens a speculate step produced past a stop are dropped with the request).
 
 A request whose logits turn NaN/inf (``StepOutput.finite``) finishes at once with
 ``finish_reason="error"`` (its event carries ``token_id=None``); the others run on unaffected.
 
-It never looks inside tensors; it only calls ``prefill_step``, ``decode_step`` and ``release``
-and yields one :class:`TokenEvent` per generated token, then a :class:`Finished` with the new
-state. Stop rules follow vLLM's ``StopChecker`` (see :func:`stop_check`).
+It never looks inside tensors; it only calls ``prefill_step``, ``decode_step``,
+``speculate_step`` and ``release`` and yields one :class:`TokenEvent` per generated token, then a
+:class:`Finished` with the new state. Stop rules follow vLLM's ``StopChecker`` (see
+:func:`stop_check`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,19 @@ import attrs
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import InputError, SequenceLengthExceededError
-from neuronfx.runtime.runtime import Runtime
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
 from neuronfx.runtime.state import State
-from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, check_prompts, decode_step, prefill_step, release
+from neuronfx.runtime.steps import (
+    DecodeBatch,
+    Logprobs,
+    PrefillBatch,
+    StepOutput,
+    check_prompts,
+    decode_step,
+    prefill_step,
+    release,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +64,7 @@ class TokenEvent:
     logprobs: Logprobs | None  # when the request asked for logprobs
     finish_reason: str | None  # None while running, else "stop", "length" or "error" (NaN/inf logits)
     stop_reason: int | str | None  # the stop token id or stop string that ended it (vLLM's stop_reason)
+    speculation: SpeculationStats | None = None  # on a speculative request's last event: its acceptance statistics
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -56,7 +73,8 @@ class Finished:
 
     state: State
     prefill_s: float  # seconds in prefill steps
-    decode_s: float  # seconds in decode steps
+    decode_s: float  # seconds in decode and speculate steps
+    num_requests: int = 0  # requests the schedule ran (indices 0 .. num_requests - 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +87,9 @@ class Progress:
     tokens: tuple[int, ...] = ()
     text: str = ""  # detokenized output so far (skip_special_tokens)
     sent: int = 0  # characters of ``text`` already emitted
+    passes: int = 0  # target passes after the prefill (decode and speculate steps)
+    drafted: int = 0  # draft tokens proposed for it
+    accepted: int = 0  # draft tokens accepted
 
 
 @attrs.frozen(kw_only=True)
@@ -178,9 +199,11 @@ def advance_request(run: Progress, token: int, logprobs: Logprobs | None, tokeni
 
 def step(
     runtime: Runtime, state: State, queue: Queue, eos_token_ids: frozenset[int], tokenizer: Any = None,
+    speculative: bool = True,
 ) -> tuple[list[TokenEvent], State, Queue]:
-    """One scheduler iteration: admit waiting requests into free slots (one prefill step), decode
-    every running request (one decode step), release finished ones. Returns the iteration's
+    """One scheduler iteration: admit waiting requests into free slots (one prefill step),
+    advance every running request (a speculate step when ``speculative`` and the runtime can
+    speculate, a decode step for the rest), release finished ones. Returns the iteration's
     events (one per token), the new state and queue. ``state`` is consumed."""
     events: list[TokenEvent] = []
     free = list(state.free_slots)
@@ -193,48 +216,81 @@ def step(
                              sampling=[r.request.sampling for r in admitted])
         out, state = prefill_step(runtime, state, batch)
         queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0)
-        state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events)
-    if queue.running:
+        state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events, speculative, first=True)
+    running, queue = list(queue.running), attrs.evolve(queue, running=())
+    speculating = [r for r in running if speculative and _can_speculate(runtime, state, r)]
+    for rows, run, kind in ((speculating, speculate_step, SpeculateBatch),
+                            ([r for r in running if r not in speculating], decode_step, DecodeBatch)):
+        if not rows:
+            continue
         t0 = time.perf_counter()
-        running = queue.running
-        batch = DecodeBatch(seq_ids=[r.slot for r in running], input_ids=[r.tokens[-1] for r in running],
-                            sampling=[r.request.sampling for r in running])
-        out, state = decode_step(runtime, state, batch)
-        queue = attrs.evolve(queue, decode_s=queue.decode_s + time.perf_counter() - t0, running=())
-        state, queue = _finish_step(runtime, state, queue, list(running), out, tokenizer, eos_token_ids, events)
+        batch = kind(seq_ids=[r.slot for r in rows], input_ids=[r.tokens[-1] for r in rows], sampling=[r.request.sampling for r in rows])
+        out, state = run(runtime, state, batch)
+        queue = attrs.evolve(queue, decode_s=queue.decode_s + time.perf_counter() - t0)
+        state, queue = _finish_step(runtime, state, queue, rows, out, tokenizer, eos_token_ids, events, speculative)
     return events, state, queue
 
 
-def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progress], out: Any, tokenizer: Any,
-                 eos: frozenset[int], events: list[TokenEvent]) -> tuple[State, Queue]:
-    """Record one step's tokens for ``rows``; finished rows release their slots, the others run on."""
+def _can_speculate(runtime: Runtime, state: State, run: Progress) -> bool:
+    """The runtime can speculate and the request's slot has room for k more tokens."""
+    k = runtime.plan.inference.speculation_length
+    return runtime.can_speculate and state.cache_lens[run.slot] + k <= runtime.plan.inference.sequence_length
+
+
+def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progress], out: StepOutput, tokenizer: Any,
+                 eos: frozenset[int], events: list[TokenEvent], speculative: bool, first: bool = False) -> tuple[State, Queue]:
+    """Record one step's new tokens for ``rows``, each through the stop rule in order (tokens
+    past a stop are dropped); finished rows release their slots, the others run on."""
     keep, done = [], []
-    for run, token, lp, finite in zip(rows, out.tokens, out.logprobs, out.finite):
-        if finite:
-            run, event = advance_request(run, token, lp, tokenizer, eos)
-        else:  # NaN/inf logits: the token is garbage; report the request, keep the others
-            event = TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)
-        events.append(event)
-        (done if event.finish_reason is not None else keep).append(run)
+    for r, run in enumerate(rows):
+        if not first:
+            accepted = len(out.new_tokens[r]) - 1 if out.num_drafted[r] else 0
+            run = attrs.evolve(run, passes=run.passes + 1, drafted=run.drafted + out.num_drafted[r], accepted=run.accepted + accepted)
+        if out.finite[r]:
+            stats = speculative and runtime.can_speculate
+            run, row_events = _advance_tokens(run, out.new_tokens[r], out.logprobs[r], tokenizer, eos, stats)
+        else:  # NaN/inf logits: the tokens are garbage; report the request, keep the others
+            row_events = [TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)]
+        events += row_events
+        (done if row_events[-1].finish_reason is not None else keep).append(run)
     if done:
         state = release(runtime, state, [r.slot for r in done])
     return state, attrs.evolve(queue, running=queue.running + tuple(keep))
 
 
+def _advance_tokens(run: Progress, tokens: Sequence[int], logprobs: Sequence[Logprobs] | None, tokenizer: Any,
+                    eos: frozenset[int], stats: bool) -> tuple[Progress, list[TokenEvent]]:
+    """:func:`advance_request` for each new token until one finishes the request; with
+    ``stats`` (the schedule speculates) the finishing event carries its SpeculationStats."""
+    events = []
+    for j, token in enumerate(tokens):
+        run, event = advance_request(run, token, None if logprobs is None else logprobs[j], tokenizer, eos)
+        events.append(event)
+        if event.finish_reason is not None:
+            if stats:
+                summary = SpeculationStats(target_passes=run.passes, drafted=run.drafted, accepted=run.accepted,
+                                           emitted=len(run.tokens) - 1)
+                events[-1] = attrs.evolve(event, speculation=summary)
+            break
+    return run, events
+
+
 def schedule(
     runtime: Runtime, state: State, requests: Sequence[Request], eos_token_ids: frozenset[int], tokenizer: Any = None,
+    speculative: bool = True,
 ) -> Iterator[TokenEvent | Finished]:
     """Run ``requests`` to completion, first come first served: yields every token's
     :class:`TokenEvent`, then :class:`Finished` with the new state (``state`` is consumed).
 
     Requests are assumed validated (``neuronfx.generate`` does it first); a step error is
     raised before that step changes anything. ``tokenizer`` (transformers) enables text and stop
-    strings. A caller that stops iterating early keeps no usable state (slots stay live).
+    strings; ``speculative=False`` decodes one token per step even on a runtime that can
+    speculate. A caller that stops iterating early keeps no usable state (slots stay live).
     """
     queue = Queue()
     for i, req in enumerate(requests):
         queue = submit(queue, i, req)
     while not queue.idle:
-        events, state, queue = step(runtime, state, queue, eos_token_ids, tokenizer)
+        events, state, queue = step(runtime, state, queue, eos_token_ids, tokenizer, speculative)
         yield from events
-    yield Finished(state=state, prefill_s=queue.prefill_s, decode_s=queue.decode_s)
+    yield Finished(state=state, prefill_s=queue.prefill_s, decode_s=queue.decode_s, num_requests=len(requests))

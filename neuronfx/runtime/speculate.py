@@ -1,42 +1,74 @@
-"""Speculative decoding: a draft proposes k - 1 tokens per row, the target verifies them (plus
-the last accepted token) in one "speculate" pass of k query tokens, and the host accepts.
+"""Speculative decoding as a step: ``speculate_step`` drafts k - 1 tokens per row, verifies them
+(plus the row's last token) in one "speculate" pass of k query tokens, and accepts 1 to k tokens.
 
-Drafts: self-speculation (the target's own "draft" graphs: its first ``draft_layers`` layers,
-final norm and LM head, sharing its weights and KV cache) or any compatible draft runtime with
-its own state. Acceptance: greedy = the longest prefix of drafts equal to the target's argmax,
-plus the target's next token; sampled = rejection sampling (Leviathan et al. 2023, "Fast
+Drafts, behind one small interface (:func:`propose`): self-speculation (the runtime's own
+"draft" graphs: its first ``draft_layers`` layers, final norm and LM head, sharing its weights
+and KV cache) or a draft runtime attached with ``neuronfx.with_draft`` (its own KV cache in
+``State.draft``, slot for slot).
+
+Acceptance applies every SamplingParams field at every verified position exactly as a decode
+step would: the logit bias of min_tokens, the penalties over the counts including the tokens
+accepted before that position, temperature, top-k, min_p, top-p. Greedy rows accept the longest
+prefix of drafts equal to the target's argmax, plus the target's next token: token-identical to
+plain greedy decoding. Sampled rows use rejection sampling (Leviathan et al. 2023, "Fast
 Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023): accept
 draft x with probability min(1, p(x) / q(x)), else resample from normalise(max(p - q, 0)); the
-output distribution equals the target's.
+output distribution is the target's. A seeded row draws every uniform from (seed, token index,
+stream), so a seeded speculative request is reproducible whatever shares its batch.
 
 KV consistency without copies: a verify pass writes k positions; the slot's cache_len is then
-set to the accepted length, and positions past it are never attended (masks are ``j <= position``)
-and are overwritten by the next write.
+set to the accepted length, and positions past it are never attended (masks are
+``j <= position``) and are overwritten by the next write.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import attrs
 import torch
 
 from neuronfx.config.buckets import select_bucket
-from neuronfx.config.sampling import SamplingParams, pack_sampling
-from neuronfx.errors import BatchTooLargeError, ConfigError, SamplingParamsError
-from neuronfx.graphs.sampling import filtered_distribution
-from neuronfx.runtime.generate import GenerateResult, Prompts, make_requests
-from neuronfx.runtime.runtime import Runtime
-from neuronfx.runtime.state import State, advance, check_usable
-from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, _pad, decode_step, prefill_step, release, run_one_token
+from neuronfx.config.inputs import SamplerInputs, SpeculateInputs
+from neuronfx.config.sampling import SamplingParams
+from neuronfx.errors import ConfigError
+from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.state import State, advance
+from neuronfx.runtime.steps import (
+    Logprobs,
+    StepOutput,
+    call_graph,
+    check_decode,
+    check_params,
+    check_room,
+    count_tokens,
+    min_tokens_bias,
+    one_token,
+    row_logprobs,
+    row_values,
+    sampler_inputs,
+    seeded_uniform,
+    token_inputs,
+)
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen(kw_only=True)
+class SpeculateBatch:
+    """Up to k = ``speculation_length`` tokens for each of the live slots ``seq_ids``."""
+
+    seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] live slots, distinct
+    input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row, not yet cached
+    sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
 
 
 @attrs.frozen(kw_only=True)
 class SpeculationStats:
     """Per-request acceptance statistics."""
 
-    target_passes: int  # verify passes (plain decode steps near the end of the cache count too)
+    target_passes: int  # target passes after the prefill: speculate steps and plain decode steps
     drafted: int  # draft tokens proposed
     accepted: int  # draft tokens accepted
     emitted: int  # tokens produced after the prefill
@@ -50,14 +82,6 @@ class SpeculationStats:
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target pass (1 = no gain; k at most)."""
         return self.emitted / self.target_passes if self.target_passes else 0.0
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class Draft:
-    """A draft runtime with its own state (draft-model speculation); same vocabulary as the target."""
-
-    runtime: Runtime
-    state: State
 
 
 # --- acceptance (pure) -------------------------------------------------------------------------
@@ -75,279 +99,244 @@ def accept_greedy(drafts: Sequence[int], target_argmax: Sequence[int]) -> list[i
     return out
 
 
-def accept_sampled(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor, generator: torch.Generator) -> list[int]:
+def accept_sampled(drafts: Sequence[int], q: Tensor, p: Tensor, accept_u: Tensor, final_u: Tensor) -> list[int]:
     """Rejection sampling. q: (k-1, V) draft distributions the drafts were drawn from; p: (k, V)
-    target distributions; uniforms: (k-1,) in [0, 1). Returns emitted tokens (1..k)."""
+    target distributions; accept_u: (k-1,) and final_u: (k,) uniforms in [0, 1), the latter
+    drawing the resampled (or bonus) token at its position by inverse CDF. Returns the emitted
+    tokens (1..k)."""
     out = []
     for i, d in enumerate(drafts):
-        if uniforms[i] * q[i, d] < p[i, d]:  # accept with min(1, p/q); q[i, d] > 0 (d was drawn from q)
+        if accept_u[i] * q[i, d] < p[i, d]:  # accept with min(1, p/q); q[i, d] > 0 (d was drawn from q)
             out.append(d)
             continue
         residual = (p[i] - q[i]).clamp(min=0)
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        target = residual if residual.sum() > 0 else p[i]  # p == q everywhere: rejection had probability 0
+        out.append(int(inverse_cdf(target[None], final_u[i : i + 1])[0]))
         return out
-    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    k = len(drafts)
+    out.append(int(inverse_cdf(p[k][None], final_u[k : k + 1])[0]))
     return out
 
 
-def truncate_at_stop(emitted: list[int], budget: int, stops: frozenset[int]) -> tuple[list[int], bool]:
-    """Cut ``emitted`` to ``budget`` tokens and after the first stop id (kept). Returns
-    (tokens, stopped)."""
-    out = []
-    for t in emitted[:budget]:
-        out.append(t)
-        if t in stops:
-            return out, True
-    return out, False
+# --- random numbers -----------------------------------------------------------------------------
 
 
-# --- validation -------------------------------------------------------------------------------
+@attrs.frozen
+class Uniforms:
+    """The uniforms of one speculate step: ``draft`` (n, k-1) for drafting, ``accept`` (n, k-1)
+    for acceptance tests, ``final`` (n, k) for the resampled or bonus token at each position."""
+
+    draft: Tensor
+    accept: Tensor
+    final: Tensor
 
 
-def check_speculation_params(sp: SamplingParams) -> None:
-    """Raise SamplingParamsError for a parameter speculative decoding does not support."""
-    unsupported = {
-        "min_p": sp.min_p != 0.0, "repetition_penalty": sp.repetition_penalty != 1.0,
-        "presence_penalty": sp.presence_penalty != 0.0, "frequency_penalty": sp.frequency_penalty != 0.0,
-        "logprobs": sp.logprobs is not None, "stop": bool(sp.stop), "min_tokens": sp.min_tokens != 0,
-        "seed": sp.seed is not None,
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise SamplingParamsError(
-            f"SamplingParams.{bad[0]} is not supported with speculative decoding (temperature, top_k, top_p, "
-            "max_tokens, stop_token_ids and ignore_eos are); drop it or generate without speculation."
-        )
+def speculation_uniforms(key: int, params: Sequence[SamplingParams], generated: Sequence[int], k: int) -> tuple[Uniforms, int]:
+    """(the step's uniforms, next RNG key). Unseeded rows draw from the state's key; a seeded
+    row's uniform for position i comes from (seed, generated + i, stream) (streams 1, 2, 3)."""
+    n = len(params)
+    g = torch.Generator().manual_seed(key)
+    u = Uniforms(draft=torch.rand(n, k - 1, generator=g), accept=torch.rand(n, k - 1, generator=g), final=torch.rand(n, k, generator=g))
+    for r, (sp, done) in enumerate(zip(params, generated)):
+        if sp.seed is None:
+            continue
+        for i in range(k):
+            if i < k - 1:
+                u.draft[r, i] = seeded_uniform(sp.seed, done + i, 1)
+                u.accept[r, i] = seeded_uniform(sp.seed, done + i, 2)
+            u.final[r, i] = seeded_uniform(sp.seed, done + i, 3)
+    return u, int(torch.randint(0, 2**62, (1,), generator=g))
 
 
-def check_speculation(runtime: Runtime, params: Sequence[SamplingParams], draft: Draft | None, n: int) -> None:
-    """Raise ConfigError / SamplingParamsError / BatchTooLargeError before anything runs."""
+# --- the sampler at each speculated position ----------------------------------------------------
+
+
+@attrs.frozen
+class Rows:
+    """Host facts of the n rows of one speculate step."""
+
+    slots: list[int]
+    params: list[SamplingParams]
+    generated: list[int]  # tokens each row's request generated before this step
+    counts: Tensor  # (n, V) int32 their output counts before this step
+    prompt_mask: Tensor  # (n, V) bool
+
+
+def position_sampler(runtime: Runtime, rows: Rows, drafts: Sequence[Sequence[int]], i: int, rand: Tensor) -> SamplerInputs:
+    """The sampler inputs (n rows) for the token at speculated position ``i``: output counts
+    including drafts d_1..d_i (the tokens emitted before it when they are accepted) and the
+    min_tokens bias at index generated + i."""
+    counts = rows.counts.clone()
+    for r, row in enumerate(drafts):
+        for t in row[:i]:
+            counts[r, t] += 1
+    bias = min_tokens_bias(runtime, rows.params, [g + i for g in rows.generated])
+    return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params))
+
+
+def _stack(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
+    """Row r, position i -> row r * k + i of one record (k = len(samplers))."""
+    return SamplerInputs(*(torch.stack(column, 1).flatten(0, 1) for column in zip(*samplers)))
+
+
+# --- drafts -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Proposal:
+    """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
+    logits (n, V) and the sampler inputs (n rows) it drew with, from which q is computed."""
+
+    tokens: list[list[int]]
+    logits: list[Tensor]
+    samplers: list[SamplerInputs]
+
+
+def propose(runtime: Runtime, state: State, rows: Rows, x0: Sequence[int], u: Uniforms) -> Proposal:
+    """The drafter interface: k - 1 draft tokens per row after ``x0`` at positions cache_len ..
+    cache_len + k - 2. Self-speculation runs the runtime's "draft" graphs on the target's cache;
+    a draft runtime its "decode" graphs on ``state.draft``. Each draft token is sampled with the
+    row's parameters and the same penalty counts and bias the target applies at that position
+    (``top_k`` packed for the drafter's static width)."""
+    k, n = runtime.plan.inference.speculation_length, len(rows.slots)
+    drafter, kv, phase = (runtime, state.kv, "draft") if runtime.draft is None else (runtime.draft, state.draft.kv, "decode")
+    bsz = select_bucket(drafter.plan.batch_buckets, n, "batch rows")
+    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[])
+    for i in range(k - 1):
+        last = [x if i == 0 else row[-1] for x, row in zip(x0, proposal.tokens)]
+        positions = [state.cache_lens[s] + i for s in rows.slots]
+        target = position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i])
+        sampler = sampler_inputs(drafter, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand, bsz)
+        out, _, _ = one_token(drafter, kv, phase, rows.slots, last, positions, sampler, n)
+        if not drafter.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
+            out = out | sample(out["logits"], sampler, drafter.plan.topk_width, 0)
+        for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
+            row.append(t)
+        proposal.logits.append(out["logits"][:n])
+        proposal.samplers.append(SamplerInputs(*(t[:n] for t in sampler)))
+    return proposal
+
+
+def _sync_draft(runtime: Runtime, state: State, rows: Rows, drafts: list[list[int]], new_lens: list[int]) -> State | None:
+    """The draft runtime's state after the target accepted ``new_lens``: a row that accepted
+    every draft feeds the last one (the draft never consumed it), then every row's draft
+    cache_len is set to the target's (positions past it are stale and never read)."""
+    if runtime.draft is None:
+        return None
+    draft, dstate, k = runtime.draft, state.draft, runtime.plan.inference.speculation_length
+    full = [r for r, s in enumerate(rows.slots) if new_lens[r] == state.cache_lens[s] + k]
+    if full:
+        slots = [rows.slots[r] for r in full]
+        n = len(full)
+        bsz = select_bucket(draft.plan.batch_buckets, n, "batch rows")
+        greedy = [SamplingParams()] * n
+        zeros = torch.zeros(n, draft.plan.model.vocab_size)
+        sampler = sampler_inputs(draft, greedy, zeros.int(), zeros.bool(), zeros, torch.zeros(n), bsz)
+        one_token(draft, dstate.kv, "decode", slots, [drafts[r][-1] for r in full], [dstate.cache_lens[s] + k - 1 for s in slots],
+                  sampler, n)
+    lens = list(dstate.cache_lens)
+    for s, new in zip(rows.slots, new_lens):
+        lens[s] = new
+    return advance(dstate, cache_lens=tuple(lens), generated=dstate.generated, live=dstate.live, rng_key=dstate.rng_key)
+
+
+# --- the step -----------------------------------------------------------------------------------
+
+
+def check_speculate(runtime: Runtime) -> None:
+    """Raise ConfigError unless ``runtime`` can speculate (``Runtime.can_speculate``)."""
     inf = runtime.plan.inference
     if inf.speculation_length < 2:
         raise ConfigError("this runtime has no speculate graphs: compile with InferenceConfig(speculation_length=k >= 2).")
-    if draft is None and not inf.draft_layers:
-        raise ConfigError("no draft: compile with draft_layers=N (self-speculation) or pass draft=Draft(runtime, state).")
-    for sp in params:
-        check_speculation_params(sp)
-    if draft is not None:
-        check_usable(draft.state, draft.runtime.plan)
-        if draft.runtime.plan.model.vocab_size != runtime.plan.model.vocab_size:
-            raise ConfigError(
-                f"draft vocab_size={draft.runtime.plan.model.vocab_size} != target vocab_size="
-                f"{runtime.plan.model.vocab_size}; the draft must share the target's tokenizer."
-            )
-        if any(not sp.greedy for sp in params) and not draft.runtime.plan.inference.output_logits:
-            raise ConfigError("sampled speculation needs the draft's logits: compile the draft with output_logits=True.")
-        if len(draft.state.free_slots) < n:
-            raise BatchTooLargeError(f"{n} prompts > {len(draft.state.free_slots)} free draft slots; use a larger draft batch_size.")
-        if draft.runtime.plan.inference.sequence_length < runtime.plan.inference.sequence_length:
-            raise ConfigError(
-                f"draft sequence_length={draft.runtime.plan.inference.sequence_length} < target's "
-                f"{runtime.plan.inference.sequence_length}; compile the draft with at least the target's."
-            )
+    if not runtime.can_speculate:
+        raise ConfigError("this runtime has no draft: compile with draft_layers=N (self-speculation) or attach a draft "
+                          "runtime with neuronfx.with_draft(runtime, draft_runtime).")
 
 
-# --- graph calls (host ints in, tensors out) ---------------------------------------------------
+def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[StepOutput, State]:
+    """Up to k = ``speculation_length`` tokens for each live slot in ``batch.seq_ids``, feeding
+    ``batch.input_ids``: k - 1 drafted tokens (:func:`propose`) and the last token are verified
+    in one (speculate, batch bucket >= n rows, KV bucket >= longest cache_len + k) pass, and
+    every row accepts 1 to k tokens (``StepOutput.new_tokens``; ``tokens`` holds each row's last,
+    the next step's input). Every SamplingParams field applies as in :func:`decode_step`;
+    logprobs come one per new token. The slot's cache_len grows by the accepted count.
 
-
-def _set_lens(state: State, lens: dict[int, int]) -> State:
-    """New state with ``cache_lens`` (and ``generated``, by the same delta) of some slots set."""
-    cache_lens, generated = list(state.cache_lens), list(state.generated)
-    for s, n in lens.items():
-        generated[s] += n - cache_lens[s]
-        cache_lens[s] = n
-    return advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=state.live, rng_key=state.rng_key)
-
-
-def _verify(runtime: Runtime, state: State, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
-    """Target logits (n, k, V) for k tokens per row at positions cache_len..cache_len + k - 1
-    (writes their K/V; cache_lens unchanged: the caller sets the accepted length)."""
-    plan, k, n = runtime.plan, runtime.plan.inference.speculation_length, len(slots)
-    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
-    start = [state.cache_lens[s] for s in slots]
-    bucket = select_bucket(plan.decode_buckets, max(start) + k, "attended KV length")
-    ids = torch.tensor(_pad(rows, bsz, [0] * k), dtype=torch.int32)
-    positions = torch.tensor(_pad([list(range(p, p + k)) for p in start], bsz, list(range(k))), dtype=torch.int32)
-    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    with torch.no_grad():
-        out = runtime.graphs[("speculate", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids)
-    return out["logits"][:n]
-
-
-def _self_draft(runtime: Runtime, state: State, slots: list[int], tokens: list[int], offset: int,
-                params: Sequence[SamplingParams]) -> tuple[list[int], torch.Tensor, State]:
-    """One self-speculative draft token per row at position cache_len + offset, from the target's
-    first ``draft_layers`` layers (their K/V written there; the verify pass rewrites them).
-    Returns (tokens, logits (n, V), state with the next RNG key)."""
-    n = len(slots)
-    positions = [state.cache_lens[s] + offset for s in slots]
-    out, _, next_key, _ = run_one_token(runtime, state, "draft", slots, tokens, positions, params)
-    new = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=next_key)
-    return out["tokens"][:n].tolist(), out["logits"][:n], new
-
-
-# --- the loop ----------------------------------------------------------------------------------
-
-
-@attrs.define
-class _Row:
-    """Host progress of one request (loop-private)."""
-
-    slot: int
-    draft_slot: int | None
-    params: SamplingParams
-    budget: int
-    stops: frozenset[int]
-    tokens: list[int]
-    reason: str | None = None
-    stop_reason: int | None = None
-    passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-
-def _record(row: _Row, emitted: list[int]) -> int:
-    """Append ``emitted`` (cut at budget/stop ids); returns how many were kept."""
-    kept, stopped = truncate_at_stop(emitted, row.budget - len(row.tokens), row.stops)
-    row.tokens += kept
-    if stopped:
-        row.reason, row.stop_reason = "stop", (kept[-1] if kept[-1] in row.params.stop_token_ids else None)
-    elif len(row.tokens) >= row.budget:
-        row.reason = "length"
-    return len(kept)
-
-
-def generate_speculative(
-    runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-    eos_token_ids: int | Sequence[int] | None = None, draft: Draft | None = None,
-) -> tuple[GenerateResult, State, Draft | None]:
-    """Generate like :func:`neuronfx.generate` (one static batch of prompts, all in free slots)
-    with speculative decoding: k = ``speculation_length`` tokens verified per target pass.
-
-    Draft: ``draft`` (a Draft runtime and its state) or, when None, self-speculation through
-    the runtime's "draft" graphs (``draft_layers``). Greedy rows give exactly the target's greedy
-    tokens; sampled rows keep the target's distribution (rejection sampling). Near the end of
-    the KV cache (cache_len + k > sequence_length) a step falls back to plain decode.
-
-    Returns (result with per-request ``speculation`` stats, new target state, new Draft or
-    None). Raises, before any change: ConfigError (no speculate/draft graphs, draft mismatch),
-    SamplingParamsError (parameters speculation does not support), BatchTooLargeError (more
-    prompts than free slots), and every error of :func:`make_requests`.
+    Raises (before any change) ConfigError (no speculate graphs or no draft), the errors of
+    :func:`decode_step`, and SequenceLengthExceededError when a slot has no room for k more
+    tokens (decode that row with ``decode_step``).
     """
-    requests, eos = make_requests(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids)
-    params = [r.sampling for r in requests]
-    check_speculation(runtime, params, draft, len(requests))
-    if len(requests) > len(state.free_slots):
-        raise BatchTooLargeError(
-            f"{len(requests)} prompts > {len(state.free_slots)} free slots; speculative generate runs one static batch."
-        )
-    draft_slots = draft.state.free_slots[: len(requests)] if draft is not None else [None] * len(requests)
-    rows = [
-        _Row(slot=s, draft_slot=d, params=r.sampling, budget=r.max_tokens, tokens=[],
-             stops=(frozenset() if r.sampling.ignore_eos else eos) | frozenset(r.sampling.stop_token_ids))
-        for s, d, r in zip(state.free_slots, draft_slots, requests)
-    ]
-    prompts = [list(r.prompt) for r in requests]
-    t0 = time.perf_counter()
-    out, state = prefill_step(runtime, state, PrefillBatch(seq_ids=[r.slot for r in rows], prompts=prompts, sampling=params))
-    dstate = None
-    if draft is not None:
-        greedy = [SamplingParams()] * len(rows)
-        _, dstate = prefill_step(draft.runtime, draft.state, PrefillBatch(seq_ids=list(draft_slots), prompts=prompts, sampling=greedy))
-    prefill_s = time.perf_counter() - t0
-    for row, t in zip(rows, out.tokens):
-        _record(row, [t])
-    gen = torch.Generator().manual_seed(state.rng_key)
-    t0 = time.perf_counter()
-    state, dstate = _release_done(runtime, state, draft, dstate, rows)
-    while active := [r for r in rows if r.reason is None]:
-        state, dstate = _iteration(runtime, state, draft, dstate, active, gen)
-        state, dstate = _release_done(runtime, state, draft, dstate, active)
-    decode_s = time.perf_counter() - t0
-    result = GenerateResult(
-        token_ids=tuple(tuple(r.tokens) for r in rows), finish_reasons=tuple(r.reason for r in rows),
-        stop_reasons=tuple(r.stop_reason for r in rows), texts=None, logprobs=(None,) * len(rows),
-        prefill_s=prefill_s, decode_s=decode_s,
-        speculation=tuple(SpeculationStats(target_passes=r.passes, drafted=r.drafted, accepted=r.accepted,
-                                           emitted=len(r.tokens) - 1) for r in rows),
-    )
-    return result, state, (Draft(runtime=draft.runtime, state=dstate) if draft is not None else None)
-
-
-def _release_done(runtime: Runtime, state: State, draft: Draft | None, dstate: State | None, rows: list[_Row]) -> tuple[State, State | None]:
-    """Release the slots of finished rows (target and draft)."""
-    done = [r for r in rows if r.reason is not None and state.live[r.slot]]
-    if done:
-        state = release(runtime, state, [r.slot for r in done])
-        if draft is not None:
-            dstate = release(draft.runtime, dstate, [r.draft_slot for r in done])
-    return state, dstate
-
-
-def _iteration(runtime: Runtime, state: State, draft: Draft | None, dstate: State | None, active: list[_Row],
-               gen: torch.Generator) -> tuple[State, State | None]:
-    """One target pass for every active row: draft k - 1, verify k, accept, set cache_lens."""
+    check_speculate(runtime)
     plan = runtime.plan
-    k, slots = plan.inference.speculation_length, [r.slot for r in active]
-    params = [r.params for r in active]
-    start = {r.slot: state.cache_lens[r.slot] for r in active}
-    if max(start.values()) + k > plan.inference.sequence_length:  # no room to verify k: plain decode
-        batch = DecodeBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in active], sampling=params)
-        out, state = decode_step(runtime, state, batch)
-        if draft is not None:
-            dbatch = attrs.evolve(batch, seq_ids=[r.draft_slot for r in active])
-            _, dstate = decode_step(draft.runtime, dstate, dbatch)
-        for r, t in zip(active, out.tokens):
-            r.passes += 1
-            _record(r, [t])
-        return state, dstate
+    check_decode(runtime, state, batch, SpeculateBatch)
+    k = plan.inference.speculation_length
+    check_room(state, batch.seq_ids, k, plan.inference.sequence_length,
+               f"speculation writes k={k} positions: decode that row with decode_step instead.")
+    check_params(runtime, batch.sampling)
 
-    seqs = [[r.tokens[-1]] for r in active]  # x0, then the drafts
-    qs = []
-    for i in range(k - 1):
-        last = [s[-1] for s in seqs]
-        if draft is None:
-            toks, logits, state = _self_draft(runtime, state, slots, last, i, params)
+    slots, n = list(batch.seq_ids), len(batch.seq_ids)
+    rows = Rows(slots=slots, params=list(batch.sampling), generated=[state.generated[s] for s in slots],
+                counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
+    u, next_key = speculation_uniforms(state.rng_key, rows.params, rows.generated, k)
+    proposal = propose(runtime, state, rows, batch.input_ids, u)
+    drafts = proposal.tokens
+
+    start = [state.cache_lens[s] for s in slots]
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    bucket = select_bucket(plan.decode_buckets, max(start) + k, "attended KV length")
+    seqs = [[x, *row] for x, row in zip(batch.input_ids, drafts)]
+    ids, pos, seq_ids = token_inputs(runtime, bsz, k, slots, seqs, start)
+    logits = call_graph(runtime, state.kv, "speculate", bsz, bucket, SpeculateInputs(input_ids=ids, position_ids=pos, seq_ids=seq_ids))
+    logits = logits["logits"][:n]  # (n, k, V)
+
+    emitted = _accept(runtime, rows, proposal, logits, u)
+    logprobs = _logprobs(rows, logits, emitted)
+    new_lens = [c + len(e) for c, e in zip(start, emitted)]
+    draft = _sync_draft(runtime, state, rows, drafts, new_lens)
+    cache_lens, generated = list(state.cache_lens), list(state.generated)
+    for s, e in zip(slots, emitted):
+        cache_lens[s] += len(e)
+        generated[s] += len(e)
+    finite = tuple(bool(f) for f in torch.isfinite(logits).flatten(1).all(-1).tolist())
+    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=state.live, rng_key=next_key, draft=draft)
+    count_tokens(new, slots, emitted)
+    new_tokens = tuple(tuple(e) for e in emitted)
+    return StepOutput(tokens=tuple(e[-1] for e in emitted), new_tokens=new_tokens, logits=None, logprobs=logprobs,
+                      bucket=bucket, batch_size=bsz, finite=finite, num_drafted=(k - 1,) * n), new
+
+
+def _accept(runtime: Runtime, rows: Rows, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
+    """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
+    penalized logits at every position, sampled rows by :func:`accept_sampled` with the target's
+    p and the draft's q computed with the sampler inputs of each position."""
+    n, k = logits.shape[:2]
+    drafts = proposal.tokens
+    samplers = [position_sampler(runtime, rows, drafts, i, torch.zeros(n)) for i in range(k)]
+    flat_logits = logits.reshape(n * k, -1)
+    argmax = penalized_logits(flat_logits, _stack(samplers)).argmax(-1).reshape(n, k).tolist()
+    sampled = [r for r, sp in enumerate(rows.params) if not sp.greedy]
+    p = q = None
+    if sampled:
+        p = distribution(flat_logits, _stack(samplers), runtime.plan.topk_width).reshape(n, k, -1)
+        width = (runtime.draft or runtime).plan.topk_width
+        q = torch.stack([distribution(lg, s, width) for lg, s in zip(proposal.logits, proposal.samplers)], 1)  # (n, k-1, V)
+    out = []
+    for r, sp in enumerate(rows.params):
+        if sp.greedy:
+            out.append(accept_greedy(drafts[r], argmax[r]))
         else:
-            dout, dstate = decode_step(draft.runtime, dstate, DecodeBatch(seq_ids=[r.draft_slot for r in active], input_ids=last, sampling=params))
-            toks, logits = list(dout.tokens), dout.logits
-        for s, t in zip(seqs, toks):
-            s.append(t)
-        qs.append(logits)
-    target = _verify(runtime, state, slots, seqs)  # (n, k, V)
-    new_lens, resync = {}, []
-    for j, r in enumerate(active):
-        emitted = _accept(r.params, seqs[j][1:], target[j], qs, j, plan.topk_width, draft, gen)
-        r.passes, r.drafted, r.accepted = r.passes + 1, r.drafted + k - 1, r.accepted + len(emitted) - 1
-        m = _record(r, emitted)
-        new_lens[r.slot] = start[r.slot] + m
-        if draft is not None and m == k:  # the draft never consumed its last token: feed it
-            resync.append((r, seqs[j][-1]))
-    state = _set_lens(state, new_lens)
-    if draft is not None:
-        dstate = _sync_draft(draft, dstate, active, start, new_lens, resync)
-    return state, dstate
+            out.append(accept_sampled(drafts[r], q[r], p[r], u.accept[r], u.final[r]))
+    return out
 
 
-def _accept(sp: SamplingParams, drafts: list[int], logits: torch.Tensor, qs: list, j: int, topk_width: int,
-            draft: Draft | None, gen: torch.Generator) -> list[int]:
-    if sp.greedy:
-        return accept_greedy(drafts, logits.argmax(-1).tolist())
-    k = logits.shape[0]
-    rows = torch.tensor(pack_sampling([sp] * k, topk_width), dtype=torch.float32)
-    p = filtered_distribution(logits, rows, topk_width)
-    q_width = topk_width if draft is None else draft.runtime.plan.topk_width
-    q = filtered_distribution(torch.stack([q[j] for q in qs]), rows[: k - 1], q_width)
-    return accept_sampled(drafts, q, p, torch.rand(k - 1, generator=gen), gen)
-
-
-def _sync_draft(draft: Draft, dstate: State, active: list[_Row], start: dict[int, int], new_lens: dict[int, int],
-                resync: list[tuple[_Row, int]]) -> State:
-    """Give the draft state the target's accepted length: feed a fully accepted run's last draft
-    token, then set cache_lens (positions past them are stale and never read)."""
-    if resync:
-        batch = DecodeBatch(seq_ids=[r.draft_slot for r, _ in resync], input_ids=[t for _, t in resync],
-                            sampling=[SamplingParams()] * len(resync))
-        _, dstate = decode_step(draft.runtime, dstate, batch)
-    return _set_lens(dstate, {r.draft_slot: new_lens[r.slot] for r in active})
+def _logprobs(rows: Rows, logits: Tensor, emitted: list[list[int]]) -> tuple[tuple[Logprobs, ...] | None, ...]:
+    """Raw logprobs of every emitted token at its position, for rows that asked."""
+    out: list[tuple[Logprobs, ...] | None] = []
+    for r, (sp, tokens) in enumerate(zip(rows.params, emitted)):
+        if sp.logprobs is None:
+            out.append(None)
+            continue
+        m = len(tokens)
+        raw = torch.log_softmax(logits[r, :m], dim=-1)  # (m, V)
+        lp = raw_logprobs(raw, torch.tensor(tokens, dtype=torch.int32), max(sp.logprobs, 1))
+        out.append(tuple(row_logprobs(lp, i, t, sp.logprobs) for i, t in enumerate(tokens)))
+    return tuple(out)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import attrs
 import torch
 
+from neuronfx.config.dtypes import dtype_name
 from neuronfx.config.plan import Plan
+from neuronfx.config.sampling import MAX_SEED
 from neuronfx.errors import InputError, StateConsumedError, StateMismatchError
-from neuronfx.graphs.weights import DTYPES
+from neuronfx.graphs.inputs import KVCache, empty_kv
 
 
 @attrs.define
@@ -26,7 +28,7 @@ class _Lease:
 class State:
     """Per-request mutable facts of a runtime, as a value.
 
-    - ``kv``: 2 * num_layers tensors (K of layer l at 2l, V at 2l+1), each
+    - ``kv``: the KV cache, one ``LayerKV(k, v)`` per layer, each
       [num_slots, num_kv_heads, sequence_length, head_dim] in the plan's dtype; the last slot is scratch.
     - ``output_counts``: [batch_size, vocab] int32, how often each token was sampled by the
       request in each slot (presence/frequency/repetition penalties).
@@ -37,9 +39,11 @@ class State:
     - ``live``: whether each request slot belongs to a request, [batch_size] bools.
     - ``rng_key``: int seed of the next step's random numbers.
     - ``plan_key``: identifies the plan the state was made for.
+    - ``draft``: the draft model's state when the runtime has a draft runtime (its slots follow
+      this state's: slot s holds the same request in both), else None.
     """
 
-    kv: tuple[torch.Tensor, ...]
+    kv: KVCache
     output_counts: torch.Tensor
     prompt_mask: torch.Tensor
     cache_lens: tuple[int, ...]
@@ -47,6 +51,7 @@ class State:
     live: tuple[bool, ...]
     rng_key: int
     plan_key: int
+    draft: State | None = None
     _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
 
     @property
@@ -67,26 +72,29 @@ def plan_key(plan: Plan) -> int:
     return hash((plan.model, plan.inference))
 
 
-MAX_SEED = 2**63 - 1
-
-
-def empty_state(plan: Plan, seed: int = 0) -> State:
-    """Fresh state: zero KV cache (plan.kv.nbytes bytes) and token counts, all slots free, RNG key ``seed``.
-
-    Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (a torch.Generator seed)."""
+def check_seed(seed: object) -> None:
+    """Raise InputError unless ``seed`` is an int in [0, MAX_SEED] (a torch.Generator seed)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise InputError(f"seed={seed!r} must be an int in [0, {MAX_SEED}].")
-    kv = tuple(torch.zeros(plan.kv.shape, dtype=DTYPES[plan.kv.dtype]) for _ in range(2 * plan.kv.num_layers))
+
+
+def empty_state(plan: Plan, seed: int = 0, draft: State | None = None) -> State:
+    """Fresh state: zero KV cache (plan.kv.nbytes bytes) and token counts, all slots free, RNG
+    key ``seed``; ``draft`` is the draft runtime's fresh state, if any.
+
+    Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (a torch.Generator seed)."""
+    check_seed(seed)
     n, vocab = plan.inference.batch_size, plan.model.vocab_size
     return State(
-        kv=kv, output_counts=torch.zeros(n, vocab, dtype=torch.int32), prompt_mask=torch.zeros(n, vocab, dtype=torch.bool),
-        cache_lens=(0,) * n, generated=(0,) * n, live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan),
+        kv=empty_kv(plan), output_counts=torch.zeros(n, vocab, dtype=torch.int32),
+        prompt_mask=torch.zeros(n, vocab, dtype=torch.bool), cache_lens=(0,) * n, generated=(0,) * n,
+        live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft,
     )
 
 
-def check_usable(state: State, plan: Plan) -> None:
+def check_usable(state: State, plan: Plan, draft_plan: Plan | None = None) -> None:
     """Raise InputError (not a State), StateConsumedError or StateMismatchError unless ``state``
-    may be used with ``plan``."""
+    may be used with ``plan`` (and its draft state with ``draft_plan``, the draft runtime's)."""
     if not isinstance(state, State):
         raise InputError(
             f"state is a {type(state).__name__}; pass the State returned by neuronfx.init_state(runtime) or by the last step."
@@ -97,18 +105,25 @@ def check_usable(state: State, plan: Plan) -> None:
             "use the new state that step returned."
         )
     if state.plan_key != plan_key(plan):
-        got = (tuple(state.kv[0].shape), str(state.kv[0].dtype).removeprefix("torch.")) if state.kv else None
+        got = (tuple(state.kv[0].k.shape), dtype_name(state.kv[0].k.dtype)) if state.kv else None
         raise StateMismatchError(
             f"this state was made for a different plan (its KV cache is {got}, this runtime's is "
             f"{(plan.kv.shape, plan.kv.dtype)}, or the model/options differ); create one with neuronfx.init_state(runtime)."
         )
+    if (state.draft is None) != (draft_plan is None) or (draft_plan is not None and state.draft.plan_key != plan_key(draft_plan)):
+        raise StateMismatchError(
+            "this state's draft state does not belong to this runtime's draft runtime (one has a draft, the other not, "
+            "or they differ); create the state with neuronfx.init_state(runtime) after attaching the draft."
+        )
 
 
-def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, ...], live: tuple[bool, ...], rng_key: int) -> State:
+def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, ...], live: tuple[bool, ...], rng_key: int,
+            draft: State | None = None) -> State:
     """Revoke ``state``'s lease; return a new state sharing its tensors (updated in place by the
-    step) with the new host counts."""
+    step) with the new host counts (and the new draft state, or the old one when None)."""
     state._lease.valid = False
     return State(
         kv=state.kv, output_counts=state.output_counts, prompt_mask=state.prompt_mask, cache_lens=cache_lens,
         generated=generated, live=live, rng_key=rng_key, plan_key=state.plan_key,
+        draft=state.draft if draft is None else draft,
     )

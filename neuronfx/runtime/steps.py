@@ -1,8 +1,10 @@
-"""Step functions a scheduler drives: prefill new requests into slots, decode live slots, release.
+"""Step functions a scheduler drives: prefill new requests into slots, decode live slots, release
+(``speculate_step`` is in ``runtime/speculate.py``).
 
-Each step validates its whole input first (raising a named error before anything changes), picks
-the (phase, bucket) graph from host integers it already has, runs it, and returns
-(StepOutput, new State); the input state is consumed.
+Each step validates its whole input first (raising a named error before anything changes),
+picks the (phase, batch, bucket) graph from host integers it already has, fills that graph's
+step-input record (``config.inputs``) with :func:`token_inputs` and :func:`sampler_inputs`,
+runs it, and returns (StepOutput, new State); the input state is consumed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import attrs
 import torch
 
 from neuronfx.config.buckets import select_bucket
+from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, check_inputs
 from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampling
 from neuronfx.errors import (
     BatchTooLargeError,
@@ -23,20 +26,23 @@ from neuronfx.errors import (
     SlotError,
     TokenOutOfVocabError,
 )
+from neuronfx.graphs.inputs import KVCache
 from neuronfx.graphs.sampling import sample
-from neuronfx.runtime.runtime import Runtime
-from neuronfx.runtime.state import State, advance, check_usable
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.state import State, advance
+
+Tensor = torch.Tensor
 
 
 def _rows(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    prompts = _row_values("prompts")(prompts)
+    prompts = row_values("prompts")(prompts)
     for b, row in enumerate(prompts):
         if not isinstance(row, (list, tuple)):
             raise InputError(f"prompt of row {b} is {type(row).__name__}; each prompt is a list of token ids.")
     return tuple(tuple(r) for r in prompts)
 
 
-def _row_values(field: str) -> Callable[[object], tuple]:
+def row_values(field: str) -> Callable[[object], tuple]:
     """attrs converter: an iterable of per-row values (list, tuple, range, 1-D tensor) -> tuple;
     raises InputError naming ``field`` for anything else (an int, a str, None, a 0-d tensor)."""
 
@@ -54,18 +60,18 @@ def _row_values(field: str) -> Callable[[object], tuple]:
 class PrefillBatch:
     """New requests to prefill; row b goes to slot ``seq_ids[b]``."""
 
-    seq_ids: tuple[int, ...] = attrs.field(converter=_row_values("seq_ids"))  # [n] free slots, distinct
+    seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] free slots, distinct
     prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=_rows)  # [n][len_b] ids
-    sampling: tuple[SamplingParams, ...] = attrs.field(converter=_row_values("sampling"))  # [n]
+    sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
 
 
 @attrs.frozen(kw_only=True)
 class DecodeBatch:
     """One token for each of the live slots ``seq_ids``."""
 
-    seq_ids: tuple[int, ...] = attrs.field(converter=_row_values("seq_ids"))  # [n] live slots, distinct
-    input_ids: tuple[int, ...] = attrs.field(converter=_row_values("input_ids"))  # [n] last token of each row
-    sampling: tuple[SamplingParams, ...] = attrs.field(converter=_row_values("sampling"))  # [n]
+    seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] live slots, distinct
+    input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row
+    sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
 
 
 @attrs.frozen(kw_only=True)
@@ -81,17 +87,23 @@ class Logprobs:
 
 @attrs.frozen(kw_only=True, eq=False)
 class StepOutput:
-    """What one step produced, row-aligned with its batch."""
+    """What one step produced, row-aligned with its batch. Prefill and decode produce one token
+    per row; speculate 1 to k."""
 
-    tokens: tuple[int, ...]  # [n] sampled token ids
-    logits: torch.Tensor | None  # [n, vocab] float32 of the last position, when output_logits
-    logprobs: tuple[Logprobs | None, ...]  # [n]; None for rows that did not ask (logprobs=None)
-    bucket: int  # tokens: prompt bucket (prefill) or attended KV length (decode)
+    tokens: tuple[int, ...]  # [n] the last token each row produced: the next step's input_ids
+    new_tokens: tuple[tuple[int, ...], ...]  # [n][m_b] every token row b produced, in order
+    logits: torch.Tensor | None  # [n, vocab] float32 of the last position, when output_logits (prefill, decode)
+    logprobs: tuple[tuple[Logprobs, ...] | None, ...]  # [n][m_b], one per new token; None for rows that did not ask
+    bucket: int  # tokens: prompt bucket (prefill) or attended KV length (decode, speculate)
     batch_size: int  # rows of the graph that ran (the batch bucket; rows past n were padding)
-    finite: tuple[bool, ...]  # [n] False where the row's logits held NaN/inf: its token is garbage
+    finite: tuple[bool, ...]  # [n] False where the row's logits held NaN/inf: its tokens are garbage
+    num_drafted: tuple[int, ...]  # [n] draft tokens proposed for the row (speculate: k - 1; else 0)
 
 
-def _check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object], what: str) -> None:
+# --- validation ---------------------------------------------------------------------------------
+
+
+def check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object], what: str) -> None:
     limit = runtime.plan.inference.batch_size
     if len(seq_ids) == 0:
         raise InputError(f"{what} batch is empty; give at least one row.")
@@ -103,7 +115,7 @@ def _check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object
         raise InputError(f"{what} batch has {len(seq_ids)} seq_ids but {len(other)} rows of inputs; give one per row.")
 
 
-def _check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
+def check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
     n = state.num_slots
     for s in seq_ids:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n:
@@ -129,7 +141,7 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
 
 
 def check_batch(batch: object, kind: type) -> None:
-    """Raise InputError unless ``batch`` is a ``kind`` (PrefillBatch or DecodeBatch)."""
+    """Raise InputError unless ``batch`` is a ``kind`` (PrefillBatch, DecodeBatch, SpeculateBatch)."""
     if not isinstance(batch, kind):
         raise InputError(f"batch is a {type(batch).__name__}; this step takes a neuronfx.{kind.__name__}.")
 
@@ -148,27 +160,56 @@ def check_prompts(runtime: Runtime, prompts: Sequence[Sequence[int]], start: int
         check_token_ids(prompt, runtime.plan.model.vocab_size)
 
 
-def _pad(rows: list, n: int, fill: object) -> list:
-    return list(rows) + [fill] * (n - len(rows))
+def check_params(runtime: Runtime, sampling: Sequence[SamplingParams]) -> None:
+    """What the plan bounds in each row's SamplingParams (``config.sampling.check_sampling``)."""
+    plan = runtime.plan
+    for sp in sampling:
+        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
 
+
+def check_room(state: State, seq_ids: Sequence[int], tokens: int, sequence_length: int, fix: str) -> None:
+    """Raise SequenceLengthExceededError when a slot cannot take ``tokens`` more tokens."""
+    for s in seq_ids:
+        if state.cache_lens[s] + tokens > sequence_length:
+            raise SequenceLengthExceededError(
+                f"slot {s} holds {state.cache_lens[s]} tokens and this step writes {tokens} more > sequence_length="
+                f"{sequence_length}; {fix}"
+            )
+
+
+def check_decode(runtime: Runtime, state: State, batch: object, kind: type) -> None:
+    """Everything :func:`decode_step` (``kind`` DecodeBatch) or ``speculate_step`` (SpeculateBatch)
+    checks before anything changes, except room in the cache."""
+    plan = runtime.plan
+    check_state(runtime, state)
+    check_batch(batch, kind)
+    check_rows(runtime, batch.seq_ids, batch.input_ids, kind.__name__.removesuffix("Batch").lower())
+    check_rows(runtime, batch.seq_ids, batch.sampling, kind.__name__.removesuffix("Batch").lower())
+    check_slots(state, batch.seq_ids, live=True)
+    check_token_ids(batch.input_ids, plan.model.vocab_size)
+
+
+# --- random numbers -----------------------------------------------------------------------------
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = 2**64 - 1
 
 
-def seeded_uniform(seed: int, index: int) -> float:
+def seeded_uniform(seed: int, index: int, stream: int = 0) -> float:
     """The uniform in [0, 1) for draw ``index`` (0-based, tokens sampled so far) of a request
-    seeded with ``seed``: a pure function of (seed, index), so a seeded request samples the same
-    tokens whatever shares its batch and whichever slot it holds (vLLM keeps one torch.Generator
-    per seeded request for the same reason). Mixing: splitmix64 (Steele et al. 2014)."""
-    z = (seed + (index + 1) * _GOLDEN) & _MASK64
+    seeded with ``seed``, in random stream ``stream`` (0: the sampled token; speculative
+    decoding uses 1 for drafting, 2 for acceptance, 3 for the resampled or bonus token): a pure
+    function of its arguments, so a seeded request samples the same tokens whatever shares its
+    batch and whichever slot it holds (vLLM keeps one torch.Generator per seeded request for the
+    same reason). Mixing: splitmix64 (Steele et al. 2014)."""
+    z = (seed + (index + 1) * _GOLDEN + stream * (_GOLDEN >> 1)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return float(torch.rand(1, generator=torch.Generator().manual_seed(z >> 1)))
 
 
-def _draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int], bsz: int) -> tuple[torch.Tensor, int]:
+def draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int], bsz: int) -> tuple[Tensor, int]:
     """(bsz uniforms, next key). Unseeded rows draw from the state's key (pure in ``key``);
     seeded rows from their own (seed, index)."""
     g = torch.Generator().manual_seed(key)
@@ -179,99 +220,151 @@ def _draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int],
     return rand, int(torch.randint(0, 2**62, (1,), generator=g))
 
 
-def _stop_ids(plan_eos: Sequence[int], sp: SamplingParams) -> list[int]:
+# --- step inputs: one padding builder for every phase -------------------------------------------
+
+
+def _pad(rows: Sequence, n: int, fill: object) -> list:
+    return list(rows) + [fill] * (n - len(rows))
+
+
+def token_inputs(runtime: Runtime, bsz: int, width: int, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
+                 starts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids (bsz, width) int32, position_ids (bsz, width) int32, seq_ids (bsz,) int32) of
+    any phase: row b holds ``tokens[b]`` right-padded with 0 at positions ``starts[b]`` ..
+    ``starts[b] + width - 1`` in slot ``seq_ids[b]``; rows past ``len(seq_ids)`` are padding:
+    token 0 at positions 0 .. width - 1 in the scratch slot (their writes land nowhere else)."""
+    ids = torch.zeros(bsz, width, dtype=torch.int32)
+    for b, row in enumerate(tokens):
+        ids[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    start = torch.tensor(_pad(starts, bsz, 0), dtype=torch.int32)
+    positions = (start[:, None] + torch.arange(width, dtype=torch.int32)[None, :]).contiguous()
+    slots = torch.tensor(_pad(seq_ids, bsz, runtime.plan.kv.scratch_slot), dtype=torch.int32)
+    return ids, positions, slots
+
+
+def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
     """Tokens min_tokens holds back: the model's eos ids (unless ignore_eos) and stop_token_ids."""
-    return ([] if sp.ignore_eos else list(plan_eos)) + list(sp.stop_token_ids)
+    return ([] if sp.ignore_eos else list(eos_token_ids)) + list(sp.stop_token_ids)
 
 
-def _sampler_inputs(
-    runtime: Runtime, state: State, params: Sequence[SamplingParams], generated: Sequence[int],
-    counts: torch.Tensor, prompt_mask: torch.Tensor,
-) -> tuple[tuple[torch.Tensor, ...], int]:
-    """Graph inputs (sampling_params, output_counts, prompt_mask, logits_bias, rand), each padded
-    to ``counts.shape[0]`` rows, and the next RNG key. ``counts``/``prompt_mask``: [bsz, vocab]
-    with the real rows filled."""
-    plan = runtime.plan
-    bsz, n = counts.shape[0], len(params)
-    rows = pack_sampling(params, plan.topk_width) + pack_sampling([SamplingParams()] * (bsz - n), plan.topk_width)
-    bias = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.float32)
+def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int]) -> Tensor:
+    """(n, V) float32: -inf on the stop ids of rows that have generated fewer than their
+    ``min_tokens`` tokens, 0 elsewhere."""
+    bias = torch.zeros(len(params), runtime.plan.model.vocab_size, dtype=torch.float32)
     for r, (sp, done) in enumerate(zip(params, generated)):
         if done < sp.min_tokens:
-            bias[r, _stop_ids(plan.model.eos_token_ids, sp)] = float("-inf")
-    rand, next_key = _draws(state.rng_key, params, generated, bsz)
-    return (torch.tensor(rows, dtype=torch.float32), counts, prompt_mask, bias, rand), next_key
+            bias[r, stop_ids(runtime.plan.model.eos_token_ids, sp)] = float("-inf")
+    return bias
 
 
-def row_finite(out: dict[str, torch.Tensor], n: int) -> tuple[bool, ...]:
+def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: Tensor, prompt_mask: Tensor, bias: Tensor,
+                   rand: Tensor, bsz: int) -> SamplerInputs:
+    """The sampler's record for ``len(params)`` real rows, padded to ``bsz`` rows (greedy, zero
+    counts, mask, bias and rand). ``counts`` (n, V) int32, ``prompt_mask`` (n, V) bool, ``bias``
+    (n, V) float32, ``rand`` (n,) float32; n <= rows <= bsz of each is used as given."""
+    width = runtime.plan.topk_width
+    rows = pack_sampling(params, width) + pack_sampling([SamplingParams()] * (bsz - len(params)), width)
+    return SamplerInputs(
+        sampling_params=torch.tensor(rows, dtype=torch.float32),
+        output_counts=_pad_rows(counts, bsz), prompt_mask=_pad_rows(prompt_mask, bsz),
+        logits_bias=_pad_rows(bias, bsz), rand=_pad_rows(rand, bsz),
+    )
+
+
+def _pad_rows(t: Tensor, bsz: int) -> Tensor:
+    """``t`` with zero rows appended up to ``bsz`` rows (``t`` itself when it has them)."""
+    if t.shape[0] == bsz:
+        return t
+    out = torch.zeros(bsz, *t.shape[1:], dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int, inputs: object) -> dict[str, Tensor]:
+    """Run graph (phase, bsz, bucket) of ``runtime`` on ``kv`` after checking ``inputs`` against
+    its GraphSpec (InputError naming the field on a shape or dtype mismatch)."""
+    spec = runtime.plan.graph(phase, bsz, bucket)
+    check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
+    with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
+        return runtime.graphs[spec.key](runtime.weights, kv, inputs)
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+
+def row_logprobs(out: dict[str, Tensor], r: int, token: int, k: int) -> Logprobs:
+    """Row ``r``'s Logprobs (top ``k``) from the sampler's logprob outputs."""
+    return Logprobs(token_id=token, logprob=float(out["sampled_logprobs"][r]),
+                    top_ids=tuple(out["top_ids"][r, :k].tolist()), top_logprobs=tuple(out["top_logprobs"][r, :k].tolist()))
+
+
+def _outputs(runtime: Runtime, out: dict[str, Tensor], params: Sequence[SamplingParams], sampler: SamplerInputs,
+             ) -> tuple[tuple[int, ...], Tensor | None, tuple[tuple[Logprobs, ...] | None, ...]]:
+    plan, n = runtime.plan, len(params)
+    if not plan.inference.on_device_sampling:  # same sampler as the graph, on the host
+        out = out | sample(out["logits"], sampler, plan.topk_width, plan.logprobs_width)
+    tokens = tuple(out["tokens"][:n].tolist())
+    logits = out["logits"][:n] if plan.inference.output_logits else None
+    logprobs = tuple(None if sp.logprobs is None else (row_logprobs(out, r, tokens[r], sp.logprobs),)
+                     for r, sp in enumerate(params))
+    return tokens, logits, logprobs
+
+
+def row_finite(out: dict[str, Tensor], n: int) -> tuple[bool, ...]:
     """[n] per-row finiteness of the logits: the graph's ``finite`` output (computed in the
     prefill/decode epilogue)."""
     return tuple(bool(f) for f in out["finite"][:n].tolist())
 
 
-def _outputs(runtime: Runtime, out: dict[str, torch.Tensor], params: Sequence[SamplingParams], inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], torch.Tensor | None, tuple[Logprobs | None, ...]]:
-    plan, n = runtime.plan, len(params)
-    if not plan.inference.on_device_sampling:  # same sampler as the graph, on the host
-        out = out | sample(out["logits"], *inputs, plan.topk_width, plan.logprobs_width)
-    tokens = tuple(out["tokens"][:n].tolist())
-    logits = out["logits"][:n] if plan.inference.output_logits else None
-    logprobs = []
-    for r, sp in enumerate(params):
-        if sp.logprobs is None:
-            logprobs.append(None)
-            continue
-        k = sp.logprobs
-        logprobs.append(Logprobs(
-            token_id=tokens[r], logprob=float(out["sampled_logprobs"][r]),
-            top_ids=tuple(out["top_ids"][r, :k].tolist()), top_logprobs=tuple(out["top_logprobs"][r, :k].tolist()),
-        ))
-    return tokens, logits, tuple(logprobs)
+def count_tokens(state: State, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+    """Add each row's new tokens to its slot's output counts (after the lease is revoked)."""
+    for s, row in zip(slots, tokens):
+        state.output_counts[s].index_put_((torch.tensor(row, dtype=torch.long),), torch.ones(len(row), dtype=torch.int32),
+                                          accumulate=True)
 
 
-def _count_tokens(state: State, slots: Sequence[int], tokens: Sequence[int]) -> None:
-    state.output_counts[list(slots), list(tokens)] += 1  # distinct slots: no duplicate index
+def single(tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    return tuple((t,) for t in tokens)
 
 
-def _check_params(runtime: Runtime, sampling: Sequence[SamplingParams]) -> None:
-    plan = runtime.plan
-    for sp in sampling:
-        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
+# --- steps --------------------------------------------------------------------------------------
 
 
 def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
     """Prefill ``batch.prompts`` into free slots ``batch.seq_ids``; returns each row's first token.
 
     Runs the (prefill, batch bucket >= n rows, prompt bucket >= longest prompt) graph; a row
-    whose logits were NaN/inf has ``finite[r] == False``. Raises (before any change) InputError
-    (not a PrefillBatch, empty batch, row counts differ, non-int ids), BatchTooLargeError, SlotError (slot out of range, duplicate or live),
-    EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
+    whose logits were NaN/inf has ``finite[r] == False``. With a draft runtime the draft's slots
+    are prefilled too. Raises (before any change) InputError (not a PrefillBatch, empty batch,
+    row counts differ, non-int ids), BatchTooLargeError, SlotError (slot out of range, duplicate
+    or live), EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
     plan = runtime.plan
-    check_usable(state, plan)
+    check_state(runtime, state)
     check_batch(batch, PrefillBatch)
-    _check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
-    _check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
-    _check_slots(state, batch.seq_ids, live=False)
+    check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
+    check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
+    check_slots(state, batch.seq_ids, live=False)
     check_prompts(runtime, batch.prompts)
-    _check_params(runtime, batch.sampling)
+    check_params(runtime, batch.sampling)
 
     n, vocab = len(batch.prompts), plan.model.vocab_size
     bsz = select_bucket(plan.batch_buckets, n, "batch rows")
     bucket = select_bucket(plan.prefill_buckets, max(len(p) for p in batch.prompts), "prompt length")
-    ids = torch.zeros(bsz, bucket, dtype=torch.int32)
+    ids, positions, seq_ids = token_inputs(runtime, bsz, bucket, batch.seq_ids, batch.prompts, [0] * n)
     prompt_mask = torch.zeros(bsz, vocab, dtype=torch.bool)
     for b, prompt in enumerate(batch.prompts):
-        ids[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
         prompt_mask[b, list(prompt)] = True
-    positions = torch.arange(bucket, dtype=torch.int32).expand(bsz, bucket).contiguous()
-    seq_ids = torch.tensor(_pad(list(batch.seq_ids), bsz, plan.kv.scratch_slot), dtype=torch.int32)
+    rand, next_key = draws(state.rng_key, batch.sampling, [0] * n, bsz)
+    bias = min_tokens_bias(runtime, batch.sampling, [0] * n)
+    sampler = sampler_inputs(runtime, batch.sampling, torch.zeros(bsz, vocab, dtype=torch.int32), prompt_mask, bias, rand, bsz)
     lens = torch.tensor(_pad([len(p) for p in batch.prompts], bsz, 1), dtype=torch.int32)
-    counts = torch.zeros(bsz, vocab, dtype=torch.int32)
-    inputs, next_key = _sampler_inputs(runtime, state, batch.sampling, [0] * n, counts, prompt_mask)
+    inputs = PrefillInputs(input_ids=ids, position_ids=positions, seq_ids=seq_ids, prompt_lens=lens, sampler=sampler)
 
-    with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
-        out = runtime.graphs[("prefill", bsz, bucket)](runtime.weights, list(state.kv), ids, positions, seq_ids, lens, *inputs)
-    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
+    out = call_graph(runtime, state.kv, "prefill", bsz, bucket, inputs)
+    draft = _prefill_draft(runtime, state, batch)
+    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
     finite = row_finite(out, n)
     slots = list(batch.seq_ids)
     cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
@@ -279,36 +372,43 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
         cache_lens[s], generated[s], live[s] = len(prompt), 1, True
     # The lease is revoked before the shared host tensors change: an interrupt from here on
     # leaves the input state clearly consumed, never silently half-updated.
-    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=next_key)
+    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=next_key, draft=draft)
     new.prompt_mask[slots] = prompt_mask[:n]
     new.output_counts[slots] = 0
-    _count_tokens(new, slots, tokens)
-    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz, finite=finite), new
+    count_tokens(new, slots, single(tokens))
+    return StepOutput(tokens=tokens, new_tokens=single(tokens), logits=logits, logprobs=logprobs, bucket=bucket,
+                      batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
 
 
-def run_one_token(
-    runtime: Runtime, state: State, phase: str, slots: list[int], input_ids: list[int], positions: list[int],
-    sampling: Sequence[SamplingParams],
-) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, ...], int, tuple[int, int]]:
-    """Run the ``phase`` ("decode" or "draft") graph for one token per row at ``positions``
-    (inputs already validated): rows padded to the batch bucket (padding writes the scratch
-    slot), KV bucket >= max(positions) + 1. Returns (graph outputs, sampler inputs, next RNG key,
-    (batch bucket, KV bucket)); the state's host counts are left to the caller."""
-    plan, n = runtime.plan, len(slots)
+def _prefill_draft(runtime: Runtime, state: State, batch: PrefillBatch) -> State | None:
+    """The draft runtime's state after prefilling the same prompts into the same slots (greedy:
+    its tokens are not used), or None without a draft runtime."""
+    if runtime.draft is None:
+        return None
+    greedy = PrefillBatch(seq_ids=batch.seq_ids, prompts=batch.prompts, sampling=[SamplingParams()] * len(batch.prompts))
+    return prefill_step(runtime.draft, state.draft, greedy)[1]
+
+
+def one_token(runtime: Runtime, kv: KVCache, phase: str, slots: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
+              sampler: SamplerInputs, n: int) -> tuple[dict[str, Tensor], int, int]:
+    """Run the ``phase`` ("decode" or "draft") graph of ``runtime`` on ``kv`` for one token per
+    row at ``positions`` (inputs already validated; ``sampler`` already padded to the batch
+    bucket of ``n`` rows). Returns (graph outputs, batch bucket, KV bucket >= max(positions) + 1)."""
+    plan = runtime.plan
     bsz = select_bucket(plan.batch_buckets, n, "batch rows")
     bucket = select_bucket(plan.decode_buckets, max(positions) + 1, "attended KV length")
-    ids = torch.tensor(_pad(input_ids, bsz, 0), dtype=torch.int32)[:, None]
-    pos = torch.tensor(_pad(positions, bsz, 0), dtype=torch.int32)[:, None]
-    seq_ids = torch.tensor(_pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    counts = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.int32)
-    counts[:n] = state.output_counts[slots]
-    prompt_mask = torch.zeros(bsz, plan.model.vocab_size, dtype=torch.bool)
-    prompt_mask[:n] = state.prompt_mask[slots]
-    generated = [state.generated[s] for s in slots]
-    inputs, next_key = _sampler_inputs(runtime, state, sampling, generated, counts, prompt_mask)
-    with torch.no_grad():
-        out = runtime.graphs[(phase, bsz, bucket)](runtime.weights, list(state.kv), ids, pos, seq_ids, *inputs)
-    return out, inputs, next_key, (bsz, bucket)
+    ids, pos, seq_ids = token_inputs(runtime, bsz, 1, slots, [[t] for t in input_ids], positions)
+    inputs = DecodeInputs(input_ids=ids, position_ids=pos, seq_ids=seq_ids, sampler=sampler)
+    return call_graph(runtime, kv, phase, bsz, bucket, inputs), bsz, bucket
+
+
+def decode_sampler(runtime: Runtime, state: State, slots: Sequence[int], params: Sequence[SamplingParams],
+                   generated: Sequence[int], rand: Tensor, bsz: int) -> SamplerInputs:
+    """The sampler inputs of one decode-like step for ``slots``: their counts and prompt masks
+    from the state, the min_tokens bias at ``generated``, ``rand``; padded to ``bsz`` rows."""
+    slots = list(slots)
+    bias = min_tokens_bias(runtime, params, generated)
+    return sampler_inputs(runtime, params, state.output_counts[slots], state.prompt_mask[slots], bias, rand, bsz)
 
 
 def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
@@ -316,49 +416,63 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
 
     Runs the (decode, batch bucket >= n rows, KV bucket >= longest cache_len + 1) graph; padding
     rows write only the scratch slot; a row whose logits were NaN/inf (e.g. a poisoned cache) has
-    ``finite[r] == False`` and no other row is affected. Raises (before any change) InputError
+    ``finite[r] == False`` and no other row is affected. With a draft runtime the draft decodes
+    the same tokens (its cache follows the target's). Raises (before any change) InputError
     (not a DecodeBatch, empty batch, row counts differ, non-int ids), BatchTooLargeError, SlotError
     (out of range, duplicate or free), TokenOutOfVocabError, SequenceLengthExceededError (slot
     already holds sequence_length tokens), SamplingParamsError, StateConsumedError /
     StateMismatchError.
     """
     plan = runtime.plan
-    check_usable(state, plan)
-    check_batch(batch, DecodeBatch)
-    _check_rows(runtime, batch.seq_ids, batch.input_ids, "decode")
-    _check_rows(runtime, batch.seq_ids, batch.sampling, "decode")
-    _check_slots(state, batch.seq_ids, live=True)
-    check_token_ids(batch.input_ids, plan.model.vocab_size)
+    check_decode(runtime, state, batch, DecodeBatch)
     seq_len = plan.inference.sequence_length
     for s in batch.seq_ids:
         if state.cache_lens[s] >= seq_len:
             raise SequenceLengthExceededError(
                 f"slot {s} holds {state.cache_lens[s]} tokens = sequence_length={seq_len}; release it or compile with a larger sequence_length."
             )
-    _check_params(runtime, batch.sampling)
+    check_params(runtime, batch.sampling)
 
-    slots = list(batch.seq_ids)
+    slots, n = list(batch.seq_ids), len(batch.seq_ids)
+    generated = [state.generated[s] for s in slots]
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    rand, next_key = draws(state.rng_key, batch.sampling, generated, bsz)
+    sampler = decode_sampler(runtime, state, slots, batch.sampling, generated, rand, bsz)
     positions = [state.cache_lens[s] for s in slots]
-    out, inputs, next_key, (bsz, bucket) = run_one_token(runtime, state, "decode", slots, list(batch.input_ids), positions, batch.sampling)
-    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, inputs)
-    finite = row_finite(out, len(slots))
+    out, bsz, bucket = one_token(runtime, state.kv, "decode", slots, batch.input_ids, positions, sampler, n)
+    draft = _follow_draft(runtime, state, slots, batch.input_ids)
+    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
+    finite = row_finite(out, n)
     new_lens, new_generated = list(state.cache_lens), list(state.generated)
     for s in slots:
         new_lens[s] += 1
         new_generated[s] += 1
-    new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key)
-    _count_tokens(new, slots, tokens)  # after the lease is revoked (see prefill_step)
-    return StepOutput(tokens=tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz, finite=finite), new
+    new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key, draft=draft)
+    count_tokens(new, slots, single(tokens))  # after the lease is revoked (see prefill_step)
+    return StepOutput(tokens=tokens, new_tokens=single(tokens), logits=logits, logprobs=logprobs, bucket=bucket,
+                      batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
+
+
+def _follow_draft(runtime: Runtime, state: State, slots: Sequence[int], input_ids: Sequence[int]) -> State | None:
+    """The draft runtime's state after writing ``input_ids`` at each slot's cache_len (a plain
+    decode step keeps the draft's cache in step with the target's), or None without one."""
+    if runtime.draft is None:
+        return None
+    batch = DecodeBatch(seq_ids=slots, input_ids=input_ids, sampling=[SamplingParams()] * len(slots))
+    return decode_step(runtime.draft, state.draft, batch)[1]
 
 
 def release(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
-    """Free live slots ``seq_ids`` (their KV content becomes unreachable). Raises SlotError for
-    ``seq_ids`` that is not a list, or a slot that is out of range, duplicated or already free."""
-    check_usable(state, runtime.plan)
+    """Free live slots ``seq_ids`` (their KV content becomes unreachable; with a draft runtime,
+    the draft's too). Raises SlotError for ``seq_ids`` that is not a list, or a slot that is out
+    of range, duplicated or already free."""
+    check_state(runtime, state)
     if not isinstance(seq_ids, (list, tuple)):
         raise SlotError(f"seq_ids={seq_ids!r} must be a list of slot indices, e.g. [{seq_ids!r}].")
-    _check_slots(state, seq_ids, live=True)
+    check_slots(state, seq_ids, live=True)
+    draft = release(runtime.draft, state.draft, seq_ids) if runtime.draft is not None else None
     cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
     for s in seq_ids:
         cache_lens[s], generated[s], live[s] = 0, 0, False
-    return advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=state.rng_key)
+    return advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=state.rng_key,
+                   draft=draft)

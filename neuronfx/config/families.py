@@ -1,0 +1,61 @@
+"""The registry of supported model families: one entry per HF ``model_type``.
+
+Config, graphs and checkpoints all read this table. An entry says which :class:`ModelConfig`
+fields the family sets from its transformers config beyond the ones every family shares; its
+math lives in ``neuronfx/graphs/<model_type>.py`` (the file name is the model type). Adding a
+family is one entry here plus that one file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Family:
+    """One supported HF ``model_type``.
+
+    ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
+    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
+    """
+
+    model_type: str
+    options: Callable[[Any], dict[str, Any]]
+
+
+def _flag(hf_config: Any, name: str) -> bool:
+    return bool(getattr(hf_config, name, False))
+
+
+def _qwen_window(hf_config: Any) -> int | None:
+    # qwen2/qwen3 carry sliding_window but only use it when use_sliding_window is set.
+    return getattr(hf_config, "sliding_window", None) if _flag(hf_config, "use_sliding_window") else None
+
+
+def _llama(hf_config: Any) -> dict[str, Any]:
+    return {"attention_bias": _flag(hf_config, "attention_bias")}
+
+
+def _mistral(hf_config: Any) -> dict[str, Any]:
+    return {"sliding_window": getattr(hf_config, "sliding_window", None)}
+
+
+def _qwen2(hf_config: Any) -> dict[str, Any]:
+    return {"attention_bias": True, "sliding_window": _qwen_window(hf_config)}  # Qwen2Attention: bias=True
+
+
+def _qwen3(hf_config: Any) -> dict[str, Any]:
+    return {"attention_bias": _flag(hf_config, "attention_bias"), "qk_norm": True, "sliding_window": _qwen_window(hf_config)}
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", _llama),
+    Family("mistral", _mistral),
+    Family("qwen2", _qwen2),
+    Family("qwen3", _qwen3),
+)}
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -1,0 +1,169 @@
+"""Step inputs: one record per phase, the single definition of what each graph takes.
+
+A record is a NamedTuple; each field is one tensor whose symbolic shape and dtype are written on
+its annotation (``Annotated[Tensor, "B T", "int32"]``), with a shape comment saying what it
+holds, or a nested record. From the record come the plan's
+:class:`TensorSpec` tuple for every graph (:func:`input_specs`), the
+trace example inputs and the flat argument order of compiled graphs (``neuronfx.graphs.inputs``),
+the runtime's call (the step functions fill the fields by name) and the docs
+(:func:`describe`). Besides its step inputs every graph takes the shared weights and the KV
+cache (per layer a named K and V, ``neuronfx.graphs.inputs.LayerKV``).
+
+Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (prefill: the
+prompt bucket; decode and draft: 1; speculate: ``speculation_length``), ``V`` vocabulary size,
+``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``).
+
+Modelled on vLLM's ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``): a plain record with a
+shape comment per field, from which dummy inputs are made.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
+
+import attrs
+
+from neuronfx.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    Tensor = torch.Tensor
+else:
+    Tensor = Any
+
+
+@attrs.frozen
+class TensorSpec:
+    """One concrete graph input: name, shape (ints) and dtype name (a key of
+    ``config.dtypes.DTYPES``, e.g. "int32")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SamplerInputs(NamedTuple):
+    """What the in-graph sampler reads for each row (``neuronfx.graphs.sampling.sample``)."""
+
+    sampling_params: Annotated[Tensor, "B P", "float32"]  # (B, P) the row's SamplingParams, columns PARAM_COLUMNS
+    output_counts: Annotated[Tensor, "B V", "int32"]  # (B, V) times the row's request generated each token
+    prompt_mask: Annotated[Tensor, "B V", "bool"]  # (B, V) token occurs in the row's prompt (repetition penalty)
+    logits_bias: Annotated[Tensor, "B V", "float32"]  # (B, V) added to the logits (-inf holds eos back: min_tokens)
+    rand: Annotated[Tensor, "B", "float32"]  # (B,) uniform in [0, 1) for the row's draw
+
+
+class PrefillInputs(NamedTuple):
+    """Prefill: right-padded prompts written into their slots from position 0; the output is
+    sampled at each row's last real token."""
+
+    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) prompt tokens, right-padded with 0
+    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) position of each token: 0 .. T - 1
+    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
+    prompt_lens: Annotated[Tensor, "B", "int32"]  # (B,) real tokens per row, >= 1 (padding rows: 1)
+    sampler: SamplerInputs  # the sampler's inputs, one row per row
+
+
+class DecodeInputs(NamedTuple):
+    """Decode and draft: one new token per row at its slot's cache_len; the output is sampled."""
+
+    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) the row's last token (T = 1)
+    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) its position: the slot's cache_len
+    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
+    sampler: SamplerInputs  # the sampler's inputs, one row per row
+
+
+class SpeculateInputs(NamedTuple):
+    """Speculate (verify): T = k tokens per row at consecutive positions; the output is the
+    logits at every position (acceptance runs on the host)."""
+
+    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) last accepted token, then the k - 1 drafted ones
+    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) cache_len .. cache_len + k - 1
+    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
+
+
+PHASE_INPUTS: dict[str, type] = {
+    "prefill": PrefillInputs, "decode": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
+}
+"""The step-input record of each phase."""
+
+
+@attrs.frozen
+class Field:
+    """One tensor of a record: its name, symbolic shape (symbols) and dtype name."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: str
+
+
+def _is_record(hint: object) -> bool:
+    return isinstance(hint, type) and issubclass(hint, tuple)  # a nested record (NamedTuple)
+
+
+def leaf_fields(cls: type) -> list[Field]:
+    """The tensor fields of record class ``cls``, nested records expanded, in call order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for name in cls._fields:  # type: ignore[attr-defined]
+        hint = hints[name]
+        if _is_record(hint):
+            out += leaf_fields(hint)
+        else:
+            shape, dtype = typing.get_args(hint)[1:]
+            out.append(Field(name, tuple(shape.split()), dtype))
+    return out
+
+
+def input_specs(cls: type, dims: Mapping[str, int]) -> tuple[TensorSpec, ...]:
+    """The TensorSpec of every tensor of ``cls`` with its symbols replaced by ``dims``
+    (e.g. ``{"B": 4, "T": 1, "V": 256, "P": 7}``), in call order."""
+    return tuple(TensorSpec(f.name, tuple(dims[s] for s in f.shape), f.dtype) for f in leaf_fields(cls))
+
+
+def leaves(value: tuple) -> list[Any]:
+    """The tensors of record ``value`` in call order (nested records expanded)."""
+    out = []
+    for item in value:
+        out += leaves(item) if isinstance(item, tuple) else [item]
+    return out
+
+
+def from_leaves(cls: type, values: Sequence[Any]) -> Any:
+    """Inverse of :func:`leaves`: the record of class ``cls`` holding ``values`` in call order.
+    Raises InputError when the count differs from the record's tensors."""
+    want = len(leaf_fields(cls))
+    if len(values) != want:
+        raise InputError(f"{cls.__name__} takes {want} tensors, got {len(values)}; pass one tensor per field.")
+    return _build(cls, iter(values))
+
+
+def _build(cls: type, it: Iterator[Any]) -> Any:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return cls(*(_build(hints[name], it) if _is_record(hints[name]) else next(it) for name in cls._fields))  # type: ignore[attr-defined]
+
+
+def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
+    """Raise InputError naming the field, the expected and the found shape or dtype when a
+    tensor of record ``value`` does not match ``specs`` (the graph's TensorSpecs); ``what``
+    names the graph in the message."""
+    tensors = leaves(value)
+    for spec, t in zip(specs, tensors, strict=True):
+        shape = tuple(getattr(t, "shape", ()))
+        dtype = str(getattr(t, "dtype", type(t).__name__)).removeprefix("torch.")
+        if shape != spec.shape or dtype != spec.dtype:
+            raise InputError(
+                f"{what} input {spec.name!r} is {dtype} {list(shape)}, the graph takes {spec.dtype} {list(spec.shape)}; "
+                "build the step inputs from the graph's GraphSpec."
+            )
+
+
+def describe(cls: type) -> str:
+    """A markdown table of record class ``cls``: field, shape, dtype (the docs' table)."""
+    rows = ["| field | shape | dtype |", "| --- | --- | --- |"]
+    for f in leaf_fields(cls):
+        shape = "(" + ", ".join(f.shape) + ("," if len(f.shape) == 1 else "") + ")"
+        rows.append(f"| `{f.name}` | {shape} | {f.dtype} |")
+    return "\n".join(rows)

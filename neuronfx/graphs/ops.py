@@ -1,0 +1,185 @@
+"""Ops bundles: the kernels a graph's math calls, chosen when the graph is built.
+
+Model math (``layers.py``, the family files, ``phases.py``) never asks whether it is being
+compiled or on which CPU it runs: it calls ``ops.linear``, ``ops.attention`` and so on, and the
+backend hands it a bundle. :data:`REFERENCE_OPS` is plain torch (eager and export, the
+reference every test compares with); :func:`cpu_kernel_ops` is what the inductor backend binds
+on a CPU: neuronfx's ``small_gemm`` kernels for products of few rows (decode), fp32 products
+where the CPU has no native 16-bit GEMM, and decode attention written as fp32 reductions that
+inductor fuses. Each kernel op is tested against its reference op (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen(kw_only=True)
+class Ops:
+    """The kernels of one graph. Shapes: x (..., in), weights (out, in) as in HF checkpoints.
+
+    - ``linear(x, w, b)``: x @ w.T (+ b) -> (..., out) in x's dtype.
+    - ``projections(x, ws, bs)``: ``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V).
+    - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
+    - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
+      bool (True = attend) -> (B, H, Tq, D); grouped-query, scale 1/sqrt(D).
+    - ``cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)``: T new tokens over their
+      slots' first ``bucket`` cache positions; k/v_cache (slots, H_kv, S, D), seq_ids (B,),
+      mask (B, 1, T, bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
+    """
+
+    name: str
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    projections: Callable[[Tensor, Sequence[Tensor], Sequence[Tensor | None]], list[Tensor]]
+    glu: Callable[[Tensor, Tensor, Tensor], Tensor]
+    attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    cached_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor], Tensor]
+
+
+# --- reference ops (plain torch) ----------------------------------------------------------------
+
+
+def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def reference_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def reference_glu(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gated product (Shazeer 2020): silu(x @ gate.T) * (x @ up.T)."""
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention with a boolean mask (True = attend), torch's SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Reference cached attention: copy each row's cache window, zero the positions past the
+    row's last new token, then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
+    (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
+    hidden = ~mask[:, :, -1, :, None]  # (B, 1, S, 1): beyond the last new token
+    keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+    values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)
+    return sdpa(q, keys, values, mask)
+
+
+REFERENCE_OPS = Ops(
+    name="reference", linear=reference_linear, projections=reference_projections, glu=reference_glu,
+    attention=sdpa, cached_attention=gathered_attention,
+)
+"""Plain torch ops: the eager and export backends, and the reference of every kernel op."""
+
+
+# --- CPU kernel ops (inductor) ------------------------------------------------------------------
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight.T as a sum over ``in`` of fp32 products, cast back to x.dtype: one
+    streaming loop under inductor for a single row of 16-bit weights when the kernels are off."""
+    # as_strided makes inductor realize x: otherwise it inlines x's producer (an RMSNorm or
+    # SiLU) into the reduction and recomputes it for every output row.
+    x32 = x.float().contiguous()
+    x32 = x32.as_strided(x32.shape, x32.stride())
+    out = (x32[..., None, :] * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool) -> Tensor:
+    """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows run ``small_gemm``
+    (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
+    products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
+    ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
+    4x slower than fp32) multiplies in fp32; everything else is F.linear."""
+    rows = _rows(x)
+    if kernels and rows <= SMALL_GEMM_MAX_ROWS:
+        return small_gemm(x, weight, bias)
+    if weight.dtype != torch.float32 and rows == 1:
+        return gemv(x, weight, bias)
+    if widen:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
+                    widen: bool) -> list[Tensor]:
+    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+        return small_gemm_multi(x, list(weights), list(biases))
+    return [cpu_linear(x, w, b, kernels=kernels, widen=widen) for w, b in zip(weights, biases)]
+
+
+def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool) -> Tensor:
+    """SwiGLU's gated product; on the kernel path ``small_glu`` forms it from the fp32
+    accumulators and rounds once."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+        return small_glu(x, gate, up)
+    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen)
+    return F.silu(linear(x, gate)) * linear(x, up)
+
+
+def sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """:func:`sdpa` computed in fp32 and cast back: torch's CPU flash attention in bf16 measured
+    about 3x slower than in fp32 without native bf16 (prefill of 128 tokens, AVX2)."""
+    return sdpa(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Cached attention written as fp32 reductions, which inductor fuses with the slot gather
+    and the mask into a few loops instead of copying the window and calling SDPA (about 0.1-1 ms
+    per call on CPU at decode sizes, more in bf16). Same math as :func:`gathered_attention`:
+    head h reads KV head h // (H / H_kv) as HF ``repeat_kv``; masked positions are selected away,
+    never multiplied, so NaN there cannot leak."""
+    b, h, t, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    keys = k_cache[:, :, :bucket][seq_ids].float()  # (B, n_kv, S, D)
+    values = v_cache[:, :, :bucket][seq_ids].float()
+    qg = q.float().reshape(b, n_kv, g * t, d) * (1.0 / math.sqrt(d))  # query heads of one KV head
+    scores = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # (B, n_kv, G*T, S)
+    m = mask[:, :, None].expand(b, 1, g, t, bucket).reshape(b, 1, g * t, bucket)
+    p = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1)
+    out = torch.where(m[..., None], p[..., None] * values[:, :, None, :, :], 0.0).sum(-2)  # (B, n_kv, G*T, D)
+    return out.reshape(b, h, t, d).to(q.dtype)
+
+
+def native_16bit_gemm() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 / AMX), per oneDNN."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_kernel_ops(dtype: str) -> Ops:
+    """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
+    the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
+    products and attention for 16-bit plans without native 16-bit GEMM, fused cached attention."""
+    kernels = small_gemm_available()
+    widen = dtype != "float32" and not native_16bit_gemm()
+    flags = {"kernels": kernels, "widen": widen}
+    return Ops(
+        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen})",
+        linear=functools.partial(cpu_linear, **flags),
+        projections=functools.partial(cpu_projections, **flags),
+        glu=functools.partial(cpu_glu, **flags),
+        attention=sdpa_fp32 if widen else sdpa,
+        cached_attention=fused_cached_attention,
+    )

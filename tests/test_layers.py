@@ -1,0 +1,118 @@
+"""The layers import one way and no module imports itself back through others.
+
+config <- graphs <- runtime <- (checkpoints, artifacts, cache) <- api <- (cli, bench, the package).
+Every import counts, lazy ones inside functions included; ``errors``, ``memory`` and ``version``
+are leaves anyone may import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import neuronfx
+
+ROOT = Path(neuronfx.__file__).parent
+
+RANKS = {
+    "neuronfx.version": 0, "neuronfx.errors": 0, "neuronfx.memory": 0,
+    "neuronfx.config": 1, "neuronfx.graphs": 2, "neuronfx.runtime": 3,
+    "neuronfx.checkpoints": 4, "neuronfx.artifacts": 4, "neuronfx.cache": 4,
+    "neuronfx.api": 5, "neuronfx.cli": 6, "neuronfx.bench": 6, "neuronfx": 6,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = ["neuronfx", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """neuronfx modules ``path`` imports anywhere in its body (``from pkg import mod`` resolves
+    to the module when ``mod`` is one)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "neuronfx"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "neuronfx":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in known else node.module)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, set(mods)) - {name} for name, path in mods.items()}
+
+
+def rank(module: str) -> int:
+    """The rank of the most specific prefix of ``module`` in RANKS."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in RANKS:
+            return RANKS[".".join(parts[:i])]
+    raise AssertionError(f"{module} has no layer in RANKS; add it")
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles_lazy_imports_included():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_layers_import_downwards_only():
+    upward = [(m, dep) for m, deps in graph().items() for dep in deps if rank(dep) > rank(m)]
+    assert not upward, f"upward imports (module -> imported): {upward}"
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        rank(name)
+
+
+def test_graph_math_never_asks_whether_it_is_compiled():
+    for name in ("layers.py", "phases.py"):
+        text = (ROOT / "graphs" / name).read_text()
+        assert "is_compiling" not in text and "inductor_tracing" not in text and "is_exporting" not in text, name
+
+
+def test_io_modules_know_no_backend():
+    """Saving, loading and caching go through the backend records (graphs/backends.py): no
+    branch on a backend's name, no probe of a backend's graph types."""
+    for name in ("artifacts.py", "cache.py", "api.py"):
+        text = (ROOT / name).read_text()
+        for needle in ("backend ==", "GraphModule", "PrecompiledPart", "ExportedGraph", "parts.prologue", "graphs.inductor",
+                       '"inductor"', '"export"', '"eager"'):
+            assert needle not in text, f"{name} mentions {needle}"
