@@ -27,9 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 import attrs
+from filelock import FileLock
 
 from neuronfx.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
 from neuronfx.config.plan import Plan
@@ -207,5 +206,14 @@ def clear(key: str | None = None, root: Path | None = None) -> list[str]:
     return removed
 
 
-__all__ = ["CacheEntryWarning", "ENV_VAR", "cache_key", "clear", "compile_graphs", "default_cache_dir",
-           "inspect_entry", "list_entries", "resolve_cache"]
+__all__ = [
+    "ENV_VAR",
+    "CacheEntryWarning",
+    "cache_key",
+    "clear",
+    "compile_graphs",
+    "default_cache_dir",
+    "inspect_entry",
+    "list_entries",
+    "resolve_cache",
+]

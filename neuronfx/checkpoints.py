@@ -227,7 +227,7 @@ def _read_safetensors_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Te
     """Every tensor of one safetensors file, on the CPU, cast to ``dtype``."""
     try:
         with safetensors.safe_open(str(file), framework="pt", device="cpu") as reader:
-            return {name: reader.get_tensor(name).to(dtype) for name in reader.keys()}
+            return {name: reader.get_tensor(name).to(dtype) for name in reader.keys()}  # noqa: SIM118 - safe_open is not iterable
     except (safetensors.SafetensorError, OSError) as exc:
         raise CheckpointError(
             f"cannot read safetensors file {str(file)!r}: {exc}; the file is truncated or corrupt, copy it again."

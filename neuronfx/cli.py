@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
-
 from tqdm.auto import tqdm
 
 import neuronfx
@@ -182,15 +181,10 @@ def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
     return [list(tokenizer(t)["input_ids"]) for t in texts]
 
 
-def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
-    """What can be checked before the model loads: token budget, prompt count, seed."""
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens={args.max_new_tokens} must be >= 1.")
-    if args.max_new_tokens >= inference.sequence_length:
-        raise SequenceLengthExceededError(
-            f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in --sequence-length="
-            f"{inference.sequence_length}; lower it or raise --sequence-length."
-        )
+def check_cli_flags(args: argparse.Namespace) -> None:
+    """Combinations of generate's flags, checked first: seed range, stream vs json, drafts."""
+    if not 0 <= args.seed <= MAX_SEED:
+        raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
     if args.stream and args.json:
         raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
     if args.speculation_length:
@@ -198,8 +192,17 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
             raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
     elif args.draft_layers or args.draft_model:
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
-    if not 0 <= args.seed <= MAX_SEED:
-        raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
+
+
+def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
+    """What the plan bounds and can be checked before the model loads: the token budget."""
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={args.max_new_tokens} must be >= 1.")
+    if args.max_new_tokens >= inference.sequence_length:
+        raise SequenceLengthExceededError(
+            f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in --sequence-length="
+            f"{inference.sequence_length}; lower it or raise --sequence-length."
+        )
 
 
 def _inference(args: argparse.Namespace) -> InferenceConfig:
@@ -252,6 +255,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     # Options are checked before the (slow) load so a typo fails at once.
+    check_cli_flags(args)
     saved = saved_runtime(args.model)
     inference = _saved_inference(args, saved) if saved is not None else _inference(args)
     sampling = SamplingParams(

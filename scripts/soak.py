@@ -35,11 +35,11 @@ import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import VOCAB, random_prompt, tiny_hf_model, tiny_runtime  # noqa: E402
+from helpers import VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 
-import neuronfx  # noqa: E402
-from neuronfx import DecodeBatch, PrefillBatch, Request, SamplingParams  # noqa: E402
-from neuronfx.errors import (  # noqa: E402
+import neuronfx
+from neuronfx import DecodeBatch, PrefillBatch, Request, SamplingParams
+from neuronfx.errors import (
     BatchTooLargeError,
     EmptyPromptError,
     InputError,
@@ -52,7 +52,7 @@ from neuronfx.errors import (  # noqa: E402
     StateMismatchError,
     TokenOutOfVocabError,
 )
-from neuronfx.runtime.scheduler import Queue, abort, schedule, step, submit  # noqa: E402
+from neuronfx.runtime.scheduler import Queue, abort, schedule, step, submit
 
 RSS_TOLERANCE_MIB = 24.0
 """Allowed RSS growth between the end of warm-up and the end of the run."""
@@ -60,12 +60,23 @@ WARMUP_FRACTION = 0.1
 NO_EOS: frozenset[int] = frozenset()
 MAX_PROMPT, MAX_TOKENS = 24, 12  # valid requests: 24 + 12 <= sequence_length 64
 
-BAD_SAMPLING = (
-    SamplingParams(temperature=-1.0), SamplingParams(temperature=float("nan")), SamplingParams(top_p=0.0),
-    SamplingParams(top_k=VOCAB + 1), SamplingParams(min_p=2.0), SamplingParams(repetition_penalty=0.0),
-    SamplingParams(presence_penalty=float("inf")), SamplingParams(seed=-5), SamplingParams(logprobs=99),
-    SamplingParams(stop_token_ids=(VOCAB,)), SamplingParams(min_tokens=3, max_tokens=1),
+# SamplingParams fields out of range: rejected by SamplingParams itself when built (inside the call).
+BAD_SAMPLING_FIELDS = (
+    {"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"min_p": 2.0}, {"repetition_penalty": 0.0},
+    {"presence_penalty": float("inf")}, {"seed": -5}, {"min_tokens": 3, "max_tokens": 1},
 )
+# Valid SamplingParams the plan cannot serve: rejected when a request or step is checked.
+OVER_PLAN_SAMPLING = (
+    SamplingParams(top_k=VOCAB + 1), SamplingParams(logprobs=99), SamplingParams(stop_token_ids=(VOCAB,)),
+)
+
+
+def bad_sampling(r: random.Random) -> SamplingParams:
+    """A SamplingParams the tiny plan rejects: built from bad fields (raises right here) or over the plan."""
+    i = r.randrange(len(BAD_SAMPLING_FIELDS) + len(OVER_PLAN_SAMPLING))
+    if i < len(OVER_PLAN_SAMPLING):
+        return OVER_PLAN_SAMPLING[i]
+    return SamplingParams(**BAD_SAMPLING_FIELDS[i - len(OVER_PLAN_SAMPLING)])
 
 
 def rss_mib() -> float:
@@ -104,7 +115,7 @@ class Soak:
     foreign: neuronfx.State
     rng: random.Random
     state: neuronfx.State
-    queue: Queue = Queue()
+    queue: Queue = attrs.field(factory=Queue)
     previous: neuronfx.State | None = None  # a state some step consumed
     next_index: int = 0
     requests: dict[int, Request] = attrs.Factory(dict)
@@ -190,14 +201,16 @@ class Soak:
             (TokenOutOfVocabError, attrs.evolve(good, prompt=(-1,) + good.prompt)),
             (SequenceLengthExceededError, attrs.evolve(good, prompt=tuple(random_prompt(30, 2)), max_tokens=40)),
             (InputError, attrs.evolve(good, max_tokens=0)),
-            (SamplingParamsError, attrs.evolve(good, sampling=r.choice(BAD_SAMPLING))),
+            (SamplingParamsError, None),  # the request's SamplingParams are built inside the call
         ]
         error, req = r.choice(cases)
         index = self.next_index
         if self.requests and r.random() < 0.2:  # an index already in use
             error, req, index = InputError, good, r.choice(list(self.requests))
         queue = self.queue
-        self.errors[expect(error, lambda: submit(queue, index, req, runtime=self.rt))] += 1
+        call = (lambda: submit(queue, index, req, runtime=self.rt)) if req is not None else (
+            lambda: submit(queue, index, attrs.evolve(good, sampling=bad_sampling(r)), runtime=self.rt))
+        self.errors[expect(error, call)] += 1
 
     def iterate(self) -> None:
         events, state, self.queue = step(self.rt, self.state, self.queue, NO_EOS)
@@ -234,7 +247,7 @@ class Soak:
             x = r.choice(live)
             cases += [(SlotError, lambda: neuronfx.prefill_step(rt, s, PrefillBatch(seq_ids=[x], prompts=[[1]], sampling=[g]))),
                       (TokenOutOfVocabError, lambda: neuronfx.decode_step(rt, s, DecodeBatch(seq_ids=[x], input_ids=[VOCAB], sampling=[g]))),
-                      (SamplingParamsError, lambda: neuronfx.decode_step(rt, s, DecodeBatch(seq_ids=[x], input_ids=[1], sampling=[r.choice(BAD_SAMPLING)]))),
+                      (SamplingParamsError, lambda: neuronfx.decode_step(rt, s, DecodeBatch(seq_ids=[x], input_ids=[1], sampling=[bad_sampling(r)]))),
                       (SlotError, lambda: neuronfx.decode_step(rt, s, DecodeBatch(seq_ids=[x, x], input_ids=[1, 1], sampling=[g, g])))]
         error, call = r.choice(cases)
         before = host_view(s)
@@ -274,7 +287,7 @@ class Soak:
     def poison_free(self) -> None:
         """NaN into every free slot and the scratch slot: never read, so nothing may change."""
         slots = list(self.state.free_slots) + [self.rt.plan.kv.scratch_slot]
-        for t in self.state.kv:
+        for t in kv_tensors(self.state):
             t[slots] = float("nan")
 
     def poison_live(self) -> None:
@@ -283,7 +296,7 @@ class Soak:
         if not running:
             return
         run = self.rng.choice(running)
-        self.state.kv[0][run.slot, :, : self.state.cache_lens[run.slot]] = float("nan")
+        self.state.kv[0].k[run.slot, :, : self.state.cache_lens[run.slot]] = float("nan")
         self.poisoned.add(run.index)
 
     def drain(self) -> None:

@@ -1,13 +1,108 @@
-"""Shared pytest setup: Hypothesis profiles.
+"""Shared pytest setup: Hypothesis profiles, a private compile cache, and the session fixtures
+that hold what is expensive to build: the compiled tiny runtimes every compiled-backend test
+shares, and the real SmolLM2 model, loaded once per session.
 
 ``HYPOTHESIS_PROFILE=ci`` (default) keeps property tests quick; ``HYPOTHESIS_PROFILE=dev`` runs
-many more examples when working on a planner.
+many more examples when working on a planner. The compile cache is a fresh temporary directory
+per session (a run is always cold and never touches ``~/.cache/neuronfx``) unless
+``NEURONFX_TEST_CACHE_DIR`` names one to reuse.
 """
 
-import os
+from __future__ import annotations
 
+import os
+import tempfile
+import time
+
+import attrs
+import pytest
+import torch
+from helpers import tiny_hf_model, tiny_runtime
 from hypothesis import settings
+
+import neuronfx
 
 settings.register_profile("ci", max_examples=50, deadline=None)
 settings.register_profile("dev", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="neuronfx-test-cache-")
+
+
+# --- compiled tiny runtimes, built once per session ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def inductor_qwen2():
+    """(transformers model, inductor runtime) of a tiny qwen2 (q/k/v biases: Llama's math plus
+    the bias path) with the tiny bucket ladders (prefill 8, 16, 32; decode 16, 32, 64), batch 4,
+    logits out: 6 graphs."""
+    hf = tiny_hf_model("qwen2", seed=7)
+    return hf, tiny_runtime(hf, "inductor")
+
+
+@pytest.fixture(scope="session")
+def inductor_llama_speculative():
+    """(transformers model, inductor runtime) of a tiny llama with speculate graphs (k = 4) and
+    self-draft graphs (1 layer), one bucket per phase (prefill 32, decode 64), batch 4: 4 graphs."""
+    hf = tiny_hf_model("llama", seed=6)
+    return hf, tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,))
+
+
+@pytest.fixture(scope="session")
+def export_llama():
+    """(transformers model, export runtime) of a tiny llama, tiny ladders, batch 4: 6 graphs."""
+    hf = tiny_hf_model("llama", seed=4)
+    return hf, tiny_runtime(hf, "export")
+
+
+@pytest.fixture(scope="session")
+def export_qwen3():
+    """(transformers model, export runtime) of a tiny qwen3 (q/k norm), tiny ladders, batch 4."""
+    hf = tiny_hf_model("qwen3", seed=5)
+    return hf, tiny_runtime(hf, "export")
+
+
+# --- the real model, loaded once ------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class RealModel:
+    """SmolLM2-135M-Instruct, read once: neuronfx's checkpoint and tokenizer (and how long they
+    took), and transformers' own GGUF model and tokenizer, the golden reference (fp32, eval)."""
+
+    checkpoint: object
+    tokenizer: object
+    reference: object
+    reference_tokenizer: object
+    load_s: float
+    tokenizer_s: float
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> RealModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+
+    path = default_model_path()
+    start = time.perf_counter()
+    ckpt = load_checkpoint(path)
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(path)
+    tokenizer_s = time.perf_counter() - start
+    directory, name = os.path.split(path)
+    reference = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, local_files_only=True).eval()
+    reference_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    return RealModel(checkpoint=ckpt, tokenizer=tokenizer, reference=reference, reference_tokenizer=reference_tokenizer,
+                     load_s=load_s, tokenizer_s=tokenizer_s)
+
+
+@pytest.fixture(scope="session")
+def smollm2_eager(smollm2: RealModel) -> neuronfx.Runtime:
+    """SmolLM2 on the eager backend (nothing to compile), batch 2, speculate graphs (k = 4) and
+    self-draft graphs (first 15 layers), prompts up to 128 tokens, 256 per slot."""
+    inference = neuronfx.InferenceConfig(batch_size=2, max_context_length=128, sequence_length=256, backend="eager",
+                                         speculation_length=4, draft_layers=15)
+    return neuronfx.compile(neuronfx.make_plan(smollm2.checkpoint.config, inference), smollm2.checkpoint.state_dict, progress=False)

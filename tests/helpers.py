@@ -48,11 +48,12 @@ TINY_INFERENCE = dict(
 GREEDY = SamplingParams()
 
 
-def tiny_hf_model(model_type: str = "llama", seed: int = 0) -> PreTrainedModel:
-    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval."""
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval;
+    ``overrides`` are config fields."""
     config_cls, model_cls, extra = _HF_CLASSES[model_type]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY, **extra)).to(torch.float32).eval()
+    model = model_cls(config_cls(**(TINY | extra | overrides))).to(torch.float32).eval()
     model.generation_config.eos_token_id = None  # tests choose eos explicitly
     return model
 
@@ -69,6 +70,11 @@ def tiny_plan(hf_model: PreTrainedModel, backend: str = "eager", **overrides: ob
 def tiny_runtime(hf_model: PreTrainedModel, backend: str = "eager", **overrides: object) -> Runtime:
     """Compile ``hf_model``'s weights with the tiny bucket plan; ``overrides`` are InferenceConfig fields."""
     return neuronfx.compile(tiny_plan(hf_model, backend, **overrides), hf_model.state_dict(), progress=False)
+
+
+def kv_tensors(state: State) -> list[torch.Tensor]:
+    """Every K and V tensor of ``state``'s KV cache (layer 0 K, layer 0 V, layer 1 K, ...)."""
+    return [t for layer in state.kv for t in layer]
 
 
 def random_prompt(length: int, seed: int) -> list[int]:

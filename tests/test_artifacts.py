@@ -15,7 +15,8 @@ import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
-from neuronfx.artifacts import GENERATION_CONFIG, INDUCTOR_DIR, MANIFEST, PLAN, WEIGHTS, sha256
+from neuronfx.artifacts import GENERATION_CONFIG, MANIFEST, PLAN, WEIGHTS, sha256
+from neuronfx.graphs.inductor import INDUCTOR_DIR
 from neuronfx.errors import ArtifactError, ConfigError
 
 PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
@@ -32,8 +33,11 @@ def outputs(rt):
 
 
 @pytest.mark.parametrize("backend", ["eager", "export", "inductor"])
-def test_round_trip_identical_tokens_and_logits(hf, backend, tmp_path):
-    rt = tiny_runtime(hf, backend, prefill_buckets=(32,), decode_buckets=(64,))  # 2 graphs per backend
+def test_round_trip_identical_tokens_and_logits(hf, backend, request, tmp_path):
+    if backend == "inductor":  # the session's shared runtime: 6 graphs, already compiled
+        rt = request.getfixturevalue("inductor_qwen2")[1]
+    else:
+        rt = tiny_runtime(hf, backend, prefill_buckets=(32,), decode_buckets=(64,))  # 2 graphs
     want_tokens, want_logits = outputs(rt)
     neuronfx.save(rt, tmp_path / "rt")
     if backend == "inductor":  # the compiled kernels ship: loading compiles no C++
@@ -59,6 +63,17 @@ rt = neuronfx.load(sys.argv[1])
 tokens, _, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], [random_prompt(9, seed=1), random_prompt(4, seed=2)], 6)
 print(json.dumps(tokens))
 """
+
+
+def test_speculative_inductor_round_trip(inductor_llama_speculative, tmp_path):
+    """Speculate and draft graphs save and load too; greedy speculation gives the same tokens."""
+    _, rt = inductor_llama_speculative
+    prompts = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
+    want, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=10, eos_token_ids=[])
+    loaded = neuronfx.load(neuronfx.save(rt, tmp_path / "rt"))
+    assert loaded.can_speculate and loaded.plan == rt.plan
+    got, _ = neuronfx.generate(loaded, neuronfx.init_state(loaded), prompts, max_new_tokens=10, eos_token_ids=[])
+    assert got.token_ids == want.token_ids and got.speculation == want.speculation
 
 
 def _tokens_in_fresh_process(directory: Path) -> list[list[int]]:

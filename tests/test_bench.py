@@ -51,7 +51,8 @@ def test_run_bench_compares_engines_in_one_run(tiny_checkpoint, tmp_path):
 
 
 def test_bench_cli_json(tiny_checkpoint, capsys):
-    assert main(["bench", "--model", tiny_checkpoint.source, "--batch-sizes", "1", "--prompt-lens", "8", "--gen-lens", "3", "--json"]) == 0
+    assert main(["bench", "--model", tiny_checkpoint.source, "--backend", "eager", "--batch-sizes", "1", "--prompt-lens", "8",
+                 "--gen-lens", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in data["results"]] == ["neuronfx"] and data["results"][0]["gen_len"] == 3
 

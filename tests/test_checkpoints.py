@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -214,16 +213,11 @@ def test_default_model_path_is_gguf() -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(capsys: pytest.CaptureFixture[str]) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_matches_transformers(smollm2, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's load of the real model (conftest.py): neuronfx's GGUF reader against
+    transformers' own GGUF loader, tensor for tensor."""
     path = default_model_path()
-    start = time.perf_counter()
-    ckpt = load_checkpoint(path)
-    load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokenizer = load_tokenizer(path)
-    tokenizer_s = time.perf_counter() - start
+    ckpt, tokenizer, load_s, tokenizer_s = smollm2.checkpoint, smollm2.tokenizer, smollm2.load_s, smollm2.tokenizer_s
 
     config = ckpt.config
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
@@ -233,9 +227,7 @@ def test_smollm2_gguf_matches_transformers(capsys: pytest.CaptureFixture[str]) -
     assert tokenizer.eos_token_id in config.eos_token_ids
     assert tokenizer.decode(tokenizer.encode("Paris is the capital of France.")) == "Paris is the capital of France."
 
-    reference = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-    ).state_dict()
+    reference = smollm2.reference.state_dict()
     assert set(ckpt.state_dict) == set(reference) - {"lm_head.weight"}
     for name, tensor in ckpt.state_dict.items():
         assert tensor.dtype == torch.float32, name

@@ -1,10 +1,14 @@
-"""CLI checks that must fail at once, before the model is loaded (no model load here)."""
+"""The CLI: checks that must fail at once, before the model is loaded, and generate with every
+sampling option, plain and speculative, on a tiny model directory."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
+from helpers import tiny_hf_model
 
 from neuronfx.cli import main
 
@@ -28,6 +32,9 @@ from neuronfx.cli import main
         (["--top-p", "0"], "SamplingParamsError"),
         (["--top-k", "100000"], "SamplingParamsError"),
         (["--model", "/nonexistent/model.gguf"], "CheckpointError"),
+        (["--device", "cuda"], "ConfigError"),
+        (["--speculation-length", "4"], "InputError"),
+        (["--draft-layers", "2"], "InputError"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, error, capsys):
@@ -41,3 +48,46 @@ def test_generate_rejects_bad_options_before_loading(args, error, capsys):
 def test_bench_rejects_bad_sizes(capsys):
     assert main(["bench", "--gen-lens", "1", "--model", "/nonexistent"]) == 2
     assert "gen-lens" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny llama directory with a word-level tokenizer: token i is the word "w{i}"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tiny_hf_model("llama", seed=3).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
+    return path
+
+
+OPTIONS = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "0.3", "--min-p", "0.05",
+           "--logprobs", "2", "--min-tokens", "2", "--ignore-eos", "--max-new-tokens", "12", "--backend", "eager",
+           "--batch-size", "2", "--max-context-length", "32", "--sequence-length", "64"]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("draft", [["--draft-layers", "1"], ["--draft-model", "MODEL"]], ids=["self", "draft-model"])
+def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, capsys, draft):
+    prompts = ["--prompt", "w5 w9 w11 w3 w200", "--prompt", "w7 w7 w1"]
+    draft = [str(tiny_model_dir) if a == "MODEL" else a for a in draft]
+    plain = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS)
+    spec = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert [len(t) for t in spec["token_ids"]] == [12, 12]
+    assert plain["speculation"] is None and all(s["emitted"] == 11 for s in spec["speculation"])
+    for a, b in zip(spec["logprobs"], plain["logprobs"], strict=True):
+        assert [x["top_ids"] for x in a] == [x["top_ids"] for x in b]
+    # a stop string, streamed: the printed text is the JSON run's text, cut before the stop
+    words = plain["text"][0].split()
+    stop = f"{words[4]} {words[5]}"
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w5 w9 w11 w3 w200", *OPTIONS, "--stop", stop,
+                 "--speculation-length", "3", *draft, "--stream"]) == 0
+    assert capsys.readouterr().out == plain["text"][0][: plain["text"][0].index(stop)] + "\n"

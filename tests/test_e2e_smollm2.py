@@ -1,5 +1,8 @@
-"""End to end on the real SmolLM2-135M-Instruct GGUF: `neuronfx generate` gives the tokens
-transformers' greedy `generate` gives on the same GGUF and chat template."""
+"""End to end on the real SmolLM2-135M-Instruct GGUF, loaded once per session (conftest.py):
+neuronfx gives the tokens transformers' greedy ``generate`` gives on the same GGUF and chat
+template: through the CLI with the default (inductor) backend on a small plan, and through the
+API on the eager backend for batches, streaming, stop strings and speculative decoding (self-draft
+and a draft model), with every sampling option speculation must honour."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import json
 import pytest
 import torch
 
-from neuronfx.checkpoints import default_model_path
+import neuronfx
+from neuronfx import SamplingParams
 from neuronfx.cli import main
 
 pytestmark = pytest.mark.slow
@@ -18,70 +22,91 @@ QUESTIONS = {
     "Write a haiku about the sea.": 32,
     "Explain in one sentence what a CPU does.": 32,
 }
+FRANCE = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """transformers' own GGUF loader and tokenizer: the golden reference (fp32, greedy)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = default_model_path()
-    directory, name = path.rsplit("/", 1)
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    return tok, model
+def chat_ids(tokenizer, question: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
 
 
-def hf_greedy(reference, question: str, max_new_tokens: int) -> list[int]:
-    tok, model = reference
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"]
+def hf_greedy(smollm2, question: str, max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([chat_ids(smollm2.reference_tokenizer, question)])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out = smollm2.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
 
 
-def run_cli(capsys, *args: str) -> dict:
-    assert main(["generate", *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def test_cli_france_matches_transformers(reference, capsys):
-    out = run_cli(capsys, "--chat", "What is the capital of France?", "--max-new-tokens", "24")
-    assert out["token_ids"] == hf_greedy(reference, "What is the capital of France?", 24)
+def test_cli_france_matches_transformers(smollm2, capsys):
+    """The CLI end to end (GGUF load, tokenizer, chat template, compile, generate) on the default
+    inductor backend; a 2-graph plan keeps the cold compile short."""
+    assert main(["generate", "--chat", FRANCE, "--max-new-tokens", "24", "--max-context-length", "128",
+                 "--sequence-length", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "inductor"
+    assert out["token_ids"] == hf_greedy(smollm2, FRANCE, 24)
     assert "Paris" in out["text"]
     assert out["num_generated"] == len(out["token_ids"])
     assert out["prefill_s"] > 0 and out["decode_s"] > 0
 
 
-def test_cli_batch_of_chat_prompts_matches_transformers(reference, capsys):
+def test_batch_of_chat_prompts_matches_transformers(smollm2, smollm2_eager):
     questions = [q for q, n in QUESTIONS.items() if n == 32]
-    args = [a for q in questions for a in ("--chat", q)]
-    out = run_cli(capsys, *args, "--max-new-tokens", "32", "--batch-size", "2")
-    for q, ids in zip(questions, out["token_ids"]):
-        assert ids == hf_greedy(reference, q, 32), q
+    prompts = [chat_ids(smollm2.tokenizer, q) for q in questions]
+    rt = smollm2_eager
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=32, speculative=False)
+    for q, ids in zip(questions, result.token_ids, strict=True):
+        assert list(ids) == hf_greedy(smollm2, q, 32), q
 
 
-def test_cli_stream_prints_text_cut_at_stop_string(reference, capsys):
-    tok, _ = reference
-    q = "What is the capital of France?"
-    full = tok.decode(hf_greedy(reference, q, 24), skip_special_tokens=True)
+def test_stream_text_cut_at_stop_string(smollm2, smollm2_eager):
+    full = smollm2.reference_tokenizer.decode(hf_greedy(smollm2, FRANCE, 24), skip_special_tokens=True)
     assert "Paris" in full
-    assert main(["generate", "--chat", q, "--max-new-tokens", "24", "--stream", "--stop", "Paris"]) == 0
-    printed = capsys.readouterr().out
-    assert printed == full[: full.index("Paris")] + "\n"
+    rt = smollm2_eager
+    events = neuronfx.stream_generate(rt, neuronfx.init_state(rt), [chat_ids(smollm2.tokenizer, FRANCE)], max_new_tokens=24,
+                                      sampling=SamplingParams(stop="Paris"), tokenizer=smollm2.tokenizer, speculative=False)
+    text = "".join(e.text for e in events if isinstance(e, neuronfx.TokenEvent))
+    assert text == full[: full.index("Paris")]
 
 
-@pytest.mark.parametrize("draft", [["--draft-layers", "15"], ["--draft-model", "DEFAULT"]], ids=["self", "draft-model"])
-def test_cli_speculative_greedy_matches_transformers(reference, capsys, draft):
-    draft = [default_model_path() if a == "DEFAULT" else a for a in draft]
-    q = "What is the capital of France?"
-    # A smaller plan (buckets 128 / 128, 256) keeps the cold compile of the extra graphs short.
-    out = run_cli(capsys, "--chat", q, "--max-new-tokens", "24", "--speculation-length", "4",
-                  "--max-context-length", "128", "--sequence-length", "256", *draft)
-    assert out["token_ids"] == hf_greedy(reference, q, 24)
-    stats = out["speculation"]
-    assert stats["emitted"] == len(out["token_ids"]) - 1 and stats["drafted"] == 3 * stats["target_passes"]
-    if "--draft-model" in draft:  # the draft is the target itself: every draft is accepted
-        assert stats["acceptance_rate"] == 1.0
+@pytest.mark.parametrize("draft", ["self", "draft-model"])
+def test_speculative_greedy_matches_transformers(smollm2, smollm2_eager, draft):
+    rt = smollm2_eager  # self-draft: the first 15 of 30 layers
+    if draft == "draft-model":  # the model itself as its draft: every draft is accepted
+        ckpt = smollm2.checkpoint
+        target = neuronfx.compile(neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(
+            batch_size=2, max_context_length=128, sequence_length=256, backend="eager", speculation_length=4)), ckpt.state_dict,
+            progress=False)
+        rt = neuronfx.with_draft(target, neuronfx.compile(neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(
+            batch_size=2, max_context_length=128, sequence_length=256, backend="eager", output_logits=True)), ckpt.state_dict,
+            progress=False))
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [chat_ids(smollm2.tokenizer, FRANCE)], max_new_tokens=24)
+    assert list(result.token_ids[0]) == hf_greedy(smollm2, FRANCE, 24)
+    stats = result.speculation[0]
+    assert stats.emitted == len(result.token_ids[0]) - 1 and stats.drafted == 3 * stats.target_passes
+    if draft == "draft-model":
+        assert stats.acceptance_rate == 1.0
+
+
+def test_speculative_greedy_with_every_option_equals_plain(smollm2, smollm2_eager):
+    """Penalties, min_p, logprobs, a stop string and streaming: the same tokens, text and
+    logprobs with speculation (self-draft) as without."""
+    rt, tok = smollm2_eager, smollm2.tokenizer
+    sp = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, min_p=0.05, logprobs=3,
+                        stop=["Paris", "sea"], min_tokens=2)
+    prompts = [chat_ids(tok, q) for q in (FRANCE, "Write a haiku about the sea.")]
+
+    def run(speculative: bool) -> tuple:
+        events = list(neuronfx.stream_generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=28, sampling=sp,
+                                               tokenizer=tok, speculative=speculative))
+        tokens = [e for e in events if isinstance(e, neuronfx.TokenEvent)]
+        per_row = [[e for e in tokens if e.index == i] for i in range(len(prompts))]
+        return ([[e.token_id for e in row] for row in per_row], ["".join(e.text for e in row) for row in per_row],
+                [[e.logprobs for e in row] for row in per_row], [row[-1].finish_reason for row in per_row])
+
+    spec, plain = run(True), run(False)
+    assert spec[0] == plain[0] and spec[1] == plain[1] and spec[3] == plain[3]
+    assert any(len(t) < 28 for t in plain[0])  # a stop string ended something
+    for row_a, row_b in zip(spec[2], plain[2], strict=True):
+        for a, b in zip(row_a, row_b, strict=True):
+            assert a.token_id == b.token_id and a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-3)

@@ -21,7 +21,7 @@ import neuronfx
 from neuronfx import DecodeBatch, PrefillBatch, SamplingParams
 from neuronfx.errors import StateConsumedError
 from neuronfx.runtime import steps
-from neuronfx.runtime.scheduler import Queue, Request, schedule, step, submit
+from neuronfx.runtime.scheduler import Queue, Request, step, submit
 
 LIVE = {0: random_prompt(7, seed=50), 2: random_prompt(12, seed=51)}
 NEW = random_prompt(5, seed=52)  # prefilled into free slot 1 by the faulty step
@@ -141,7 +141,7 @@ def test_interrupt_while_updating_host_tensors_consumes_the_state(rt, monkeypatc
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(steps, "_count_tokens", interrupted)
+    monkeypatch.setattr(steps, "count_tokens", interrupted)
     with pytest.raises(KeyboardInterrupt):
         if phase == "prefill":
             neuronfx.prefill_step(rt, state, P([1], [NEW]))
@@ -190,7 +190,7 @@ def test_fault_inside_a_scheduler_iteration(rt, phase):
 
 def poison(state, slot: int) -> None:
     """Test-only: NaN into every attended K position of ``slot`` (layer 0)."""
-    state.kv[0][slot, :, : state.cache_lens[slot]] = float("nan")
+    state.kv[0].k[slot, :, : state.cache_lens[slot]] = float("nan")
 
 
 def test_nan_cache_in_one_slot_is_reported_and_other_rows_unchanged(rt, control):
@@ -240,16 +240,30 @@ def nan_embedding(rt, token: int) -> neuronfx.Runtime:
     return attrs.evolve(rt, weights=rt.weights | {"embed": embed})
 
 
-@pytest.mark.parametrize("backend", ["eager", "export", "inductor"])
-def test_generate_reports_nan_prompt_and_keeps_others(hf, backend):
-    base = rt_small(hf, backend)
+@pytest.mark.parametrize("backend", ["eager", "export", "inductor", "inductor-speculative"])
+def test_generate_reports_nan_prompt_and_keeps_others(hf, request, backend):
+    base = {"eager": lambda: rt_small(hf, "eager"), "export": lambda: rt_small(hf, "export"),
+            "inductor": lambda: request.getfixturevalue("inductor_qwen2")[1],
+            "inductor-speculative": lambda: request.getfixturevalue("inductor_llama_speculative")[1]}[backend]()
     good, bad = [3, 4, 5], [6, 7, 8]
     alone, _ = neuronfx.generate(base, neuronfx.init_state(base), [good], max_new_tokens=5, eos_token_ids=[])
     poisoned = nan_embedding(base, 7)
     result, state = neuronfx.generate(poisoned, neuronfx.init_state(poisoned), [good, bad], max_new_tokens=5, eos_token_ids=[])
     assert result.finish_reasons == ("length", "error")
     assert result.token_ids == (alone.token_ids[0], ())
-    assert state.free_slots == (0, 1)
+    assert state.free_slots == tuple(range(base.plan.inference.batch_size))
+
+
+def test_speculate_step_reports_a_nan_row_and_keeps_the_others(hf):
+    """A poisoned slot's verify logits are NaN: speculate_step flags that row only."""
+    rt = tiny_runtime(hf, speculation_length=4, draft_layers=1)
+    state, last = live_state(rt)
+    plain, _ = neuronfx.speculate_step(rt, live_state(rt)[0], neuronfx.SpeculateBatch(seq_ids=list(last), input_ids=list(last.values()),
+                                                                                       sampling=[GREEDY] * 2))
+    poison(state, 2)
+    out, state = neuronfx.speculate_step(rt, state, neuronfx.SpeculateBatch(seq_ids=list(last), input_ids=list(last.values()),
+                                                                            sampling=[GREEDY] * 2))
+    assert out.finite == (True, False) and out.new_tokens[0] == plain.new_tokens[0]
 
 
 def rt_small(hf, backend: str) -> neuronfx.Runtime:

@@ -1,5 +1,6 @@
-"""The small_gemm kernels and the cached decode attention against float64 references, and their use
-inside inductor graphs."""
+"""The kernel ops (graphs/ops.py: small_gemm, small_gemm_multi, small_glu, fused cached attention)
+against float64 references and against the reference ops, and the kernel choice of the CPU ops
+bundle inside compiled graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 
 from neuronfx.config.masks import decode_mask
 from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
-from neuronfx.graphs.layers import cached_attention, linear
+from neuronfx.graphs.ops import REFERENCE_OPS, cpu_kernel_ops, fused_cached_attention, gathered_attention
+
+CPU_OPS = cpu_kernel_ops("float32")
+linear = CPU_OPS.linear
 
 # Tolerances: fp32 accumulation over K <= 200 terms of O(1) products; the output is rounded to
 # x's dtype (bf16: 8 mantissa bits, relative 2**-8; fp16: 2**-11).
@@ -53,9 +57,23 @@ def test_compiled_linear_uses_kernel_up_to_max_rows(rows: int) -> None:
     assert ("neuronfx::small_gemm" in ops) == (rows <= SMALL_GEMM_MAX_ROWS), sorted(ops)
 
 
-def test_eager_linear_is_f_linear() -> None:
+def test_reference_linear_is_f_linear() -> None:
     x, w = torch.randn(1, 64), torch.randn(32, 64)
-    assert "neuronfx::small_gemm" not in _ops_run(linear, x, w)
+    assert "neuronfx::small_gemm" not in _ops_run(REFERENCE_OPS.linear, x, w)
+    assert torch.equal(REFERENCE_OPS.linear(x, w, None), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 12])
+def test_kernel_ops_match_reference_ops(rows: int) -> None:
+    """Every product op of the CPU bundle against the same op of the reference bundle."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=g)
+    ws = [torch.randn(n, 64, generator=g) for n in (64, 32, 32)]
+    bs = [torch.randn(n, generator=g) for n in (64, 32, 32)]
+    torch.testing.assert_close(CPU_OPS.linear(x, ws[0], bs[0]), REFERENCE_OPS.linear(x, ws[0], bs[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(CPU_OPS.projections(x, ws, bs), REFERENCE_OPS.projections(x, ws, bs), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(CPU_OPS.glu(x, ws[1], ws[2]), REFERENCE_OPS.glu(x, ws[1], ws[2]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -116,8 +134,8 @@ def naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 4)])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: int, compiled: bool) -> None:
+@pytest.mark.parametrize("op", ["fused", "fused-compiled", "reference"])
+def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: int, op: str) -> None:
     # 6 query heads over 2 KV heads, 4 slots of 40 positions, a 32-position window; positions
     # past each row's last token hold NaN, which must not reach the output.
     g = torch.Generator().manual_seed(batch * 10 + tokens)
@@ -130,19 +148,23 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
         v_cache[s, :, last[i] + 1:] = float("nan")
     mask = decode_mask(position_ids, 32)
     q = torch.randn(batch, 6, tokens, 16, generator=g).to(dtype)
-    fn = torch.compile(cached_attention, fullgraph=True, dynamic=False) if compiled else cached_attention
-    out = fn(q, k_cache, v_cache, seq_ids, 32, mask)
+    fns = {"fused": fused_cached_attention, "reference": gathered_attention,
+           "fused-compiled": torch.compile(fused_cached_attention, fullgraph=True, dynamic=False)}
+    out = fns[op](q, k_cache, v_cache, seq_ids, 32, mask)
     ref = naive_attention(q, k_cache, v_cache, seq_ids, 32, mask)
     assert out.dtype == dtype and out.shape == (batch, 6, tokens, 16)
-    # fp32 math throughout; bf16 rounds the output once (relative 2**-8 of values of O(1)).
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5 if dtype == torch.float32 else 2**-7)
+    # fp32 math throughout (the reference op: SDPA in the input dtype, so bf16 rounds inside too);
+    # bf16 rounds the output once (relative 2**-8 of values of O(1)).
+    atol = 1e-5 if dtype == torch.float32 else 2**-7 if op != "reference" else 2**-5
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
 def test_compiled_decode_layer_uses_fused_kernels() -> None:
     from transformers import LlamaConfig
 
     from neuronfx.config.model import ModelConfig
-    from neuronfx.graphs.layers import llama_layer, rope_cos_sin, rope_inv_freq
+    from neuronfx.graphs.layers import rope_cos_sin, rope_inv_freq
+    from neuronfx.graphs.llama import decoder_layer
 
     hf = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=50)
     cfg = ModelConfig.from_hf(hf)
@@ -153,10 +175,10 @@ def test_compiled_decode_layer_uses_fused_kernels() -> None:
     h = torch.randn(2, 1, 64, generator=gen)
     cos, sin = rope_cos_sin(torch.tensor([[3], [5]]), rope_inv_freq(cfg), torch.float32)
 
-    def layer(lw: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return llama_layer(cfg, lw, h, cos, sin, lambda q, k, v: q)  # attention stubbed: kernels only
+    def layer(lw: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops=CPU_OPS) -> torch.Tensor:
+        return decoder_layer(cfg, ops, lw, h, cos, sin, lambda q, k, v: q)  # attention stubbed: kernels only
 
     fn = torch.compile(layer, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(fn(lw, h, cos, sin), layer(lw, h, cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fn(lw, h, cos, sin), layer(lw, h, cos, sin, REFERENCE_OPS), rtol=1e-5, atol=1e-5)
     ops = _ops_run(fn, lw, h, cos, sin)
     assert {"neuronfx::small_gemm_multi", "neuronfx::small_glu"} <= ops, sorted(ops)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
-from neuronfx.graphs.layers import gemv, linear
+from neuronfx.graphs.ops import REFERENCE_OPS, cpu_linear, gemv
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -31,13 +31,14 @@ def test_gemv_equals_fp32_linear_rounded_once(dtype, bias):
     assert torch.allclose(out.float(), ref, rtol=eps, atol=1e-5)
 
 
-def test_linear_uses_gemv_only_when_compiled_single_row_16bit():
-    # Outside torch.compile linear is F.linear whatever the shape: the reduction form would
-    # materialise an (out, in) fp32 product in eager mode.
+def test_cpu_linear_uses_gemv_for_a_single_16bit_row_without_kernels():
+    # The reference ops (eager, export) are F.linear whatever the shape: the reduction form would
+    # materialise an (out, in) fp32 product in eager mode. The CPU bundle without the kernels
+    # takes the reduction for one row of 16-bit weights, which inductor turns into one loop.
     x = torch.randn(1, 96).to(torch.bfloat16)
     w = torch.randn(40, 96).to(torch.bfloat16)
-    assert torch.equal(linear(x, w), F.linear(x, w))
-    compiled = torch.compile(linear, fullgraph=True, dynamic=False)
+    assert torch.equal(REFERENCE_OPS.linear(x, w, None), F.linear(x, w))
+    compiled = torch.compile(lambda x, w: cpu_linear(x, w, kernels=False, widen=True), fullgraph=True, dynamic=False)
     assert torch.allclose(compiled(x, w).float(), gemv(x, w).float(), rtol=2**-8, atol=1e-5)
 
 
@@ -53,8 +54,9 @@ def hf_bf16_ref():
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_bf16_batch1_decode_logits_track_fp32_reference(hf_bf16_ref, backend):
-    # batch_size=1 is the plan where compiled decode uses the streaming GEMV.
-    rt = tiny_runtime(hf_bf16_ref, backend, batch_size=1, dtype="bfloat16")
+    # batch_size=1 is the plan where compiled decode streams the weights once per row; one
+    # bucket per phase keeps the compile to 2 graphs.
+    rt = tiny_runtime(hf_bf16_ref, backend, batch_size=1, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(64,))
     prompt = random_prompt(11, seed=5)
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], 8)
     for i in range(8):

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from helpers import GREEDY, TINY, VOCAB, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime
+from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
@@ -183,8 +183,48 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def speculate(c):
-    return neuronfx.generate_speculative(c.rt, c.state, [[1, 2]], max_new_tokens=2)
+def speculate(c, batch=None, rt=None):
+    batch = batch or neuronfx.SpeculateBatch(seq_ids=[0], input_ids=[1], sampling=[GREEDY])
+    return neuronfx.speculate_step(rt or c.rt, c.state, batch)
+
+
+def speculating_runtime(c, **overrides):
+    """The tiny runtime with speculate graphs (k = 4) and self-draft graphs, eager."""
+    return tiny_runtime(c.hf, speculation_length=4, draft_layers=1, **overrides)
+
+
+def speculate_live(c, batch):
+    """speculate_step on a speculating runtime whose slot 0 is live (its own state)."""
+    rt = speculating_runtime(c)
+    _, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), P([0], [[5, 6, 7]]))
+    return neuronfx.speculate_step(rt, state, batch)
+
+
+def speculate_full(c):
+    """speculate_step on a slot whose cache has room for fewer than k = 4 more tokens."""
+    rt = speculating_runtime(c)
+    out, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), P([0], [random_prompt(32, seed=9)]))
+    token = out.tokens[0]
+    for _ in range(29):  # 32 + 29 = 61 tokens: 61 + 4 > sequence_length 64
+        out, state = neuronfx.decode_step(rt, state, D([0], [token]))
+        token = out.tokens[0]
+    return neuronfx.speculate_step(rt, state, neuronfx.SpeculateBatch(seq_ids=[0], input_ids=[token], sampling=[GREEDY]))
+
+
+def draft_without_logits(c):
+    return neuronfx.with_draft(speculating_runtime(c), tiny_runtime(c.hf, output_logits=False, on_device_sampling=True))
+
+
+def graph_input_of_wrong_shape(c):
+    """A decode graph called with a step-input record whose input_ids are (1, 2), not (1, 1)."""
+    from neuronfx.config.inputs import DecodeInputs
+    from neuronfx.runtime.steps import call_graph
+
+    spec = c.rt.plan.graph("decode", 1, 16)
+    good = neuronfx.graphs.inputs.example_inputs(c.rt.plan, spec)
+    bad = DecodeInputs(input_ids=torch.zeros(1, 2, dtype=torch.int32), position_ids=good.position_ids,
+                       seq_ids=good.seq_ids, sampler=good.sampler)
+    return call_graph(c.rt, c.state.kv, "decode", 1, 16, bad)
 
 
 def request(prompt, max_tokens=4, sampling=GREEDY):
@@ -264,10 +304,10 @@ CASES: dict[str, Case] = {
                                        ("torch.int8", "torch.float32")),
     "weights-missing-tensor": Case(CheckpointError, "state dict without `model.norm.weight`",
                                    lambda c: compile_with(c, state_dict(c, drop=("model.norm.weight",))),
-                                   ("missing ['model.norm.weight']", "belong together")),
+                                   ("missing tensors ['model.norm.weight']", "belong together")),
     "weights-extra-tensor": Case(CheckpointError, "state dict with an extra `model.extra.weight`",
                                  lambda c: compile_with(c, state_dict(c, add={"model.extra.weight": torch.zeros(2)})),
-                                 ("unexpected ['model.extra.weight']", "belong together")),
+                                 ("unexpected tensors ['model.extra.weight']", "belong together")),
     "weights-misshaped-tensor": Case(CheckpointError, "`model.norm.weight` of shape (65,) where the config implies (64,)",
                                      lambda c: compile_with(c, state_dict(c, replace={"model.norm.weight": torch.ones(65)})),
                                      ("(65,)", "expected (64,)", "config.json")),
@@ -376,8 +416,27 @@ CASES: dict[str, Case] = {
     "generate-stop-not-tokenizable": Case(SamplingParamsError, "stop string `\"zz\"` that the tokenizer can never produce",
                                           lambda c: gen(c, [[1]], sampling=SP(stop="zz"), tokenizer=c.extras["tokenizer"]),
                                           ("stop='zz'", "cannot be produced", "'w0'", "fix the stop string")),
-    "speculate-without-graphs": Case(ConfigError, "`generate_speculative` on a runtime compiled without speculation",
+    "speculate-without-graphs": Case(ConfigError, "`speculate_step` on a runtime compiled without speculation",
                                      speculate, ("speculation_length=k >= 2",)),
+    "speculate-without-draft": Case(ConfigError, "`speculate_step` on a runtime with speculate graphs but no draft",
+                                    lambda c: speculate(c, rt=tiny_runtime(c.hf, speculation_length=4)),
+                                    ("no draft", "draft_layers=N", "with_draft")),
+    "speculate-wrong-batch-type": Case(InputError, "`speculate_step` given a DecodeBatch",
+                                       lambda c: speculate_live(c, D([0], [1])),
+                                       ("DecodeBatch", "neuronfx.SpeculateBatch")),
+    "speculate-no-room-for-k": Case(SequenceLengthExceededError, "`speculate_step` on a slot holding 61 of 64 tokens, k = 4",
+                                    speculate_full, ("slot 0 holds 61 tokens", "4 more", "sequence_length=64", "decode_step")),
+    "draft-without-logits": Case(ConfigError, "`with_draft` of a draft runtime compiled with `output_logits=False`",
+                                 draft_without_logits, ("output_logits=True",)),
+    "draft-other-vocab": Case(ConfigError, "`with_draft` of a draft runtime with another vocabulary",
+                              lambda c: neuronfx.with_draft(speculating_runtime(c), neuronfx.compile(
+                                  make_plan(model_config(vocab_size=300), inference(output_logits=True, backend="eager")),
+                                  {k: v for k, v in c.extras["vocab300"].items()}, progress=False)),
+                              ("draft vocab_size=300", "target's is 256", "tokenizer")),
+    "graph-input-wrong-shape": Case(InputError, "a decode graph called with `input_ids` of shape (1, 2) instead of (1, 1)",
+                                    graph_input_of_wrong_shape, ("'input_ids'", "[1, 2]", "[1, 1]", "GraphSpec")),
+    "config-device-cuda": Case(ConfigError, "`InferenceConfig(device=\"cuda\")` (no device support yet)",
+                               lambda c: inference(device="cuda"), ("device='cuda'", "CPU only", "device='cpu'")),
     # --- sampling parameters --------------------------------------------------------------------
     "sampling-not-params": Case(SamplingParamsError, "a dict instead of SamplingParams in a PrefillBatch",
                                 lambda c: bad_sampling(c, {"temperature": 1.0}), ("{'temperature': 1.0}", "neuronfx.SamplingParams")),
@@ -487,18 +546,19 @@ def extras(hf, rt, tmp_path_factory):
     saved = tmp_path_factory.mktemp("artifact") / "rt"
     neuronfx.save(rt, saved)
     foreign = neuronfx.init_state(tiny_runtime(hf, batch_size=2))
-    return {"saved": saved, "foreign": foreign, "tokenizer": word_tokenizer()}
+    vocab300 = tiny_hf_model("llama", seed=1, vocab_size=300).state_dict()
+    return {"saved": saved, "foreign": foreign, "tokenizer": word_tokenizer(), "vocab300": vocab300}
 
 
 def snapshot(state: neuronfx.State) -> tuple:
-    return (state.cache_lens, state.generated, state.live, state.rng_key, [t.clone() for t in state.kv],
+    return (state.cache_lens, state.generated, state.live, state.rng_key, [t.clone() for t in kv_tensors(state)],
             state.output_counts.clone(), state.prompt_mask.clone())
 
 
 def assert_unchanged(state: neuronfx.State, before: tuple) -> None:
     assert not state.consumed
     assert (state.cache_lens, state.generated, state.live, state.rng_key) == before[:4]
-    for a, b in zip(state.kv, before[4], strict=True):
+    for a, b in zip(kv_tensors(state), before[4], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(state.output_counts, before[5]) and torch.equal(state.prompt_mask, before[6])
 

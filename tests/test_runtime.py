@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import GREEDY, VOCAB, random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, VOCAB, kv_tensors, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
@@ -46,7 +46,7 @@ def generate(rt, state, prompts, n=16, **kw):
 
 
 def slot_kv(state, slot: int) -> list[torch.Tensor]:
-    return [t[slot].clone() for t in state.kv]
+    return [t[slot].clone() for t in kv_tensors(state)]
 
 
 def assert_kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -92,7 +92,7 @@ def test_nan_filled_cache_gives_identical_tokens_and_logits(rt):
     prompts = [random_prompt(n, seed=10 + n) for n in LENGTHS]
     clean_tokens, clean_logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1, 2, 3], prompts, 20)
     state = neuronfx.init_state(rt)
-    for t in state.kv:
+    for t in kv_tensors(state):
         t.fill_(float("nan"))
     tokens, logits, _, _ = run_steps(rt, state, [0, 1, 2, 3], prompts, 20)
     assert tokens == clean_tokens
@@ -102,7 +102,7 @@ def test_nan_filled_cache_gives_identical_tokens_and_logits(rt):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
     state = neuronfx.init_state(rt)
-    for t in state.kv:
+    for t in kv_tensors(state):
         t.fill_(float("nan"))
     result, _ = generate(rt, state, prompts, n=20)
     assert [list(t) for t in result.token_ids] == clean_tokens
@@ -124,7 +124,7 @@ def test_slot_reused_after_long_request_behaves_like_fresh(rt):
 def test_padding_rows_never_write_other_slots(rt):
     state = neuronfx.init_state(rt)
     g = torch.Generator().manual_seed(0)
-    for t in state.kv:  # distinctive content, so any write shows up
+    for t in kv_tensors(state):  # distinctive content, so any write shows up
         t.copy_(torch.randn(t.shape, generator=g))
     untouched = {s: slot_kv(state, s) for s in (1, 3)}
 
@@ -193,7 +193,7 @@ def test_consumed_state_raises(rt, consumer):
     result = uses(rt)[consumer](old)
     new = result[1] if isinstance(result, tuple) else result
     assert old.consumed and not new.consumed
-    for name, use in uses(rt).items():
+    for _name, use in uses(rt).items():
         with pytest.raises(StateConsumedError):
             use(old)
     uses(rt)["generate"](new)  # the returned state works
@@ -202,7 +202,7 @@ def test_consumed_state_raises(rt, consumer):
 def test_state_of_another_plan_raises(hf, rt):
     for other in (tiny_runtime(hf, batch_size=2), tiny_runtime(hf, sequence_length=48, decode_buckets=(16, 48))):
         foreign = live_state(other)
-        for name, use in uses(rt).items():
+        for _name, use in uses(rt).items():
             with pytest.raises(StateMismatchError):
                 use(foreign)
         assert not foreign.consumed
@@ -221,16 +221,16 @@ def D(seq_ids, input_ids, sampling=None):
     return DecodeBatch(seq_ids=seq_ids, input_ids=input_ids, sampling=sampling or [GREEDY] * len(input_ids))
 
 
+# Each is rejected: by SamplingParams itself when constructed (inside the call), or by the plan.
 BAD_SAMPLING = [
-    SamplingParams(temperature=-1.0), SamplingParams(temperature=float("nan")),
-    SamplingParams(temperature=float("inf")), SamplingParams(temperature=1.0, top_p=0.0),
-    SamplingParams(temperature=1.0, top_p=1.5), SamplingParams(temperature=1.0, top_k=-2),
-    SamplingParams(temperature=1.0, top_k=VOCAB + 1), SamplingParams(temperature=1.0, top_k=2.0),
-    SamplingParams(min_p=1.5), SamplingParams(repetition_penalty=0.0), SamplingParams(presence_penalty=3.0),
-    SamplingParams(frequency_penalty=float("nan")), SamplingParams(seed=-1), SamplingParams(min_tokens=-1),
-    SamplingParams(max_tokens=0), SamplingParams(min_tokens=5, max_tokens=2), SamplingParams(stop_token_ids=(VOCAB,)),
-    SamplingParams(logprobs=21), SamplingParams(logprobs=-1), SamplingParams(ignore_eos=1),
+    {"temperature": -1.0}, {"temperature": float("nan")}, {"temperature": float("inf")},
+    {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_p": 1.5}, {"temperature": 1.0, "top_k": -2},
+    {"temperature": 1.0, "top_k": VOCAB + 1}, {"temperature": 1.0, "top_k": 2.0}, {"min_p": 1.5},
+    {"repetition_penalty": 0.0}, {"presence_penalty": 3.0}, {"frequency_penalty": float("nan")}, {"seed": -1},
+    {"min_tokens": -1}, {"max_tokens": 0}, {"min_tokens": 5, "max_tokens": 2}, {"stop_token_ids": (VOCAB,)},
+    {"logprobs": 21}, {"logprobs": -1}, {"ignore_eos": 1},
 ]
+
 
 # (error, call(rt, state)); state has slot 0 live holding HELD (+ its first token).
 BAD_INPUTS = {
@@ -262,14 +262,20 @@ BAD_INPUTS = {
     "release-free-slot": (SlotError, lambda rt, s: neuronfx.release(rt, s, [1])),
     "release-duplicate": (SlotError, lambda rt, s: neuronfx.release(rt, s, [0, 0])),
     **{
-        f"generate-sampling-{i}": (SamplingParamsError, lambda rt, s, sp=sp: generate(rt, s, [[1, 2]], sampling=sp))
-        for i, sp in enumerate(BAD_SAMPLING)
+        f"generate-sampling-{i}": (SamplingParamsError, lambda rt, s, f=f: generate(rt, s, [[1, 2]], sampling=SamplingParams(**f)))
+        for i, f in enumerate(BAD_SAMPLING)
     },
-    "prefill-sampling": (SamplingParamsError, lambda rt, s: neuronfx.prefill_step(rt, s, P([1], [[1]], [BAD_SAMPLING[0]]))),
-    "decode-sampling": (SamplingParamsError, lambda rt, s: neuronfx.decode_step(rt, s, D([0], [1], [BAD_SAMPLING[4]]))),
+    "prefill-sampling": (SamplingParamsError,
+                         lambda rt, s: neuronfx.prefill_step(rt, s, P([1], [[1]], [SamplingParams(**BAD_SAMPLING[0])]))),
+    "prefill-sampling-over-plan": (SamplingParamsError,
+                                   lambda rt, s: neuronfx.prefill_step(rt, s, P([1], [[1]], [SamplingParams(**BAD_SAMPLING[6])]))),
+    "decode-sampling": (SamplingParamsError,
+                        lambda rt, s: neuronfx.decode_step(rt, s, D([0], [1], [SamplingParams(**BAD_SAMPLING[4])]))),
+    "decode-sampling-over-plan": (SamplingParamsError,
+                                  lambda rt, s: neuronfx.decode_step(rt, s, D([0], [1], [SamplingParams(**BAD_SAMPLING[17])]))),
     "decode-sampling-second-row": (
         SamplingParamsError,
-        lambda rt, s: generate(rt, s, [[1], [2]], sampling=[GREEDY, BAD_SAMPLING[1]]),
+        lambda rt, s: generate(rt, s, [[1], [2]], sampling=[GREEDY, SamplingParams(**BAD_SAMPLING[1])]),
     ),
 }
 
@@ -285,7 +291,7 @@ def test_bad_input_raises_before_any_state_change(rt, held_reference, case):
     error, call = BAD_INPUTS[case]
     first, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt, seed=3), P([0], [HELD]))
     assert first.tokens[0] == held_reference[0]
-    before = ([t.clone() for t in state.kv], state.cache_lens, state.live, state.rng_key, state.generated,
+    before = ([t.clone() for t in kv_tensors(state)], state.cache_lens, state.live, state.rng_key, state.generated,
               state.output_counts.clone(), state.prompt_mask.clone())
 
     with pytest.raises(error) as info:
@@ -295,7 +301,7 @@ def test_bad_input_raises_before_any_state_change(rt, held_reference, case):
     assert not state.consumed
     assert (state.cache_lens, state.live, state.rng_key, state.generated) == before[1:5]
     assert torch.equal(state.output_counts, before[5]) and torch.equal(state.prompt_mask, before[6])
-    assert_kv_equal(list(state.kv), before[0])
+    assert_kv_equal(kv_tensors(state), before[0])
     continuation, _ = decode_from(rt, state, 0, first.tokens[0], 5)
     assert [first.tokens[0]] + continuation == held_reference
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.sampling import (
     MAX_SEED,
     NUM_PARAM_COLUMNS,
@@ -91,7 +93,7 @@ def run(logits, params, rand, width, counts=None, prompt=None, bias=None, num_lo
     counts = torch.zeros(b, v, dtype=torch.int32) if counts is None else counts
     prompt = torch.zeros(b, v, dtype=torch.bool) if prompt is None else prompt
     bias = torch.zeros(b, v) if bias is None else bias
-    return sample(logits, params, counts, prompt, bias, rand, width, num_logprobs)
+    return sample(logits, SamplerInputs(params, counts, prompt, bias, rand), width, num_logprobs)
 
 
 def grid(n: int) -> torch.Tensor:
@@ -495,8 +497,12 @@ def test_compiles_fullgraph_static_and_matches_eager():
         torch.where(torch.rand(b, v, generator=g) < 0.1, float("-inf"), 0.0),
         torch.rand(b, generator=g),
     )
-    eager = sample(*args, width, 3)
-    compiled = torch.compile(sample, fullgraph=True, dynamic=False)(*args, width, 3)
+    eager = sample(args[0], SamplerInputs(*args[1:]), width, 3)
+
+    def flat(logits, *sampler):  # compiled code takes tensors; the record is built inside
+        return sample(logits, SamplerInputs(*sampler), width, 3)
+
+    compiled = torch.compile(flat, fullgraph=True, dynamic=False)(*args)
     assert set(compiled) == set(eager)
     assert torch.equal(compiled["tokens"], eager["tokens"]) and compiled["tokens"].dtype == torch.int32
     assert torch.equal(compiled["top_ids"], eager["top_ids"])
@@ -574,6 +580,7 @@ def test_pack_sampling_rows_follow_param_columns():
     assert pack_sampling([], 8) == []
 
 
+# Rejected when constructed: the rule is the field's own.
 BAD_SAMPLING = [
     ("temperature", {"temperature": -0.1}),
     ("temperature", {"temperature": math.nan}),
@@ -581,7 +588,6 @@ BAD_SAMPLING = [
     ("temperature", {"temperature": "1.0"}),
     ("temperature", {"temperature": True}),
     ("top_k", {"top_k": -2}),
-    ("top_k", {"top_k": 65}),
     ("top_k", {"top_k": 5.0}),
     ("top_k", {"top_k": True}),
     ("top_p", {"top_p": 0.0}),
@@ -611,23 +617,47 @@ BAD_SAMPLING = [
     ("stop", {"stop": [1]}),
     ("stop", {"stop": None}),
     ("stop_token_ids", {"stop_token_ids": [-1]}),
-    ("stop_token_ids", {"stop_token_ids": [100]}),
     ("stop_token_ids", {"stop_token_ids": [True]}),
     ("stop_token_ids", {"stop_token_ids": 5}),
     ("ignore_eos", {"ignore_eos": 1}),
     ("include_stop_str_in_output", {"include_stop_str_in_output": "yes"}),
     ("logprobs", {"logprobs": -1}),
-    ("logprobs", {"logprobs": 6}),
     ("logprobs", {"logprobs": True}),
 ]
 
+# Accepted when constructed, rejected by a plan (max_topk=64, max_logprobs=5, vocab_size=100).
+BAD_FOR_PLAN = [
+    ("top_k", {"top_k": 65}),
+    ("stop_token_ids", {"stop_token_ids": [100]}),
+    ("logprobs", {"logprobs": 6}),
+]
+
+
+def _converted(field: str, value: object) -> object:
+    """The field's value after SamplingParams' converters (a str stop becomes a 1-tuple, lists tuples)."""
+    if field == "stop" and isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list) else value
+
 
 @pytest.mark.parametrize(("field", "fields"), BAD_SAMPLING, ids=[f"{f}={v!r}" for f, v in BAD_SAMPLING])
+def test_construction_rejects(field, fields):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**fields)
+    assert f"SamplingParams.{field}={_converted(field, fields[field])!r}" in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "fields"), BAD_FOR_PLAN, ids=[f"{f}={v!r}" for f, v in BAD_FOR_PLAN])
 def test_check_sampling_rejects(field, fields):
     sp = SamplingParams(**fields)
     with pytest.raises(SamplingParamsError) as info:
         check_sampling(sp, max_topk=64, max_logprobs=5, vocab_size=100)
     assert f"{field}={getattr(sp, field)!r}" in str(info.value)
+
+
+def test_evolve_validates_too():
+    with pytest.raises(SamplingParamsError, match="top_p=0.0"):
+        attrs.evolve(SamplingParams(), top_p=0.0)
 
 
 def test_check_sampling_messages_name_limit_and_fix():
@@ -639,8 +669,8 @@ def test_check_sampling_messages_name_limit_and_fix():
         check_sampling(SamplingParams(stop_token_ids=[100]), 64, 5, vocab_size=100)
     with pytest.raises(SamplingParamsError, match="SamplingParams"):
         check_sampling({"temperature": 1.0}, 64, 5)  # type: ignore[arg-type]
-    with pytest.raises(SamplingParamsError, match="top_p"):
-        pack_sampling([SamplingParams(), SamplingParams(top_p=0.0)], 64)
+    with pytest.raises(SamplingParamsError, match="top_k=65"):
+        pack_sampling([SamplingParams(), SamplingParams(top_k=65)], 64)
 
 
 @pytest.mark.parametrize(

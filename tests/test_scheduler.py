@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GREEDY, VOCAB, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, VOCAB, hf_greedy, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -84,7 +84,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def poison_free_slots(self):
         free = list(self.state.free_slots) + [self.runtime.plan.kv.scratch_slot]
-        for t in self.state.kv:
+        for t in kv_tensors(self.state):
             t[free] = float("nan")
 
     @invariant()
@@ -127,9 +127,9 @@ def test_generate_more_prompts_than_slots(hf, rt):
 def test_decode_runs_in_smallest_batch_bucket_and_pads_to_scratch_only(hf, rt):
     state = neuronfx.init_state(rt)
     g = torch.Generator().manual_seed(0)
-    for t in state.kv:
+    for t in kv_tensors(state):
         t.copy_(torch.randn(t.shape, generator=g))
-    free_before = [t[1].clone() for t in state.kv]
+    free_before = [t[1].clone() for t in kv_tensors(state)]
     prompts = {0: random_prompt(6, 1), 2: random_prompt(9, 2), 3: random_prompt(4, 3)}
     out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=list(prompts), prompts=list(prompts.values()), sampling=[GREEDY] * 3))
     assert out.batch_size == 4  # 3 rows -> batch bucket 4
@@ -140,7 +140,7 @@ def test_decode_runs_in_smallest_batch_bucket_and_pads_to_scratch_only(hf, rt):
         assert out.batch_size == {3: 4, 2: 2, 1: 1}[n_rows]
         for s, t in zip(slots, out.tokens):
             tokens[s].append(t)
-    for before, t in zip(free_before, state.kv):
+    for before, t in zip(free_before, kv_tensors(state)):
         assert torch.equal(t[1], before)  # the free slot was never written
     for s, p in prompts.items():
         assert tokens[s] == hf_greedy(hf, p, len(tokens[s]))
@@ -253,7 +253,7 @@ def test_stop_string_cut_from_text_and_streamed_text_matches(hf, rt, tokenizer):
     assert result.finish_reasons == ("stop",) and result.stop_reasons == (stop,)
     assert list(result.token_ids[0]) == greedy[:5]
 
-    events = list(neuronfx.generate(rt, neuronfx.init_state(rt), [prompt], sampling=sp, tokenizer=tokenizer, stream=True, eos_token_ids=NO_EOS))
+    events = list(neuronfx.stream_generate(rt, neuronfx.init_state(rt), [prompt], sampling=sp, tokenizer=tokenizer, eos_token_ids=NO_EOS))
     assert isinstance(events[-1], neuronfx.Finished) and events[-1].state.free_slots == (0, 1, 2, 3)
     tokens = [e for e in events if isinstance(e, neuronfx.TokenEvent)]
     assert "".join(e.text for e in tokens) == result.texts[0]

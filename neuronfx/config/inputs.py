@@ -147,10 +147,13 @@ def _build(cls: type, it: Iterator[Any]) -> Any:
 
 def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
     """Raise InputError naming the field, the expected and the found shape or dtype when a
-    tensor of record ``value`` does not match ``specs`` (the graph's TensorSpecs); ``what``
-    names the graph in the message."""
+    tensor of record ``value`` does not match ``specs`` (the graph's TensorSpecs), or is not
+    contiguous (compiled graphs are specialised for contiguous inputs); ``what`` names the graph
+    in the message."""
     tensors = leaves(value)
-    for spec, t in zip(specs, tensors, strict=True):
+    if len(tensors) != len(specs):
+        raise InputError(f"{what} takes {len(specs)} input tensors, got {len(tensors)}; build the step inputs from its GraphSpec.")
+    for spec, t in zip(specs, tensors):
         shape = tuple(getattr(t, "shape", ()))
         dtype = str(getattr(t, "dtype", type(t).__name__)).removeprefix("torch.")
         if shape != spec.shape or dtype != spec.dtype:
@@ -158,6 +161,8 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
                 f"{what} input {spec.name!r} is {dtype} {list(shape)}, the graph takes {spec.dtype} {list(spec.shape)}; "
                 "build the step inputs from the graph's GraphSpec."
             )
+        if not t.is_contiguous():
+            raise InputError(f"{what} input {spec.name!r} is not contiguous; pass {spec.name}.contiguous().")
 
 
 def describe(cls: type) -> str:

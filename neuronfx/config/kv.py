@@ -92,7 +92,7 @@ def speculate_access(cache_len: int, k: int, bucket: int) -> KVAccess:
     read is masked at ``j <= position``, and the next write starts at the new cache_len).
     Raises BucketOverflowError if ``cache_len + k > bucket``.
     """
-    if k < 1 or not 0 <= cache_len or cache_len + k > bucket:
+    if k < 1 or cache_len < 0 or cache_len + k > bucket:
         raise BucketOverflowError(f"cache_len={cache_len} + k={k} does not fit speculate bucket {bucket}.")
     return KVAccess(
         read=range(bucket),

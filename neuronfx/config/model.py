@@ -9,6 +9,7 @@ import attrs
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
 from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -29,7 +30,7 @@ class RopeScaling:
     original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
 
 
-def _check_heads(inst: "ModelConfig", attribute: attrs.Attribute, value: int) -> None:
+def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_attention_heads % value:
         raise ConfigError(
             f"num_key_value_heads={value} must divide num_attention_heads={inst.num_attention_heads}; "
@@ -68,7 +69,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod
-    def from_hf(cls, hf_config: Any, generation_config: Any = None) -> "ModelConfig":
+    def from_hf(cls, hf_config: Any, generation_config: Any = None) -> ModelConfig:
         """Read a transformers ``PretrainedConfig`` (and optional ``GenerationConfig``): the
         fields every family shares, then the family's own (its registry entry's ``options``).
 

@@ -14,7 +14,7 @@ from neuronfx.errors import ConfigError, UnsupportedModelError
 
 PHASES = ("prefill", "decode", "speculate", "draft")
 
-__all__ = ["GraphSpec", "PHASES", "Plan", "TensorSpec", "make_plan", "step_inputs"]
+__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "make_plan", "step_inputs"]
 
 
 @attrs.frozen(kw_only=True)

@@ -46,7 +46,7 @@ def _describe(exc: BaseException) -> str:
         inner = "; ".join(_describe(e) for e in exc.exceptions)
         where = [n for n in getattr(exc, "__notes__", []) if n]
         return inner + (f" ({'; '.join(where)})" if where else "")
-    notes = getattr(exc, "__notes__", [])  # noqa: B009 - PEP 678 notes, absent on most exceptions
+    notes = getattr(exc, "__notes__", [])
     return f"{exc}" + (f" ({'; '.join(notes)})" if notes else "")
 
 

@@ -13,9 +13,9 @@ import torch
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
 from neuronfx.runtime.runtime import Runtime, check_state
-from neuronfx.runtime.state import State
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, check_budget, schedule
 from neuronfx.runtime.speculate import SpeculationStats
+from neuronfx.runtime.state import State
 from neuronfx.runtime.steps import Logprobs, check_prompts
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray

@@ -30,7 +30,7 @@ import attrs
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import InputError, SequenceLengthExceededError
-from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
 from neuronfx.runtime.state import State
 from neuronfx.runtime.steps import (

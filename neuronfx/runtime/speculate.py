@@ -33,7 +33,7 @@ from neuronfx.config.inputs import SamplerInputs, SpeculateInputs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
-from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.steps import (
     Logprobs,

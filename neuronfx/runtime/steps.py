@@ -272,9 +272,10 @@ def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: T
 
 
 def _pad_rows(t: Tensor, bsz: int) -> Tensor:
-    """``t`` with zero rows appended up to ``bsz`` rows (``t`` itself when it has them)."""
+    """``t`` with zero rows appended up to ``bsz`` rows, contiguous (compiled graphs are
+    specialised for contiguous inputs)."""
     if t.shape[0] == bsz:
-        return t
+        return t.contiguous()
     out = torch.zeros(bsz, *t.shape[1:], dtype=t.dtype)
     out[: t.shape[0]] = t
     return out
