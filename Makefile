@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/neuronfx generate --chat "$(DEMO_PROMPT)"
 
+# --durations: CI output lists the slowest tests, so a slow newcomer shows at once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
