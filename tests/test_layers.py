@@ -116,3 +116,29 @@ def test_io_modules_know_no_backend():
         for needle in ("backend ==", "GraphModule", "PrecompiledPart", "ExportedGraph", "parts.prologue", "graphs.inductor",
                        '"inductor"', '"export"', '"eager"'):
             assert needle not in text, f"{name} mentions {needle}"
+
+
+def test_readme_step_input_tables_come_from_the_records():
+    from neuronfx.config.inputs import describe
+
+    readme = (ROOT.parent / "README.md").read_text()
+    block = readme.split("<!-- step-inputs:begin -->\n")[1].split("\n<!-- step-inputs:end -->")[0]
+    assert block == describe(), "regenerate the README's step-input tables with neuronfx.config.inputs.describe()"
+
+
+def test_backend_names_agree():
+    from neuronfx.config.inference import BACKENDS as NAMES
+    from neuronfx.graphs.backends import BACKENDS
+
+    assert tuple(BACKENDS) == NAMES
+
+
+def test_family_registry_names_its_files():
+    """Every registered model type has its flat file with the three functions the graphs use."""
+    from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+    from neuronfx.graphs.models import model_module
+
+    for model_type in SUPPORTED_MODEL_TYPES:
+        module = model_module(model_type)
+        assert module.__name__ == f"neuronfx.graphs.{model_type}"
+        assert callable(module.key_map) and callable(module.layer_shapes) and callable(module.decoder_layer)

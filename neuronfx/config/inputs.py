@@ -1,8 +1,8 @@
 """Step inputs: one record per phase, the single definition of what each graph takes.
 
-A record is a NamedTuple; each field is one tensor whose symbolic shape and dtype are written on
-its annotation (``Annotated[Tensor, "B T", "int32"]``), with a shape comment saying what it
-holds, or a nested record. From the record come the plan's
+A record is a NamedTuple; each field is one tensor whose symbolic shape, dtype and meaning are
+written on its annotation (``Annotated[Tensor, "B T", "int32", "what it holds"]``, with the shape
+repeated as a comment), or a nested record. From the record come the plan's
 :class:`TensorSpec` tuple for every graph (:func:`input_specs`), the
 trace example inputs and the flat argument order of compiled graphs (``neuronfx.graphs.inputs``),
 the runtime's call (the step functions fill the fields by name) and the docs
@@ -48,40 +48,40 @@ class TensorSpec:
 class SamplerInputs(NamedTuple):
     """What the in-graph sampler reads for each row (``neuronfx.graphs.sampling.sample``)."""
 
-    sampling_params: Annotated[Tensor, "B P", "float32"]  # (B, P) the row's SamplingParams, columns PARAM_COLUMNS
-    output_counts: Annotated[Tensor, "B V", "int32"]  # (B, V) times the row's request generated each token
-    prompt_mask: Annotated[Tensor, "B V", "bool"]  # (B, V) token occurs in the row's prompt (repetition penalty)
-    logits_bias: Annotated[Tensor, "B V", "float32"]  # (B, V) added to the logits (-inf holds eos back: min_tokens)
-    rand: Annotated[Tensor, "B", "float32"]  # (B,) uniform in [0, 1) for the row's draw
+    sampling_params: Annotated[Tensor, "B P", "float32", "the row's SamplingParams, columns PARAM_COLUMNS"]  # (B, P)
+    output_counts: Annotated[Tensor, "B V", "int32", "times the row's request generated each token"]  # (B, V)
+    prompt_mask: Annotated[Tensor, "B V", "bool", "token occurs in the row's prompt (repetition penalty)"]  # (B, V)
+    logits_bias: Annotated[Tensor, "B V", "float32", "added to the logits (-inf holds eos back: min_tokens)"]  # (B, V)
+    rand: Annotated[Tensor, "B", "float32", "uniform in [0, 1) for the row's draw"]  # (B,)
 
 
 class PrefillInputs(NamedTuple):
     """Prefill: right-padded prompts written into their slots from position 0; the output is
     sampled at each row's last real token."""
 
-    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) prompt tokens, right-padded with 0
-    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) position of each token: 0 .. T - 1
-    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
-    prompt_lens: Annotated[Tensor, "B", "int32"]  # (B,) real tokens per row, >= 1 (padding rows: 1)
-    sampler: SamplerInputs  # the sampler's inputs, one row per row
+    input_ids: Annotated[Tensor, "B T", "int32", "prompt tokens, right-padded with 0"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "position of each token: 0 .. T - 1"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    prompt_lens: Annotated[Tensor, "B", "int32", "real tokens per row, >= 1 (padding rows: 1)"]  # (B,)
+    sampler: SamplerInputs  # the sampler's inputs, one per row
 
 
 class DecodeInputs(NamedTuple):
     """Decode and draft: one new token per row at its slot's cache_len; the output is sampled."""
 
-    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) the row's last token (T = 1)
-    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) its position: the slot's cache_len
-    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
-    sampler: SamplerInputs  # the sampler's inputs, one row per row
+    input_ids: Annotated[Tensor, "B T", "int32", "the row's last token (T = 1)"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "its position: the slot's cache_len"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    sampler: SamplerInputs  # the sampler's inputs, one per row
 
 
 class SpeculateInputs(NamedTuple):
     """Speculate (verify): T = k tokens per row at consecutive positions; the output is the
     logits at every position (acceptance runs on the host)."""
 
-    input_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) last accepted token, then the k - 1 drafted ones
-    position_ids: Annotated[Tensor, "B T", "int32"]  # (B, T) cache_len .. cache_len + k - 1
-    seq_ids: Annotated[Tensor, "B", "int32"]  # (B,) slot of each row; padding rows use the scratch slot
+    input_ids: Annotated[Tensor, "B T", "int32", "last accepted token, then the k - 1 drafted ones"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "cache_len .. cache_len + k - 1"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
 
 
 PHASE_INPUTS: dict[str, type] = {
@@ -92,11 +92,12 @@ PHASE_INPUTS: dict[str, type] = {
 
 @attrs.frozen
 class Field:
-    """One tensor of a record: its name, symbolic shape (symbols) and dtype name."""
+    """One tensor of a record: its name, symbolic shape (symbols), dtype name and meaning."""
 
     name: str
     shape: tuple[str, ...]
     dtype: str
+    doc: str
 
 
 def _is_record(hint: object) -> bool:
@@ -112,8 +113,8 @@ def leaf_fields(cls: type) -> list[Field]:
         if _is_record(hint):
             out += leaf_fields(hint)
         else:
-            shape, dtype = typing.get_args(hint)[1:]
-            out.append(Field(name, tuple(shape.split()), dtype))
+            shape, dtype, doc = typing.get_args(hint)[1:]
+            out.append(Field(name, tuple(shape.split()), dtype, doc))
     return out
 
 
@@ -165,10 +166,17 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
             raise InputError(f"{what} input {spec.name!r} is not contiguous; pass {spec.name}.contiguous().")
 
 
-def describe(cls: type) -> str:
-    """A markdown table of record class ``cls``: field, shape, dtype (the docs' table)."""
-    rows = ["| field | shape | dtype |", "| --- | --- | --- |"]
-    for f in leaf_fields(cls):
-        shape = "(" + ", ".join(f.shape) + ("," if len(f.shape) == 1 else "") + ")"
-        rows.append(f"| `{f.name}` | {shape} | {f.dtype} |")
-    return "\n".join(rows)
+def describe() -> str:
+    """The docs' tables of the step inputs, one per record (the phases that take it, T), each
+    row a tensor in call order: field, shape, dtype, what it holds (the README shows it)."""
+    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length"}
+    out = []
+    for cls in dict.fromkeys(PHASE_INPUTS.values()):
+        phases = ", ".join(p for p, c in PHASE_INPUTS.items() if c is cls)
+        rows = [f"`{cls.__name__}` ({phases}; {tokens[cls.__name__]}):", "",
+                "| field | shape | dtype | what it holds |", "| --- | --- | --- | --- |"]
+        for f in leaf_fields(cls):
+            shape = "(" + ", ".join(f.shape) + ("," if len(f.shape) == 1 else "") + ")"
+            rows.append(f"| `{f.name}` | {shape} | {f.dtype} | {f.doc} |")
+        out.append("\n".join(rows))
+    return "\n\n".join(out)

@@ -1,0 +1,77 @@
+"""The step-input records (config/inputs.py): the plan's specs, the trace example inputs and the
+flat calling convention all come from them, and a mismatch is an error naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronfx import InferenceConfig, ModelConfig, make_plan
+from neuronfx.config.dtypes import dtype_name
+from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, SamplerInputs, check_inputs, from_leaves, leaf_fields, leaves
+from neuronfx.errors import InputError
+from neuronfx.graphs.inputs import LayerKV, empty_kv, example_inputs
+
+MODEL = ModelConfig(model_type="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6)
+PLAN = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, sequence_length=64, prefill_buckets=(16, 32),
+                                        decode_buckets=(32, 64), speculation_length=3, draft_layers=1, backend="eager"))
+
+
+def test_every_graph_spec_is_its_phase_record():
+    assert {g.phase for g in PLAN.graphs} == set(PHASE_INPUTS)
+    for g in PLAN.graphs:
+        fields = leaf_fields(g.record)
+        assert [t.name for t in g.inputs] == [f.name for f in fields]
+        assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
+        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3}[g.phase]
+        dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7}
+        assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
+
+
+def test_example_inputs_match_their_spec_and_round_trip():
+    for g in PLAN.graphs:
+        record = example_inputs(PLAN, g)
+        assert isinstance(record, g.record)
+        tensors = leaves(record)
+        assert [(tuple(t.shape), dtype_name(t.dtype)) for t in tensors] == [(t.shape, t.dtype) for t in g.inputs]
+        check_inputs(g.inputs, record, "test")
+        again = from_leaves(g.record, tensors)
+        assert all(a is b for a, b in zip(leaves(again), tensors, strict=True))
+
+
+def test_from_leaves_counts_tensors():
+    with pytest.raises(InputError, match="DecodeInputs takes 8 tensors, got 2"):
+        from_leaves(DecodeInputs, [torch.zeros(1), torch.zeros(1)])
+
+
+def _decode_record(**changes: torch.Tensor) -> tuple:
+    spec = PLAN.graph("decode", 3, 32)
+    record = example_inputs(PLAN, spec)
+    sampler = record.sampler._replace(**{k: v for k, v in changes.items() if k in SamplerInputs._fields})
+    return spec, record._replace(sampler=sampler, **{k: v for k, v in changes.items() if k not in SamplerInputs._fields})
+
+
+@pytest.mark.parametrize("field, tensor, found", [
+    ("input_ids", torch.zeros(3, 2, dtype=torch.int32), "int32 [3, 2]"),
+    ("seq_ids", torch.zeros(3, dtype=torch.int64), "int64 [3]"),
+    ("logits_bias", torch.zeros(3, 299), "float32 [3, 299]"),
+    ("rand", torch.zeros(3, dtype=torch.float64), "float64 [3]"),
+])
+def test_mismatch_names_the_field(field, tensor, found):
+    spec, record = _decode_record(**{field: tensor})
+    with pytest.raises(InputError) as info:
+        check_inputs(spec.inputs, record, "decode graph")
+    assert f"'{field}' is {found}, the graph takes" in str(info.value)
+
+
+def test_non_contiguous_input_is_named():
+    spec, record = _decode_record(rand=torch.zeros(3, 2)[:, 0])
+    with pytest.raises(InputError, match="'rand' is not contiguous"):
+        check_inputs(spec.inputs, record, "decode graph")
+
+
+def test_kv_cache_is_named_per_layer():
+    kv = empty_kv(PLAN)
+    assert len(kv) == MODEL.num_hidden_layers and all(isinstance(layer, LayerKV) for layer in kv)
+    assert kv[1].k.shape == kv[1].v.shape == PLAN.kv.shape and kv[0].k is not kv[0].v
