@@ -363,5 +363,9 @@ def test_speculation_errors_before_any_change(hf, same):
     with_draft = neuronfx.with_draft(rt, same)
     with pytest.raises(neuronfx.errors.StateMismatchError, match="draft"):
         neuronfx.prefill_step(with_draft, neuronfx.init_state(rt), PrefillBatch(seq_ids=[0], prompts=[[1]], sampling=[GREEDY]))
+    tampered = neuronfx.init_state(with_draft)
+    neuronfx.prefill_step(same, tampered.draft, PrefillBatch(seq_ids=[0], prompts=[[1]], sampling=[GREEDY]))  # consumes the draft state
+    with pytest.raises(neuronfx.errors.StateConsumedError, match="draft state was already consumed"):
+        neuronfx.prefill_step(with_draft, tampered, PrefillBatch(seq_ids=[0], prompts=[[1]], sampling=[GREEDY]))
     with pytest.raises(neuronfx.errors.ArtifactError, match="draft runtime attached"):
         neuronfx.save(with_draft, "/nonexistent/never-written")

@@ -110,6 +110,11 @@ def check_usable(state: State, plan: Plan, draft_plan: Plan | None = None) -> No
             f"this state was made for a different plan (its KV cache is {got}, this runtime's is "
             f"{(plan.kv.shape, plan.kv.dtype)}, or the model/options differ); create one with neuronfx.init_state(runtime)."
         )
+    if state.draft is not None and state.draft.consumed:
+        raise StateConsumedError(
+            "this state's draft state was already consumed (a step was interrupted after advancing the draft); "
+            "use the state that step returned, or start again from neuronfx.init_state(runtime)."
+        )
     if (state.draft is None) != (draft_plan is None) or (draft_plan is not None and state.draft.plan_key != plan_key(draft_plan)):
         raise StateMismatchError(
             "this state's draft state does not belong to this runtime's draft runtime (one has a draft, the other not, "
