@@ -17,6 +17,7 @@ from neuronfx.cache import compile_graphs, resolve_cache
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError
+from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import convert_hf_state_dict
 from neuronfx.memory import trim_heap
 from neuronfx.runtime.runtime import Runtime
@@ -42,6 +43,7 @@ def compile(
     given or ``cache`` is not one of those, CheckpointError for missing/extra/mis-shaped
     tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
     """
+    get_backend(plan.inference.backend).check()  # before the (slow) checkpoint read
     root = resolve_cache(cache, plan.inference.backend)
     if state_dict is None:
         if plan.checkpoint is None:

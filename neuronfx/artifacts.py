@@ -37,7 +37,8 @@ from neuronfx.graphs.weights import nest
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""3: graphs take the KV cache as (K, V) per layer and step-input records (2: a flat KV list)."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 WEIGHTS = "weights.safetensors"
@@ -70,6 +71,7 @@ def environment(backend: str) -> dict[str, str]:
 
 
 def plan_sha256(plan: Plan) -> str:
+    """sha256 hex of the plan's JSON (what a manifest records of its plan)."""
     return hashlib.sha256(plan_to_json(plan).encode()).hexdigest()
 
 
@@ -91,6 +93,7 @@ def flatten_weights(weights: dict) -> tuple[dict[str, torch.Tensor], dict[str, s
 
 
 def sha256(path: Path) -> str:
+    """sha256 hex of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -114,6 +117,8 @@ def write_graph_files(runtime: Runtime, out: Path) -> list[str]:
 
 
 def write_manifest(out: Path, plan: Plan, files: list[str], aliases: Mapping[str, str] | None = None) -> None:
+    """Write ``out/manifest.json``: format, environment (:func:`environment`), plan hash, tied
+    weight aliases and the sha256 of each of ``files`` (relative to ``out``)."""
     manifest = {
         "format": FORMAT_VERSION,
         "environment": environment(plan.inference.backend),

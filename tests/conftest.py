@@ -51,9 +51,10 @@ def inductor_llama_speculative():
 
 @pytest.fixture(scope="session")
 def export_llama():
-    """(transformers model, export runtime) of a tiny llama, tiny ladders, batch 4: 6 graphs."""
+    """(transformers model, export runtime) of a tiny llama, tiny ladders, batch 4, with speculate
+    graphs (k = 4) and self-draft graphs (1 layer): 12 graphs."""
     hf = tiny_hf_model("llama", seed=4)
-    return hf, tiny_runtime(hf, "export")
+    return hf, tiny_runtime(hf, "export", speculation_length=4, draft_layers=1)
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,23 @@ def test_reference_linear_is_f_linear() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 8, 12])
+def test_16bit_kernel_ops_match_reference_ops(rows: int) -> None:
+    """The bf16 bundle (widened to fp32 where this CPU has no native bf16 GEMM) against the
+    reference ops on the same bf16 tensors; both round to bf16 (8 mantissa bits) at the end,
+    the reference also inside, so they agree within a few bf16 roundings of O(1) values."""
+    ops = cpu_kernel_ops("bfloat16")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=g).bfloat16()
+    w, gate, up = (torch.randn(n, 64, generator=g).div(8).bfloat16() for n in (32, 48, 48))
+    tol = {"rtol": 2**-6, "atol": 2**-6}
+    torch.testing.assert_close(ops.linear(x, w, None).float(), REFERENCE_OPS.linear(x, w, None).float(), **tol)
+    torch.testing.assert_close(ops.glu(x, gate, up).float(), REFERENCE_OPS.glu(x, gate, up).float(), **tol)
+    q, k, v = (torch.randn(2, h, rows, 16, generator=g).bfloat16() for h in (4, 2, 2))
+    mask = torch.ones(2, 1, rows, rows, dtype=torch.bool).tril()
+    torch.testing.assert_close(ops.attention(q, k, v, mask).float(), REFERENCE_OPS.attention(q, k, v, mask).float(), **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 12])
 def test_kernel_ops_match_reference_ops(rows: int) -> None:
     """Every product op of the CPU bundle against the same op of the reference bundle."""
     g = torch.Generator().manual_seed(rows)

@@ -33,9 +33,16 @@ def modules() -> dict[str, Path]:
 
 def imports(path: Path, known: set[str]) -> set[str]:
     """neuronfx modules ``path`` imports anywhere in its body (``from pkg import mod`` resolves
-    to the module when ``mod`` is one)."""
+    to the module when ``mod`` is one). The family registry's by-name import
+    (``graphs/models.py``: ``neuronfx.graphs.<model_type>``) counts as an import of every family
+    file."""
     out = set()
+    if module_name(path) == "neuronfx.graphs.models":
+        from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+
+        out |= {f"neuronfx.graphs.{t}" for t in SUPPORTED_MODEL_TYPES}
     for node in ast.walk(ast.parse(path.read_text())):
+        assert not (isinstance(node, ast.ImportFrom) and node.level), f"{path}: relative import; write neuronfx.… in full"
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "neuronfx"}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "neuronfx":
@@ -103,9 +110,14 @@ def test_every_module_has_a_layer():
 
 
 def test_graph_math_never_asks_whether_it_is_compiled():
-    for name in ("layers.py", "phases.py"):
+    """The model math (shared layers, phases, family files) reads no compiler or tracing state."""
+    from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+
+    for name in ("layers.py", "phases.py", *(f"{t}.py" for t in SUPPORTED_MODEL_TYPES)):
         text = (ROOT / "graphs" / name).read_text()
-        assert "is_compiling" not in text and "inductor_tracing" not in text and "is_exporting" not in text, name
+        for needle in ("is_compiling", "inductor_tracing", "is_exporting", "is_tracing", "is_scripting", "torch.compiler",
+                       "torch._dynamo", "torch.jit", "small_gemm"):
+            assert needle not in text, f"graphs/{name} mentions {needle}"
 
 
 def test_io_modules_know_no_backend():

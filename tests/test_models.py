@@ -1,8 +1,10 @@
 """neuronfx against transformers on the same random weights, per model file and backend.
 
 Eager runtimes are built here (nothing to compile); the compiled ones are the session's shared
-runtimes (conftest.py): llama and qwen3 exported, qwen2 (Llama's math plus biases) with the
-tiny ladders and llama with one bucket per phase (and speculate/draft graphs) under inductor.
+runtimes (conftest.py): llama (with speculate and draft graphs) and qwen3 exported, qwen2
+(Llama's math plus biases) with the tiny ladders and llama with one bucket per phase (and
+speculate/draft graphs) under inductor. On runtimes that can speculate, ``generate`` speculates:
+its greedy tokens must still be transformers' own.
 Expected buckets come from each runtime's own plan: the smallest that holds the length.
 """
 
@@ -86,3 +88,14 @@ def test_batched_generate_matches_transformers_per_prompt(case):
     result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=12, eos_token_ids=[])
     for prompt, tokens in zip(prompts, result.token_ids, strict=True):
         assert list(tokens) == hf_greedy(hf, prompt, 12), f"prompt length {len(prompt)}"
+
+
+@pytest.mark.parametrize("shared", ["export_llama", "inductor_llama_speculative"])
+def test_compiled_speculate_and_draft_graphs(request, shared):
+    hf, rt = request.getfixturevalue(shared)
+    assert rt.can_speculate
+    prompts = [random_prompt(n, seed=50 + n) for n in (6, 11, 2)]
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=15, eos_token_ids=[])
+    for p, tokens in zip(prompts, result.token_ids, strict=True):
+        assert list(tokens) == hf_greedy(hf, p, 15)
+    assert all(s.drafted == 3 * s.target_passes and s.emitted == 14 for s in result.speculation)

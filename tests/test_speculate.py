@@ -28,8 +28,10 @@ from neuronfx.runtime.speculate import (
     _accept,
     accept_greedy,
     accept_sampled,
+    drafter_of,
     position_sampler,
 )
+from neuronfx.runtime.steps import seeded_uniform
 
 NO_EOS: list[int] = []
 ALPHA = 1e-3  # significance of the chi-square tests
@@ -74,6 +76,15 @@ def test_accept_greedy_longest_prefix_plus_target_token():
     assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
     assert accept_greedy([5, 9, 7], [5, 6, 7, 8]) == [5, 6]  # first mismatch takes the target's
     assert accept_greedy([1], [2, 3]) == [2]
+
+
+def test_seeded_streams_do_not_repeat_each_other():
+    """Every (seed, stream) gives its own sequence of uniforms: no stream of one seed is a shifted
+    copy of a stream of a nearby seed (stream 0 is a decode step's draw)."""
+    seqs = {(seed, stream): [seeded_uniform(seed, i, stream) for i in range(12)] for seed in range(4) for stream in range(4)}
+    values = [u for seq in seqs.values() for u in seq]
+    assert len(set(values)) == len(values)
+    assert all(0.0 <= u < 1.0 for u in values)
 
 
 def test_rejection_sampling_preserves_target_distribution():
@@ -220,7 +231,7 @@ def tokenizer():
 
 OPTIONS = {
     "penalties": SamplingParams(repetition_penalty=1.6, presence_penalty=0.8, frequency_penalty=0.5),
-    "min_p": SamplingParams(min_p=0.2, temperature=0.0),
+    "min_p-greedy": SamplingParams(min_p=0.2),  # greedy keeps the argmax whatever min_p says: accepted, no effect
     "logprobs": SamplingParams(logprobs=3),
     "min_tokens": SamplingParams(min_tokens=6),
     "everything": SamplingParams(repetition_penalty=1.3, frequency_penalty=0.3, min_p=0.1, logprobs=2, min_tokens=3),
@@ -274,7 +285,11 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch(hf, self_rt):
         alone, _ = neuronfx.generate(self_rt, neuronfx.init_state(self_rt), [prompts[i]], sampling=sps[i], max_new_tokens=12,
                                      eos_token_ids=NO_EOS, speculative=False)
         assert mixed.token_ids[i] == alone.token_ids[0]
-    assert len(mixed.token_ids[1]) == 12
+    # the seeded sampled row: the same tokens as that request speculating alone, and not greedy's
+    alone, _ = neuronfx.generate(self_rt, neuronfx.init_state(self_rt, seed=9), [prompts[1]], sampling=sps[1], max_new_tokens=12,
+                                 eos_token_ids=NO_EOS)
+    greedy, _ = neuronfx.generate(self_rt, neuronfx.init_state(self_rt), [prompts[1]], max_new_tokens=12, eos_token_ids=NO_EOS)
+    assert mixed.token_ids[1] == alone.token_ids[0] != greedy.token_ids[0]
 
 
 def test_seeded_speculative_request_is_reproducible(hf, self_rt):
@@ -307,7 +322,7 @@ def test_acceptance_keeps_the_target_distribution_with_penalties(self_rt):
     4000 acceptances over random draft logits, chi-square at alpha = 1e-3."""
     g = torch.Generator().manual_seed(0)
     k, vocab, width = 3, VOCAB, self_rt.plan.topk_width
-    sp = SamplingParams(temperature=1.2, top_k=12, top_p=0.95, repetition_penalty=1.5, presence_penalty=0.7)
+    sp = SamplingParams(temperature=1.2, top_k=12, top_p=0.95, min_p=0.02, repetition_penalty=1.5, presence_penalty=0.7)
     counts = torch.zeros(1, vocab, dtype=torch.int32)
     counts[0, :40:3] = 2  # tokens the request generated before
     prompt_mask = torch.zeros(1, vocab, dtype=torch.bool)
@@ -330,7 +345,7 @@ def test_acceptance_keeps_the_target_distribution_with_penalties(self_rt):
             samplers.append(sampler)
         proposal = Proposal(tokens=drafts, logits=draft_logits, samplers=samplers)
         u = Uniforms(draft=torch.zeros(1, k - 1), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
-        hits[_accept(self_rt, rows, proposal, target, u)[0][0]] += 1
+        hits[_accept(self_rt, drafter_of(self_rt), rows, proposal, target, u)[0][0]] += 1
     assert hits[expected == 0].sum() == 0  # never a token the target's sampler drops
     p_value = chi_square_p_value(hits[expected > 0], expected[expected > 0] * n)
     assert p_value > ALPHA, f"p={p_value:.2g}"

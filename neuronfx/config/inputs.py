@@ -24,15 +24,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import attrs
+import torch
 
 from neuronfx.errors import InputError
 
 if TYPE_CHECKING:
-    import torch
-
     Tensor = torch.Tensor
 else:
-    Tensor = Any
+    Tensor = Any  # annotations stay plain metadata at run time
 
 
 @attrs.frozen
@@ -155,8 +154,9 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
     if len(tensors) != len(specs):
         raise InputError(f"{what} takes {len(specs)} input tensors, got {len(tensors)}; build the step inputs from its GraphSpec.")
     for spec, t in zip(specs, tensors):
-        shape = tuple(getattr(t, "shape", ()))
-        dtype = str(getattr(t, "dtype", type(t).__name__)).removeprefix("torch.")
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{what} input {spec.name!r} is a {type(t).__name__}, not a torch.Tensor; pass torch.as_tensor(...).")
+        shape, dtype = tuple(t.shape), str(t.dtype).removeprefix("torch.")
         if shape != spec.shape or dtype != spec.dtype:
             raise InputError(
                 f"{what} input {spec.name!r} is {dtype} {list(shape)}, the graph takes {spec.dtype} {list(spec.shape)}; "

@@ -139,6 +139,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether the request takes the argmax: temperature <= 1e-5 or top_k == 1."""
         return self.temperature <= GREEDY_TEMPERATURE or self.top_k == 1
 
 
@@ -155,6 +156,9 @@ def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, voc
     if params.top_k > max_topk:
         raise _fail("top_k", params.top_k, f"is > max_topk={max_topk} compiled into the graphs; lower top_k or "
                     "recompile with a larger max_topk.")
+    if params.logprobs is not None and max_logprobs == 0:
+        raise _fail("logprobs", params.logprobs, "asks for logprobs but max_logprobs=0 compiled none into the graphs; "
+                    "drop logprobs (None) or recompile with max_logprobs >= 1.")
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise _fail("logprobs", params.logprobs, f"is > max_logprobs={max_logprobs} compiled into the graphs; ask for "
                     "fewer or recompile with a larger max_logprobs.")
@@ -165,12 +169,11 @@ def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, voc
 def pack_sampling(params: Sequence[SamplingParams], max_topk: int) -> list[list[float]]:
     """One row of NUM_PARAM_COLUMNS floats per request, in PARAM_COLUMNS order, as the graphs
     read them: greedy rows (temperature <= 1e-5 or top_k == 1) get temperature 0.0; a disabled
-    top_k (0 or -1) becomes ``max_topk``. Raises SamplingParamsError for a top_k above
-    ``max_topk`` or an entry that is not a SamplingParams (construction checked the rest).
+    top_k (0 or -1) becomes ``max_topk``. Packs only: callers check each request against the
+    plan first (:func:`check_sampling`; construction checked the rest).
     """
     rows = []
     for sp in params:
-        check_sampling(sp, max_topk, max_logprobs=MAX_SEED)
         packed = {name: float(getattr(sp, name)) for name in PARAM_COLUMNS}
         packed["top_k"] = float(max_topk if sp.top_k in (0, -1) else sp.top_k)
         packed["temperature"] = 0.0 if sp.greedy else packed["temperature"]

@@ -92,10 +92,13 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
 
 
 def plan_to_json(plan: Plan) -> str:
+    """The plan's sources (:func:`plan_to_dict`) as stable JSON text (sorted keys, indented)."""
     return json.dumps(plan_to_dict(plan), indent=2, sort_keys=True)
 
 
 def plan_from_json(text: str) -> Plan:
+    """Inverse of :func:`plan_to_json`; raises ConfigError for text that is not JSON or does not
+    structure (unknown or missing keys, wrong types)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

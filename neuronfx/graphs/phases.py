@@ -65,6 +65,8 @@ def _head(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor, s
 
 def prefill_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
                      prompt_lens: Tensor) -> tuple[Tensor, ...]:
+    """ids/positions (B, T = bucket), prompt_lens (B,) -> h (B, T, hidden), RoPE cos/sin
+    (B, 1, T, head_dim) and the causal prompt mask (B, 1, T, T)."""
     h, cos, sin = _embed(plan, embed, input_ids, position_ids)
     return h, cos, sin, prefill_mask(prompt_lens, bucket)  # mask (B, 1, T, T)
 
@@ -121,6 +123,7 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: l
 
 
 def decode_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: Tensor, h: Tensor, *sampler: Tensor) -> dict[str, Tensor]:
+    """h (B, 1, hidden) -> the sampled token, logprobs, logits and finiteness of each row (``_head``)."""
     return _head(plan, ops, norm, lm_head, h[:, 0], sampler)
 
 
@@ -171,7 +174,7 @@ def phase_parts(plan: Plan, spec: GraphSpec, ops: Ops, group_size: int | None = 
     n = phase_num_layers(plan, spec.phase)
     group_size = n if group_size is None else group_size
     if group_size < 1 or n % group_size:
-        raise ValueError(f"group_size={group_size} must divide the phase's {n} layers")
+        raise ValueError(f"group_size={group_size} must divide the phase's {n} layers; pick a divisor of {n}.")
     prologue, layers, epilogue = PART_FUNCTIONS[spec.phase]
     layer = model_module(plan.model.model_type).decoder_layer
     return PhaseParts(
@@ -188,6 +191,7 @@ def _groups(parts: PhaseParts, w: Weights, kv: KVCache, num_layers: int) -> list
 
 
 def run_prefill(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: PrefillInputs) -> dict[str, Tensor]:
+    """A prefill graph: prologue, ``num_layers`` layers in groups, epilogue (see the parts)."""
     h, cos, sin, mask = parts.prologue(w["embed"], inputs.input_ids, inputs.position_ids, inputs.prompt_lens)
     for lws, group_kv in _groups(parts, w, kv, num_layers):
         h = parts.layers(lws, group_kv, h, cos, sin, inputs.seq_ids, mask)
@@ -203,6 +207,7 @@ def run_decode(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
 
 
 def run_speculate(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: SpeculateInputs) -> dict[str, Tensor]:
+    """A speculate (verify) graph: k tokens per row through every layer, logits (B, k, V) out."""
     h, cos, sin, mask = parts.prologue(w["embed"], inputs.input_ids, inputs.position_ids)
     for lws, group_kv in _groups(parts, w, kv, num_layers):
         h = parts.layers(lws, group_kv, h, cos, sin, inputs.seq_ids, inputs.position_ids, mask)

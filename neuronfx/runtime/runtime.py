@@ -77,13 +77,16 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
     ``runtime``'s speculate graphs. States made by :func:`init_state` then carry the draft's
     state, slot for slot.
 
-    Raises ConfigError when ``runtime`` has no speculate graphs (``speculation_length``), or the
+    Raises ConfigError when ``runtime`` has no speculate graphs (``speculation_length``), the
+    draft has a draft of its own, or the
     draft cannot follow every request of ``runtime``: another vocabulary, fewer slots
     (``batch_size``), a shorter ``sequence_length`` or ``max_context_length``, a smaller
     ``max_topk``, or no logits
     (``output_logits=True`` is needed: sampled rows need the draft's distribution).
     """
     inf, dinf = runtime.plan.inference, draft.plan.inference
+    if draft.draft is not None:
+        raise ConfigError("the draft runtime has a draft of its own; attach a runtime without one (its plain graphs draft).")
     if inf.speculation_length < 2:
         raise ConfigError("this runtime has no speculate graphs: compile it with InferenceConfig(speculation_length=k >= 2).")
     checks = [

@@ -1,7 +1,8 @@
 """Speculative decoding as a step: ``speculate_step`` drafts k - 1 tokens per row, verifies them
 (plus the row's last token) in one "speculate" pass of k query tokens, and accepts 1 to k tokens.
 
-Drafts, behind one small interface (:func:`propose`): self-speculation (the runtime's own
+Drafts, behind one small interface (:class:`Drafter`, chosen once by :func:`drafter_of`;
+:func:`propose`): self-speculation (the runtime's own
 "draft" graphs: its first ``draft_layers`` layers, final norm and LM head, sharing its weights
 and KV cache) or a draft runtime attached with ``neuronfx.with_draft`` (its own KV cache in
 ``State.draft``, slot for slot).
@@ -32,6 +33,7 @@ from neuronfx.config.buckets import select_bucket
 from neuronfx.config.inputs import SamplerInputs, SpeculateInputs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError
+from neuronfx.graphs.inputs import KVCache
 from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance
@@ -183,6 +185,34 @@ def _stack(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
 
 
 @attrs.frozen
+class Drafter:
+    """Who proposes the draft tokens of a runtime, decided once (:func:`drafter_of`):
+
+    - ``runtime``: the runtime whose graphs draft (the target itself, or its draft runtime);
+    - ``phase``: the graphs it runs ("draft": the target's first ``draft_layers`` layers;
+      "decode": the draft runtime's own);
+    - ``own_cache``: whether it drafts into a KV cache of its own (``State.draft``), which must
+      then follow the target's accepted length; else it shares the target's cache.
+    """
+
+    runtime: Runtime
+    phase: str
+    own_cache: bool
+
+    def kv(self, state: State) -> KVCache:
+        """The KV cache this drafter writes in ``state``."""
+        return state.draft.kv if self.own_cache else state.kv
+
+
+def drafter_of(runtime: Runtime) -> Drafter:
+    """The drafter of a runtime that can speculate: its draft runtime when one is attached
+    (``with_draft``), else self-speculation through its "draft" graphs."""
+    if runtime.draft is not None:
+        return Drafter(runtime=runtime.draft, phase="decode", own_cache=True)
+    return Drafter(runtime=runtime, phase="draft", own_cache=False)
+
+
+@attrs.frozen
 class Proposal:
     """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
     logits (n, V) and the sampler inputs (n rows) it drew with, from which q is computed."""
@@ -192,24 +222,24 @@ class Proposal:
     samplers: list[SamplerInputs]
 
 
-def propose(runtime: Runtime, state: State, rows: Rows, x0: Sequence[int], u: Uniforms) -> Proposal:
-    """The drafter interface: k - 1 draft tokens per row after ``x0`` at positions cache_len ..
-    cache_len + k - 2. Self-speculation runs the runtime's "draft" graphs on the target's cache;
-    a draft runtime its "decode" graphs on ``state.draft``. Each draft token is sampled with the
-    row's parameters and the same penalty counts and bias the target applies at that position
-    (``top_k`` packed for the drafter's static width)."""
+def propose(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, x0: Sequence[int], u: Uniforms) -> Proposal:
+    """k - 1 draft tokens per row after ``x0`` at positions cache_len .. cache_len + k - 2, from
+    ``drafter``'s graphs on its KV cache. Each draft token is sampled with the row's parameters
+    and the same penalty counts and bias the target applies at that position (``top_k`` packed
+    for the drafter's static width)."""
     k, n = runtime.plan.inference.speculation_length, len(rows.slots)
-    drafter, kv, phase = (runtime, state.kv, "draft") if runtime.draft is None else (runtime.draft, state.draft.kv, "decode")
-    bsz = select_bucket(drafter.plan.batch_buckets, n, "batch rows")
+    kv, phase, drafter_rt = drafter.kv(state), drafter.phase, drafter.runtime
+    bsz = select_bucket(drafter_rt.plan.batch_buckets, n, "batch rows")
     proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[])
     for i in range(k - 1):
         last = [x if i == 0 else row[-1] for x, row in zip(x0, proposal.tokens)]
         positions = [state.cache_lens[s] + i for s in rows.slots]
         target = position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i])
-        sampler = sampler_inputs(drafter, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand, bsz)
-        out, _, _ = one_token(drafter, kv, phase, rows.slots, last, positions, sampler, n)
-        if not drafter.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
-            out = out | sample(out["logits"], sampler, drafter.plan.topk_width, 0)
+        sampler = sampler_inputs(drafter_rt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias,
+                                 target.rand, bsz)
+        out, _, _ = one_token(drafter_rt, kv, phase, rows.slots, last, positions, sampler, n)
+        if not drafter_rt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
+            out = out | sample(out["logits"], sampler, drafter_rt.plan.topk_width, 0)
         for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
             row.append(t)
         proposal.logits.append(out["logits"][:n])
@@ -217,13 +247,15 @@ def propose(runtime: Runtime, state: State, rows: Rows, x0: Sequence[int], u: Un
     return proposal
 
 
-def _sync_draft(runtime: Runtime, state: State, rows: Rows, drafts: list[list[int]], new_lens: list[int]) -> State | None:
-    """The draft runtime's state after the target accepted ``new_lens``: a row that accepted
-    every draft feeds the last one (the draft never consumed it), then every row's draft
-    cache_len is set to the target's (positions past it are stale and never read)."""
-    if runtime.draft is None:
+def _sync_draft(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, drafts: list[list[int]], new_lens: list[int],
+                ) -> State | None:
+    """A drafter with its own cache, after the target accepted ``new_lens``: a row that
+    accepted every draft feeds the last one (the draft never consumed it), then every row's
+    draft cache_len is set to the target's (positions past it are stale and never read).
+    Returns the draft's new state, or None for a drafter sharing the target's cache."""
+    if not drafter.own_cache:
         return None
-    draft, dstate, k = runtime.draft, state.draft, runtime.plan.inference.speculation_length
+    draft, dstate, k = drafter.runtime, state.draft, runtime.plan.inference.speculation_length
     full = [r for r, s in enumerate(rows.slots) if new_lens[r] == state.cache_lens[s] + k]
     if full:
         slots = [rows.slots[r] for r in full]
@@ -277,7 +309,8 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     rows = Rows(slots=slots, params=list(batch.sampling), generated=[state.generated[s] for s in slots],
                 counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
     u, next_key = speculation_uniforms(state.rng_key, rows.params, rows.generated, k)
-    proposal = propose(runtime, state, rows, batch.input_ids, u)
+    drafter = drafter_of(runtime)
+    proposal = propose(runtime, drafter, state, rows, batch.input_ids, u)
     drafts = proposal.tokens
 
     start = [state.cache_lens[s] for s in slots]
@@ -288,15 +321,16 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     logits = call_graph(runtime, state.kv, "speculate", bsz, bucket, SpeculateInputs(input_ids=ids, position_ids=pos, seq_ids=seq_ids))
     logits = logits["logits"][:n]  # (n, k, V)
 
-    emitted = _accept(runtime, rows, proposal, logits, u)
+    emitted = _accept(runtime, drafter, rows, proposal, logits, u)
     logprobs = _logprobs(rows, logits, emitted)
     new_lens = [c + len(e) for c, e in zip(start, emitted)]
-    draft = _sync_draft(runtime, state, rows, drafts, new_lens)
+    draft = _sync_draft(runtime, drafter, state, rows, drafts, new_lens)
     cache_lens, generated = list(state.cache_lens), list(state.generated)
     for s, e in zip(slots, emitted):
         cache_lens[s] += len(e)
         generated[s] += len(e)
-    finite = tuple(bool(f) for f in torch.isfinite(logits).flatten(1).all(-1).tolist())
+    # Finiteness of the positions the row's tokens came from (a NaN past them is a rejected draft's).
+    finite = tuple(bool(torch.isfinite(logits[r, : len(e)]).all()) for r, e in enumerate(emitted))
     new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=state.live, rng_key=next_key, draft=draft)
     count_tokens(new, slots, emitted)
     new_tokens = tuple(tuple(e) for e in emitted)
@@ -304,7 +338,7 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
                       bucket=bucket, batch_size=bsz, finite=finite, num_drafted=(k - 1,) * n), new
 
 
-def _accept(runtime: Runtime, rows: Rows, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
+def _accept(runtime: Runtime, drafter: Drafter, rows: Rows, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
     """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
     penalized logits at every position, sampled rows by :func:`accept_sampled` with the target's
     p and the draft's q computed with the sampler inputs of each position."""
@@ -317,7 +351,7 @@ def _accept(runtime: Runtime, rows: Rows, proposal: Proposal, logits: Tensor, u:
     p = q = None
     if sampled:
         p = distribution(flat_logits, _stack(samplers), runtime.plan.topk_width).reshape(n, k, -1)
-        width = (runtime.draft or runtime).plan.topk_width
+        width = drafter.runtime.plan.topk_width
         q = torch.stack([distribution(lg, s, width) for lg, s in zip(proposal.logits, proposal.samplers)], 1)  # (n, k-1, V)
     out = []
     for r, sp in enumerate(rows.params):

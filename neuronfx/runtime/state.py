@@ -61,14 +61,17 @@ class State:
 
     @property
     def free_slots(self) -> tuple[int, ...]:
+        """Request slots that hold no request, ascending."""
         return tuple(s for s, on in enumerate(self.live) if not on)
 
     @property
     def consumed(self) -> bool:
+        """Whether a step already consumed this state (using it again raises StateConsumedError)."""
         return not self._lease.valid
 
 
 def plan_key(plan: Plan) -> int:
+    """What a state records of the plan it was made for: a hash of (model, inference) configs."""
     return hash((plan.model, plan.inference))
 
 

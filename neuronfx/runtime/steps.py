@@ -104,6 +104,8 @@ class StepOutput:
 
 
 def check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object], what: str) -> None:
+    """Raise InputError for an empty batch or per-row inputs whose count differs from the rows',
+    BatchTooLargeError for more rows than ``batch_size``; ``what`` names the step."""
     limit = runtime.plan.inference.batch_size
     if len(seq_ids) == 0:
         raise InputError(f"{what} batch is empty; give at least one row.")
@@ -116,6 +118,8 @@ def check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object]
 
 
 def check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
+    """Raise SlotError for a slot that is not an int in [0, batch_size), a duplicate, or one whose
+    liveness is not ``live`` (a prefill needs free slots, decode and speculate live ones)."""
     n = state.num_slots
     for s in seq_ids:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n:
@@ -195,17 +199,24 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = 2**64 - 1
 
 
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (Steele et al. 2014): a bijection of 64-bit ints that scatters
+    nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def seeded_uniform(seed: int, index: int, stream: int = 0) -> float:
     """The uniform in [0, 1) for draw ``index`` (0-based, tokens sampled so far) of a request
     seeded with ``seed``, in random stream ``stream`` (0: the sampled token; speculative
     decoding uses 1 for drafting, 2 for acceptance, 3 for the resampled or bonus token): a pure
     function of its arguments, so a seeded request samples the same tokens whatever shares its
     batch and whichever slot it holds (vLLM keeps one torch.Generator per seeded request for the
-    same reason). Mixing: splitmix64 (Steele et al. 2014)."""
-    z = (seed + (index + 1) * _GOLDEN + stream * (_GOLDEN >> 1)) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
+    same reason). Other streams start from the seed mixed with the stream number, so no stream
+    of one seed repeats a stream of a nearby seed. Mixing: splitmix64 (Steele et al. 2014)."""
+    base = seed if stream == 0 else _mix64(seed ^ _mix64(stream * _GOLDEN & _MASK64))
+    z = _mix64((base + (index + 1) * _GOLDEN) & _MASK64)
     return float(torch.rand(1, generator=torch.Generator().manual_seed(z >> 1)))
 
 
