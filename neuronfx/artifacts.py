@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
-from neuronfx.errors import ArtifactError
+from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import nest
 from neuronfx.runtime.runtime import Runtime, build_runtime
@@ -137,16 +139,39 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     ``tokenizer``: a transformers tokenizer, written with ``save_pretrained`` to ``tokenizer/``
     so the directory is all ``neuronfx generate --model DIR`` needs. Sizes: the weights once
     (bytes of the unique tensors) plus the graph files (inductor: its kernel cache, tens of MB).
-    Raises ArtifactError when an inductor runtime's compiled files were deleted, or the runtime
-    has a draft runtime attached (save each; attach again with ``with_draft`` after loading).
+    Everything is written to a temporary directory beside ``directory`` first and moved into
+    place only when complete, so a failure leaves an existing saved runtime as it was.
+    Raises InputError when ``runtime`` is not a Runtime; ArtifactError when ``directory`` is a
+    file, an inductor runtime's compiled files were deleted, the tokenizer cannot be saved, or
+    the runtime has a draft runtime attached (save each; attach again with ``with_draft``).
     """
+    if not isinstance(runtime, Runtime):
+        raise InputError(f"runtime is a {type(runtime).__name__}; pass the Runtime neuronfx.compile or neuronfx.load returned.")
     if runtime.draft is not None:
         raise ArtifactError("this runtime has a draft runtime attached; save each on its own (neuronfx.save(runtime.draft, dir2)) "
                             "and attach it again after loading with neuronfx.with_draft(runtime, draft).")
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{str(out)!r} is a file; save to a directory (new, or one holding a saved runtime).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-saving-", dir=out.parent))
+    try:
+        _write_all(runtime, tmp, tokenizer)
+        out.mkdir(exist_ok=True)
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):  # the manifest last
+            target = out / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_all(runtime: Runtime, out: Path, tokenizer: Any) -> None:
+    """Every file of a saved runtime, into the empty directory ``out``."""
     plan = runtime.plan
-    files = write_graph_files(runtime, out)  # first: the only step that can refuse
+    files = write_graph_files(runtime, out)
     (out / PLAN).write_text(plan_to_json(plan))
     unique, aliases = flatten_weights(runtime.weights)
     save_file(unique, str(out / WEIGHTS))
@@ -154,10 +179,12 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
     files += [PLAN, WEIGHTS, GENERATION_CONFIG]
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        try:
+            tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
+        except (AttributeError, TypeError, OSError) as exc:
+            raise ArtifactError(f"tokenizer={tokenizer!r:.60} could not be saved ({exc}); pass a transformers tokenizer.") from exc
         files += _tree_files(out / TOKENIZER_DIR, TOKENIZER_DIR)
     write_manifest(out, plan, files, aliases)
-    return out
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -173,7 +200,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise ArtifactError(f"{path}: format {found!r}, this neuronfx reads format {FORMAT_VERSION}; rebuild it with neuronfx.save.")
-    found = manifest.get("environment", {})
+    shapes = {"environment": dict, "files": dict, "aliases": dict, "plan_sha256": str}
+    for key, kind in shapes.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: {key!r} is {manifest.get(key)!r:.60}, expected a {kind.__name__}; re-save the runtime.")
+    if PLAN not in manifest["files"]:
+        raise ArtifactError(f"{path} lists no sha256 for {PLAN}; re-save the runtime.")
+    found = manifest["environment"]
     want = environment(found.get("backend", ""))
     for key in ("neuronfx", "torch", "python", "machine"):  # neuronfx_source: informative (cache keys use it)
         if found.get(key) != want[key]:
@@ -182,7 +215,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 "graphs may not load: rebuild it here with neuronfx.save(neuronfx.compile(plan, state_dict), dir) "
                 "or `neuronfx compile MODEL --out DIR`."
             )
-    for name, digest in manifest.get("files", {}).items():
+    for name, digest in manifest["files"].items():
         file = directory / name
         if not file.is_file():
             raise ArtifactError(f"{directory}: {name} is missing; re-save the runtime.")
@@ -203,6 +236,8 @@ def resolve(source: str | os.PathLike) -> Path:
     """A local directory, or a hub repo id ("owner/name", no such local path) fetched with
     ``huggingface_hub.snapshot_download`` (its cache; honours HF_HUB_OFFLINE and HF_HUB_CACHE).
     Raises ArtifactError when neither exists."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise InputError(f"source={source!r:.60} must be a directory path or a hub repo id (a str).")
     path = Path(source)
     if path.exists() or not looks_like_repo_id(str(source)):
         return path
@@ -227,12 +262,18 @@ def looks_like_repo_id(text: str) -> bool:
 def load(source: str | os.PathLike) -> Runtime:
     """Load a runtime saved by :func:`save` from a directory or a hub repo id (see
     :func:`resolve`). Every file is verified before anything runs; raises ArtifactError
-    (missing/corrupt file, other versions, source or machine, repo not found) or ConfigError (a
-    plan.json that does not structure, e.g. an unknown key)."""
+    (missing/corrupt file, a malformed manifest, other versions, source or machine, repo not
+    found), ConfigError (a plan.json that does not structure, e.g. an unknown key) or
+    InputError (``source`` not a path or repo id)."""
     src = resolve(source)
     manifest = read_manifest(src)
+    if WEIGHTS not in manifest["files"]:
+        raise ArtifactError(f"{src / MANIFEST} lists no sha256 for {WEIGHTS}; it is a compile-cache entry or damaged: re-save the runtime.")
     plan = read_plan(src, manifest)
     flat = load_file(str(src / WEIGHTS))
+    unknown = {t for t in manifest["aliases"].values() if t not in flat}
+    if unknown:
+        raise ArtifactError(f"{src / MANIFEST} aliases weights {sorted(unknown)} that {WEIGHTS} does not hold; re-save the runtime.")
     for name, target in manifest["aliases"].items():
         flat[name] = flat[target]
     weights = nest(flat, plan.model.num_hidden_layers)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import uuid
@@ -143,10 +144,25 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+_KEY = re.compile(r"[0-9a-f]{64}")
+_LEFTOVER = re.compile(r"\.(tmp|corrupt)-([0-9a-f]{64})-.+")  # a crashed write, or an entry moved aside
+
+
 def _entries(root: Path) -> list[Path]:
+    """The cache entries under ``root``: directories named by a key (64 hex digits). Anything
+    else there is not the cache's and is never listed or touched."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return sorted(p for p in root.iterdir() if p.is_dir() and _KEY.fullmatch(p.name))
+
+
+def _leftovers(root: Path) -> list[tuple[Path, str]]:
+    """(directory, key) of the cache's own leftovers under ``root``: temp directories of
+    interrupted writes and entries moved aside."""
+    if not root.is_dir():
+        return []
+    found = [(p, _LEFTOVER.fullmatch(p.name)) for p in root.iterdir() if p.is_dir()]
+    return sorted((p, m.group(2)) for p, m in found if m)
 
 
 def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
@@ -191,18 +207,20 @@ def inspect_entry(key: str, root: Path | None = None) -> dict[str, Any]:
 
 
 def clear(key: str | None = None, root: Path | None = None) -> list[str]:
-    """Delete the entry whose key starts with ``key`` (or every entry and leftover temp
-    directory when None), each under its lock; returns the removed names. Raises ArtifactError
-    for a prefix matching no or several entries."""
+    """Delete the entry whose key starts with ``key`` (or, when None, every entry and the
+    cache's own leftover temp directories), each under its key's lock; returns the removed
+    names. Only directories named like cache entries are touched: anything else in ``root``
+    stays. Raises ArtifactError for a prefix matching no or several entries."""
     root = root or default_cache_dir()
-    targets = [_find(root, key)] if key is not None else [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    if key is not None:
+        targets = [(_find(root, key), None)]
+    else:
+        targets = [(p, None) for p in _entries(root)] + _leftovers(root)
     removed = []
-    for path in targets:
-        name = path.name
-        lock_name = name if not name.startswith(".") else name.split("-")[1]
-        with FileLock(str(root / f"{lock_name}.lock")):
+    for path, owner in targets:
+        with FileLock(str(root / f"{owner or path.name}.lock")):
             _discard(path)
-        removed.append(name)
+        removed.append(path.name)
     return removed
 
 

@@ -23,7 +23,7 @@ from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, Infere
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
-from neuronfx.errors import ArtifactError, InputError, NeuronfxError, SequenceLengthExceededError
+from neuronfx.errors import ArtifactError, CheckpointError, InputError, NeuronfxError, SequenceLengthExceededError
 from neuronfx.graphs.backends import check_backend
 from neuronfx.runtime.generate import collect
 
@@ -49,25 +49,32 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--speculation-length", type=int, default=0, metavar="K",
-                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
-    p.add_argument("--draft-layers", type=int, default=0, metavar="N", help="self-speculation: draft with the model's first N layers")
     p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="decode one token per step even when the runtime can speculate (e.g. a saved speculative runtime)")
     _plan_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device")
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
+                "draft_layers")
+"""The options that shape the compiled plan: their argparse default is None (not given), so a
+saved runtime's plan can tell an option given with its default value from one not given."""
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
-    """The options that shape the compiled plan (``generate`` and ``compile``)."""
-    p.add_argument("--batch-size", type=int, default=1, help="KV-cache slots (requests decoded together); more prompts wait for a slot")
-    p.add_argument("--max-context-length", type=int, default=256, help="longest prompt, tokens")
-    p.add_argument("--sequence-length", type=int, default=512, help="KV-cache length per slot, tokens")
-    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
-    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
-    p.add_argument("--device", default="cpu", help=f"where the runtime runs: {', '.join(DEVICES)} (no other device yet)")
+    """The options that shape the compiled plan (``generate`` and ``compile``); defaults are
+    InferenceConfig's, filled in by :func:`_inference`."""
+    defaults = InferenceConfig()
+    p.add_argument("--batch-size", type=int, help=f"KV-cache slots (requests decoded together); more prompts wait for a slot (default {defaults.batch_size})")
+    p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
+    p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
+    p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
+    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (no other device yet; default cpu)")
+    p.add_argument("--speculation-length", type=int, metavar="K",
+                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
+    p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,8 +82,6 @@ def _compile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="HF model directory or .gguf file")
     p.add_argument("--out", required=True, help="directory to write (plan, graphs, weights, tokenizer, manifest)")
     _plan_options(p)
-    p.add_argument("--speculation-length", type=int, default=0, metavar="K", help="also compile speculate graphs for K tokens")
-    p.add_argument("--draft-layers", type=int, default=0, metavar="N", help="also compile self-speculation draft graphs (first N layers)")
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache ($NEURONFX_CACHE_DIR)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -172,11 +177,14 @@ def bench_command(args: argparse.Namespace) -> dict:
 
 
 def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
+    """Token ids of --chat messages (through the model's chat template) or --prompt texts.
+    Raises InputError for --chat with a tokenizer that has no chat template."""
     if args.chat:
-        return [
-            list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            for c in args.chat
-        ]
+        try:
+            return [list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"]) for c in args.chat]
+        except ValueError as exc:  # transformers: "Cannot use chat template functions ... no chat template"
+            raise InputError(f"--chat needs a chat template and this model's tokenizer has none ({exc}); use --prompt TEXT.") from exc
     texts = args.prompt or ["What is the capital of France?"]
     return [list(tokenizer(t)["input_ids"]) for t in texts]
 
@@ -192,6 +200,8 @@ def check_cli_flags(args: argparse.Namespace) -> None:
             raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
     elif args.draft_layers or args.draft_model:
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
+    if args.draft_model and not Path(args.draft_model).exists():
+        raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
 
 
 def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
@@ -206,16 +216,8 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
 
 
 def _inference(args: argparse.Namespace) -> InferenceConfig:
-    return InferenceConfig(
-        batch_size=args.batch_size,
-        max_context_length=args.max_context_length,
-        sequence_length=args.sequence_length,
-        dtype=args.dtype,
-        backend=args.backend,
-        speculation_length=args.speculation_length,
-        draft_layers=args.draft_layers,
-        device=args.device,
-    )
+    """The plan options given on the command line over InferenceConfig's defaults."""
+    return InferenceConfig(**{name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None})
 
 
 def saved_runtime(model: str | None) -> Path | None:
@@ -238,11 +240,9 @@ def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
         inference = plan_from_json((saved / PLAN).read_text()).inference
     except OSError as exc:
         raise ArtifactError(f"cannot read {saved / PLAN}: {exc}; re-save the runtime.") from exc
-    defaults = argparse.ArgumentParser()
-    _plan_options(defaults)
-    for name in (*PLAN_OPTIONS, "speculation_length", "draft_layers"):
-        given, default, saved_value = getattr(args, name), defaults.get_default(name) or 0, getattr(inference, name)
-        if given != default and given != saved_value:
+    for name in PLAN_OPTIONS:
+        given, saved_value = getattr(args, name), getattr(inference, name)
+        if given is not None and given != saved_value:
             raise InputError(
                 f"--{name.replace('_', '-')}={given} but the saved runtime {saved} was compiled with {saved_value}; drop the "
                 f"option, or compile again: neuronfx compile MODEL --out DIR --{name.replace('_', '-')} {given}."
@@ -277,7 +277,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
             bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype))
+            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype))
             bar.update()
             bar.set_postfix_str("tokenizer")
             tokenizer = load_tokenizer(model_path)
@@ -291,7 +291,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer, speculative=not args.no_speculation)
     if args.stream:
         events = neuronfx.stream_generate(runtime, state, prompts, **kwargs)
         result, _ = collect(_print_stream(events, len(prompts)), with_text=True)
@@ -329,7 +329,7 @@ def _compile_draft(args: argparse.Namespace, inference: InferenceConfig) -> neur
     (``with_draft`` needs them for sampled rows)."""
     from neuronfx.checkpoints import load_checkpoint
 
-    ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype))
+    ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(inference.dtype))
     draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
     return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
 
@@ -354,7 +354,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     inference = _inference(args)
     check_backend(inference.backend)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=torch_dtype(args.dtype))
+    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype))
     tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))

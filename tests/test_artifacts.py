@@ -165,3 +165,35 @@ def test_inductor_runtime_without_its_compiled_files(hf, tmp_path):
 def test_not_an_artifact(tmp_path):
     with pytest.raises(ArtifactError, match="no manifest.json"):
         neuronfx.load(tmp_path)
+
+
+def test_failed_save_leaves_the_saved_runtime_as_it_was(exported, saved):
+    want = outputs(neuronfx.load(saved))
+    with pytest.raises(ArtifactError, match="tokenizer=.*could not be saved"):
+        neuronfx.save(exported, saved, tokenizer=object())
+    assert outputs(neuronfx.load(saved))[0] == want[0]
+    assert not [p for p in saved.parent.iterdir() if "-saving-" in p.name]  # no temporary directory left
+
+
+def test_save_into_a_file_or_not_a_runtime(exported, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ArtifactError, match="is a file"):
+        neuronfx.save(exported, tmp_path / "file")
+    with pytest.raises(neuronfx.errors.InputError, match="runtime is a State"):
+        neuronfx.save(neuronfx.init_state(exported), tmp_path / "rt")
+    with pytest.raises(neuronfx.errors.InputError, match="directory path or a hub repo id"):
+        neuronfx.load(None)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda m: m.update(environment=None), "'environment' is None"),
+    (lambda m: m.update(files=[]), "'files' is \\[\\]"),
+    (lambda m: m.pop("aliases"), "'aliases' is None"),
+    (lambda m: m["files"].pop(WEIGHTS), "no sha256 for weights.safetensors"),
+])
+def test_malformed_manifest(saved, edit, reason):
+    manifest = json.loads((saved / MANIFEST).read_text())
+    edit(manifest)
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=reason):
+        neuronfx.load(saved)

@@ -246,3 +246,22 @@ def test_push_to_hub_uploads_the_verified_folder(hf, tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="corrupt"):
         neuronfx.push_to_hub(saved, "me/tiny")
     assert len(calls) == 2  # nothing uploaded
+
+
+def test_clear_touches_only_cache_entries(filled, tmp_path):
+    """`cache clear` without a key removes entries and the cache's own leftovers, nothing else:
+    a cache root set to a directory that holds other things must not lose them."""
+    root = tmp_path / "cache"
+    shutil.copytree(filled[0], root)
+    key = filled[1]
+    leftover = root / f".tmp-{key}-abc123"
+    for other in ("myproject", ".git", ".venv-x", "0123"):
+        (root / other).mkdir()
+        (root / other / "keep.txt").write_text("mine")
+    leftover.mkdir()
+    removed = cache.clear(None, root)
+    assert sorted(removed) == sorted([key, leftover.name])
+    assert not (root / key).exists() and not leftover.exists()
+    for other in ("myproject", ".git", ".venv-x", "0123"):
+        assert (root / other / "keep.txt").read_text() == "mine"
+    assert cache.list_entries(root) == []

@@ -91,3 +91,28 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w5 w9 w11 w3 w200", *OPTIONS, "--stop", stop,
                  "--speculation-length", "3", *draft, "--stream"]) == 0
     assert capsys.readouterr().out == plain["text"][0][: plain["text"][0].index(stop)] + "\n"
+
+
+def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, capsys):
+    """A saved runtime fixes its plan: an option given with another value is an error, even
+    when that value is the option's default; --no-speculation decodes plainly, same tokens."""
+    out = tmp_path / "saved"
+    plan = ["--backend", "eager", "--batch-size", "2", "--max-context-length", "32", "--sequence-length", "64",
+            "--speculation-length", "3", "--draft-layers", "1"]
+    assert main(["compile", str(tiny_model_dir), "--out", str(out), *plan, "--json"]) == 0
+    capsys.readouterr()
+    gen = ["--model", str(out), "--prompt", "w5 w9 w11", "--max-new-tokens", "8", "--ignore-eos"]
+    spec = run_json(capsys, *gen)
+    plain = run_json(capsys, *gen, "--no-speculation")
+    assert spec["token_ids"] == plain["token_ids"] and spec["speculation"]["drafted"] > 0 and plain["speculation"] is None
+    for option in (["--batch-size", "1"], ["--sequence-length", "512"], ["--backend", "inductor"], ["--speculation-length", "0"]):
+        assert main(["generate", *gen, *option, "--json"]) == 2, option  # 1, 512, inductor, 0: the defaults
+        assert "the saved runtime" in capsys.readouterr().err
+
+
+def test_chat_without_a_template_and_missing_draft_model(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--backend", "eager", "--chat", "hi", "--max-new-tokens", "2"]) == 2
+    assert "InputError: --chat needs a chat template" in capsys.readouterr().err
+    t0 = time.perf_counter()
+    assert main(["generate", "--speculation-length", "3", "--draft-model", "/nonexistent/draft"]) == 2
+    assert time.perf_counter() - t0 < 5 and "CheckpointError: --draft-model '/nonexistent/draft' does not exist" in capsys.readouterr().err

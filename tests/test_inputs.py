@@ -37,6 +37,8 @@ def test_prompt_too_long_is_reported_before_total_length(rt):
         (np.array([3, 4], dtype=np.int64), [[3, 4]]),
         ([np.int64(3), np.int32(4)], [[3, 4]]),
         ([np.array([3, 4]), [5]], [[3, 4], [5]]),
+        ([torch.tensor(3), torch.tensor(4)], [[3, 4]]),  # 0-d tensors are ids, like numpy integers
+        ([np.int64(3), torch.tensor(4)], [[3, 4]]),
     ],
 )
 def test_normalize_prompts_accepts_ints_tensors_and_numpy(ids, expected):
@@ -44,7 +46,8 @@ def test_normalize_prompts_accepts_ints_tensors_and_numpy(ids, expected):
     assert out == expected and all(type(t) is int for row in out for t in row)
 
 
-@pytest.mark.parametrize("ids", [[[[1, 2]]], ["ab"], [True, False], [1.0, 2.0], torch.tensor([1.0]), np.zeros((2, 2, 2), dtype=np.int64)])
+@pytest.mark.parametrize("ids", [[[[1, 2]]], ["ab"], [True, False], [1.0, 2.0], torch.tensor([1.0]), np.zeros((2, 2, 2), dtype=np.int64),
+                                 b"abc", bytearray(b"ab"), {1, 2, 3}, None, 5, np.array(["a", "b"]), [torch.tensor(1.5)]])
 def test_normalize_prompts_rejects_wrong_shapes_and_types(ids):
     with pytest.raises(InputError):
         normalize_prompts(ids)
@@ -93,3 +96,16 @@ def test_bool_sampling_values_rejected(rt, field):
 def test_prefill_batch_rejects_non_list_prompt():
     with pytest.raises(InputError, match="row 0"):
         neuronfx.PrefillBatch(seq_ids=[0], prompts=[5], sampling=[GREEDY])
+
+
+def test_caller_eos_is_eos_and_ignore_eos_still_ignores_it(rt):
+    prompt = [5, 9, 11]
+    ref, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompt, max_new_tokens=8, eos_token_ids=[])
+    eos = ref.token_ids[0][2]
+    first = ref.token_ids[0].index(eos)
+    stopped, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompt, max_new_tokens=8, eos_token_ids=[eos])
+    assert stopped.token_ids[0] == ref.token_ids[0][: first + 1]
+    assert stopped.finish_reasons == ("stop",) and stopped.stop_reasons == (None,)  # eos, not a stop id
+    ignored, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompt, max_new_tokens=8, eos_token_ids=[eos],
+                                   sampling=neuronfx.SamplingParams(ignore_eos=True))
+    assert ignored.token_ids == ref.token_ids and ignored.finish_reasons == ("length",)

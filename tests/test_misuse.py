@@ -215,6 +215,12 @@ def draft_without_logits(c):
     return neuronfx.with_draft(speculating_runtime(c), tiny_runtime(c.hf, output_logits=False, on_device_sampling=True))
 
 
+def graph_call(c, phase, bsz, bucket, inputs):
+    from neuronfx.runtime.steps import call_graph
+
+    return call_graph(c.rt, c.state.kv, phase, bsz, bucket, inputs)
+
+
 def graph_input_of_wrong_shape(c):
     """A decode graph called with a step-input record whose input_ids are (1, 2), not (1, 1)."""
     from neuronfx.config.inputs import DecodeInputs
@@ -261,7 +267,12 @@ CASES: dict[str, Case] = {
                                              ("draft_layers=1", "speculation_length >= 2", "set both")),
     "config-speculation-length-one": Case(ConfigError, "`speculation_length=1`",
                                           lambda c: inference(speculation_length=1),
-                                          ("speculation_length=1", "[2, sequence_length=64]")),
+                                          ("speculation_length=1", "[2, sequence_length - 1 = 63]")),
+    "config-speculation-length-whole-cache": Case(ConfigError, "`speculation_length=64` with `sequence_length=64` (no room after a prompt)",
+                                                  lambda c: inference(speculation_length=64),
+                                                  ("speculation_length=64", "[2, sequence_length - 1 = 63]")),
+    "config-buckets-not-a-list": Case(ConfigError, "`InferenceConfig(prefill_buckets=16)`",
+                                      lambda c: inference(prefill_buckets=16), ("prefill_buckets=16", "list of bucket sizes", "e.g. [16]")),
     "config-json-unknown-key": Case(ConfigError, "JSON config with an unknown key `bogus`",
                                     lambda c: structure({"batch_size": 4, "bogus": 1}, InferenceConfig),
                                     ("bogus", "remove them")),
@@ -401,6 +412,16 @@ CASES: dict[str, Case] = {
     "generate-max-tokens-over-sequence": Case(SequenceLengthExceededError, "`SamplingParams(max_tokens=64)` on a 1-token prompt",
                                               lambda c: gen(c, [[1]], sampling=SP(max_tokens=64)),
                                               ("1 tokens + max tokens 64 = 65", "sequence_length=64")),
+    "generate-min-tokens-over-budget": Case(SamplingParamsError, "`SamplingParams(min_tokens=10)` with `max_new_tokens=4`",
+                                            lambda c: gen(c, [[1, 2]], n=4, sampling=SP(min_tokens=10)),
+                                            ("min_tokens=10", "budget 4", "lower min_tokens")),
+    "generate-bad-tokenizer": Case(InputError, "`tokenizer=object()` (cannot decode)",
+                                   lambda c: gen(c, [[1, 2]], tokenizer=object()), ("cannot decode", "transformers tokenizer")),
+    "generate-ids-none": Case(InputError, "`generate(..., None)`", lambda c: gen(c, None), ("ids=None", "list of token ids")),
+    "generate-speculative-not-bool": Case(InputError, "`generate(..., speculative=\"no\")`",
+                                          lambda c: gen(c, [[1, 2]], speculative="no"), ("speculative='no'", "True or False")),
+    "generate-not-a-runtime": Case(InputError, "`generate(plan, state, ids)` (a Plan, not a Runtime)",
+                                   lambda c: neuronfx.generate(c.rt.plan, c.state, [[1, 2]]), ("runtime is a Plan", "neuronfx.compile")),
     "generate-max-new-tokens-zero": Case(InputError, "`max_new_tokens=0`",
                                          lambda c: gen(c, [[1, 2]], n=0), ("max_new_tokens=0", "int >= 1")),
     "generate-sampling-count": Case(InputError, "3 SamplingParams for 2 prompts",
@@ -433,6 +454,12 @@ CASES: dict[str, Case] = {
                                   make_plan(model_config(vocab_size=300), inference(output_logits=True, backend="eager")),
                                   {k: v for k, v in c.extras["vocab300"].items()}, progress=False)),
                               ("draft vocab_size=300", "target's is 256", "tokenizer")),
+    "graph-missing": Case(InputError, "`call_graph` for a decode graph of bucket 20 the plan does not have",
+                          lambda c: graph_call(c, "decode", 1, 20, None), ("no 'decode' graph", "bucket 20", "it has")),
+    "graph-input-not-a-record": Case(InputError, "`call_graph` with a flat tuple of tensors instead of a DecodeInputs",
+                                     lambda c: graph_call(c, "decode", 1, 16, ()), ("tuple", "DecodeInputs")),
+    "draft-not-a-runtime": Case(ConfigError, "`with_draft(runtime, \"path\")`",
+                                lambda c: neuronfx.with_draft(speculating_runtime(c), "path"), ("draft is a str", "compiled Runtime")),
     "graph-input-wrong-shape": Case(InputError, "a decode graph called with `input_ids` of shape (1, 2) instead of (1, 1)",
                                     graph_input_of_wrong_shape, ("'input_ids'", "[1, 2]", "[1, 1]", "GraphSpec")),
     "config-device-cuda": Case(ConfigError, "`InferenceConfig(device=\"cuda\")` (no device support yet)",

@@ -23,15 +23,16 @@ def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
         )
 
 
-def _buckets(value: object) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    return tuple(value)  # type: ignore[arg-type]
+def _buckets(value: object) -> object:
+    """None, or a list/tuple of bucket sizes as a tuple; anything else is left for the check."""
+    return tuple(value) if isinstance(value, (list, tuple, range)) else value
 
 
 def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field: str, limit: int) -> None:
     if buckets is None:
         return
+    if not isinstance(buckets, tuple):
+        raise ConfigError(f"{field}={buckets!r} must be a list of bucket sizes, e.g. [{buckets!r}], or None to derive them.")
     if not buckets:
         raise ConfigError(f"{field}=() is empty; give at least one bucket or None to derive them.")
     for b in buckets:
@@ -107,10 +108,10 @@ class InferenceConfig:
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
         _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
-        if self.speculation_length == 1 or self.speculation_length > self.sequence_length:
+        if self.speculation_length == 1 or self.speculation_length >= self.sequence_length:
             raise ConfigError(
-                f"speculation_length={self.speculation_length} must be 0 (off) or in [2, sequence_length="
-                f"{self.sequence_length}]: it counts the verified tokens (drafted + 1)."
+                f"speculation_length={self.speculation_length} must be 0 (off) or in [2, sequence_length - 1 = "
+                f"{self.sequence_length - 1}]: it counts the verified tokens (drafted + 1), written after at least one cached token."
             )
         if self.draft_layers and not self.speculation_length:
             raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")

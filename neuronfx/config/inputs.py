@@ -91,29 +91,31 @@ PHASE_INPUTS: dict[str, type] = {
 
 @attrs.frozen
 class Field:
-    """One tensor of a record: its name, symbolic shape (symbols), dtype name and meaning."""
+    """One tensor of a record: its name, symbolic shape (symbols), dtype name, meaning, and its
+    path from the outer record (``sampler.rand``)."""
 
     name: str
     shape: tuple[str, ...]
     dtype: str
     doc: str
+    path: str
 
 
 def _is_record(hint: object) -> bool:
     return isinstance(hint, type) and issubclass(hint, tuple)  # a nested record (NamedTuple)
 
 
-def leaf_fields(cls: type) -> list[Field]:
+def leaf_fields(cls: type, prefix: str = "") -> list[Field]:
     """The tensor fields of record class ``cls``, nested records expanded, in call order."""
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for name in cls._fields:  # type: ignore[attr-defined]
         hint = hints[name]
         if _is_record(hint):
-            out += leaf_fields(hint)
+            out += leaf_fields(hint, f"{prefix}{name}.")
         else:
             shape, dtype, doc = typing.get_args(hint)[1:]
-            out.append(Field(name, tuple(shape.split()), dtype, doc))
+            out.append(Field(name, tuple(shape.split()), dtype, doc, prefix + name))
     return out
 
 
@@ -177,6 +179,6 @@ def describe() -> str:
                 "| field | shape | dtype | what it holds |", "| --- | --- | --- | --- |"]
         for f in leaf_fields(cls):
             shape = "(" + ", ".join(f.shape) + ("," if len(f.shape) == 1 else "") + ")"
-            rows.append(f"| `{f.name}` | {shape} | {f.dtype} | {f.doc} |")
+            rows.append(f"| `{f.path}` | {shape} | {f.dtype} | {f.doc} |")
         out.append("\n".join(rows))
     return "\n\n".join(out)

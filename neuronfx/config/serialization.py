@@ -23,8 +23,9 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
 def _strict(kind: type) -> Any:
-    # cattrs' default hooks call bool()/int()/float() on anything: "false" -> True, 2.7 -> 2.
-    # JSON already gives the right Python types, so accept only those (ints for float fields).
+    # cattrs' default hooks call bool()/int()/float()/str() on anything: "false" -> True, 2.7 -> 2,
+    # null -> "None". JSON already gives the right Python types, so accept only those (ints for
+    # float fields).
     accepted = (int, float) if kind is float else (kind,)
 
     def hook(value: Any, _cls: Any) -> Any:
@@ -35,7 +36,7 @@ def _strict(kind: type) -> Any:
     return hook
 
 
-for _kind in (bool, int, float):
+for _kind in (bool, int, float, str):
     _converter.register_structure_hook(_kind, _strict(_kind))
 
 

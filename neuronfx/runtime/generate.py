@@ -44,9 +44,11 @@ def normalize_prompts(ids: Prompts) -> list[list[int]]:
     """Accept one prompt (list of ints or 1-D tensor) or many (list of lists or 2-D tensor without
     padding); returns a list of int lists. Raises InputError for text, other shapes, dtypes or a
     tensor without data (meta device)."""
-    if isinstance(ids, str):
+    if isinstance(ids, (str, bytes, bytearray)):
         raise InputError(f"ids={ids!r:.40} is text; pass token ids: tokenize it first, e.g. tokenizer(text)['input_ids'].")
     if isinstance(ids, np.ndarray):
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token ids array has dtype {ids.dtype}; give an integer array (int32/int64).")
         ids = torch.from_numpy(ids)
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -54,6 +56,9 @@ def normalize_prompts(ids: Prompts) -> list[list[int]]:
         if ids.dim() not in (1, 2):
             raise InputError(f"token ids tensor has shape {tuple(ids.shape)}; give [T] or [B, T].")
         ids = _host_list(ids)
+    if not isinstance(ids, (list, tuple)):
+        raise InputError(f"ids={ids!r:.40} is a {type(ids).__name__}; pass a list of token ids, a list of such lists, "
+                         "or an integer tensor/array of shape [T] or [B, T].")
     rows = [_as_row(r) if isinstance(r, (np.ndarray, torch.Tensor)) else r for r in ids]
     if rows and all(_is_id(r) for r in rows):
         return [[int(t) for t in rows]]
@@ -71,7 +76,12 @@ def _is_id(t: object) -> bool:
     return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
 
 
-def _as_row(r: np.ndarray | torch.Tensor) -> list:
+def _as_row(r: np.ndarray | torch.Tensor) -> list | int:
+    """A 0-d tensor or array is one id (like a numpy integer), a 1-d one a prompt."""
+    if r.ndim == 0:
+        if r.dtype.is_floating_point if isinstance(r, torch.Tensor) else not np.issubdtype(r.dtype, np.integer):
+            raise InputError(f"token id {r!r:.40} is not an integer; token ids are ints.")
+        return int(r)
     values = _host_list(r) if isinstance(r, torch.Tensor) else r.tolist()
     return values if r.ndim == 1 else [values]
 
@@ -112,21 +122,36 @@ def check_stop_strings(sp: SamplingParams, tokenizer: Any) -> None:
             )
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """Raise InputError unless ``tokenizer`` is None or decodes ids the way neuronfx asks
+    (``tokenizer.decode(ids, skip_special_tokens=True)``, as a transformers tokenizer does)."""
+    if tokenizer is None:
+        return
+    try:
+        text = tokenizer.decode([], skip_special_tokens=True)
+    except (AttributeError, TypeError) as exc:
+        raise InputError(f"tokenizer={tokenizer!r:.60} cannot decode token ids ({exc}); pass a transformers tokenizer, "
+                         "e.g. neuronfx.checkpoints.load_tokenizer(path).") from exc
+    if not isinstance(text, str):
+        raise InputError(f"tokenizer.decode returned a {type(text).__name__}, not text; pass a transformers tokenizer.")
+
+
 def make_requests(
     runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-    eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None,
+    eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None, speculative: bool = True,
 ) -> tuple[list[Request], frozenset[int]]:
     """Validate everything :func:`generate` needs and build its requests and eos set.
 
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
-    SamplingParams or one per prompt, stop strings without a tokenizer), BatchTooLargeError (no
-    free slot), SequenceLengthExceededError (prompt + max tokens > sequence_length),
-    SamplingParamsError (including stop strings the tokenizer cannot produce),
+    SamplingParams or one per prompt, stop strings without a tokenizer, a tokenizer that cannot
+    decode, ``speculative`` not a bool), BatchTooLargeError (no free slot),
+    SequenceLengthExceededError (prompt + max tokens > sequence_length), SamplingParamsError
+    (including stop strings the tokenizer cannot produce, min_tokens over the token budget),
     TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
     """
-    plan = runtime.plan
     check_state(runtime, state)
+    plan = runtime.plan
     prompts = normalize_prompts(ids)
     if not prompts:
         raise InputError("no prompts given; pass at least one list of token ids.")
@@ -137,6 +162,9 @@ def make_requests(
         raise BatchTooLargeError(
             f"all {state.num_slots} slots are live; release some or use a state with free slots (neuronfx.init_state)."
         )
+    if not isinstance(speculative, bool):
+        raise InputError(f"speculative={speculative!r} must be True or False.")
+    check_tokenizer(tokenizer)
     params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
     if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
         raise InputError(
@@ -150,12 +178,17 @@ def make_requests(
             check_stop_strings(sp, tokenizer)
     eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, plan.model.vocab_size)
     if eos_token_ids is not None:
-        # The caller's eos ids replace the model's: min_tokens must hold back those ids.
-        params = tuple(attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos))) for sp in params)
+        # The caller's eos ids replace the model's (the steps hold back the model's while
+        # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
+        params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
+                       for sp in params)
     requests = []
     for b, (p, sp) in enumerate(zip(prompts, params)):
         budget = max_new_tokens if sp.max_tokens is None else sp.max_tokens
         check_budget(runtime, b, len(p), budget)
+        if sp.min_tokens > budget:
+            raise SamplingParamsError(f"SamplingParams.min_tokens={sp.min_tokens} of prompt {b} is > its token budget {budget} "
+                                      "(max_tokens or max_new_tokens); lower min_tokens or raise the budget.")
         requests.append(Request(prompt=tuple(p), sampling=sp, max_tokens=budget))
     return requests, frozenset(eos)
 
@@ -208,6 +241,7 @@ def stream_generate(
     iterator runs."""
     requests, eos = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
+        speculative=speculative,
     )
     return schedule(runtime, state, requests, eos, tokenizer, speculative)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import attrs
 
 from neuronfx.config.plan import Plan
-from neuronfx.errors import ConfigError
+from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
 from neuronfx.graphs.layers import Weights
 from neuronfx.runtime.state import State, check_usable, empty_state
@@ -84,6 +84,9 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
     ``max_topk``, or no logits
     (``output_logits=True`` is needed: sampled rows need the draft's distribution).
     """
+    check_runtime(runtime)
+    if not isinstance(draft, Runtime):
+        raise ConfigError(f"draft is a {type(draft).__name__}; pass the draft's compiled Runtime (neuronfx.compile of the draft model).")
     inf, dinf = runtime.plan.inference, draft.plan.inference
     if draft.draft is not None:
         raise ConfigError("the draft runtime has a draft of its own; attach a runtime without one (its plain graphs draft).")
@@ -105,15 +108,25 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
     return attrs.evolve(runtime, draft=draft)
 
 
+def check_runtime(runtime: object) -> None:
+    """Raise InputError unless ``runtime`` is a Runtime."""
+    if not isinstance(runtime, Runtime):
+        raise InputError(f"runtime is a {type(runtime).__name__}; pass the Runtime neuronfx.compile or neuronfx.load returned.")
+
+
 def check_state(runtime: Runtime, state: State) -> None:
-    """Raise InputError (not a State), StateConsumedError or StateMismatchError unless ``state``
-    belongs to ``runtime`` (its draft state to the draft runtime) and may still be used."""
+    """Raise InputError (``runtime`` not a Runtime, ``state`` not a State), StateConsumedError or
+    StateMismatchError unless ``state`` belongs to ``runtime`` (its draft state to the draft
+    runtime) and may still be used."""
+    check_runtime(runtime)
     check_usable(state, runtime.plan, runtime.draft.plan if runtime.draft is not None else None)
 
 
 def init_state(runtime: Runtime, seed: int = 0) -> State:
     """A fresh state for ``runtime``: zero KV cache (``runtime.plan.kv.nbytes`` bytes), all slots
     free, RNG key ``seed`` (same seed and inputs give the same sampled tokens); with a draft
-    runtime, the draft's fresh state too. Raises InputError for a seed outside [0, 2**63 - 1]."""
+    runtime, the draft's fresh state too. Raises InputError for a runtime that is not a Runtime
+    or a seed outside [0, 2**63 - 1]."""
+    check_runtime(runtime)
     draft = empty_state(runtime.draft.plan) if runtime.draft is not None else None
     return empty_state(runtime.plan, seed, draft=draft)

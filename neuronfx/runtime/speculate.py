@@ -35,7 +35,7 @@ from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.inputs import KVCache
 from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
-from neuronfx.runtime.runtime import Runtime
+from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.steps import (
     Logprobs,
@@ -297,6 +297,7 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     :func:`decode_step`, and SequenceLengthExceededError when a slot has no room for k more
     tokens (decode that row with ``decode_step``).
     """
+    check_runtime(runtime)
     check_speculate(runtime)
     plan = runtime.plan
     check_decode(runtime, state, batch, SpeculateBatch)

@@ -184,8 +184,8 @@ def check_room(state: State, seq_ids: Sequence[int], tokens: int, sequence_lengt
 def check_decode(runtime: Runtime, state: State, batch: object, kind: type) -> None:
     """Everything :func:`decode_step` (``kind`` DecodeBatch) or ``speculate_step`` (SpeculateBatch)
     checks before anything changes, except room in the cache."""
-    plan = runtime.plan
     check_state(runtime, state)
+    plan = runtime.plan
     check_batch(batch, kind)
     check_rows(runtime, batch.seq_ids, batch.input_ids, kind.__name__.removesuffix("Batch").lower())
     check_rows(runtime, batch.seq_ids, batch.sampling, kind.__name__.removesuffix("Batch").lower())
@@ -294,8 +294,17 @@ def _pad_rows(t: Tensor, bsz: int) -> Tensor:
 
 def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int, inputs: object) -> dict[str, Tensor]:
     """Run graph (phase, bsz, bucket) of ``runtime`` on ``kv`` after checking ``inputs`` against
-    its GraphSpec (InputError naming the field on a shape or dtype mismatch)."""
-    spec = runtime.plan.graph(phase, bsz, bucket)
+    its GraphSpec. Raises InputError for a graph the plan does not have, ``inputs`` that are not
+    the phase's record, or a tensor whose shape, dtype or layout does not match (naming the
+    field). Token ids, slots and positions are the caller's to check (the steps validate them
+    before they build the record)."""
+    try:
+        spec = runtime.plan.graph(phase, bsz, bucket)
+    except KeyError:
+        graphs = sorted(g.key for g in runtime.plan.graphs)
+        raise InputError(f"the plan has no {phase!r} graph for batch {bsz} and bucket {bucket}; it has {graphs}.") from None
+    if not isinstance(inputs, spec.record):
+        raise InputError(f"{phase} graph inputs are a {type(inputs).__name__}; build a {spec.record.__name__} from its GraphSpec.")
     check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
     with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
         return runtime.graphs[spec.key](runtime.weights, kv, inputs)
@@ -352,8 +361,8 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     or live), EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
-    plan = runtime.plan
     check_state(runtime, state)
+    plan = runtime.plan
     check_batch(batch, PrefillBatch)
     check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
     check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
@@ -435,8 +444,8 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     already holds sequence_length tokens), SamplingParamsError, StateConsumedError /
     StateMismatchError.
     """
-    plan = runtime.plan
     check_decode(runtime, state, batch, DecodeBatch)
+    plan = runtime.plan
     seq_len = plan.inference.sequence_length
     for s in batch.seq_ids:
         if state.cache_lens[s] >= seq_len:
