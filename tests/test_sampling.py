@@ -669,8 +669,6 @@ def test_check_sampling_messages_name_limit_and_fix():
         check_sampling(SamplingParams(stop_token_ids=[100]), 64, 5, vocab_size=100)
     with pytest.raises(SamplingParamsError, match="SamplingParams"):
         check_sampling({"temperature": 1.0}, 64, 5)  # type: ignore[arg-type]
-    with pytest.raises(SamplingParamsError, match="top_k=65"):
-        pack_sampling([SamplingParams(), SamplingParams(top_k=65)], 64)
 
 
 @pytest.mark.parametrize(

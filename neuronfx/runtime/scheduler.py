@@ -243,11 +243,12 @@ def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progre
     past a stop are dropped); finished rows release their slots, the others run on."""
     keep, done = [], []
     for r, run in enumerate(rows):
-        if not first:
-            run = attrs.evolve(run, passes=run.passes + 1, drafted=run.drafted + out.num_drafted[r])
+        if not first:  # accepted: what the verifier accepted, tokens a stop drops afterwards included
+            accepted = len(out.new_tokens[r]) - 1 if out.num_drafted[r] else 0
+            run = attrs.evolve(run, passes=run.passes + 1, drafted=run.drafted + out.num_drafted[r], accepted=run.accepted + accepted)
         if out.finite[r]:
             stats = speculative and runtime.can_speculate
-            run, row_events = _advance_tokens(run, out.new_tokens[r], out.logprobs[r], tokenizer, eos, stats, bool(out.num_drafted[r]))
+            run, row_events = _advance_tokens(run, out.new_tokens[r], out.logprobs[r], tokenizer, eos, stats)
         else:  # NaN/inf logits: the tokens are garbage; report the request, keep the others
             row_events = [TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)]
         events += row_events
@@ -258,15 +259,12 @@ def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progre
 
 
 def _advance_tokens(run: Progress, tokens: Sequence[int], logprobs: Sequence[Logprobs] | None, tokenizer: Any,
-                    eos: frozenset[int], stats: bool, drafted: bool) -> tuple[Progress, list[TokenEvent]]:
-    """:func:`advance_request` for each new token until one finishes the request; the drafts
-    among the tokens kept count as accepted (``drafted``: the tokens came from a speculate step);
-    with ``stats`` (the schedule speculates) the finishing event carries its SpeculationStats."""
+                    eos: frozenset[int], stats: bool) -> tuple[Progress, list[TokenEvent]]:
+    """:func:`advance_request` for each new token until one finishes the request; with
+    ``stats`` (the schedule speculates) the finishing event carries its SpeculationStats."""
     events = []
     for j, token in enumerate(tokens):
         run, event = advance_request(run, token, None if logprobs is None else logprobs[j], tokenizer, eos)
-        if drafted and j < len(tokens) - 1:  # every token but a step's last is an accepted draft
-            run = attrs.evolve(run, accepted=run.accepted + 1)
         events.append(event)
         if event.finish_reason is not None:
             if stats:

@@ -72,8 +72,8 @@ class SpeculationStats:
 
     target_passes: int  # target passes after the prefill: speculate steps and plain decode steps
     drafted: int  # draft tokens proposed
-    accepted: int  # draft tokens accepted
-    emitted: int  # tokens produced after the prefill
+    accepted: int  # draft tokens the verifier accepted (vLLM's count): some may fall after a stop and be dropped
+    emitted: int  # tokens the request kept after the prefill
 
     @property
     def acceptance_rate(self) -> float:
