@@ -291,12 +291,9 @@ def run_generate(args: argparse.Namespace) -> dict:
         runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer, speculative=not args.no_speculation)
-    if args.stream:
-        events = neuronfx.stream_generate(runtime, state, prompts, **kwargs)
-        result, _ = collect(_print_stream(events, len(prompts)), with_text=True)
-    else:
-        result, _ = neuronfx.generate(runtime, state, prompts, **kwargs)
+    events = neuronfx.stream_generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                      tokenizer=tokenizer, speculative=not args.no_speculation)
+    result, _ = collect(_print_stream(events, len(prompts)) if args.stream else events, with_text=True)
     single = len(prompts) == 1
     one = (lambda xs: xs[0]) if single else list
     logprobs = [None if lps is None else [attrs.asdict(lp) for lp in lps] for lps in result.logprobs]

@@ -216,7 +216,7 @@ def draft_without_logits(c):
 
 
 def graph_call(c, phase, bsz, bucket, inputs):
-    from neuronfx.runtime.steps import call_graph
+    from neuronfx.runtime.batch import call_graph
 
     return call_graph(c.rt, c.state.kv, phase, bsz, bucket, inputs)
 
@@ -224,7 +224,7 @@ def graph_call(c, phase, bsz, bucket, inputs):
 def graph_input_of_wrong_shape(c):
     """A decode graph called with a step-input record whose input_ids are (1, 2), not (1, 1)."""
     from neuronfx.config.inputs import DecodeInputs
-    from neuronfx.runtime.steps import call_graph
+    from neuronfx.runtime.batch import call_graph
 
     spec = c.rt.plan.graph("decode", 1, 16)
     good = neuronfx.graphs.inputs.example_inputs(c.rt.plan, spec)

@@ -21,6 +21,7 @@ from neuronfx.config.masks import decode_mask
 from neuronfx.config.sampling import pack_sampling
 from neuronfx.errors import BucketOverflowError, ConfigError
 from neuronfx.graphs.sampling import distribution
+from neuronfx.runtime.batch import seeded_uniform
 from neuronfx.runtime.speculate import (
     Proposal,
     Rows,
@@ -31,7 +32,6 @@ from neuronfx.runtime.speculate import (
     drafter_of,
     position_sampler,
 )
-from neuronfx.runtime.steps import seeded_uniform
 
 NO_EOS: list[int] = []
 ALPHA = 1e-3  # significance of the chi-square tests

@@ -35,23 +35,19 @@ from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.inputs import KVCache
 from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
+from neuronfx.runtime.batch import call_graph, min_tokens_bias, sampler_inputs, seeded_uniform, token_inputs
 from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.steps import (
     Logprobs,
     StepOutput,
-    call_graph,
     check_decode,
     check_params,
     check_room,
     count_tokens,
-    min_tokens_bias,
     one_token,
     row_logprobs,
     row_values,
-    sampler_inputs,
-    seeded_uniform,
-    token_inputs,
 )
 
 Tensor = torch.Tensor

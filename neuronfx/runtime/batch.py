@@ -1,0 +1,137 @@
+"""Filling a graph's step-input record (``config.inputs``): one padding builder for every phase
+(:func:`token_inputs`), the sampler's inputs (:func:`sampler_inputs`, :func:`min_tokens_bias`),
+the random numbers of a step (:func:`draws`, :func:`seeded_uniform`), and the checked graph
+call (:func:`call_graph`). The step functions (``steps.py``, ``speculate.py``) build on these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from neuronfx.config.inputs import SamplerInputs, check_inputs
+from neuronfx.config.sampling import SamplingParams, pack_sampling
+from neuronfx.errors import InputError
+from neuronfx.graphs.inputs import KVCache
+from neuronfx.runtime.runtime import Runtime
+
+Tensor = torch.Tensor
+
+
+# --- random numbers -----------------------------------------------------------------------------
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (Steele et al. 2014): a bijection of 64-bit ints that scatters
+    nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, index: int, stream: int = 0) -> float:
+    """The uniform in [0, 1) for draw ``index`` (0-based, tokens sampled so far) of a request
+    seeded with ``seed``, in random stream ``stream`` (0: the sampled token; speculative
+    decoding uses 1 for drafting, 2 for acceptance, 3 for the resampled or bonus token): a pure
+    function of its arguments, so a seeded request samples the same tokens whatever shares its
+    batch and whichever slot it holds (vLLM keeps one torch.Generator per seeded request for the
+    same reason). Other streams start from the seed mixed with the stream number, so no stream
+    of one seed repeats a stream of a nearby seed. Mixing: splitmix64 (Steele et al. 2014)."""
+    base = seed if stream == 0 else _mix64(seed ^ _mix64(stream * _GOLDEN & _MASK64))
+    z = _mix64((base + (index + 1) * _GOLDEN) & _MASK64)
+    return float(torch.rand(1, generator=torch.Generator().manual_seed(z >> 1)))
+
+
+def draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int], bsz: int) -> tuple[Tensor, int]:
+    """(bsz uniforms, next key). Unseeded rows draw from the state's key (pure in ``key``);
+    seeded rows from their own (seed, index)."""
+    g = torch.Generator().manual_seed(key)
+    rand = torch.rand(bsz, generator=g)
+    for r, (sp, n) in enumerate(zip(params, generated)):
+        if sp.seed is not None:
+            rand[r] = seeded_uniform(sp.seed, n)
+    return rand, int(torch.randint(0, 2**62, (1,), generator=g))
+
+
+# --- step inputs: one padding builder for every phase -------------------------------------------
+
+
+def pad(rows: Sequence, n: int, fill: object) -> list:
+    """``rows`` with ``fill`` appended up to ``n`` entries."""
+    return list(rows) + [fill] * (n - len(rows))
+
+
+def token_inputs(runtime: Runtime, bsz: int, width: int, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
+                 starts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids (bsz, width) int32, position_ids (bsz, width) int32, seq_ids (bsz,) int32) of
+    any phase: row b holds ``tokens[b]`` right-padded with 0 at positions ``starts[b]`` ..
+    ``starts[b] + width - 1`` in slot ``seq_ids[b]``; rows past ``len(seq_ids)`` are padding:
+    token 0 at positions 0 .. width - 1 in the scratch slot (their writes land nowhere else)."""
+    ids = torch.zeros(bsz, width, dtype=torch.int32)
+    for b, row in enumerate(tokens):
+        ids[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    start = torch.tensor(pad(starts, bsz, 0), dtype=torch.int32)
+    positions = (start[:, None] + torch.arange(width, dtype=torch.int32)[None, :]).contiguous()
+    slots = torch.tensor(pad(seq_ids, bsz, runtime.plan.kv.scratch_slot), dtype=torch.int32)
+    return ids, positions, slots
+
+
+def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
+    """Tokens min_tokens holds back: the model's eos ids (unless ignore_eos) and stop_token_ids."""
+    return ([] if sp.ignore_eos else list(eos_token_ids)) + list(sp.stop_token_ids)
+
+
+def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int]) -> Tensor:
+    """(n, V) float32: -inf on the stop ids of rows that have generated fewer than their
+    ``min_tokens`` tokens, 0 elsewhere."""
+    bias = torch.zeros(len(params), runtime.plan.model.vocab_size, dtype=torch.float32)
+    for r, (sp, done) in enumerate(zip(params, generated)):
+        if done < sp.min_tokens:
+            bias[r, stop_ids(runtime.plan.model.eos_token_ids, sp)] = float("-inf")
+    return bias
+
+
+def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: Tensor, prompt_mask: Tensor, bias: Tensor,
+                   rand: Tensor, bsz: int) -> SamplerInputs:
+    """The sampler's record for ``len(params)`` real rows, padded to ``bsz`` rows (greedy, zero
+    counts, mask, bias and rand). ``counts`` (n, V) int32, ``prompt_mask`` (n, V) bool, ``bias``
+    (n, V) float32, ``rand`` (n,) float32; n <= rows <= bsz of each is used as given."""
+    width = runtime.plan.topk_width
+    rows = pack_sampling(params, width) + pack_sampling([SamplingParams()] * (bsz - len(params)), width)
+    return SamplerInputs(
+        sampling_params=torch.tensor(rows, dtype=torch.float32),
+        output_counts=_pad_rows(counts, bsz), prompt_mask=_pad_rows(prompt_mask, bsz),
+        logits_bias=_pad_rows(bias, bsz), rand=_pad_rows(rand, bsz),
+    )
+
+
+def _pad_rows(t: Tensor, bsz: int) -> Tensor:
+    """``t`` with zero rows appended up to ``bsz`` rows, contiguous (compiled graphs are
+    specialised for contiguous inputs)."""
+    if t.shape[0] == bsz:
+        return t.contiguous()
+    out = torch.zeros(bsz, *t.shape[1:], dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int, inputs: object) -> dict[str, Tensor]:
+    """Run graph (phase, bsz, bucket) of ``runtime`` on ``kv`` after checking ``inputs`` against
+    its GraphSpec. Raises InputError for a graph the plan does not have, ``inputs`` that are not
+    the phase's record, or a tensor whose shape, dtype or layout does not match (naming the
+    field). Token ids, slots and positions are the caller's to check (the steps validate them
+    before they build the record)."""
+    try:
+        spec = runtime.plan.graph(phase, bsz, bucket)
+    except KeyError:
+        graphs = sorted(g.key for g in runtime.plan.graphs)
+        raise InputError(f"the plan has no {phase!r} graph for batch {bsz} and bucket {bucket}; it has {graphs}.") from None
+    if not isinstance(inputs, spec.record):
+        raise InputError(f"{phase} graph inputs are a {type(inputs).__name__}; build a {spec.record.__name__} from its GraphSpec.")
+    check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
+    with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
+        return runtime.graphs[spec.key](runtime.weights, kv, inputs)
