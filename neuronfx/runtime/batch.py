@@ -85,10 +85,10 @@ def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
     return ([] if sp.ignore_eos else list(eos_token_ids)) + list(sp.stop_token_ids)
 
 
-def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int]) -> Tensor:
-    """(n, V) float32: -inf on the stop ids of rows that have generated fewer than their
-    ``min_tokens`` tokens, 0 elsewhere."""
-    bias = torch.zeros(len(params), runtime.plan.model.vocab_size, dtype=torch.float32)
+def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int], rows: int | None = None) -> Tensor:
+    """(rows, V) float32 (rows defaults to n = len(params); padding rows are 0): -inf on the stop
+    ids of rows that have generated fewer than their ``min_tokens`` tokens, 0 elsewhere."""
+    bias = torch.zeros(len(params) if rows is None else rows, runtime.plan.model.vocab_size, dtype=torch.float32)
     for r, (sp, done) in enumerate(zip(params, generated)):
         if done < sp.min_tokens:
             bias[r, stop_ids(runtime.plan.model.eos_token_ids, sp)] = float("-inf")

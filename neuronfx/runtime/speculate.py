@@ -211,11 +211,14 @@ def drafter_of(runtime: Runtime) -> Drafter:
 @attrs.frozen
 class Proposal:
     """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
-    logits (n, V) and the sampler inputs (n rows) it drew with, from which q is computed."""
+    logits (n, V), the sampler inputs (n rows) it drew with, from which q is computed, and the
+    target's sampler inputs at that position (the same counts and bias, ``top_k`` packed for the
+    target's width), which acceptance reuses."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
     samplers: list[SamplerInputs]
+    targets: list[SamplerInputs]
 
 
 def propose(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, x0: Sequence[int], u: Uniforms) -> Proposal:
@@ -226,7 +229,7 @@ def propose(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, x0: Se
     k, n = runtime.plan.inference.speculation_length, len(rows.slots)
     kv, phase, drafter_rt = drafter.kv(state), drafter.phase, drafter.runtime
     bsz = select_bucket(drafter_rt.plan.batch_buckets, n, "batch rows")
-    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[])
+    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[])
     for i in range(k - 1):
         last = [x if i == 0 else row[-1] for x, row in zip(x0, proposal.tokens)]
         positions = [state.cache_lens[s] + i for s in rows.slots]
@@ -240,6 +243,7 @@ def propose(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, x0: Se
             row.append(t)
         proposal.logits.append(out["logits"][:n])
         proposal.samplers.append(SamplerInputs(*(t[:n] for t in sampler)))
+        proposal.targets.append(target)
     return proposal
 
 
@@ -341,13 +345,14 @@ def _accept(runtime: Runtime, drafter: Drafter, rows: Rows, proposal: Proposal, 
     p and the draft's q computed with the sampler inputs of each position."""
     n, k = logits.shape[:2]
     drafts = proposal.tokens
-    samplers = [position_sampler(runtime, rows, drafts, i, torch.zeros(n)) for i in range(k)]
+    samplers = [*proposal.targets, position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n))]
+    stacked = _stack(samplers)
     flat_logits = logits.reshape(n * k, -1)
-    argmax = penalized_logits(flat_logits, _stack(samplers)).argmax(-1).reshape(n, k).tolist()
+    argmax = penalized_logits(flat_logits, stacked).argmax(-1).reshape(n, k).tolist()
     sampled = [r for r, sp in enumerate(rows.params) if not sp.greedy]
     p = q = None
     if sampled:
-        p = distribution(flat_logits, _stack(samplers), runtime.plan.topk_width).reshape(n, k, -1)
+        p = distribution(flat_logits, stacked, runtime.plan.topk_width).reshape(n, k, -1)
         width = drafter.runtime.plan.topk_width
         q = torch.stack([distribution(lg, s, width) for lg, s in zip(proposal.logits, proposal.samplers)], 1)  # (n, k-1, V)
     out = []

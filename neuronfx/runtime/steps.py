@@ -262,7 +262,7 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     for b, prompt in enumerate(batch.prompts):
         prompt_mask[b, list(prompt)] = True
     rand, next_key = draws(state.rng_key, batch.sampling, [0] * n, bsz)
-    bias = min_tokens_bias(runtime, batch.sampling, [0] * n)
+    bias = min_tokens_bias(runtime, batch.sampling, [0] * n, bsz)
     sampler = sampler_inputs(runtime, batch.sampling, torch.zeros(bsz, vocab, dtype=torch.int32), prompt_mask, bias, rand, bsz)
     lens = torch.tensor(pad([len(p) for p in batch.prompts], bsz, 1), dtype=torch.int32)
     inputs = PrefillInputs(input_ids=ids, position_ids=positions, seq_ids=seq_ids, prompt_lens=lens, sampler=sampler)
@@ -312,7 +312,7 @@ def decode_sampler(runtime: Runtime, state: State, slots: Sequence[int], params:
     """The sampler inputs of one decode-like step for ``slots``: their counts and prompt masks
     from the state, the min_tokens bias at ``generated``, ``rand``; padded to ``bsz`` rows."""
     slots = list(slots)
-    bias = min_tokens_bias(runtime, params, generated)
+    bias = min_tokens_bias(runtime, params, generated, bsz)
     return sampler_inputs(runtime, params, state.output_counts[slots], state.prompt_mask[slots], bias, rand, bsz)
 
 
@@ -330,12 +330,8 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     """
     check_decode(runtime, state, batch, DecodeBatch)
     plan = runtime.plan
-    seq_len = plan.inference.sequence_length
-    for s in batch.seq_ids:
-        if state.cache_lens[s] >= seq_len:
-            raise SequenceLengthExceededError(
-                f"slot {s} holds {state.cache_lens[s]} tokens = sequence_length={seq_len}; release it or compile with a larger sequence_length."
-            )
+    check_room(state, batch.seq_ids, 1, plan.inference.sequence_length,
+               "release it or compile with a larger sequence_length.")
     check_params(runtime, batch.sampling)
 
     slots, n = list(batch.seq_ids), len(batch.seq_ids)
