@@ -9,7 +9,7 @@ Typical use::
 """
 
 from neuronfx import errors
-from neuronfx.api import compile, load, push_to_hub, save
+from neuronfx.api import compile, launch, load, push_to_hub, save
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
     DecodeBatch,
@@ -39,6 +39,6 @@ from neuronfx.version import __version__
 __all__ = [
     "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
     "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
-    "__version__", "compile", "decode_step", "errors", "generate", "init_state", "load", "make_plan", "prefill_step",
+    "__version__", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_step",
     "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

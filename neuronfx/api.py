@@ -15,14 +15,16 @@ import torch
 from neuronfx.artifacts import load, push_to_hub, save
 from neuronfx.cache import compile_graphs, resolve_cache
 from neuronfx.checkpoints import load_checkpoint
-from neuronfx.config.plan import Plan
+from neuronfx.config.plan import Plan, plan_for_rank
+from neuronfx.config.serialization import unstructure
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
-from neuronfx.graphs.weights import convert_hf_state_dict
+from neuronfx.graphs.weights import convert_hf_state_dict, weights_fingerprint
 from neuronfx.memory import trim_heap
+from neuronfx.parallel import check_agreement, digest, init_tensor_parallel, launch
 from neuronfx.runtime.runtime import Runtime
 
-__all__ = ["compile", "load", "push_to_hub", "save"]
+__all__ = ["compile", "launch", "load", "push_to_hub", "save"]
 
 
 def compile(
@@ -42,14 +44,29 @@ def compile(
     weights: the runtime always runs on ``state_dict``. Raises ConfigError when no weights are
     given or ``cache`` is not one of those, CheckpointError for missing/extra/mis-shaped
     tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
+
+    Tensor parallel (``plan.inference.tp_degree`` > 1): call it on every rank (under torchrun
+    or :func:`launch`); each rank joins the process group, gets the plan of its rank
+    (``runtime.plan.rank``) and keeps only its shard of the weights, read from a safetensors
+    checkpoint slice by slice (a GGUF file or a given ``state_dict`` is read whole, then
+    sliced). The ranks then check that they were given the same plan and weights. Raises
+    ConfigError when this process is not one of ``tp_degree`` ranks, TensorParallelError when
+    the ranks disagree.
     """
     get_backend(plan.inference.backend).check()  # before the (slow) checkpoint read
     root = resolve_cache(cache, plan.inference.backend)
+    tp = plan.inference.tp_degree
+    plan = plan_for_rank(plan, init_tensor_parallel(tp))
+    check_agreement("plans", digest(repr((unstructure(plan.model), unstructure(plan.inference)))))
     if state_dict is None:
         if plan.checkpoint is None:
             raise ConfigError("compile(plan) needs weights: pass state_dict= or build the plan with a checkpoint path.")
-        state_dict = load_checkpoint(plan.checkpoint).state_dict
-    weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype)
+        state_dict = load_checkpoint(plan.checkpoint, lazy=tp > 1).state_dict
+    if tp > 1:
+        check_agreement("weights", weights_fingerprint(state_dict))
+    weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard)
+    del state_dict  # a checkpoint read here: only this rank's shard stays resident
+    trim_heap()
     runtime = compile_graphs(plan, weights, root, progress)
     trim_heap()  # tracing and codegen garbage would otherwise stay resident
     return runtime

@@ -36,6 +36,7 @@ from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import nest
+from neuronfx.parallel import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
@@ -141,6 +142,9 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     (bytes of the unique tensors) plus the graph files (inductor: its kernel cache, tens of MB).
     Everything is written to a temporary directory beside ``directory`` first and moved into
     place only when complete, so a failure leaves an existing saved runtime as it was.
+    A tensor-parallel runtime (tp_degree > 1) is saved by every rank into
+    ``directory/rank-<r>/`` (its plan, weight shard and graphs); :func:`load` on ``tp_degree``
+    ranks reads them back.
     Raises InputError when ``runtime`` is not a Runtime; ArtifactError when ``directory`` is a
     file, an inductor runtime's compiled files were deleted, the tokenizer cannot be saved, or
     the runtime has a draft runtime attached (save each; attach again with ``with_draft``).
@@ -151,6 +155,8 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
         raise ArtifactError("this runtime has a draft runtime attached; save each on its own (neuronfx.save(runtime.draft, dir2)) "
                             "and attach it again after loading with neuronfx.with_draft(runtime, draft).")
     out = Path(directory)
+    if runtime.plan.tp_degree > 1:  # every rank saves its shard (and graphs) beside the others
+        out = out / rank_dir_name(runtime.plan.rank)
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{str(out)!r} is a file; save to a directory (new, or one holding a saved runtime).")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,9 +269,10 @@ def load(source: str | os.PathLike) -> Runtime:
     """Load a runtime saved by :func:`save` from a directory or a hub repo id (see
     :func:`resolve`). Every file is verified before anything runs; raises ArtifactError
     (missing/corrupt file, a malformed manifest, other versions, source or machine, repo not
-    found), ConfigError (a plan.json that does not structure, e.g. an unknown key) or
+    found), ConfigError (a plan.json that does not structure, e.g. an unknown key; a
+    tensor-parallel runtime loaded outside ``tp_degree`` ranks: it is not resharded) or
     InputError (``source`` not a path or repo id)."""
-    src = resolve(source)
+    src = rank_dir(resolve(source))
     manifest = read_manifest(src)
     if WEIGHTS not in manifest["files"]:
         raise ArtifactError(f"{src / MANIFEST} lists no sha256 for {WEIGHTS}; it is a compile-cache entry or damaged: re-save the runtime.")
@@ -280,10 +287,40 @@ def load(source: str | os.PathLike) -> Runtime:
     return build_runtime(plan, weights, get_backend(plan.inference.backend).load(plan, weights, src))
 
 
+def rank_dir_name(rank: int) -> str:
+    """Sub-directory of a tensor-parallel saved runtime holding rank ``rank``'s part."""
+    return f"rank-{rank}"
+
+
+def first_dir(src: Path) -> Path:
+    """The directory holding a saved runtime's manifest: ``src``, or for a tensor-parallel
+    runtime its rank 0 part (all ranks share the plan but the rank)."""
+    if not (src / MANIFEST).is_file() and (src / rank_dir_name(0) / MANIFEST).is_file():
+        return src / rank_dir_name(0)
+    return src
+
+
+def rank_dir(src: Path) -> Path:
+    """The part of the saved runtime in ``src`` this process loads: ``src`` itself, or for a
+    tensor-parallel runtime this rank's ``rank-<r>/`` after joining the process group of its
+    ``tp_degree`` ranks (ConfigError when this process is not one of them)."""
+    first = first_dir(src)
+    if first == src:
+        return src
+    try:
+        tp = plan_from_json((first / PLAN).read_text()).inference.tp_degree
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {first / PLAN}: {exc}; re-save the runtime.") from exc
+    missing = [rank_dir_name(r) for r in range(tp) if not (src / rank_dir_name(r) / MANIFEST).is_file()]
+    if missing:
+        raise ArtifactError(f"{src} is a tensor-parallel runtime of {tp} ranks but lacks {missing}; save it again from all ranks.")
+    return src / rank_dir_name(init_tensor_parallel(tp))
+
+
 def load_tokenizer(source: str | os.PathLike) -> Any:
     """The tokenizer saved with a runtime (``save(..., tokenizer=)``), from a directory or hub
     repo id. Raises ArtifactError when the artifact has none."""
-    src = resolve(source)
+    src = first_dir(resolve(source))
     if not (src / TOKENIZER_DIR).is_dir():
         raise ArtifactError(f"{src} has no {TOKENIZER_DIR}/; save the runtime with neuronfx.save(runtime, dir, tokenizer=tok).")
     from neuronfx.checkpoints import load_tokenizer as load_dir_tokenizer

@@ -398,3 +398,215 @@ def run_speculative_bench(
     for row in rows:
         row["speedup"] = row["decode_tok_s"] / plain
     return {"k": k, "gen_len": gen_len, "dtype": dtype, "backend": backend, "rows": rows}
+
+
+# --- tensor parallelism: tp=N against tp=1, each in fresh processes ----------------------------
+
+COLLECTIVE_MARKERS = ("c10d", "all_gather", "wait_tensor")
+"""Substrings of the profiler event names counted as collective time (torch's functional
+collectives appear as ``_c10d_functional::all_gather_into_tensor`` / ``::wait_tensor``)."""
+
+
+def _tp_inference(backend: str, dtype: str, tp: int, batch_sizes: Sequence[int], prompt_len: int, gen_len: int,
+                  sequence_parallel: bool = False) -> InferenceConfig:
+    """One prefill bucket (``prompt_len``), one decode bucket (``prompt_len + gen_len``) and the
+    batch buckets ``batch_sizes``: few graphs to compile."""
+    seq = prompt_len + gen_len
+    buckets = tuple(sorted(set(batch_sizes)))
+    return InferenceConfig(
+        batch_size=buckets[-1], batch_buckets=buckets, max_context_length=prompt_len, sequence_length=seq,
+        prefill_buckets=(prompt_len,), decode_buckets=(seq,), dtype=dtype, backend=backend, tp_degree=tp,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def _median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def _collective_share(runtime: Runtime, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Profile ``steps`` batch-1 decode steps after a prefill of ``prompt`` (see
+    :func:`run_tp_bench`): the share of their wall time this thread spent in collectives."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    greedy = [SamplingParams()]
+    state = neuronfx.init_state(runtime)
+    out, state = prefill_step(runtime, state, PrefillBatch(seq_ids=[0], prompts=[prompt], sampling=greedy))
+    for _ in range(2):  # unprofiled warm-up steps
+        out, state = decode_step(runtime, state, DecodeBatch(seq_ids=[0], input_ids=out.tokens, sampling=greedy))
+    marker = "neuronfx_tp_bench_decode_step"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function(marker):
+                out, state = decode_step(runtime, state, DecodeBatch(seq_ids=[0], input_ids=out.tokens, sampling=greedy))
+    release(runtime, state, [0])
+    events = list(prof.events())
+    step_events = [e for e in events if e.name == marker]
+    threads = {e.thread for e in step_events}  # the thread that ran the steps (gloo's own threads excluded)
+    wall_us = sum(e.cpu_time_total for e in step_events)
+    by_name: dict[str, float] = {}
+    for e in events:
+        if e.thread in threads and e.name != marker and any(m in e.name for m in COLLECTIVE_MARKERS):
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+    collective_us = sum(by_name.values())
+    return {"steps": steps, "step_wall_s": wall_us / 1e6 / max(1, len(step_events)),
+            "collective_s_per_step": collective_us / 1e6 / max(1, len(step_events)),
+            "collective_share": collective_us / wall_us if wall_us > 0 else float("nan"),
+            "collective_events_s": {k: v / 1e6 for k, v in sorted(by_name.items())}}
+
+
+def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: str, batch_sizes: tuple[int, ...],
+                   gen_len: int, prompt_len: int, repeats: int = 3, profile_steps: int = 10) -> dict[str, Any]:
+    """One rank of one :func:`run_tp_bench` configuration (run by :func:`neuronfx.launch` on every
+    rank; every rank runs the same steps). ``model``: the checkpoint's ModelConfig; the weights
+    are read by ``neuronfx.compile`` from ``model_path``. Returns this rank's figures, with every
+    rank's memory under ``"ranks"``."""
+    import torch.distributed as dist
+
+    from neuronfx.memory import trim_heap
+
+    if not dist.is_initialized():
+        # launch(tp_degree=1) joins no group, but its rank wrapper destroys one on exit (an
+        # AssertionError there fails the run): join a 1-rank group; tp=1 graphs never use it.
+        dist.init_process_group("gloo")
+    vocab = model.vocab_size
+    row: dict[str, Any] = {"tp_degree": tp, "threads": torch.get_num_threads(), "backend": backend, "dtype": dtype,
+                           "prompt_len": prompt_len, "gen_len": gen_len}
+    plan = make_plan(model, _tp_inference(backend, dtype, tp, batch_sizes, prompt_len, gen_len), checkpoint=str(model_path))
+    trim_heap()
+    t0 = time.perf_counter()
+    runtime = neuronfx.compile(plan, progress=False)
+    row["compile_s"] = time.perf_counter() - t0
+    row["graphs"] = len(runtime.graphs)
+    trim_heap()
+    mem = {"rank": runtime.plan.rank,
+           "weights_bytes": sum(t.numel() * t.element_size() for t in _unique_tensors(runtime.weights)),
+           "rss_bytes": rss_bytes(), "kv_bytes": runtime.plan.kv.nbytes}
+
+    decode: dict[str, Any] = {}
+    for b in sorted(set(batch_sizes)):
+        time_neuronfx(runtime, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
+        rates = [summarize("neuronfx", backend, dtype, b, prompt_len,
+                           *time_neuronfx(runtime, random_prompts(vocab, b, prompt_len, seed=i), gen_len)).decode_tok_s
+                 for i in range(repeats)]
+        decode[str(b)] = {"decode_tok_s": _median(rates), "repeats": rates}
+    row["decode"] = decode
+    prompt = random_prompts(vocab, 1, prompt_len, seed=7)
+    ttfts = [time_neuronfx(runtime, prompt, 1)[0] for _ in range(repeats)]
+    row["ttft_s"] = _median(ttfts)
+    row["ttft_repeats_s"] = ttfts
+    # a short prompt (same prefill and decode buckets, so the same cost) leaves room for the steps
+    row["profile"] = _collective_share(runtime, prompt[0][:8], profile_steps)
+    del runtime
+    trim_heap()
+
+    if tp > 1:  # sequence-parallel prefill, batch 1 only: TTFT
+        sp_inf = _tp_inference(backend, dtype, tp, (1,), prompt_len, gen_len, sequence_parallel=True)
+        t0 = time.perf_counter()
+        sp = neuronfx.compile(make_plan(model, sp_inf, checkpoint=str(model_path)), progress=False)
+        row["sp_compile_s"] = time.perf_counter() - t0
+        time_neuronfx(sp, random_prompts(vocab, 1, 8, seed=1), 1)  # warm-up
+        sp_ttfts = [time_neuronfx(sp, prompt, 1)[0] for _ in range(repeats)]
+        row["ttft_sp_s"] = _median(sp_ttfts)
+        row["ttft_sp_repeats_s"] = sp_ttfts
+        del sp
+        trim_heap()
+
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mem)
+    row["ranks"] = ranks
+    row["max_weights_bytes"] = max(m["weights_bytes"] for m in ranks)
+    row["max_rss_bytes"] = max(m["rss_bytes"] for m in ranks)
+    return row
+
+
+def run_tp_bench(
+    model_path: str, tp_degrees: Sequence[int], backend: str, dtype: str, batch_sizes: Sequence[int] = (1, 8),
+    gen_len: int = 64, prompt_len: int = 512, log: Any = print,
+) -> dict[str, Any]:
+    """Tensor parallelism against one process: for each ``tp`` in ``tp_degrees``, one
+    :func:`neuronfx.launch` of ``tp`` fresh ranks (``tp=1`` too, so every configuration starts
+    from a fresh process), each with ``max(1, cores // tp)`` torch threads, compiling one plan
+    from ``model_path`` (``neuronfx.compile`` reads the checkpoint on every rank: each keeps its
+    shard). The plan has one prefill bucket (``prompt_len``), one decode bucket (``prompt_len +
+    gen_len``) and the batch buckets ``batch_sizes``. Measured, times in seconds:
+
+    - decode tok/s per batch size: greedy ``gen_len`` tokens after ``prompt_len``-token prompts
+      (:func:`time_neuronfx`), median of 3 runs, after a warm-up.
+    - TTFT: prefill of one ``prompt_len``-token prompt, median of 3; for ``tp`` > 1 also with a
+      second runtime compiled with ``sequence_parallel=True`` (batch 1 only).
+    - memory per rank, after compile and ``trim_heap``: bytes of the rank's unique weight
+      tensors and the process's RSS (which includes torch, the compiled graphs and the KV cache);
+      ``max_*`` over ranks.
+    - collective share: ``torch.profiler`` (CPU activity) over 10 batch-1 decode steps, each
+      wrapped in a ``record_function`` marker, after 2 unprofiled ones. Collective time = the
+      self CPU time of the events on the thread that ran the steps whose name contains "c10d",
+      "all_gather" or "wait_tensor" (``_c10d_functional::all_gather_into_tensor``, issuing the
+      gloo work, and ``_c10d_functional::wait_tensor``, blocking until it is done: transfer
+      time plus waiting for the slower rank); gloo's own worker threads are left out, their
+      time overlaps the wait. Share = collective time / the markers' wall time (the profiler's
+      overhead is in both).
+
+    Logs one line per configuration, then, per ``tp`` > 1, the ratios to ``tp=1`` (decode tok/s
+    per batch size, target >= 0.85; per-rank weight bytes, target <= 0.55). Returns JSON-able
+    ``{"runs": [one dict per tp], "ratios": [one dict per tp > 1]}``. Raises ConfigError for a
+    tp that does not divide the model (from ``make_plan``) and TensorParallelError when a rank fails.
+    """
+    import os
+
+    from neuronfx.checkpoints import load_checkpoint
+    from neuronfx.memory import trim_heap
+
+    model = load_checkpoint(model_path, lazy=True).config  # a GGUF is dequantized here once, then dropped
+    trim_heap()
+    batch_sizes = tuple(sorted(set(batch_sizes)))
+    for tp in tp_degrees:  # a bad tp fails here, before any process starts
+        make_plan(model, _tp_inference(backend, dtype, tp, batch_sizes, prompt_len, gen_len))
+    cores = os.cpu_count() or 1
+    runs = []
+    for tp in tp_degrees:
+        threads = cores if tp == 1 else max(1, cores // tp)
+        row = neuronfx.launch(_tp_bench_rank, model, str(model_path), tp, backend, dtype, batch_sizes, gen_len,
+                              prompt_len, tp_degree=tp, threads=threads)
+        runs.append(row)
+        log(format_tp_run(row))
+    base = next((r for r in runs if r["tp_degree"] == 1), None)
+    out_ratios = []
+    for r in runs:
+        if r["tp_degree"] == 1 or base is None:
+            continue
+        ratio = {
+            "tp_degree": r["tp_degree"],
+            "decode_tok_s_ratio": {b: r["decode"][b]["decode_tok_s"] / base["decode"][b]["decode_tok_s"] for b in r["decode"]},
+            "weights_bytes_ratio": r["max_weights_bytes"] / base["max_weights_bytes"],
+            "rss_bytes_ratio": r["max_rss_bytes"] / base["max_rss_bytes"],
+            "ttft_ratio": r["ttft_s"] / base["ttft_s"],
+            "ttft_sp_ratio": r["ttft_sp_s"] / base["ttft_s"],
+            "collective_share": r["profile"]["collective_share"],
+        }
+        out_ratios.append(ratio)
+        log(format_tp_ratio(ratio, r))
+    return {"runs": runs, "ratios": out_ratios}
+
+
+def format_tp_run(r: dict[str, Any]) -> str:
+    decode = "  ".join(f"B={b} {d['decode_tok_s']:6.1f}" for b, d in r["decode"].items())
+    sp = f" / SP {r['ttft_sp_s'] * 1e3:6.1f}" if "ttft_sp_s" in r else ""
+    return (
+        f"tp={r['tp_degree']} threads/rank={r['threads']} {r['backend']} {r['dtype']}  decode tok/s {decode}  "
+        f"TTFT({r['prompt_len']}) {r['ttft_s'] * 1e3:6.1f}{sp} ms  "
+        f"weights/rank {r['max_weights_bytes'] / 2**20:6.1f} MiB  RSS/rank {r['max_rss_bytes'] / 2**20:6.1f} MiB  "
+        f"collectives {r['profile']['collective_share'] * 100:4.1f}% of decode step "
+        f"({r['profile']['collective_s_per_step'] * 1e3:.2f} of {r['profile']['step_wall_s'] * 1e3:.2f} ms)  "
+        f"compile {r['compile_s']:.0f} s"
+    )
+
+
+def format_tp_ratio(q: dict[str, Any], r: dict[str, Any]) -> str:
+    decode = "  ".join(f"B={b} x{v:.2f}{'' if v >= 0.85 else ' (<0.85)'}" for b, v in q["decode_tok_s_ratio"].items())
+    w = q["weights_bytes_ratio"]
+    return (
+        f"tp={q['tp_degree']} / tp=1: decode tok/s {decode}  weights/rank x{w:.2f}{'' if w <= 0.55 else ' (>0.55)'}  "
+        f"RSS/rank x{q['rss_bytes_ratio']:.2f}  TTFT x{q['ttft_ratio']:.2f} without SP, x{q['ttft_sp_ratio']:.2f} with SP "
+        f"({r['ttft_s'] * 1e3:.1f} vs {r['ttft_sp_s'] * 1e3:.1f} ms)  collectives {q['collective_share'] * 100:.1f}% of decode step"
+    )

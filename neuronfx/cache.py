@@ -66,11 +66,13 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
 
 
 def cache_key(plan: Plan) -> str:
-    """sha256 hex of the canonical JSON of (model config, inference config, environment);
+    """sha256 hex of the canonical JSON of (model config, inference config, tensor-parallel
+    rank, environment);
     ``plan.checkpoint`` is left out: entries hold no weights."""
     content = {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
+        "rank": plan.rank,
         "environment": environment(plan.inference.backend),
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -55,12 +55,34 @@ class Checkpoint:
     hf_config: Any = attrs.field(default=None, repr=False)
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Checkpoint:
+@attrs.frozen(eq=False)
+class LazyTensor:
+    """A tensor of a safetensors file read on demand: ``shape``, and indexing with slices
+    (``t[a:b]``, ``t[:, a:b]``, ``t[:]``) reads only those rows or columns from the file
+    (safetensors ``get_slice``), in the file's dtype. Tensor-parallel ranks read their shards
+    this way. Raises CheckpointError when the file cannot be read."""
+
+    file: str
+    name: str
+    shape: tuple[int, ...]
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        try:
+            with safetensors.safe_open(self.file, framework="pt", device="cpu") as reader:
+                return reader.get_slice(self.name)[index]
+        except (safetensors.SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {self.name!r} from {self.file!r}: {exc}; copy the checkpoint again.") from exc
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, lazy: bool = False) -> Checkpoint:
     """Read a checkpoint: an HF directory (safetensors, single or sharded) or a ``.gguf`` file.
 
     ``dtype`` is the floating dtype every tensor is cast to. GGUF weights are dequantized by
     transformers (llama.cpp's Q/K row permutation undone), so they equal what
-    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` holds.
+    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`` holds. ``lazy``: for a
+    safetensors directory, read only the headers and return :class:`LazyTensor` values (in the
+    file's dtype; ``dtype`` is not applied), so a caller reads just the slices it needs; a
+    GGUF file is always read (and dequantized) whole.
 
     Raises CheckpointError for a missing path, a directory without ``config.json`` or
     safetensors, a shard listed in the index but missing, an unreadable or corrupt file, or
@@ -70,7 +92,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     _check_dtype(dtype)
     source = Path(path)
     if source.is_dir():
-        return _load_hf_dir(source, dtype)
+        return _load_hf_dir(source, dtype, lazy)
     if source.is_file() and source.suffix == GGUF_SUFFIX:
         return _load_gguf(source, dtype)
     if source.exists():
@@ -127,11 +149,11 @@ def default_model_path() -> str:
 # HF directories
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_hf_dir(directory: Path, dtype: torch.dtype, lazy: bool = False) -> Checkpoint:
     hf_config = _read_hf_config(directory)
     generation_config = _read_generation_config(directory)
     config = ModelConfig.from_hf(hf_config, generation_config)
-    state_dict = _read_safetensors_dir(directory, dtype)
+    state_dict = _read_safetensors_dir(directory, dtype, lazy)
     _check_keys(state_dict, config, directory)
     return Checkpoint(config=config, state_dict=state_dict, source=str(directory), hf_config=hf_config)
 
@@ -182,11 +204,12 @@ def _read_json(file: Path) -> Any:
         raise CheckpointError(f"cannot read JSON file {str(file)!r}: {exc}; fix or regenerate it.") from exc
 
 
-def _read_safetensors_dir(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors``, or of the shards its index lists, cast to ``dtype``."""
+def _read_safetensors_dir(directory: Path, dtype: torch.dtype, lazy: bool = False) -> dict[str, Any]:
+    """All tensors of ``model.safetensors``, or of the shards its index lists, cast to ``dtype``
+    (:class:`LazyTensor` handles when ``lazy``)."""
     single = directory / SAFETENSORS_NAME
     if single.is_file():
-        return _read_safetensors_file(single, dtype)
+        return _read_safetensors_file(single, dtype, lazy)
     index_file = directory / SAFETENSORS_INDEX_NAME
     if not index_file.is_file():
         raise CheckpointError(
@@ -202,7 +225,7 @@ def _read_safetensors_dir(directory: Path, dtype: torch.dtype) -> dict[str, torc
                 f"shard {str(shard)!r} listed in {str(index_file)!r} is missing; copy the complete "
                 "checkpoint (every shard the index names)."
             )
-        tensors = _read_safetensors_file(shard, dtype)
+        tensors = _read_safetensors_file(shard, dtype, lazy)
         listed = {name for name, file in weight_map.items() if file == shard_name}
         if not listed <= tensors.keys():
             raise CheckpointError(
@@ -223,10 +246,13 @@ def _read_weight_map(index_file: Path) -> dict[str, str]:
     return weight_map
 
 
-def _read_safetensors_file(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, on the CPU, cast to ``dtype``."""
+def _read_safetensors_file(file: Path, dtype: torch.dtype, lazy: bool = False) -> dict[str, Any]:
+    """Every tensor of one safetensors file, on the CPU, cast to ``dtype`` (or, when ``lazy``,
+    a :class:`LazyTensor` per tensor: only the header is read)."""
     try:
         with safetensors.safe_open(str(file), framework="pt", device="cpu") as reader:
+            if lazy:
+                return {name: LazyTensor(str(file), name, tuple(reader.get_slice(name).get_shape())) for name in reader.keys()}  # noqa: SIM118
             return {name: reader.get_tensor(name).to(dtype) for name in reader.keys()}  # noqa: SIM118 - safe_open is not iterable
     except (safetensors.SafetensorError, OSError) as exc:
         raise CheckpointError(

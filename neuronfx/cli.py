@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -16,15 +17,23 @@ import attrs
 from tqdm.auto import tqdm
 
 import neuronfx
-from neuronfx.artifacts import MANIFEST, PLAN, looks_like_repo_id, resolve
+from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
 from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
-from neuronfx.errors import ArtifactError, CheckpointError, InputError, NeuronfxError, SequenceLengthExceededError
+from neuronfx.errors import (
+    ArtifactError,
+    CheckpointError,
+    InputError,
+    NeuronfxError,
+    SequenceLengthExceededError,
+    TensorParallelError,
+)
 from neuronfx.graphs.backends import check_backend
+from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
 
 
@@ -57,7 +66,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers")
+                "draft_layers", "tp_degree", "sequence_parallel")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -75,6 +84,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-length", type=int, metavar="K",
                    help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
     p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
+    p.add_argument("--tp-degree", type=int, metavar="N",
+                   help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
+    p.add_argument("--sequence-parallel", action="store_const", const=True,
+                   help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -226,7 +239,7 @@ def saved_runtime(model: str | None) -> Path | None:
     if model is None:
         return None
     path = Path(model)
-    if path.is_dir() and (path / MANIFEST).is_file():
+    if path.is_dir() and (first_dir(path) / MANIFEST).is_file():
         return path
     if not path.exists() and looks_like_repo_id(model):
         return resolve(model)
@@ -237,7 +250,7 @@ def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
     """The saved plan's inference config; an explicit plan option that differs is an error
     (the graphs are compiled for the saved plan)."""
     try:
-        inference = plan_from_json((saved / PLAN).read_text()).inference
+        inference = plan_from_json((first_dir(saved) / PLAN).read_text()).inference
     except OSError as exc:
         raise ArtifactError(f"cannot read {saved / PLAN}: {exc}; re-save the runtime.") from exc
     for name in PLAN_OPTIONS:
@@ -277,7 +290,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
             bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype))
+            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
             bar.update()
             bar.set_postfix_str("tokenizer")
             tokenizer = load_tokenizer(model_path)
@@ -287,6 +300,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
         compile_s = time.perf_counter() - t0
+        del ckpt  # under tensor parallelism only this rank's shard stays resident
     if args.draft_model:
         runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
@@ -351,7 +365,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     inference = _inference(args)
     check_backend(inference.backend)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype))
+    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
     tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))
@@ -384,9 +398,50 @@ def cache_command(args: argparse.Namespace) -> None:
         print(f"removed {len(removed)} entries from {root}" + "".join(f"\n  {name}" for name in removed))
 
 
+def tp_degree_of(args: argparse.Namespace) -> int:
+    """The --tp-degree a generate/compile command runs with (a saved runtime's when --model
+    names one); checks the plan options first, so a bad value fails before any rank starts."""
+    if args.command not in ("generate", "compile"):
+        return 1
+    saved = saved_runtime(args.model) if args.command == "generate" else None
+    inference = _saved_inference(args, saved) if saved is not None else _inference(args)
+    if args.command == "generate":
+        check_cli_flags(args)
+        check_cli_limits(args, inference)
+    return inference.tp_degree
+
+
+def _rank_main(argv: list[str]) -> int:
+    """One rank of a tensor-parallel CLI command (started by :func:`main` through
+    ``neuronfx.launch``): the same command."""
+    code = main(argv)
+    if code:
+        sys.exit(code)  # a failed rank must fail the launch, so the launcher stops the others
+    return code
+
+
+def _launch_ranks(argv: list[str], tp_degree: int) -> int:
+    """Start ``tp_degree`` ranks of this command on this machine; their exit status."""
+    try:
+        return neuronfx.launch(_rank_main, argv, tp_degree=tp_degree)
+    except TensorParallelError as exc:
+        if set(getattr(exc, "exit_codes", {}).values()) == {2}:
+            return 2  # the ranks' own errors, each printed as one line already
+        print(f"neuronfx: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (2: a neuronfx error, printed as one line).
+    In a tensor-parallel rank other than 0 (torchrun or ``neuronfx.launch`` set ``RANK``) the
+    results are not printed: rank 0 prints them."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the rank
     args = build_parser().parse_args(argv)
     try:
+        if tp_degree_of(args) > 1 and not under_launcher():
+            return _launch_ranks(argv, tp_degree_of(args))
         if args.command == "bench":
             data = bench_command(args)
             if args.json:
@@ -403,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         out = run_generate(args)
     except NeuronfxError as exc:
-        print(f"neuronfx: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"neuronfx: error{_rank_tag()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(out))
@@ -417,6 +472,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _rank_tag() -> str:
+    """" (rank R)" in a tensor-parallel rank other than 0, so each error says where it came from."""
+    import torch.distributed as dist
+
+    return f" (rank {dist.get_rank()})" if dist.is_initialized() and dist.get_rank() != 0 else ""
 
 
 if __name__ == "__main__":

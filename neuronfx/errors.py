@@ -72,3 +72,7 @@ class BackendUnavailableError(NeuronfxError, ImportError):
 class ArtifactError(NeuronfxError, ValueError):
     """A saved runtime or compile-cache entry is missing a file, corrupt, or was built for
     another neuronfx/torch version or machine."""
+
+
+class TensorParallelError(NeuronfxError, RuntimeError):
+    """A tensor-parallel rank failed, died or disagrees with the others (plan or weights)."""

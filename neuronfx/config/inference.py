@@ -76,6 +76,11 @@ class InferenceConfig:
       the final norm and LM head (self-speculation, weights and KV shared with the target).
     - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
       (torch.compile per graph part), "neuron" (optional extra).
+    - ``tp_degree``: tensor-parallel ranks (processes) the weights are split over
+      (``config/sharding.py``); 1 = one process. Ranks run under torchrun or
+      :func:`neuronfx.launch`.
+    - ``sequence_parallel``: prefill runs norms and residuals on sequence shards (NxD's
+      ``sequence_parallel_enabled``); needs ``tp_degree >= 2``.
     - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
       value is a ConfigError).
 
@@ -97,6 +102,8 @@ class InferenceConfig:
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
+    tp_degree: int = attrs.field(default=1, validator=positive_int)
+    sequence_parallel: bool = attrs.field(default=False, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
 
     def __attrs_post_init__(self) -> None:
@@ -115,6 +122,9 @@ class InferenceConfig:
             )
         if self.draft_layers and not self.speculation_length:
             raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
+        if self.sequence_parallel and self.tp_degree < 2:
+            raise ConfigError("sequence_parallel=True needs tp_degree >= 2 (it splits prefill over the ranks); "
+                              "set tp_degree or drop sequence_parallel.")
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "

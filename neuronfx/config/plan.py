@@ -10,11 +10,12 @@ from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
+from neuronfx.config.sharding import RankShard, rank_shard
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
 PHASES = ("prefill", "decode", "speculate", "draft")
 
-__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "make_plan", "step_inputs"]
+__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "make_plan", "plan_for_rank", "step_inputs"]
 
 
 @attrs.frozen(kw_only=True)
@@ -50,7 +51,10 @@ class Plan:
     ``batch_buckets`` (rows) and ``prefill_buckets`` / ``decode_buckets`` (tokens) are the
     ladders; ``graphs`` holds one GraphSpec per (phase, batch bucket, length bucket).
     ``checkpoint`` optionally names where the weights come from (a local HF directory or a
-    ``.gguf`` file) so that ``neuronfx.compile(plan)`` can load them itself.
+    ``.gguf`` file) so that ``neuronfx.compile(plan)`` can load them itself. ``rank`` is the
+    tensor-parallel rank this plan's graphs run on, ``shard`` what that rank holds
+    (``config/sharding.py``) and ``local_model`` the model with its head counts (with
+    ``tp_degree=1``: rank 0 holds everything and ``local_model`` is ``model``).
     """
 
     model: ModelConfig
@@ -61,7 +65,15 @@ class Plan:
     kv: KVLayout
     topk_width: int
     graphs: tuple[GraphSpec, ...]
+    shard: RankShard
+    local_model: ModelConfig
     checkpoint: str | None = None
+    rank: int = 0
+
+    @property
+    def tp_degree(self) -> int:
+        """Tensor-parallel ranks (``inference.tp_degree``)."""
+        return self.inference.tp_degree
 
     @property
     def logprobs_width(self) -> int:
@@ -114,9 +126,12 @@ def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, specu
     return input_specs(PHASE_INPUTS[phase], dims)
 
 
-def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None) -> Plan:
-    """Derive the plan. Raises UnsupportedModelError when the model needs something the plan
-    cannot give (a sliding window shorter than ``sequence_length``)."""
+def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None, rank: int = 0) -> Plan:
+    """Derive the plan of tensor-parallel rank ``rank``. Raises UnsupportedModelError when the
+    model needs something the plan cannot give (a sliding window shorter than
+    ``sequence_length``), ConfigError when it cannot be split over ``tp_degree`` ranks
+    (``config.sharding.check_tp``)."""
+    shard = rank_shard(model, inference.tp_degree, rank)
     if model.sliding_window is not None and model.sliding_window < inference.sequence_length:
         raise UnsupportedModelError(
             f"sliding_window={model.sliding_window} < sequence_length={inference.sequence_length}: "
@@ -145,7 +160,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
     kv = KVLayout(
         num_layers=model.num_hidden_layers,
         num_slots=b + 1,
-        num_kv_heads=model.num_key_value_heads,
+        num_kv_heads=shard.num_kv_heads,
         sequence_length=inference.sequence_length,
         head_dim=model.head_dim,
         dtype=inference.dtype,
@@ -159,5 +174,22 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
         kv=kv,
         topk_width=min(inference.max_topk, model.vocab_size),
         graphs=graphs,
+        shard=shard,
+        local_model=local_model(model, shard),
         checkpoint=checkpoint,
+        rank=rank,
     )
+
+
+def local_model(model: ModelConfig, shard: RankShard) -> ModelConfig:
+    """The model as one rank's graphs see it: that rank's (padded) query and KV head counts and
+    MLP rows; ``model`` itself at tp_degree 1."""
+    if shard.tp_degree == 1:
+        return model
+    return attrs.evolve(model, num_attention_heads=shard.num_heads, num_key_value_heads=shard.num_kv_heads,
+                        intermediate_size=shard.intermediate_size)
+
+
+def plan_for_rank(plan: Plan, rank: int) -> Plan:
+    """``plan`` re-derived for tensor-parallel rank ``rank`` (ConfigError outside [0, tp))."""
+    return plan if rank == plan.rank else make_plan(plan.model, plan.inference, plan.checkpoint, rank)

@@ -69,11 +69,13 @@ def unstructure(value: Any) -> dict[str, Any]:
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    """The plan's sources (model, inference, checkpoint); everything else is re-derived on load."""
+    """The plan's sources (model, inference, checkpoint, tensor-parallel rank); everything else
+    is re-derived on load."""
     return {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
         "checkpoint": plan.checkpoint,
+        "rank": plan.rank,
     }
 
 
@@ -81,15 +83,18 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
     """Inverse of :func:`plan_to_dict`; raises ConfigError on unknown or missing keys."""
     if not isinstance(data, dict):
         raise ConfigError(f"plan must be a JSON object, got {type(data).__name__}.")
-    extra = set(data) - {"model", "inference", "checkpoint"}
+    extra = set(data) - {"model", "inference", "checkpoint", "rank"}
     if extra:
-        raise ConfigError(f"invalid Plan: unknown key(s) {sorted(extra)} (allowed: model, inference, checkpoint).")
+        raise ConfigError(f"invalid Plan: unknown key(s) {sorted(extra)} (allowed: model, inference, checkpoint, rank).")
     for key in ("model", "inference"):
         if key not in data:
             raise ConfigError(f"invalid Plan: missing key {key!r}.")
     model = structure(data["model"], ModelConfig)
     inference = structure(data["inference"], InferenceConfig)
-    return make_plan(model, inference, checkpoint=data.get("checkpoint"))
+    rank = data.get("rank", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise ConfigError(f"invalid Plan: rank={rank!r} must be an int.")
+    return make_plan(model, inference, checkpoint=data.get("checkpoint"), rank=rank)
 
 
 def plan_to_json(plan: Plan) -> str:

@@ -85,13 +85,15 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def glu_mlp(ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020), x (B, T, hidden)."""
-    return ops.linear(ops.glu(x, lw["gate"], lw["up"]), lw["down"], None)
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020), x (B, T, hidden); gate/up
+    column-parallel and down row-parallel under tensor parallelism (``ops.parallel_in/out``)."""
+    return ops.parallel_out(ops.linear(ops.glu(ops.parallel_in(x), lw["gate"], lw["up"]), lw["down"], None))
 
 
 def attention_output(ops: Ops, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
     """RoPE on q (B, n_heads, T, D) and k (B, n_kv_heads, T, D), attention through ``attend``
-    (which owns the KV cache), then the output projection -> (B, T, hidden)."""
+    (which owns the KV cache), then the output projection -> (B, T, hidden), row-parallel under
+    tensor parallelism (``ops.parallel_out``)."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None)  # attend: (B, n_heads, T, D)
+    return ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))  # attend: (B, n_heads, T, D)

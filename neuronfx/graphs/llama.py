@@ -52,7 +52,9 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def qkv_heads(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K, V of x (B, T, hidden) split into heads: (B, n_heads, T, D), (B, n_kv_heads, T, D) x 2;
-    one ops call for the three projections, with their biases when ``cfg.attention_bias``."""
+    one ops call for the three projections, with their biases when ``cfg.attention_bias``
+    (column-parallel under tensor parallelism: x enters through ``ops.parallel_in``)."""
+    x = ops.parallel_in(x)
     biases = (lw["bq"], lw["bk"], lw["bv"]) if cfg.attention_bias else (None, None, None)
     q, k, v = ops.projections(x, (lw["wq"], lw["wk"], lw["wv"]), biases)
     d = cfg.head_dim

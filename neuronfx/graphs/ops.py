@@ -19,9 +19,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from neuronfx.graphs import collectives
 from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 
 Tensor = torch.Tensor
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
 
 
 @attrs.frozen(kw_only=True)
@@ -36,6 +41,14 @@ class Ops:
     - ``cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)``: T new tokens over their
       slots' first ``bucket`` cache positions; k/v_cache (slots, H_kv, S, D), seq_ids (B,),
       mask (B, 1, T, bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
+    - ``parallel_in(x)``: x (B, T, hidden) into a column-parallel product: identity, or in
+      sequence-parallel prefill the all-gather of the ranks' sequence shards (B, T / tp ->
+      T, hidden).
+    - ``parallel_out(x)``: the partial sums of a row-parallel product (or of a vocabulary-
+      parallel embedding) out of the tensor-parallel region: identity at tp 1, all-reduce, or
+      in sequence-parallel prefill reduce-scatter along T.
+    - ``gather_vocab(x)``: vocabulary-parallel logits (..., V / tp) -> (..., padded V).
+    Defaults are the identities of one process (:func:`tensor_parallel_ops` sets them).
     """
 
     name: str
@@ -44,6 +57,9 @@ class Ops:
     glu: Callable[[Tensor, Tensor, Tensor], Tensor]
     attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     cached_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor], Tensor]
+    parallel_in: Callable[[Tensor], Tensor] = attrs.field(default=_identity)
+    parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=_identity)
+    gather_vocab: Callable[[Tensor], Tensor] = attrs.field(default=_identity)
 
 
 # --- reference ops (plain torch) ----------------------------------------------------------------
@@ -183,3 +199,22 @@ def cpu_kernel_ops(dtype: str) -> Ops:
         attention=sdpa_fp32 if widen else sdpa,
         cached_attention=fused_cached_attention,
     )
+
+
+# --- tensor parallel ------------------------------------------------------------------------------
+
+
+def tensor_parallel_ops(ops: Ops, tp_degree: int, rank: int, group: str, sequence_parallel: bool) -> Ops:
+    """``ops`` with the collectives of rank ``rank`` of ``tp_degree`` over process group
+    ``group`` (``collectives.world_group``): Megatron-LM's tensor parallelism (Shoeybi et al.
+    2019), with sequence parallelism (Korthikanti et al. 2022) when ``sequence_parallel``
+    (prefill only: a decode step has one token per row)."""
+    if sequence_parallel:
+        parallel_in = functools.partial(collectives.all_gather, dim=1, group=group)
+        parallel_out = functools.partial(collectives.reduce_scatter, dim=1, tp_degree=tp_degree, rank=rank, group=group)
+    else:
+        parallel_in = _identity
+        parallel_out = functools.partial(collectives.all_reduce, tp_degree=tp_degree, group=group)
+    gather_vocab = functools.partial(collectives.all_gather, dim=-1, group=group)
+    return attrs.evolve(ops, name=f"{ops.name}+tp{tp_degree}{'-sp' if sequence_parallel else ''}", parallel_in=parallel_in,
+                        parallel_out=parallel_out, gather_vocab=gather_vocab)

@@ -23,10 +23,11 @@ import torch
 from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
 from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_cos_sin, rope_inv_freq
 from neuronfx.graphs.models import model_module
-from neuronfx.graphs.ops import Ops
+from neuronfx.graphs.ops import Ops, tensor_parallel_ops
 from neuronfx.graphs.sampling import sample
 
 Tensor = torch.Tensor
@@ -34,16 +35,40 @@ KVPairs = list[tuple[Tensor, Tensor]]  # a layer group's (K, V) per layer, as co
 DecoderLayer = Callable[..., Tensor]  # a family file's decoder_layer(cfg, ops, lw, h, cos, sin, attend)
 
 
-def _embed(plan: Plan, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """ids (B, T) -> h (B, T, hidden) and RoPE cos/sin (B, 1, T, head_dim)."""
-    h = embed[input_ids]
+def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
+    """ids (B, T) -> h (B, T, hidden); under tensor parallelism each rank looks up the ids of its
+    vocabulary rows, zeros elsewhere, and ``ops.parallel_out`` sums (or reduce-scatters) them."""
+    if plan.tp_degree == 1:
+        return embed[input_ids]
+    local = input_ids - plan.shard.vocab_start
+    mine = (local >= 0) & (local < plan.shard.vocab_size)
+    rows = embed[local.clamp(0, plan.shard.vocab_size - 1)]
+    return ops.parallel_out(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
+
+
+def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and RoPE cos/sin
+    (B, 1, T, head_dim)."""
+    h = _lookup(plan, ops, embed, input_ids)
     cos, sin = rope_cos_sin(position_ids, rope_inv_freq(plan.model).to(h.device), h.dtype)
     return h, cos, sin
 
 
 def _logits(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor) -> Tensor:
-    """hidden (..., hidden) -> float32 logits (..., V): final norm and LM head."""
-    return ops.linear(rms_norm(hidden, norm, plan.model.rms_norm_eps), lm_head, None).float()
+    """hidden (..., hidden) -> float32 logits (..., V): final norm and LM head; under tensor
+    parallelism the ranks' vocabulary columns are gathered and the padded ids dropped."""
+    local = ops.linear(rms_norm(hidden, norm, plan.model.rms_norm_eps), lm_head, None)
+    if plan.tp_degree == 1:
+        return local.float()
+    return ops.gather_vocab(local)[..., :plan.model.vocab_size].float()
+
+
+def sequence_parallel_tokens(plan: Plan, bucket: int) -> int:
+    """Tokens a prefill graph of ``bucket`` runs: ``bucket`` rounded up to a multiple of
+    tp_degree under sequence parallelism (each rank holds an equal sequence shard), else
+    ``bucket``. The extra positions are padding: never attended, never written to the cache."""
+    tp = plan.tp_degree
+    return -(-bucket // tp) * tp if plan.inference.sequence_parallel else bucket
 
 
 def _head(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor, sampler: tuple[Tensor, ...]) -> dict[str, Tensor]:
@@ -66,9 +91,14 @@ def _head(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor, s
 def prefill_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
                      prompt_lens: Tensor) -> tuple[Tensor, ...]:
     """ids/positions (B, T = bucket), prompt_lens (B,) -> h (B, T, hidden), RoPE cos/sin
-    (B, 1, T, head_dim) and the causal prompt mask (B, 1, T, T)."""
-    h, cos, sin = _embed(plan, embed, input_ids, position_ids)
-    return h, cos, sin, prefill_mask(prompt_lens, bucket)  # mask (B, 1, T, T)
+    (B, 1, T, head_dim) and the causal prompt mask (B, 1, T, T). Sequence-parallel prefill pads
+    T to :func:`sequence_parallel_tokens` and h is this rank's shard (B, T / tp, hidden)."""
+    t = sequence_parallel_tokens(plan, bucket)
+    if t != bucket:
+        input_ids = torch.nn.functional.pad(input_ids, (0, t - bucket))
+        position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
+    return h, cos, sin, prefill_mask(prompt_lens, t)  # mask (B, 1, T, T)
 
 
 def prefill_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: list[LayerWeights], kv: KVPairs,
@@ -79,17 +109,19 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: 
     for lw, (k_cache, v_cache) in zip(lws, kv):
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache) -> Tensor:
-            k_cache[seq_ids, :, :bucket] = k  # (B, n_kv, T, D) into slots
-            v_cache[seq_ids, :, :bucket] = v
+            k_cache[seq_ids, :, :bucket] = k[:, :, :bucket]  # (B, n_kv, T, D) into slots
+            v_cache[seq_ids, :, :bucket] = v[:, :, :bucket]
             return ops.attention(q, k, v, mask)
 
-        h = layer(plan.model, ops, lw, h, cos, sin, attend)
+        h = layer(plan.local_model, ops, lw, h, cos, sin, attend)
     return h
 
 
 def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: Tensor, h: Tensor, prompt_lens: Tensor,
                      *sampler: Tensor) -> dict[str, Tensor]:
-    """Output for the last real token of each row (index prompt_lens - 1)."""
+    """Output for the last real token of each row (index prompt_lens - 1); sequence-parallel
+    prefill first gathers the ranks' sequence shards."""
+    h = ops.parallel_in(h)
     rows = torch.arange(h.shape[0], device=h.device)
     return _head(plan, ops, norm, lm_head, h[rows, (prompt_lens - 1).long()], sampler)
 
@@ -99,7 +131,7 @@ def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: T
 
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
     """ids/positions (B, T): T = 1 for decode and draft, k for speculate."""
-    h, cos, sin = _embed(plan, embed, input_ids, position_ids)
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
     return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, T, S)
 
 
@@ -118,7 +150,7 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: l
             v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
             return ops.cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)
 
-        h = layer(plan.model, ops, lw, h, cos, sin, attend)
+        h = layer(plan.local_model, ops, lw, h, cos, sin, attend)
     return h
 
 
@@ -170,13 +202,17 @@ def phase_parts(plan: Plan, spec: GraphSpec, ops: Ops, group_size: int | None = 
     """Bind plan, bucket and ``ops`` (and the family's decoder layer, looked up here, outside
     any traced code) into the phase's parts; ``wrap`` (e.g. a compiler) wraps each.
     ``group_size`` (a divisor of the phase's layer count, default all) sets layers per
-    ``layers`` call."""
+    ``layers`` call. Under tensor parallelism the ops get this rank's collectives (ConfigError
+    when no process group of ``tp_degree`` ranks is initialised)."""
     n = phase_num_layers(plan, spec.phase)
     group_size = n if group_size is None else group_size
     if group_size < 1 or n % group_size:
         raise ValueError(f"group_size={group_size} must divide the phase's {n} layers; pick a divisor of {n}.")
     prologue, layers, epilogue = PART_FUNCTIONS[spec.phase]
     layer = model_module(plan.model.model_type).decoder_layer
+    if plan.tp_degree > 1:
+        sequence_parallel = plan.inference.sequence_parallel and spec.phase == "prefill"
+        ops = tensor_parallel_ops(ops, plan.tp_degree, plan.rank, world_group(plan.tp_degree), sequence_parallel)
     return PhaseParts(
         prologue=wrap(functools.partial(prologue, plan, spec.bucket, ops)),
         layers=wrap(functools.partial(layers, plan, spec.bucket, ops, layer)),

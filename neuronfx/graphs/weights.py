@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
 
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
+from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
 from neuronfx.errors import CheckpointError
 from neuronfx.graphs.models import model_module
 
@@ -64,15 +66,64 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
     return required
 
 
-def convert_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, dtype: str) -> dict:
+def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None) -> dict:
     """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
     in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
-    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy)."""
+    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy).
+
+    With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
+    (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
+    lazily read safetensors slices, so a rank reads only its part of the file)."""
     required = check_state_dict(state_dict, cfg)
-    flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}
+    if shard is not None and shard.tp_degree > 1:
+        flat = {ours: read_shard(state_dict[hf], weight_split(shard, _base(ours)), dtype) for hf, ours in required.items()}
+    else:
+        flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}  # type: ignore[attr-defined]
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat, cfg.num_hidden_layers)
+
+
+def _base(name: str) -> str:
+    """"layers.3.wq" -> "wq"; top-level names unchanged."""
+    return name.split(".", 2)[2] if name.startswith("layers.") else name
+
+
+def read_shard(source: object, split: Split, dtype: str) -> torch.Tensor:
+    """One rank's part of a weight: ``source`` (a tensor, or anything indexable with slices that
+    has a ``shape``, e.g. ``neuronfx.checkpoints.LazyTensor``) read block by block along
+    ``split.dim`` with zeros for padding blocks, as a new contiguous tensor in ``dtype`` (never
+    a view that would keep the whole weight alive)."""
+    shape = tuple(source.shape)  # type: ignore[attr-defined]
+    if split.dim is None:
+        return torch.as_tensor(source[:]).to(torch_dtype(dtype)).clone()  # type: ignore[index]
+    parts = []
+    for block in split.blocks:
+        if block.start is None:
+            pad_shape = list(shape)
+            pad_shape[split.dim] = block.size
+            parts.append(torch.zeros(pad_shape, dtype=torch_dtype(dtype)))
+        else:
+            index = (slice(None),) * split.dim + (slice(block.start, block.start + block.size),)
+            parts.append(torch.as_tensor(source[index]).to(torch_dtype(dtype)))  # type: ignore[index]
+    out = torch.cat(parts, split.dim) if len(parts) > 1 else parts[0].clone()
+    assert tuple(out.shape) == split_shape(split, shape)  # internal invariant of the sharding plan
+    return out.contiguous()
+
+
+def weights_fingerprint(state_dict: Mapping[str, object]) -> str:
+    """sha256 hex of an HF-named state dict's names, shapes and first and last rows (float32
+    bytes): cheap to compute from a rank's lazily read checkpoint, and different for different
+    checkpoints of one architecture, so tensor-parallel ranks can check they run the same weights."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        shape = tuple(t.shape)  # type: ignore[attr-defined]
+        digest.update(f"{name}:{shape};".encode())
+        if shape and shape[0]:
+            for row in (0, shape[0] - 1):
+                digest.update(torch.as_tensor(t[row:row + 1]).float().numpy().tobytes())  # type: ignore[index]
+    return digest.hexdigest()
 
 
 def nest(flat: dict[str, torch.Tensor], num_layers: int) -> dict:

@@ -1,0 +1,147 @@
+"""Tensor parallel over real ranks (gloo processes started by neuronfx.launch): tiny random
+models give the logits (within 1e-5, fp32) and greedy tokens of tp=1 at tp 2, 3 and 4, with and
+without sequence-parallel prefill, on eager, export and inductor; ranks that disagree are
+refused. The SmolLM2 CLI runs (tp 2 and 3, two torchrun "nodes", a killed rank) are in
+test_e2e_smollm2.py.
+
+Each launch runs every case of one tp degree in one set of ranks (starting ranks costs seconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan
+
+import neuronfx
+from neuronfx.errors import ConfigError, TensorParallelError
+
+# Vocabulary 257 divides by none of 2, 3, 4: padded ids exist on the last rank.
+MODELS = {
+    "llama-kv1": ("llama", dict(num_key_value_heads=1, vocab_size=257)),  # fewer KV heads than ranks: replicated
+    "qwen2-bias": ("qwen2", dict(vocab_size=257)),  # q/k/v biases; 2 KV heads: padded at tp=3
+    "qwen3-qknorm": ("qwen3", dict(vocab_size=257)),  # q/k norm, head_dim != hidden / heads
+}
+PROMPTS = [random_prompt(n, seed) for seed, n in enumerate((5, 17, 9, 3, 12, 7))]  # ragged, 6 prompts > 4 slots
+STEPS = 6  # decode steps with logits compared
+GEN = 16  # greedy tokens through the scheduler (continuous batching)
+ATOL = 1e-5
+
+
+def run_case(name: str, backend: str, tp: int, sequence_parallel: bool) -> dict:
+    """Logits of a ragged prefill and decode steps, and GEN greedy tokens for PROMPTS through the
+    scheduler (4 slots, 6 prompts), for one model at one tp degree (runs on every rank)."""
+    model_type, overrides = MODELS[name]
+    hf = tiny_hf_model(model_type, **overrides)
+    extra = dict(prefill_buckets=(32,), decode_buckets=(64,)) if backend != "eager" else {}
+    plan = tiny_plan(hf, backend, tp_degree=tp, sequence_parallel=sequence_parallel, **extra)
+    runtime = neuronfx.compile(plan, hf.state_dict(), progress=False, cache=False)
+    state = neuronfx.init_state(runtime)
+    tokens, logits, _, state = run_steps(runtime, state, [0, 1, 2], PROMPTS[:3], STEPS)
+    result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), PROMPTS, max_new_tokens=GEN)
+    return {"tokens": tokens, "logits": [torch.stack(row) for row in logits], "generated": result.token_ids,
+            "rank": runtime.plan.rank, "kv_heads": runtime.plan.kv.num_kv_heads}
+
+
+def run_cases(cases: list[tuple[str, str, int, bool]]) -> list[dict]:
+    return [run_case(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """tp=1 results in this process, per (model, backend)."""
+    return {}
+
+
+def reference(references: dict, name: str, backend: str) -> dict:
+    if (name, backend) not in references:
+        references[(name, backend)] = run_case(name, backend, 1, False)
+    return references[(name, backend)]
+
+
+def check_against_tp1(got: dict, want: dict, label: str) -> None:
+    assert got["tokens"] == want["tokens"], label
+    assert got["generated"] == want["generated"], label
+    for row_got, row_want in zip(got["logits"], want["logits"]):
+        assert row_got.shape == row_want.shape == (STEPS, 257)
+        torch.testing.assert_close(row_got, row_want, atol=ATOL, rtol=0, msg=label)
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_tiny_models_match_tp1_eager(tp: int, references: dict) -> None:
+    cases = [(name, "eager", tp, sp) for name in MODELS for sp in (False, True)]
+    results = neuronfx.launch(run_cases, cases, tp_degree=tp, threads=1)
+    for case, got in zip(cases, results):
+        assert got["rank"] == 0
+        check_against_tp1(got, reference(references, case[0], "eager"), str(case))
+
+
+def test_compiled_backends_match_tp1(references: dict) -> None:
+    """Export and inductor graphs with the collectives traced in, at tp 2 (with and without
+    sequence parallel), against the same backend at tp 1."""
+    cases = [("llama-kv1", "export", 2, True), ("qwen2-bias", "inductor", 2, False), ("qwen2-bias", "inductor", 2, True)]
+    results = neuronfx.launch(run_cases, cases, tp_degree=2, threads=1)
+    for case, got in zip(cases, results):
+        check_against_tp1(got, reference(references, case[0], case[1]), str(case))
+
+
+def compile_with_rank_seed(kind: str) -> str:
+    """Compile a tiny model whose weights (or plan) differ on rank 1; returns the error text."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    hf = tiny_hf_model("llama", seed=rank if kind == "weights" else 0)
+    plan = tiny_plan(hf, tp_degree=2, batch_size=4 if kind == "weights" or rank == 0 else 2)
+    try:
+        neuronfx.compile(plan, hf.state_dict(), progress=False)
+    except TensorParallelError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["weights", "plans"])
+def test_ranks_with_different_inputs_are_refused(kind: str) -> None:
+    message = neuronfx.launch(compile_with_rank_seed, kind, tp_degree=2, threads=1)
+    assert f"rank(s) [1] were given other {kind} than rank 0" in message
+
+
+def test_tp_without_ranks_is_a_config_error() -> None:
+    hf = tiny_hf_model("llama")
+    with pytest.raises(ConfigError, match="tp_degree=2 needs 2 processes"):
+        neuronfx.compile(tiny_plan(hf, tp_degree=2), hf.state_dict(), progress=False)
+
+
+def fail_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise SystemExit(3)
+    dist.barrier()  # rank 0 waits for a rank that is gone: the launcher must stop it
+
+
+def test_failed_rank_stops_the_launch() -> None:
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 3") as info:
+        neuronfx.launch(fail_on_rank_1, tp_degree=2, threads=1)
+    assert info.value.exit_codes == {1: 3}
+
+
+def save_and_reload(directory: str) -> tuple:
+    """Compile at tp=2 and save (every rank its part), load back on the same ranks: the tokens
+    before and after, and what this rank saved."""
+    import os
+
+    hf = tiny_hf_model("qwen2", vocab_size=257)
+    runtime = neuronfx.compile(tiny_plan(hf, tp_degree=2), hf.state_dict(), progress=False)
+    before, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), PROMPTS, max_new_tokens=8)
+    neuronfx.save(runtime, directory)
+    loaded = neuronfx.load(directory)
+    after, _ = neuronfx.generate(loaded, neuronfx.init_state(loaded), PROMPTS, max_new_tokens=8)
+    return before.token_ids, after.token_ids, loaded.plan.rank, sorted(os.listdir(directory))
+
+
+def test_saved_tp_runtime_loads_on_its_ranks_only(tmp_path):
+    before, after, rank, listing = neuronfx.launch(save_and_reload, str(tmp_path / "tp2"), tp_degree=2, threads=1)
+    assert before == after and rank == 0
+    assert listing == ["rank-0", "rank-1"]
+    with pytest.raises(ConfigError, match="tp_degree=2 needs 2 processes"):
+        neuronfx.load(tmp_path / "tp2")
