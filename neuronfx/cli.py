@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -422,6 +423,8 @@ def _rank_main(argv: list[str]) -> int:
 
 def _launch_ranks(argv: list[str], tp_degree: int) -> int:
     """Start ``tp_degree`` ranks of this command on this machine; their exit status."""
+    # The launcher logs each failure with the rank's traceback; a CLI user gets one line.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         return neuronfx.launch(_rank_main, argv, tp_degree=tp_degree)
     except TensorParallelError as exc:

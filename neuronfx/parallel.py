@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import logging
 import os
 import socket
 import uuid
@@ -133,8 +132,6 @@ def launch(fn: Callable[..., Any], *args: Any, tp_degree: int, threads: int | No
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.2,
         start_method="spawn",
     )
-    # The launcher logs each failure with the rank's traceback; TensorParallelError says it in one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _rank_main)(fn, args, threads)
     except ChildFailedError as exc:

@@ -39,14 +39,13 @@ def smollm2_dir(smollm2, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tp1_tokens(smollm2) -> list[list[int]]:
-    """Greedy tokens of the three chat prompts at tp=1 (in this process, the CLI's plan)."""
-    inference = neuronfx.InferenceConfig(backend="eager", batch_size=4, max_context_length=64, sequence_length=128)
-    runtime = neuronfx.compile(neuronfx.make_plan(smollm2.checkpoint.config, inference), smollm2.checkpoint.state_dict,
-                               progress=False)
+def tp1_tokens(smollm2, smollm2_eager) -> list[list[int]]:
+    """Greedy tokens of the three chat prompts at tp=1, in this process (the session's eager
+    runtime: test_e2e_smollm2.py checks it gives transformers' tokens for these prompts)."""
+    runtime = smollm2_eager
     prompts = [list(smollm2.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                           tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]
-    result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), prompts, max_new_tokens=GEN)
+    result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), prompts, max_new_tokens=GEN, speculative=False)
     return [list(t) for t in result.token_ids]
 
 
