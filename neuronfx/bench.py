@@ -503,13 +503,17 @@ def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: st
     if tp > 1:  # sequence-parallel prefill, batch 1 only: TTFT
         sp_inf = _tp_inference(backend, dtype, tp, (1,), prompt_len, gen_len, sequence_parallel=True)
         t0 = time.perf_counter()
-        sp = neuronfx.compile(make_plan(model, sp_inf, checkpoint=str(model_path)), progress=False)
-        row["sp_compile_s"] = time.perf_counter() - t0
-        time_neuronfx(sp, random_prompts(vocab, 1, 8, seed=1), 1)  # warm-up
-        sp_ttfts = [time_neuronfx(sp, prompt, 1)[0] for _ in range(repeats)]
-        row["ttft_sp_s"] = _median(sp_ttfts)
-        row["ttft_sp_repeats_s"] = sp_ttfts
-        del sp
+        try:  # every rank fails alike (same plan, same graphs): the other figures are still reported
+            sp = neuronfx.compile(make_plan(model, sp_inf, checkpoint=str(model_path)), progress=False)
+        except Exception as exc:
+            row["sp_error"] = f"{type(exc).__name__}: " + " ".join(str(exc).split())
+        else:
+            row["sp_compile_s"] = time.perf_counter() - t0
+            time_neuronfx(sp, random_prompts(vocab, 1, 8, seed=1), 1)  # warm-up
+            sp_ttfts = [time_neuronfx(sp, prompt, 1)[0] for _ in range(repeats)]
+            row["ttft_sp_s"] = _median(sp_ttfts)
+            row["ttft_sp_repeats_s"] = sp_ttfts
+            del sp
         trim_heap()
 
     ranks: list[Any] = [None] * dist.get_world_size()
@@ -534,7 +538,8 @@ def run_tp_bench(
     - decode tok/s per batch size: greedy ``gen_len`` tokens after ``prompt_len``-token prompts
       (:func:`time_neuronfx`), median of 3 runs, after a warm-up.
     - TTFT: prefill of one ``prompt_len``-token prompt, median of 3; for ``tp`` > 1 also with a
-      second runtime compiled with ``sequence_parallel=True`` (batch 1 only).
+      second runtime compiled with ``sequence_parallel=True`` (batch 1 only; when its compile
+      fails the run goes on and ``sp_error`` holds the error).
     - memory per rank, after compile and ``trim_heap``: bytes of the rank's unique weight
       tensors and the process's RSS (which includes torch, the compiled graphs and the KV cache);
       ``max_*`` over ranks.
@@ -581,7 +586,7 @@ def run_tp_bench(
             "weights_bytes_ratio": r["max_weights_bytes"] / base["max_weights_bytes"],
             "rss_bytes_ratio": r["max_rss_bytes"] / base["max_rss_bytes"],
             "ttft_ratio": r["ttft_s"] / base["ttft_s"],
-            "ttft_sp_ratio": r["ttft_sp_s"] / base["ttft_s"],
+            "ttft_sp_ratio": r["ttft_sp_s"] / base["ttft_s"] if "ttft_sp_s" in r else None,
             "collective_share": r["profile"]["collective_share"],
         }
         out_ratios.append(ratio)
@@ -591,7 +596,7 @@ def run_tp_bench(
 
 def format_tp_run(r: dict[str, Any]) -> str:
     decode = "  ".join(f"B={b} {d['decode_tok_s']:6.1f}" for b, d in r["decode"].items())
-    sp = f" / SP {r['ttft_sp_s'] * 1e3:6.1f}" if "ttft_sp_s" in r else ""
+    sp = f" / SP {r['ttft_sp_s'] * 1e3:6.1f}" if "ttft_sp_s" in r else " / SP failed" if "sp_error" in r else ""
     return (
         f"tp={r['tp_degree']} threads/rank={r['threads']} {r['backend']} {r['dtype']}  decode tok/s {decode}  "
         f"TTFT({r['prompt_len']}) {r['ttft_s'] * 1e3:6.1f}{sp} ms  "
@@ -605,8 +610,12 @@ def format_tp_run(r: dict[str, Any]) -> str:
 def format_tp_ratio(q: dict[str, Any], r: dict[str, Any]) -> str:
     decode = "  ".join(f"B={b} x{v:.2f}{'' if v >= 0.85 else ' (<0.85)'}" for b, v in q["decode_tok_s_ratio"].items())
     w = q["weights_bytes_ratio"]
+    if q["ttft_sp_ratio"] is None:
+        sp = f"SP failed ({r.get('sp_error', 'not run')})"
+    else:
+        sp = f"x{q['ttft_sp_ratio']:.2f} with SP ({r['ttft_s'] * 1e3:.1f} vs {r['ttft_sp_s'] * 1e3:.1f} ms)"
     return (
         f"tp={q['tp_degree']} / tp=1: decode tok/s {decode}  weights/rank x{w:.2f}{'' if w <= 0.55 else ' (>0.55)'}  "
-        f"RSS/rank x{q['rss_bytes_ratio']:.2f}  TTFT x{q['ttft_ratio']:.2f} without SP, x{q['ttft_sp_ratio']:.2f} with SP "
-        f"({r['ttft_s'] * 1e3:.1f} vs {r['ttft_sp_s'] * 1e3:.1f} ms)  collectives {q['collective_share'] * 100:.1f}% of decode step"
+        f"RSS/rank x{q['rss_bytes_ratio']:.2f}  TTFT x{q['ttft_ratio']:.2f} without SP, {sp}  "
+        f"collectives {q['collective_share'] * 100:.1f}% of decode step"
     )

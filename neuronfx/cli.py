@@ -404,10 +404,11 @@ def tp_degree_of(args: argparse.Namespace) -> int:
     names one); checks the plan options first, so a bad value fails before any rank starts."""
     if args.command not in ("generate", "compile"):
         return 1
+    if args.command == "generate":
+        check_cli_flags(args)
     saved = saved_runtime(args.model) if args.command == "generate" else None
     inference = _saved_inference(args, saved) if saved is not None else _inference(args)
     if args.command == "generate":
-        check_cli_flags(args)
         check_cli_limits(args, inference)
     return inference.tp_degree
 

@@ -481,5 +481,5 @@ def test_json_ints_accepted_for_float_fields():
 
 def test_plan_to_dict_holds_only_sources():
     plan = make_plan(tiny_model(), InferenceConfig(), checkpoint="ckpt")
-    assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint"}
+    assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint", "rank"}
     assert plan_to_dict(plan)["inference"]["prefill_buckets"] is None

@@ -119,17 +119,23 @@ def test_tp_without_ranks_is_a_config_error() -> None:
 
 
 def fail_on_rank_1() -> None:
+    import time
+
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
         raise SystemExit(3)
-    dist.barrier()  # rank 0 waits for a rank that is gone: the launcher must stop it
+    time.sleep(120)  # rank 0 would run on: the launcher must stop it
 
 
 def test_failed_rank_stops_the_launch() -> None:
+    import time
+
+    start = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 exited with code 3") as info:
         neuronfx.launch(fail_on_rank_1, tp_degree=2, threads=1)
     assert info.value.exit_codes == {1: 3}
+    assert time.monotonic() - start < 60
 
 
 def save_and_reload(directory: str) -> tuple:

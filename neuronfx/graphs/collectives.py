@@ -48,7 +48,9 @@ def all_reduce(x: Tensor, tp_degree: int, group: str) -> Tensor:
 def reduce_scatter(x: Tensor, dim: int, tp_degree: int, rank: int, group: str) -> Tensor:
     """This rank's 1/tp of the sum over ranks of ``x``, split along ``dim`` (whose size tp divides)."""
     n = x.shape[dim] // tp_degree
-    return all_reduce(x, tp_degree, group).narrow(dim, rank * n, n)
+    # contiguous: compiled layer groups are specialised on their inputs' strides, and every
+    # group after the first gets a contiguous shard
+    return all_reduce(x, tp_degree, group).narrow(dim, rank * n, n).contiguous()
 
 
 def all_gather(x: Tensor, dim: int, group: str) -> Tensor:
