@@ -430,6 +430,7 @@ def _collective_share(runtime: Runtime, prompt: list[int], steps: int) -> dict[s
     from torch.profiler import ProfilerActivity, profile, record_function
 
     greedy = [SamplingParams()]
+    steps = min(steps, runtime.plan.inference.sequence_length - len(prompt) - 2)  # room in the slot
     state = neuronfx.init_state(runtime)
     out, state = prefill_step(runtime, state, PrefillBatch(seq_ids=[0], prompts=[prompt], sampling=greedy))
     for _ in range(2):  # unprofiled warm-up steps
@@ -445,14 +446,17 @@ def _collective_share(runtime: Runtime, prompt: list[int], steps: int) -> dict[s
     threads = {e.thread for e in step_events}  # the thread that ran the steps (gloo's own threads excluded)
     wall_us = sum(e.cpu_time_total for e in step_events)
     by_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for e in events:
         if e.thread in threads and e.name != marker and any(m in e.name for m in COLLECTIVE_MARKERS):
             by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+            calls[e.name] = calls.get(e.name, 0) + 1
     collective_us = sum(by_name.values())
     return {"steps": steps, "step_wall_s": wall_us / 1e6 / max(1, len(step_events)),
             "collective_s_per_step": collective_us / 1e6 / max(1, len(step_events)),
             "collective_share": collective_us / wall_us if wall_us > 0 else float("nan"),
-            "collective_events_s": {k: v / 1e6 for k, v in sorted(by_name.items())}}
+            "collective_events_s": {k: v / 1e6 for k, v in sorted(by_name.items())},
+            "collective_calls_per_step": {k: v / max(1, len(step_events)) for k, v in sorted(calls.items())}}
 
 
 def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: str, batch_sizes: tuple[int, ...],
@@ -465,10 +469,6 @@ def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: st
 
     from neuronfx.memory import trim_heap
 
-    if not dist.is_initialized():
-        # launch(tp_degree=1) joins no group, but its rank wrapper destroys one on exit (an
-        # AssertionError there fails the run): join a 1-rank group; tp=1 graphs never use it.
-        dist.init_process_group("gloo")
     vocab = model.vocab_size
     row: dict[str, Any] = {"tp_degree": tp, "threads": torch.get_num_threads(), "backend": backend, "dtype": dtype,
                            "prompt_len": prompt_len, "gen_len": gen_len}
@@ -495,8 +495,8 @@ def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: st
     ttfts = [time_neuronfx(runtime, prompt, 1)[0] for _ in range(repeats)]
     row["ttft_s"] = _median(ttfts)
     row["ttft_repeats_s"] = ttfts
-    # a short prompt (same prefill and decode buckets, so the same cost) leaves room for the steps
-    row["profile"] = _collective_share(runtime, prompt[0][:8], profile_steps)
+    # a 1-token prompt (same prefill and decode buckets, so the same cost) leaves room for the steps
+    row["profile"] = _collective_share(runtime, prompt[0][:1], profile_steps)
     del runtime
     trim_heap()
 
@@ -516,8 +516,10 @@ def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: st
             del sp
         trim_heap()
 
-    ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mem)
+    ranks: list[Any] = [mem]
+    if dist.is_initialized():  # tp=1 joins no group
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mem)
     row["ranks"] = ranks
     row["max_weights_bytes"] = max(m["weights_bytes"] for m in ranks)
     row["max_rss_bytes"] = max(m["rss_bytes"] for m in ranks)

@@ -135,6 +135,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculation-length", type=int, default=4, metavar="K")
     p.add_argument("--draft-layers", type=int, nargs="*", default=[8, 15], metavar="N")
     p.add_argument("--draft-model", default=None, metavar="PATH")
+    p.add_argument("--tp-degree", type=int, nargs="+", default=None, metavar="N",
+                   help="tensor parallel instead: each N ranks (1 = one process with every core) against N=1, same run: "
+                        "decode tok/s per --batch-sizes, TTFT of a --prompt-lens prompt with and without sequence "
+                        "parallel, per-rank memory, share of a decode step in collectives")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,9 +161,14 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    log = (lambda line: None) if args.json else print
+    if args.tp_degree:  # the ranks read the checkpoint themselves
+        from neuronfx.bench import run_tp_bench
+
+        return run_tp_bench(args.model or default_model_path(), args.tp_degree, args.backend, args.dtype, args.batch_sizes,
+                            gen_len=args.gen_lens[0], prompt_len=args.prompt_lens[0], log=log)
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
     ckpt = load_checkpoint(args.model or default_model_path(), dtype=torch_dtype(args.dtype))
-    log = (lambda line: None) if args.json else print
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
         from neuronfx.checkpoints import load_tokenizer

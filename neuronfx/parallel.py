@@ -106,7 +106,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple, threads: int) -> Any:
     try:
         return fn(*args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a single rank joins no group
+            dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], *args: Any, tp_degree: int, threads: int | None = None) -> Any:

@@ -48,9 +48,10 @@ def all_reduce(x: Tensor, tp_degree: int, group: str) -> Tensor:
 def reduce_scatter(x: Tensor, dim: int, tp_degree: int, rank: int, group: str) -> Tensor:
     """This rank's 1/tp of the sum over ranks of ``x``, split along ``dim`` (whose size tp divides)."""
     n = x.shape[dim] // tp_degree
-    # contiguous: compiled layer groups are specialised on their inputs' strides, and every
-    # group after the first gets a contiguous shard
-    return all_reduce(x, tp_degree, group).narrow(dim, rank * n, n).contiguous()
+    gathered = funcol.all_gather_single(x.contiguous(), 0, group).view(tp_degree, *x.shape)
+    # Summing only this rank's rows gives a new tensor with the strides of any other shard
+    # (a narrowed view would not: compiled layer groups are specialised on input strides).
+    return gathered.narrow(dim + 1, rank * n, n).sum(0)
 
 
 def all_gather(x: Tensor, dim: int, group: str) -> Tensor:
