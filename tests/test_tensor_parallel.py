@@ -24,19 +24,22 @@ MODELS = {
     # 12 layers: inductor runs them as 2 calls of one compiled 6-layer group
     "llama-deep": ("llama", dict(num_key_value_heads=1, vocab_size=257, num_hidden_layers=12)),
 }
+# Self-speculation (speculate and draft graphs; generate speculates by default when it can).
+SPECULATIVE = dict(speculation_length=3, draft_layers=1)
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate((5, 17, 9, 3, 12, 7))]  # ragged, 6 prompts > 4 slots
 STEPS = 6  # decode steps with logits compared
 GEN = 16  # greedy tokens through the scheduler (continuous batching)
 ATOL = 1e-5
 
 
-def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_size: int = 4) -> dict:
+def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_size: int = 4, speculative: bool = False) -> dict:
     """Logits of a ragged prefill and decode steps (3 rows, or 1 at batch_size 1), and GEN greedy
     tokens for PROMPTS through the scheduler (6 prompts over ``batch_size`` slots), for one model
     at one tp degree (runs on every rank)."""
     model_type, overrides = MODELS[name]
     hf = tiny_hf_model(model_type, **overrides)
     extra = dict(prefill_buckets=(32,), decode_buckets=(64,)) if backend != "eager" else {}
+    extra |= SPECULATIVE if speculative else {}
     plan = tiny_plan(hf, backend, tp_degree=tp, sequence_parallel=sequence_parallel, batch_size=batch_size, **extra)
     runtime = neuronfx.compile(plan, hf.state_dict(), progress=False, cache=False)
     state = neuronfx.init_state(runtime)
@@ -44,7 +47,8 @@ def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_si
     tokens, logits, _, state = run_steps(runtime, state, list(range(rows)), PROMPTS[:rows], STEPS)
     result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), PROMPTS, max_new_tokens=GEN)
     return {"tokens": tokens, "logits": [torch.stack(row) for row in logits], "generated": result.token_ids,
-            "rank": runtime.plan.rank, "kv_heads": runtime.plan.kv.num_kv_heads}
+            "rank": runtime.plan.rank, "kv_heads": runtime.plan.kv.num_kv_heads,
+            "speculated": any(st is not None and st.drafted > 0 for st in (result.speculation or ()))}
 
 
 def run_cases(cases: list[tuple[str, str, int, bool]]) -> list[dict]:
@@ -74,9 +78,12 @@ def check_against_tp1(got: dict, want: dict, label: str) -> None:
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_tiny_models_match_tp1_eager(tp: int, references: dict) -> None:
     cases = [(name, "eager", tp, sp) for name in MODELS if name != "llama-deep" for sp in (False, True)]
+    if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1
+        cases.append(("qwen2-bias", "eager", tp, False, 4, True))
     results = neuronfx.launch(run_cases, cases, tp_degree=tp, threads=1)
     for case, got in zip(cases, results):
         assert got["rank"] == 0
+        assert got["speculated"] == (len(case) > 5)
         check_against_tp1(got, reference(references, case[0], "eager"), str(case))
 
 
