@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -27,12 +29,15 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads
+    # Granite's four scalars away from 1 (granite-3's are 12, 0.22, 1/128 and 8)
+    "granite": (GraniteConfig, GraniteForCausalLM, {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                                    "attention_multiplier": 0.1, "logits_scaling": 2.0}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -51,11 +51,22 @@ def _qwen3(hf_config: Any) -> dict[str, Any]:
     return {"attention_bias": _flag(hf_config, "attention_bias"), "qk_norm": True, "sliding_window": _qwen_window(hf_config)}
 
 
+def _granite(hf_config: Any) -> dict[str, Any]:
+    return {
+        "attention_bias": _flag(hf_config, "attention_bias"),
+        "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
+        "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
+        "attention_multiplier": float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
+        "logits_scaling": float(getattr(hf_config, "logits_scaling", 1.0)),
+    }
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
+    Family("granite", _granite),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -46,7 +46,11 @@ class ModelConfig:
     ``eos_token_ids`` come from the checkpoint's generation config (else its config).
     Family options: ``attention_bias`` (q/k/v projection biases: qwen2, llama with
     ``attention_bias``), ``qk_norm`` (per-head RMSNorm of q and k before RoPE: qwen3),
-    ``sliding_window`` (tokens; the plan refuses one shorter than ``sequence_length``).
+    ``sliding_window`` (tokens; the plan refuses one shorter than ``sequence_length``);
+    granite's ``embedding_multiplier`` (embeddings scaled by it), ``residual_multiplier``
+    (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
+    attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
+    (logits divided by it).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -66,6 +70,10 @@ class ModelConfig:
     qk_norm: bool = attrs.field(default=False, validator=boolean)
     max_position_embeddings: int = attrs.field(default=4096, validator=positive_int)
     sliding_window: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
+    residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
+    attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
+    logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod

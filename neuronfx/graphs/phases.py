@@ -50,6 +50,8 @@ def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids:
     """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and RoPE cos/sin
     (B, 1, T, head_dim)."""
     h = _lookup(plan, ops, embed, input_ids)
+    if plan.model.embedding_multiplier != 1.0:  # granite
+        h = h * plan.model.embedding_multiplier
     cos, sin = rope_cos_sin(position_ids, rope_inv_freq(plan.model).to(h.device), h.dtype)
     return h, cos, sin
 
@@ -58,9 +60,10 @@ def _logits(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor)
     """hidden (..., hidden) -> float32 logits (..., V): final norm and LM head; under tensor
     parallelism the ranks' vocabulary columns are gathered and the padded ids dropped."""
     local = ops.linear(rms_norm(hidden, norm, plan.model.rms_norm_eps), lm_head, None)
-    if plan.tp_degree == 1:
-        return local.float()
-    return ops.gather_vocab(local)[..., :plan.model.vocab_size].float()
+    logits = local.float() if plan.tp_degree == 1 else ops.gather_vocab(local)[..., :plan.model.vocab_size].float()
+    if plan.model.logits_scaling != 1.0:  # granite
+        logits = logits / plan.model.logits_scaling
+    return logits
 
 
 def sequence_parallel_tokens(plan: Plan, bucket: int) -> int:

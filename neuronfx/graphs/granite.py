@@ -1,0 +1,32 @@
+"""Granite (HF ``model_type`` "granite"): Llama's layer with IBM's four scalars
+(``ModelConfig`` fields set by its registry entry): embeddings times ``embedding_multiplier``
+and logits divided by ``logits_scaling`` (both in ``phases.py``), each block's output times
+``residual_multiplier`` before the residual add, and ``attention_multiplier`` as the attention
+scale. Reference: transformers ``models/granite/modeling_granite.py``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from neuronfx.config.model import ModelConfig
+from neuronfx.graphs import llama
+from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, glu_mlp, rms_norm
+from neuronfx.graphs.ops import Ops
+
+key_map = llama.key_map
+layer_shapes = llama.layer_shapes
+
+
+def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden). The ops attend at scale
+    1/sqrt(head_dim), so q is multiplied by ``attention_multiplier * sqrt(head_dim)`` first
+    (RoPE is linear: scaling before it is the same)."""
+    eps, m = cfg.rms_norm_eps, cfg.residual_multiplier
+    q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
+    if cfg.attention_multiplier is not None:
+        q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))
+    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend) * m
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps)) * m
