@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Callable
@@ -148,8 +149,6 @@ def describe_failure(exc: Exception) -> str:
     parts = []
     for rank, failure in sorted(failures.items()):
         if failure.exitcode < 0:
-            import signal
-
             how = f"killed by {signal.Signals(-failure.exitcode).name}"
         else:
             how = f"exited with code {failure.exitcode}"
