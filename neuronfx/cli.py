@@ -453,8 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the rank
     args = build_parser().parse_args(argv)
     try:
-        if tp_degree_of(args) > 1 and not under_launcher():
-            return _launch_ranks(argv, tp_degree_of(args))
+        tp = tp_degree_of(args)
+        if tp > 1 and not under_launcher():
+            return _launch_ranks(argv, tp)
         if args.command == "bench":
             data = bench_command(args)
             if args.json:
