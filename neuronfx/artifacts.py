@@ -36,7 +36,7 @@ from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import nest
-from neuronfx.parallel import init_tensor_parallel
+from neuronfx.parallel import check_agreement, digest, init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
@@ -144,10 +144,12 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     place only when complete, so a failure leaves an existing saved runtime as it was.
     A tensor-parallel runtime (tp_degree > 1) is saved by every rank into
     ``directory/rank-<r>/`` (its plan, weight shard and graphs); :func:`load` on ``tp_degree``
-    ranks reads them back.
+    ranks reads them back. ``save`` returns on a rank only when every rank has written its
+    part, so any rank may load the directory next.
     Raises InputError when ``runtime`` is not a Runtime; ArtifactError when ``directory`` is a
     file, an inductor runtime's compiled files were deleted, the tokenizer cannot be saved, or
-    the runtime has a draft runtime attached (save each; attach again with ``with_draft``).
+    the runtime has a draft runtime attached (save each; attach again with ``with_draft``);
+    TensorParallelError when the ranks were given different directories.
     """
     if not isinstance(runtime, Runtime):
         raise InputError(f"runtime is a {type(runtime).__name__}; pass the Runtime neuronfx.compile or neuronfx.load returned.")
@@ -171,6 +173,8 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
             os.replace(item, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
+        check_agreement("save directory", digest(str(Path(directory).resolve())))
     return out
 
 
