@@ -35,9 +35,10 @@ os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or 
 @pytest.fixture(scope="session")
 def inductor_qwen2():
     """(transformers model, inductor runtime) of a tiny qwen2 (q/k/v biases: Llama's math plus
-    the bias path) with the tiny bucket ladders (prefill 8, 16, 32; decode 16, 32, 64), batch 4,
+    the bias path; layer 1 of 2 slides over 6 tokens, so the compiled layer group picks its mask
+    by index) with the tiny bucket ladders (prefill 8, 16, 32; decode 16, 32, 64), batch 4,
     logits out: 6 graphs."""
-    hf = tiny_hf_model("qwen2", seed=7)
+    hf = tiny_hf_model("qwen2", seed=7, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     return hf, tiny_runtime(hf, "inductor")
 
 
@@ -59,8 +60,9 @@ def export_llama():
 
 @pytest.fixture(scope="session")
 def export_qwen3():
-    """(transformers model, export runtime) of a tiny qwen3 (q/k norm), tiny ladders, batch 4."""
-    hf = tiny_hf_model("qwen3", seed=5)
+    """(transformers model, export runtime) of a tiny qwen3 (q/k norm; layer 1 of 2 slides over 6
+    tokens), tiny ladders, batch 4."""
+    hf = tiny_hf_model("qwen3", seed=5, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     return hf, tiny_runtime(hf, "export")
 
 

@@ -20,6 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 import neuronfx
@@ -29,7 +31,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -38,6 +40,9 @@ _HF_CLASSES = {
     # Granite's four scalars away from 1 (granite-3's are 12, 0.22, 1/128 and 8)
     "granite": (GraniteConfig, GraniteForCausalLM, {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                                     "attention_multiplier": 0.1, "logits_scaling": 2.0}),
+    # Layer 1 of 2 is NoPE (no_rope_layers [1, 0]); its config's token ids lie outside the tiny vocabulary
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2, "pad_token_id": None,
+                                                    "bos_token_id": None, "eos_token_id": None}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

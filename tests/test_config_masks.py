@@ -152,3 +152,50 @@ def test_masks_agree_at_the_prefill_decode_boundary():
     next_token = decode_mask(_i32([[n]]), bucket)[0, 0, 0]
     assert next_token.tolist() == [j <= n for j in range(bucket)]
     assert torch.equal(next_token & ~last_query, torch.arange(bucket) == n)
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding-window and chunked layers
+# ---------------------------------------------------------------------------------------------
+
+
+def naive_window(i: int, j: int, kind: str, size: int) -> bool:
+    """transformers' overlays (masking_utils): sliding ``j > i - size``, chunked same chunk."""
+    return j > i - size if kind == "sliding" else j // size == i // size
+
+
+@given(prefill_case(), st.sampled_from(["sliding", "chunked"]), st.integers(min_value=1, max_value=12))
+@example(([5, 2], 8), "sliding", 1)
+def test_windowed_prefill_mask_matches_naive(case, kind, size):
+    lens, bucket = case[:2]
+    mask = prefill_mask(_i32(lens), bucket, kind, size)
+    assert mask.shape == (len(lens), 1, bucket, bucket)
+    for b, n in enumerate(lens):
+        for i in range(bucket):
+            row = [j <= i and j < n and naive_window(i, j, kind, size) for j in range(bucket)]
+            if i >= n and not any(row):  # a pad query with no real key in reach attends itself
+                row[i] = True
+            assert mask[b, 0, i].tolist() == row, (b, i)
+
+
+@given(decode_case(), st.sampled_from(["sliding", "chunked"]), st.integers(min_value=1, max_value=12),
+       st.integers(min_value=1, max_value=4))
+def test_windowed_decode_mask_matches_naive(case, kind, size, k):
+    positions, bucket = case
+    pos = [[min(p + t, bucket - 1) for t in range(k)] for p in positions]  # speculate: k new tokens per row
+    mask = decode_mask(_i32(pos), bucket, kind, size)
+    assert mask.shape == (len(positions), 1, k, bucket)
+    expected = [[[[j <= p and naive_window(p, j, kind, size) for j in range(bucket)] for p in row]] for row in pos]
+    assert mask.tolist() == expected
+    assert bool(mask.any(-1).all())  # a new token always attends itself
+
+
+def test_windowed_masks_agree_at_the_prefill_decode_boundary():
+    # The token after a prompt of n sees the prompt's last query's keys shifted by one step.
+    n, bucket, w = 9, 12, 4
+    last_query = prefill_mask(_i32([n]), bucket, "sliding", w)[0, 0, n - 1]
+    next_token = decode_mask(_i32([[n]]), bucket, "sliding", w)[0, 0, 0]
+    assert last_query.nonzero().flatten().tolist() == [5, 6, 7, 8]
+    assert next_token.nonzero().flatten().tolist() == [6, 7, 8, 9]
+    chunk = decode_mask(_i32([[n]]), bucket, "chunked", w)[0, 0, 0]
+    assert chunk.nonzero().flatten().tolist() == [8, 9]  # chunk [8, 12) up to the token itself

@@ -293,16 +293,23 @@ def test_make_plan_small_limits_below_min_bucket():
     assert (plan.prefill_buckets, plan.decode_buckets) == ((16,), (100,))
 
 
-def test_make_plan_sliding_window():
-    with pytest.raises(UnsupportedModelError) as info:
-        make_plan(tiny_model(sliding_window=256), InferenceConfig(sequence_length=512))
-    assert "sliding_window=256" in str(info.value) and "sequence_length=512" in str(info.value)
-    # A window at least as long as the cache never slides: fine.
-    assert make_plan(tiny_model(sliding_window=512), InferenceConfig(sequence_length=512)).kv.sequence_length == 512
-    mistral = ModelConfig.from_hf(MistralConfig(**TINY, sliding_window=4096))
-    make_plan(mistral, InferenceConfig(max_context_length=2048, sequence_length=4096))
-    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
-        make_plan(mistral, InferenceConfig(max_context_length=2048, sequence_length=8192))
+def test_make_plan_accepts_windows_shorter_than_the_cache():
+    # Sliding layers are masked to their window (config.masks), so any window plans.
+    plan = make_plan(tiny_model(sliding_window=16, layer_types=("sliding_attention",) * 3), InferenceConfig(sequence_length=512))
+    assert plan.kv.sequence_length == 512
+    mistral = ModelConfig.from_hf(MistralConfig(**TINY, sliding_window=64))
+    assert mistral.layer_types == ("sliding_attention",) * TINY["num_hidden_layers"]
+
+
+def test_layer_types_are_checked():
+    with pytest.raises(ConfigError, match="layer_types has 1 entries for num_hidden_layers=3"):
+        tiny_model(layer_types=("full_attention",))
+    with pytest.raises(ConfigError, match="'sliding_attention' layers but sliding_window is None"):
+        tiny_model(layer_types=("full_attention", "sliding_attention", "full_attention"))
+    with pytest.raises(UnsupportedModelError, match=r"layer_types \['linear_attention'\] are not supported"):
+        tiny_model(layer_types=("full_attention", "linear_attention", "full_attention"))
+    with pytest.raises(ConfigError, match="rope_layers has 2 entries"):
+        tiny_model(rope_layers=(True, False))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,16 @@ from neuronfx import PrefillBatch
 from neuronfx.config.buckets import select_bucket
 
 ATOL = 1e-4
-EAGER = ["llama", "mistral", "qwen2", "qwen3", "granite"]
+# Eager cases: name -> (model_type, config overrides). Windows shorter than the buckets: the
+# sliding masks are exercised (prompts up to 32, decode to 64).
+EAGER = {
+    "llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
+    "granite": ("granite", {}),
+    "mistral-window": ("mistral", {"sliding_window": 5}),  # every layer slides
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # layer 1 slides
+    "smollm3": ("smollm3", {}),  # layer 1 NoPE
+    "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 6}),  # layer 1 NoPE and sliding
+}
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
           "qwen2-inductor": "inductor_qwen2", "llama-inductor": "inductor_llama_speculative"}
 
@@ -28,8 +37,9 @@ SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
 def case(request):
     if request.param in SHARED:
         return request.getfixturevalue(SHARED[request.param])
-    model_type = request.param.removesuffix("-eager")
-    hf = tiny_hf_model(model_type, seed=EAGER.index(model_type))
+    name = request.param.removesuffix("-eager")
+    model_type, overrides = EAGER[name]
+    hf = tiny_hf_model(model_type, seed=list(EAGER).index(name), **overrides)
     return hf, tiny_runtime(hf, "eager")
 
 
@@ -99,3 +109,20 @@ def test_compiled_speculate_and_draft_graphs(request, shared):
     for p, tokens in zip(prompts, result.token_ids, strict=True):
         assert list(tokens) == hf_greedy(hf, p, 15)
     assert all(s.drafted == 3 * s.target_passes and s.emitted == 14 for s in result.speculation)
+
+
+@pytest.mark.parametrize("name, plain", [
+    ("mistral-window", {"sliding_window": None}),
+    ("qwen2-window", {"use_sliding_window": False}),
+    ("smollm3", {"no_rope_layer_interval": 99}),
+    ("smollm3-window", {"use_sliding_window": False, "no_rope_layer_interval": 99}),
+])
+def test_windowed_and_nope_cases_are_not_plain_attention(name, plain):
+    """The cases above exercise their layer types: with every layer full and with RoPE, the same
+    weights give other logits for a prompt past the window (so matching transformers needs them)."""
+    model_type, overrides = EAGER[name]
+    seed = list(EAGER).index(name)
+    prompt = random_prompt(20, seed=7)
+    ours = hf_last_logits(tiny_hf_model(model_type, seed=seed, **overrides), prompt)
+    other = hf_last_logits(tiny_hf_model(model_type, seed=seed, **(overrides | plain)), prompt)
+    assert (ours - other).abs().max() > 1e-3

@@ -40,7 +40,8 @@ def _llama(hf_config: Any) -> dict[str, Any]:
 
 
 def _mistral(hf_config: Any) -> dict[str, Any]:
-    return {"sliding_window": getattr(hf_config, "sliding_window", None)}
+    window = getattr(hf_config, "sliding_window", None)  # MistralAttention: every layer slides when set
+    return {"sliding_window": window, "layer_types": ("sliding_attention",) * hf_config.num_hidden_layers if window else ()}
 
 
 def _qwen2(hf_config: Any) -> dict[str, Any]:
@@ -61,12 +62,26 @@ def _granite(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _smollm3(hf_config: Any) -> dict[str, Any]:
+    # no_rope_layers[i] == 1 means layer i DOES use RoPE (SmolLM3Attention.use_rope); windows
+    # apply only with use_sliding_window (SmolLM3Attention.sliding_window).
+    sliding = _flag(hf_config, "use_sliding_window") and getattr(hf_config, "sliding_window", None) is not None
+    types = tuple(getattr(hf_config, "layer_types", None) or ()) if sliding else ()
+    return {
+        "attention_bias": _flag(hf_config, "attention_bias"),
+        "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),
+        "sliding_window": hf_config.sliding_window if sliding else None,
+        "layer_types": () if all(t == "full_attention" for t in types) else types,
+    }
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
     Family("granite", _granite),
+    Family("smollm3", _smollm3),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

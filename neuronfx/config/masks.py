@@ -9,26 +9,51 @@ from __future__ import annotations
 import torch
 
 
-def prefill_mask(prompt_lens: torch.Tensor, bucket: int) -> torch.Tensor:
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, kind: str, size: int | None) -> torch.Tensor:
+    """The part of a layer's mask beyond causality, for query positions ``query_pos`` (..., Tq, 1)
+    and key positions ``key_pos`` (Tk,), broadcast to (..., Tq, Tk): "full" attends every key;
+    "sliding" the last ``size`` positions, the query's own included (``j > i - size``,
+    transformers' ``sliding_window_overlay``); "chunked" the keys of the query's chunk of
+    ``size`` positions (``j // size == i // size``, transformers' ``chunked_overlay`` with no
+    left padding: neuronfx pads on the right)."""
+    if kind == "full":
+        return torch.ones_like(query_pos - key_pos, dtype=torch.bool)
+    if kind == "sliding":
+        return key_pos > query_pos - size
+    return torch.div(key_pos, size, rounding_mode="floor") == torch.div(query_pos, size, rounding_mode="floor")
+
+
+def prefill_mask(prompt_lens: torch.Tensor, bucket: int, kind: str = "full", size: int | None = None) -> torch.Tensor:
     """Causal mask for right-padded prompts starting at position 0.
 
     ``prompt_lens``: [B] int32, real tokens per row (>= 1). Returns bool [B, 1, bucket, bucket] with
-    ``M[b, 0, i, j] = (j <= i) and (j < prompt_lens[b])``. Pad query rows (i >= len) still attend the
-    real keys, so no row is fully masked (no NaN from softmax).
+    ``M[b, 0, i, j] = (j <= i) and (j < prompt_lens[b]) and window(i, j)`` (:func:`window_mask`
+    of ``kind`` and ``size``). Pad query rows (i >= len) still attend the real keys (a windowed
+    pad row with none in reach attends itself), so no row is fully masked (no NaN from softmax).
     """
     idx = torch.arange(bucket, device=prompt_lens.device)
     causal = idx[None, :] <= idx[:, None]  # (T, T)
     real_key = idx[None, :] < prompt_lens[:, None]  # (B, T)
-    return (causal[None] & real_key[:, None, :])[:, None]  # (B, 1, T, T)
+    mask = causal[None] & real_key[:, None, :]  # (B, T, T)
+    if kind != "full":
+        mask = mask & window_mask(idx[:, None], idx, kind, size)[None]
+        empty = ~mask.any(-1, keepdim=True)  # pad rows past every real key's window: attend themselves
+        mask = mask | (empty & torch.eye(bucket, dtype=torch.bool, device=idx.device)[None])
+    return mask[:, None]  # (B, 1, T, T)
 
 
-def decode_mask(position_ids: torch.Tensor, bucket: int) -> torch.Tensor:
+def decode_mask(position_ids: torch.Tensor, bucket: int, kind: str = "full", size: int | None = None) -> torch.Tensor:
     """Mask for T new tokens per row at ``position_ids`` over a KV window of ``bucket`` positions
     (decode: T = 1; speculate: T = k consecutive positions).
 
     ``position_ids``: [B, T] int32, each new token's position (the first is the slot's cache_len
-    before the step). The step writes all T K/V first, so ``M[b, 0, t, j] = (j <= position_ids[b, t])``:
-    the cached prefix plus causal attention among the T new tokens. Returns bool [B, 1, T, bucket].
+    before the step). The step writes all T K/V first, so ``M[b, 0, t, j] = (j <= position_ids[b, t])
+    and window(position_ids[b, t], j)`` (:func:`window_mask` of ``kind`` and ``size``): the cached
+    prefix plus causal attention among the T new tokens. Returns bool [B, 1, T, bucket].
     """
     idx = torch.arange(bucket, device=position_ids.device)
-    return (idx[None, None, :] <= position_ids[:, :, None])[:, None]  # (B, 1, T, S)
+    pos = position_ids[:, :, None]  # (B, T, 1)
+    mask = idx[None, None, :] <= pos
+    if kind != "full":
+        mask = mask & window_mask(pos, idx, kind, size)
+    return mask[:, None]  # (B, 1, T, S)

@@ -30,6 +30,21 @@ class RopeScaling:
     original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _check_layer_types(inst: ModelConfig, attribute: attrs.Attribute, value: tuple) -> None:
+    if value and len(value) != inst.num_hidden_layers:
+        raise ConfigError(f"{attribute.name} has {len(value)} entries for num_hidden_layers={inst.num_hidden_layers}; give one per layer.")
+    unknown = sorted({t for t in value if t not in LAYER_TYPES}) if attribute.name == "layer_types" else []
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}.")
+    needs = {"sliding_attention": ("sliding_window", inst.sliding_window), "chunked_attention": ("attention_chunk_size", inst.attention_chunk_size)}
+    for kind, (field, size) in needs.items():
+        if attribute.name == "layer_types" and kind in value and size is None:
+            raise ConfigError(f"layer_types has {kind!r} layers but {field} is None; set {field}.")
+
+
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_attention_heads % value:
         raise ConfigError(
@@ -46,7 +61,13 @@ class ModelConfig:
     ``eos_token_ids`` come from the checkpoint's generation config (else its config).
     Family options: ``attention_bias`` (q/k/v projection biases: qwen2, llama with
     ``attention_bias``), ``qk_norm`` (per-head RMSNorm of q and k before RoPE: qwen3),
-    ``sliding_window`` (tokens; the plan refuses one shorter than ``sequence_length``);
+    ``layer_types`` (one per layer, transformers' "full_attention" / "sliding_attention" /
+    "chunked_attention"; empty = all full) with ``sliding_window`` and ``attention_chunk_size``
+    (tokens: a sliding layer attends the last ``sliding_window`` positions, itself included; a
+    chunked one the positions of its own chunk), ``rope_layers`` (one bool per layer, False =
+    no RoPE; empty = all RoPE: smollm3, llama4), ``sliding_rope_theta`` (the RoPE base of
+    sliding layers when it differs from ``rope_theta``: gemma3's local base), all read by
+    ``config.attention.attention_layout``;
     granite's ``embedding_multiplier`` (embeddings scaled by it), ``residual_multiplier``
     (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
     attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
@@ -70,6 +91,10 @@ class ModelConfig:
     qk_norm: bool = attrs.field(default=False, validator=boolean)
     max_position_embeddings: int = attrs.field(default=4096, validator=positive_int)
     sliding_window: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    attention_chunk_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
+    rope_layers: tuple[bool, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
+    sliding_rope_theta: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
@@ -97,6 +122,7 @@ class ModelConfig:
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         theta, scaling = _rope_from_hf(hf_config)
+        options = {"layer_types": _layer_types(hf_config)} | FAMILIES[model_type].options(hf_config)
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -112,8 +138,14 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
             eos_token_ids=_eos_ids(hf_config, generation_config),
-            **FAMILIES[model_type].options(hf_config),
+            **options,
         )
+
+
+def _layer_types(hf_config: Any) -> tuple[str, ...]:
+    """transformers' ``layer_types``; () when every layer is full attention (the default)."""
+    types = tuple(getattr(hf_config, "layer_types", None) or ())
+    return () if all(t == "full_attention" for t in types) else types
 
 
 def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from neuronfx.config.attention import AttentionLayout, attention_layout
 from neuronfx.config.buckets import MIN_BUCKET, generate_buckets
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
@@ -11,7 +12,7 @@ from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.config.sharding import RankShard, rank_shard
-from neuronfx.errors import ConfigError, UnsupportedModelError
+from neuronfx.errors import ConfigError
 
 PHASES = ("prefill", "decode", "speculate", "draft")
 
@@ -54,7 +55,8 @@ class Plan:
     ``.gguf`` file) so that ``neuronfx.compile(plan)`` can load them itself. ``rank`` is the
     tensor-parallel rank this plan's graphs run on, ``shard`` what that rank holds
     (``config/sharding.py``) and ``local_model`` the model with its head counts (with
-    ``tp_degree=1``: rank 0 holds everything and ``local_model`` is ``model``).
+    ``tp_degree=1``: rank 0 holds everything and ``local_model`` is ``model``). ``layout``
+    says which RoPE table and mask each layer uses (``config/attention.py``).
     """
 
     model: ModelConfig
@@ -67,6 +69,7 @@ class Plan:
     graphs: tuple[GraphSpec, ...]
     shard: RankShard
     local_model: ModelConfig
+    layout: AttentionLayout
     checkpoint: str | None = None
     rank: int = 0
 
@@ -127,16 +130,10 @@ def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, specu
 
 
 def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None, rank: int = 0) -> Plan:
-    """Derive the plan of tensor-parallel rank ``rank``. Raises UnsupportedModelError when the
-    model needs something the plan cannot give (a sliding window shorter than
-    ``sequence_length``), ConfigError when it cannot be split over ``tp_degree`` ranks
-    (``config.sharding.check_tp``)."""
+    """Derive the plan of tensor-parallel rank ``rank``. Raises ConfigError when it cannot be
+    split over ``tp_degree`` ranks (``config.sharding.check_tp``) or ``draft_layers`` is not
+    below the model's layer count."""
     shard = rank_shard(model, inference.tp_degree, rank)
-    if model.sliding_window is not None and model.sliding_window < inference.sequence_length:
-        raise UnsupportedModelError(
-            f"sliding_window={model.sliding_window} < sequence_length={inference.sequence_length}: "
-            "sliding-window attention is not supported; set sequence_length <= sliding_window."
-        )
     if inference.draft_layers >= model.num_hidden_layers:
         raise ConfigError(
             f"draft_layers={inference.draft_layers} must be < num_hidden_layers={model.num_hidden_layers} "
@@ -176,6 +173,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
         graphs=graphs,
         shard=shard,
         local_model=local_model(model, shard),
+        layout=attention_layout(model),
         checkpoint=checkpoint,
         rank=rank,
     )

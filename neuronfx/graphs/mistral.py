@@ -1,7 +1,7 @@
 """Mistral (HF ``model_type`` "mistral"): Llama's math (transformers ``modeling_mistral.py``
-differs from ``modeling_llama.py`` only in its sliding window). The plan refuses a window
-shorter than ``sequence_length`` (``config.plan.make_plan``), so attention here is always full
-and the Llama functions serve as they are."""
+differs from ``modeling_llama.py`` only in its sliding window). Its registry entry marks every
+layer "sliding_attention" when ``sliding_window`` is set; the prologue's masks hold the window
+(``config.masks``), so the Llama functions serve as they are."""
 
 from neuronfx.graphs.llama import decoder_layer, key_map, layer_shapes
 

@@ -84,10 +84,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 
 def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
-    """Reference cached attention: copy each row's cache window, zero the positions past the
-    row's last new token, then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
+    """Reference cached attention: copy each row's cache window, zero the positions no new token
+    attends (past the row's last new token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
     (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
-    hidden = ~mask[:, :, -1, :, None]  # (B, 1, S, 1): beyond the last new token
+    hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no new token (past the last, or out of every window)
     keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
     values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)
     return sdpa(q, keys, values, mask)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from neuronfx.config.attention import ROPE_GLOBAL, ROPE_NONE
 from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
@@ -47,13 +48,49 @@ def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and RoPE cos/sin
-    (B, 1, T, head_dim)."""
+    """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and the RoPE
+    cos/sin tables of the layout's kinds, stacked: (R, B, 1, T, head_dim) (:func:`_rope_tables`)."""
     h = _lookup(plan, ops, embed, input_ids)
     if plan.model.embedding_multiplier != 1.0:  # granite
         h = h * plan.model.embedding_multiplier
-    cos, sin = rope_cos_sin(position_ids, rope_inv_freq(plan.model).to(h.device), h.dtype)
+    cos, sin = _rope_tables(plan, position_ids, h.dtype)
     return h, cos, sin
+
+
+def _rope_tables(plan: Plan, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin (R, B, 1, T, head_dim), one table per RoPE kind of the attention layout:
+    the model's RoPE, the local base of gemma3's sliding layers (no scaling), or for NoPE layers
+    cos 1 and sin 0 (the rotation is then exactly the identity)."""
+    model = plan.model
+    tables = []
+    for kind in plan.layout.ropes:
+        if kind == ROPE_NONE:
+            ones = torch.ones((*position_ids.shape, model.head_dim), dtype=dtype, device=position_ids.device)[:, None]
+            tables.append((ones, torch.zeros_like(ones)))
+            continue
+        cfg = model if kind == ROPE_GLOBAL else attrs.evolve(model, rope_theta=model.sliding_rope_theta, rope_scaling=None)
+        tables.append(rope_cos_sin(position_ids, rope_inv_freq(cfg).to(position_ids.device), dtype))
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+
+def _masks(plan: Plan, build: Callable[..., Tensor], *args: object) -> Tensor:
+    """The masks of the attention layout's kinds, stacked (M, B, 1, T, S): ``build(*args, kind,
+    size)`` (``prefill_mask`` or ``decode_mask``) per kind."""
+    sizes = {"full": None, "sliding": plan.model.sliding_window, "chunked": plan.model.attention_chunk_size}
+    return torch.stack([build(*args, kind, sizes[kind]) for kind in plan.layout.masks])
+
+
+def _layer_inputs(plan: Plan, lw: LayerWeights, cos: Tensor, sin: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """This layer's RoPE cos/sin (B, 1, T, D) and mask (B, 1, T, S) out of the stacks, by the
+    indices its weights carry when layers differ (``config.attention``); a static pick when not."""
+    cos, sin = (_pick(cos, lw["rope_index"]), _pick(sin, lw["rope_index"])) if len(plan.layout.ropes) > 1 else (cos[0], sin[0])
+    return cos, sin, _pick(mask, lw["mask_index"]) if len(plan.layout.masks) > 1 else mask[0]
+
+
+def _pick(stack: Tensor, index: Tensor) -> Tensor:
+    """``stack[index]`` for a 0-d int64 tensor ``index``, as a tensor op (a Python-style index
+    would read the value on the host: a data-dependent guard in a traced graph)."""
+    return stack.index_select(0, index.reshape(1))[0]
 
 
 def _logits(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor) -> Tensor:
@@ -94,14 +131,15 @@ def _head(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor, s
 def prefill_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
                      prompt_lens: Tensor) -> tuple[Tensor, ...]:
     """ids/positions (B, T = bucket), prompt_lens (B,) -> h (B, T, hidden), RoPE cos/sin
-    (B, 1, T, head_dim) and the causal prompt mask (B, 1, T, T). Sequence-parallel prefill pads
+    (R, B, 1, T, head_dim) and the causal prompt masks (M, B, 1, T, T) of the attention layout's
+    kinds. Sequence-parallel prefill pads
     T to :func:`sequence_parallel_tokens` and h is this rank's shard (B, T / tp, hidden)."""
     t = sequence_parallel_tokens(plan, bucket)
     if t != bucket:
         input_ids = torch.nn.functional.pad(input_ids, (0, t - bucket))
         position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
     h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
-    return h, cos, sin, prefill_mask(prompt_lens, t)  # mask (B, 1, T, T)
+    return h, cos, sin, _masks(plan, prefill_mask, prompt_lens, t)  # mask (M, B, 1, T, T)
 
 
 def prefill_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: list[LayerWeights], kv: KVPairs,
@@ -110,13 +148,15 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: 
     [0, bucket) of each row's slot (``config.kv.prefill_access``); the prompt attends only
     itself, so nothing is read from the cache."""
     for lw, (k_cache, v_cache) in zip(lws, kv):
+        layer_cos, layer_sin, layer_mask = _layer_inputs(plan, lw, cos, sin, mask)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache) -> Tensor:
+        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
+                   mask: Tensor = layer_mask) -> Tensor:
             k_cache[seq_ids, :, :bucket] = k[:, :, :bucket]  # (B, n_kv, T, D) into slots
             v_cache[seq_ids, :, :bucket] = v[:, :, :bucket]
             return ops.attention(q, k, v, mask)
 
-        h = layer(plan.local_model, ops, lw, h, cos, sin, attend)
+        h = layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h
 
 
@@ -135,25 +175,28 @@ def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: T
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
     """ids/positions (B, T): T = 1 for decode and draft, k for speculate."""
     h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
-    return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, T, S)
+    return h, cos, sin, _masks(plan, decode_mask, position_ids, bucket)  # mask (M, B, 1, T, S)
 
 
 def decode_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: list[LayerWeights], kv: KVPairs,
                   h: Tensor, cos: Tensor, sin: Tensor, seq_ids: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
     """``len(lws)`` consecutive layers of the family's ``layer``. Each writes K/V of the T new tokens at position_ids
-    (B, T) into each slot, then attends positions [0, bucket) masked to ``j <= position``
+    (B, T) into each slot, then attends positions [0, bucket) masked to ``j <= position`` (and
+    the layer's window)
     (``config.kv.decode_access`` / ``speculate_access``) with ``ops.cached_attention``, which
     never lets positions past the row's last new token through (they may hold anything: stale
     rows, rejected speculation, NaN)."""
     pos = position_ids.long()  # (B, T)
     for lw, (k_cache, v_cache) in zip(lws, kv):
+        layer_cos, layer_sin, layer_mask = _layer_inputs(plan, lw, cos, sin, mask)
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache) -> Tensor:
+        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
+                   mask: Tensor = layer_mask) -> Tensor:
             k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
             v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
             return ops.cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)
 
-        h = layer(plan.local_model, ops, lw, h, cos, sin, attend)
+        h = layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from neuronfx.config.attention import attention_layout
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
@@ -69,7 +70,8 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
 def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None) -> dict:
     """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
     in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
-    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy).
+    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). Layers that differ in
+    RoPE or mask also get their indices (:func:`layer_indices`).
 
     With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
     (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
@@ -81,7 +83,20 @@ def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dt
         flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}  # type: ignore[attr-defined]
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
-    return nest(flat, cfg.num_hidden_layers)
+    return nest(flat | layer_indices(cfg), cfg.num_hidden_layers)
+
+
+def layer_indices(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Per-layer ``rope_index`` and ``mask_index`` (0-d int64) when the layers differ in RoPE
+    or mask (``config.attention``): the compiled layer group reads them as data, so one group
+    serves every layer. Empty when all layers are alike."""
+    layout = attention_layout(cfg)
+    if not layout.per_layer:
+        return {}
+    out = {}
+    for i, (r, m) in enumerate(zip(layout.rope_index, layout.mask_index)):
+        out |= {f"layers.{i}.rope_index": torch.tensor(r), f"layers.{i}.mask_index": torch.tensor(m)}
+    return out
 
 
 def _base(name: str) -> str:
