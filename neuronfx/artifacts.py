@@ -31,12 +31,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from neuronfx import parallel
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.weights import nest
-from neuronfx.parallel import check_agreement, digest, init_tensor_parallel
+from neuronfx.parallel import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
@@ -174,7 +175,7 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
-        check_agreement("save directory", digest(str(Path(directory).resolve())))
+        parallel.check_agreement("save directory", parallel.digest(str(Path(directory).resolve())))
     return out
 
 
