@@ -20,9 +20,9 @@ import attrs
 import safetensors
 import torch
 
-from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+from neuronfx.config.families import SUPPORTED_MODEL_TYPES, unsupported_model_type
 from neuronfx.config.model import ModelConfig
-from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
+from neuronfx.errors import CheckpointError, ConfigError
 from neuronfx.graphs.weights import check_state_dict
 from neuronfx.memory import trim_heap
 
@@ -173,10 +173,7 @@ def _read_hf_config(directory: Path) -> Any:
     if not isinstance(model_type, str):
         raise CheckpointError(f"{str(config_file)!r} has no string 'model_type'; it is not an HF model config.")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type={model_type!r} in {str(config_file)!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
+        raise unsupported_model_type(model_type, f" in {str(config_file)!r}")
     try:
         return AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -13,17 +13,22 @@ from typing import Any
 
 import attrs
 
+from neuronfx.errors import UnsupportedModelError
+
 
 @attrs.frozen
 class Family:
     """One supported HF ``model_type``.
 
     ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
-    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
+    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm); it raises
+    UnsupportedModelError for an option of the family neuronfx does not implement.
+    ``activations``: the MLP activations (transformers' ``ACT2FN`` names) its file implements.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
+    activations: tuple[str, ...] = ("silu",)
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -75,6 +80,36 @@ def _smollm3(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _gemma3_text(hf_config: Any) -> dict[str, Any]:
+    # Gemma3ForCausalLM (transformers models/gemma3/modeling_gemma3.py). The per-layer-type RoPE
+    # bases (rope_parameters["full_attention"] / ["sliding_attention"]) are read by from_hf.
+    for name in ("attn_logit_softcapping", "attention_bias", "use_bidirectional_attention"):
+        if getattr(hf_config, name, None):
+            raise UnsupportedModelError(
+                f"{name}={getattr(hf_config, name)!r} is not supported for gemma3_text; neuronfx runs Gemma3ForCausalLM "
+                f"with {name} unset (None / False), as the released Gemma 3 text models are."
+            )
+    hidden = hf_config.hidden_size
+    return {
+        "hidden_act": hf_config.hidden_activation,
+        "qk_norm": True,
+        "norm_unit_offset": True,  # Gemma3RMSNorm: x * (1 + w) in fp32, then the cast
+        "embedding_multiplier": float(hidden) ** 0.5,  # Gemma3TextScaledWordEmbedding
+        "embedding_multiplier_rounded": True,  # transformers casts the scale to the weights' dtype
+        "attention_multiplier": float(hf_config.query_pre_attn_scalar) ** -0.5,  # Gemma3Attention.scaling
+        "final_logit_softcapping": getattr(hf_config, "final_logit_softcapping", None),
+        "sliding_window": getattr(hf_config, "sliding_window", None),
+    }
+
+
+# model types transformers knows that neuronfx refuses with a specific fix
+REFUSED: dict[str, str] = {
+    "gemma3": "Gemma3ForConditionalGeneration (the multimodal model with its vision tower) is not supported; run its "
+              "text model: Gemma3ForCausalLM with the checkpoint's text_config (model_type 'gemma3_text', e.g. "
+              "google/gemma-3-1b-it), or save Gemma3ForCausalLM's weights and text config with save_pretrained()",
+}
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
@@ -82,6 +117,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", _qwen3),
     Family("granite", _granite),
     Family("smollm3", _smollm3),
+    Family("gemma3_text", _gemma3_text, activations=("gelu_pytorch_tanh",)),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def unsupported_model_type(model_type: str, where: str = "") -> UnsupportedModelError:
+    """The error for a ``model_type`` outside the registry (``where``: e.g. " in config.json"),
+    with the specific fix when :data:`REFUSED` has one."""
+    fix = REFUSED.get(model_type, "")
+    return UnsupportedModelError(
+        f"model_type={model_type!r}{where} is not supported{': ' + fix if fix else ''}; "
+        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+    )

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
+from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES, unsupported_model_type
 from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
@@ -45,6 +45,17 @@ def _check_layer_types(inst: ModelConfig, attribute: attrs.Attribute, value: tup
             raise ConfigError(f"layer_types has {kind!r} layers but {field} is None; set {field}.")
 
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _check_activation(inst: ModelConfig, attribute: attrs.Attribute, value: str) -> None:
+    supported = FAMILIES[inst.model_type].activations if inst.model_type in FAMILIES else ACTIVATIONS
+    if value not in supported:
+        raise UnsupportedModelError(
+            f"hidden_act={value!r} is not supported for {inst.model_type}; only {', '.join(map(repr, supported))} MLPs are."
+        )
+
+
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_attention_heads % value:
         raise ConfigError(
@@ -72,6 +83,13 @@ class ModelConfig:
     (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
     attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
     (logits divided by it).
+    Gemma3's: ``hidden_act`` (the MLP's gate activation, transformers' ``ACT2FN`` name; each
+    family implements its registry entry's ``activations``), ``norm_unit_offset`` (RMSNorm
+    weights are offsets from 1: ``(x * (1 + w))`` in fp32, then cast, transformers'
+    ``Gemma3RMSNorm``; the final norm reads it), ``embedding_multiplier_rounded`` (the embedding
+    multiplier is first rounded to the weights' dtype), ``attention_multiplier`` (there
+    ``query_pre_attn_scalar ** -0.5``) and ``final_logit_softcapping`` (logits become
+    ``tanh(logits / cap) * cap``; None = off).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -99,6 +117,10 @@ class ModelConfig:
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
+    hidden_act: str = attrs.field(default="silu", validator=[one_of(ACTIVATIONS), _check_activation])
+    norm_unit_offset: bool = attrs.field(default=False, validator=boolean)
+    embedding_multiplier_rounded: bool = attrs.field(default=False, validator=boolean)
+    final_logit_softcapping: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod
@@ -111,18 +133,18 @@ class ModelConfig:
         """
         model_type = hf_config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only 'silu' GLU MLPs are.")
+            raise unsupported_model_type(model_type)
+        # gemma names it hidden_activation; the family's options pass it on as hidden_act
+        act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+        if act not in FAMILIES[model_type].activations:
+            supported = ", ".join(map(repr, FAMILIES[model_type].activations))
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type}; only {supported} MLPs are.")
         if getattr(hf_config, "mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=True is not supported; only bias-free MLPs are.")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling = _rope_from_hf(hf_config)
-        options = {"layer_types": _layer_types(hf_config)} | FAMILIES[model_type].options(hf_config)
+        theta, scaling, sliding_theta = _rope_from_hf(hf_config)
+        options = {"layer_types": _layer_types(hf_config), "sliding_rope_theta": sliding_theta} | FAMILIES[model_type].options(hf_config)
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -148,17 +170,37 @@ def _layer_types(hf_config: Any) -> tuple[str, ...]:
     return () if all(t == "full_attention" for t in types) else types
 
 
-def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:
-    # transformers >= 5 folds theta and scaling into rope_parameters; 4.x has both fields.
+def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope_theta, rope_scaling, sliding_rope_theta). transformers >= 5 folds theta and scaling
+    into ``rope_parameters``, per layer type for models whose layer types differ in RoPE
+    (gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``); 4.x has both fields.
+    sliding_rope_theta is None unless sliding layers use another RoPE than full ones."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy = getattr(hf_config, "rope_scaling", None)
-    if legacy and not params.get("rope_type"):
-        params.update(legacy)
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if "full_attention" not in params:
+        legacy = getattr(hf_config, "rope_scaling", None)
+        if legacy and not params.get("rope_type"):
+            params.update(legacy)
+        theta, scaling = _rope_params(params, getattr(hf_config, "rope_theta", 10000.0), "rope_parameters")
+        return theta, scaling, None
+    theta, scaling = _rope_params(dict(params["full_attention"]), 10000.0, "rope_parameters['full_attention']")
+    sliding = dict(params.get("sliding_attention") or {})
+    if "sliding_attention" not in (getattr(hf_config, "layer_types", None) or ()) or not sliding:
+        return theta, scaling, None
+    local, local_scaling = _rope_params(sliding, theta, "rope_parameters['sliding_attention']")
+    if local_scaling is not None:  # attention.ROPE_LOCAL tables are unscaled
+        raise UnsupportedModelError(
+            f"rope_parameters['sliding_attention'] has rope_type={local_scaling.rope_type!r}; sliding layers support "
+            "only the 'default' RoPE (their own rope_theta)."
+        )
+    return theta, scaling, (local if (local, None) != (theta, scaling) else None)
+
+
+def _rope_params(params: dict[str, Any], default_theta: float, where: str) -> tuple[float, RopeScaling | None]:
+    theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+            f"rope_type={rope_type!r} ({where}) is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     if rope_type == "default":
         return theta, None

@@ -32,6 +32,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` all in
+    fp32, cast back once at the end (transformers ``Gemma3RMSNorm``; Llama's casts before
+    multiplying by the weight, see transformers PR 29402)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
+def final_norm(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """The RMSNorm of ``cfg``'s family: :func:`unit_offset_rms_norm` when
+    ``cfg.norm_unit_offset`` (gemma3), else :func:`rms_norm`."""
+    return unit_offset_rms_norm if cfg.norm_unit_offset else rms_norm
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies, float32 [head_dim // 2] (Su et al. 2021, RoFormer).
 

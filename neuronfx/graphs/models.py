@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from neuronfx.config.families import SUPPORTED_MODEL_TYPES
-from neuronfx.errors import UnsupportedModelError
+from neuronfx.config.families import SUPPORTED_MODEL_TYPES, unsupported_model_type
 
 
 def model_module(model_type: str) -> ModuleType:
     """The family file of ``model_type``; raises UnsupportedModelError for a type outside the
     registry."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
+        raise unsupported_model_type(model_type)
     # The registry names the file: a new family is its registry entry plus graphs/<model_type>.py.
     return importlib.import_module(f"neuronfx.graphs.{model_type}")

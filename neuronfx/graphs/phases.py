@@ -26,7 +26,7 @@ from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
-from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_cos_sin, rope_inv_freq
+from neuronfx.graphs.layers import LayerWeights, Weights, final_norm, rope_cos_sin, rope_inv_freq
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.ops import Ops, tensor_parallel_ops
 from neuronfx.graphs.sampling import sample
@@ -51,7 +51,9 @@ def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids:
     """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and the RoPE
     cos/sin tables of the layout's kinds, stacked: (R, B, 1, T, head_dim) (:func:`_rope_tables`)."""
     h = _lookup(plan, ops, embed, input_ids)
-    if plan.model.embedding_multiplier != 1.0:  # granite
+    if plan.model.embedding_multiplier_rounded:  # gemma3: the multiplier in h's dtype (55.4256 -> 55.5 in bf16)
+        h = h * torch.tensor(plan.model.embedding_multiplier, dtype=h.dtype)
+    elif plan.model.embedding_multiplier != 1.0:  # granite
         h = h * plan.model.embedding_multiplier
     cos, sin = _rope_tables(plan, position_ids, h.dtype)
     return h, cos, sin
@@ -95,9 +97,15 @@ def _pick(stack: Tensor, index: Tensor) -> Tensor:
 
 def _logits(plan: Plan, ops: Ops, norm: Tensor, lm_head: Tensor, hidden: Tensor) -> Tensor:
     """hidden (..., hidden) -> float32 logits (..., V): final norm and LM head; under tensor
-    parallelism the ranks' vocabulary columns are gathered and the padded ids dropped."""
-    local = ops.linear(rms_norm(hidden, norm, plan.model.rms_norm_eps), lm_head, None)
-    logits = local.float() if plan.tp_degree == 1 else ops.gather_vocab(local)[..., :plan.model.vocab_size].float()
+    parallelism the ranks' vocabulary columns are gathered and the padded ids dropped. Soft-capping
+    (gemma3) runs in the weights' dtype before the fp32 cast, as in transformers'
+    ``Gemma3ForCausalLM.forward``."""
+    model = plan.model
+    local = ops.linear(final_norm(model)(hidden, norm, model.rms_norm_eps), lm_head, None)
+    logits = local if plan.tp_degree == 1 else ops.gather_vocab(local)[..., :model.vocab_size]
+    if model.final_logit_softcapping is not None:
+        logits = torch.tanh(logits / model.final_logit_softcapping) * model.final_logit_softcapping
+    logits = logits.float()
     if plan.model.logits_scaling != 1.0:  # granite
         logits = logits / plan.model.logits_scaling
     return logits
