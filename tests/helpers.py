@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -31,7 +33,25 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma3_text")
+
+
+def gemma3_random_norms(config: Gemma3TextConfig) -> Gemma3ForCausalLM:
+    """Gemma3ForCausalLM with random RMSNorm weights: transformers initialises them to 0 (a scale
+    of 1 + 0), which would hide a swapped or missing norm."""
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+# Gemma 3 text: 2 layers (sliding over 5 tokens, then global), vocabulary 257 (not a multiple of
+# 64), head_dim 32 != hidden / heads, query_pre_attn_scalar 24 != head_dim, local RoPE base 100
+# != rope_theta, logits soft-capped at 0.5 (the tiny model's logits reach ~1: tanh bends them).
+GEMMA3 = {"vocab_size": 257, "head_dim": 32, "sliding_window": 5, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
+          "rope_theta": 10000.0, "rope_local_base_freq": 100.0, "final_logit_softcapping": 0.5}
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -43,6 +63,7 @@ _HF_CLASSES = {
     # Layer 1 of 2 is NoPE (no_rope_layers [1, 0]); its config's token ids lie outside the tiny vocabulary
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2, "pad_token_id": None,
                                                     "bos_token_id": None, "eos_token_id": None}),
+    "gemma3_text": (Gemma3TextConfig, gemma3_random_norms, GEMMA3),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -28,6 +28,7 @@ EAGER = {
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # layer 1 slides
     "smollm3": ("smollm3", {}),  # layer 1 NoPE
     "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 6}),  # layer 1 NoPE and sliding
+    "gemma3": ("gemma3_text", {}),  # layer 0 slides over 5 (local RoPE base), layer 1 global; helpers.GEMMA3
 }
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
           "qwen2-inductor": "inductor_qwen2", "llama-inductor": "inductor_llama_speculative"}

@@ -47,16 +47,19 @@ def final_norm(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor, float]
     return unit_offset_rms_norm if cfg.norm_unit_offset else rms_norm
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, float32 [head_dim // 2] (Su et al. 2021, RoFormer).
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse RoPE frequencies, float32 [head_dim // 2] (Su et al. 2021, RoFormer): of
+    ``cfg.rope_theta`` with ``cfg.rope_scaling``, or with ``local`` of ``cfg.sliding_rope_theta``
+    unscaled (gemma3's sliding layers). No config is built here: this runs in traced code.
 
     "linear" scaling divides by ``factor``; "llama3" follows Meta's ``apply_scaling``
     (meta-llama/llama-models ``reference_impl/model.py``), same as transformers'
     ``_compute_llama3_parameters``.
     """
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = cfg.rope_scaling
+    theta = cfg.sliding_rope_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = None if local else cfg.rope_scaling
     if rs is None:
         return inv
     if rs.rope_type == "linear":

@@ -70,8 +70,8 @@ def _rope_tables(plan: Plan, position_ids: Tensor, dtype: torch.dtype) -> tuple[
             ones = torch.ones((*position_ids.shape, model.head_dim), dtype=dtype, device=position_ids.device)[:, None]
             tables.append((ones, torch.zeros_like(ones)))
             continue
-        cfg = model if kind == ROPE_GLOBAL else attrs.evolve(model, rope_theta=model.sliding_rope_theta, rope_scaling=None)
-        tables.append(rope_cos_sin(position_ids, rope_inv_freq(cfg).to(position_ids.device), dtype))
+        inv_freq = rope_inv_freq(model, local=kind != ROPE_GLOBAL)
+        tables.append(rope_cos_sin(position_ids, inv_freq.to(position_ids.device), dtype))
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
