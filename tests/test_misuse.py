@@ -26,7 +26,7 @@ import pytest
 import torch
 from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
@@ -302,6 +302,20 @@ CASES: dict[str, Case] = {
     "model-layer-type-unsupported": Case(UnsupportedModelError, "`layer_types` with a `linear_attention` layer",
                                          lambda c: model_config(layer_types=("full_attention", "linear_attention")),
                                          ("['linear_attention']", "not supported", "full_attention")),
+    "model-gemma3-multimodal": Case(UnsupportedModelError, "`ModelConfig.from_hf` of a multimodal `Gemma3Config` (vision tower)",
+                                    lambda c: ModelConfig.from_hf(Gemma3Config(text_config=Gemma3TextConfig(**TINY).to_dict())),
+                                    ("model_type='gemma3'", "Gemma3ForCausalLM", "text_config")),
+    "model-gemma3-attn-softcapping": Case(UnsupportedModelError, "gemma3_text config with `attn_logit_softcapping=50.0`",
+                                          lambda c: ModelConfig.from_hf(Gemma3TextConfig(**TINY, attn_logit_softcapping=50.0)),
+                                          ("attn_logit_softcapping=50.0", "not supported", "unset")),
+    "model-gemma3-bidirectional": Case(UnsupportedModelError, "gemma3_text config with `use_bidirectional_attention=True`",
+                                       lambda c: ModelConfig.from_hf(Gemma3TextConfig(**TINY, use_bidirectional_attention=True)),
+                                       ("use_bidirectional_attention=True", "not supported", "unset")),
+    "model-sliding-rope-scaled": Case(UnsupportedModelError, "`rope_parameters[\"sliding_attention\"]` with linear scaling",
+                                      lambda c: ModelConfig.from_hf(Gemma3TextConfig(**TINY, rope_parameters={
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})),
+                                      ("sliding_attention", "rope_type='linear'", "only the 'default' RoPE")),
     "plan-tp-above-heads": Case(ConfigError, "`tp_degree=8` for a model with 4 query heads",
                                 lambda c: make_plan(model_config(), inference(tp_degree=8)),
                                 ("tp_degree=8", "num_attention_heads=4", "tp_degree <= 4")),
