@@ -52,7 +52,8 @@ def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids:
     cos/sin tables of the layout's kinds, stacked: (R, B, 1, T, head_dim) (:func:`_rope_tables`)."""
     h = _lookup(plan, ops, embed, input_ids)
     if plan.model.embedding_multiplier_rounded:  # gemma3: the multiplier in h's dtype (55.4256 -> 55.5 in bf16)
-        h = h * torch.tensor(plan.model.embedding_multiplier, dtype=h.dtype)
+        # made by an op (torch.full), not torch.tensor: export cannot lift a tensor constant here
+        h = h * torch.full((), plan.model.embedding_multiplier, dtype=h.dtype, device=h.device)
     elif plan.model.embedding_multiplier != 1.0:  # granite
         h = h * plan.model.embedding_multiplier
     cos, sin = _rope_tables(plan, position_ids, h.dtype)
