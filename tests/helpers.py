@@ -11,6 +11,8 @@ import torch
 from transformers import (
     GraniteConfig,
     GraniteForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -31,7 +33,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -43,6 +45,13 @@ _HF_CLASSES = {
     # Layer 1 of 2 is NoPE (no_rope_layers [1, 0]); its config's token ids lie outside the tiny vocabulary
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2, "pad_token_id": None,
                                                     "bos_token_id": None, "eos_token_id": None}),
+    # Layer 0 RoPE with chunks of 6 tokens, layer 1 NoPE with temperature tuning (floor 4 tokens),
+    # 4 experts top-2 and a shared expert; weights 5x transformers' default scale so the experts
+    # and the temperature move the logits (tests check they do)
+    "llama4_text": (Llama4TextConfig, Llama4ForCausalLM, {
+        "vocab_size": 257, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "attention_chunk_size": 6, "no_rope_layer_interval": 2, "floor_scale": 4, "attn_scale": 0.5,
+        "initializer_range": 0.1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

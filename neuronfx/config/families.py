@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from neuronfx.errors import UnsupportedModelError
+
 
 @attrs.frozen
 class Family:
@@ -75,6 +77,27 @@ def _smollm3(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _llama4_text(hf_config: Any) -> dict[str, Any]:
+    layers = hf_config.num_hidden_layers
+    if list(hf_config.moe_layers) != list(range(layers)):
+        raise UnsupportedModelError(
+            f"llama4 moe_layers={list(hf_config.moe_layers)} (interleave_moe_layer_step="
+            f"{hf_config.interleave_moe_layer_step}): dense layers between MoE layers are not supported; "
+            "only configs whose every layer is MoE (interleave_moe_layer_step=1, the 16E model) are."
+        )
+    return {
+        "attention_bias": _flag(hf_config, "attention_bias"),
+        "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),  # 1: the layer uses RoPE
+        "attention_chunk_size": hf_config.attention_chunk_size,
+        "num_experts": hf_config.num_local_experts,
+        "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "qk_l2_norm": _flag(hf_config, "use_qk_norm"),
+        "attn_temperature_tuning": _flag(hf_config, "attn_temperature_tuning"),
+        "floor_scale": float(hf_config.floor_scale),
+        "attn_scale": float(hf_config.attn_scale),
+    }
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
@@ -82,6 +105,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", _qwen3),
     Family("granite", _granite),
     Family("smollm3", _smollm3),
+    Family("llama4_text", _llama4_text),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -71,7 +71,10 @@ class ModelConfig:
     granite's ``embedding_multiplier`` (embeddings scaled by it), ``residual_multiplier``
     (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
     attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
-    (logits divided by it).
+    (logits divided by it); mixture-of-experts layers: ``num_experts`` (0: a dense MLP) and
+    ``num_experts_per_tok`` (top-k); llama4's ``qk_l2_norm`` (q and k L2-normalised after RoPE
+    on RoPE layers), ``attn_temperature_tuning`` with ``floor_scale`` (tokens) and
+    ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4.py``).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -99,6 +102,12 @@ class ModelConfig:
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
+    num_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    num_experts_per_tok: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    qk_l2_norm: bool = attrs.field(default=False, validator=boolean)
+    attn_temperature_tuning: bool = attrs.field(default=False, validator=boolean)
+    floor_scale: float = attrs.field(default=8192.0, validator=positive_number)
+    attn_scale: float = attrs.field(default=0.1, validator=positive_number)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod

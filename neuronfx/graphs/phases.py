@@ -23,6 +23,7 @@ import torch
 from neuronfx.config.attention import ROPE_GLOBAL, ROPE_NONE
 from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
 from neuronfx.config.masks import decode_mask, prefill_mask
+from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
@@ -60,17 +61,29 @@ def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids:
 def _rope_tables(plan: Plan, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin (R, B, 1, T, head_dim), one table per RoPE kind of the attention layout:
     the model's RoPE, the local base of gemma3's sliding layers (no scaling), or for NoPE layers
-    cos 1 and sin 0 (the rotation is then exactly the identity)."""
+    cos 1 and sin 0 (the rotation is then exactly the identity; with Llama 4's temperature tuning
+    cos holds the temperature, which only its layer reads, see ``graphs/llama4.py``)."""
     model = plan.model
     tables = []
     for kind in plan.layout.ropes:
         if kind == ROPE_NONE:
-            ones = torch.ones((*position_ids.shape, model.head_dim), dtype=dtype, device=position_ids.device)[:, None]
-            tables.append((ones, torch.zeros_like(ones)))
+            cos = _temperature(model, position_ids, dtype) if model.attn_temperature_tuning else torch.ones(
+                (*position_ids.shape, model.head_dim), dtype=dtype, device=position_ids.device)[:, None]
+            tables.append((cos, torch.zeros_like(cos)))
             continue
         cfg = model if kind == ROPE_GLOBAL else attrs.evolve(model, rope_theta=model.sliding_rope_theta, rope_scaling=None)
         tables.append(rope_cos_sin(position_ids, rope_inv_freq(cfg).to(position_ids.device), dtype))
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+
+def _temperature(model: ModelConfig, position_ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Llama 4's attention temperature of each position, (B, 1, T, head_dim) in ``dtype``:
+    ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` (transformers
+    ``Llama4TextAttention``, after Nakanishi 2025, arXiv:2501.19399), computed in fp32; its NoPE
+    layers multiply q by it."""
+    pos = position_ids.float()[:, None, :, None]  # (B, 1, T, 1)
+    scale = torch.log1p(torch.floor((pos + 1.0) / model.floor_scale)) * model.attn_scale + 1.0
+    return scale.expand(-1, -1, -1, model.head_dim).to(dtype)
 
 
 def _masks(plan: Plan, build: Callable[..., Tensor], *args: object) -> Tensor:

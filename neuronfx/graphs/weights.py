@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from neuronfx.config.attention import attention_layout
+from neuronfx.config.attention import ROPE_NONE, attention_layout
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
@@ -88,14 +88,17 @@ def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dt
 
 def layer_indices(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Per-layer ``rope_index`` and ``mask_index`` (0-d int64) when the layers differ in RoPE
-    or mask (``config.attention``): the compiled layer group reads them as data, so one group
-    serves every layer. Empty when all layers are alike."""
+    or mask (``config.attention``), and ``use_rope`` (0-d bool) when some layers are NoPE and
+    others not: the compiled layer group reads them as data, so one group serves every layer.
+    Empty when all layers are alike."""
     layout = attention_layout(cfg)
     if not layout.per_layer:
         return {}
     out = {}
     for i, (r, m) in enumerate(zip(layout.rope_index, layout.mask_index)):
         out |= {f"layers.{i}.rope_index": torch.tensor(r), f"layers.{i}.mask_index": torch.tensor(m)}
+        if ROPE_NONE in layout.ropes and len(layout.ropes) > 1:
+            out[f"layers.{i}.use_rope"] = torch.tensor(layout.ropes[r] != ROPE_NONE)
     return out
 
 
