@@ -20,10 +20,13 @@ class Family:
 
     ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
     transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
+    ``partial_rotary``: transformers' family applies ``partial_rotary_factor`` (RoPE on the
+    first dims of each head only); elsewhere a factor below 1 is refused.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
+    partial_rotary: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -36,7 +39,7 @@ def _qwen_window(hf_config: Any) -> int | None:
 
 
 def _llama(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias")}
+    return {"attention_bias": _flag(hf_config, "attention_bias"), "mlp_bias": _flag(hf_config, "mlp_bias")}
 
 
 def _mistral(hf_config: Any) -> dict[str, Any]:
@@ -54,11 +57,16 @@ def _qwen3(hf_config: Any) -> dict[str, Any]:
 def _granite(hf_config: Any) -> dict[str, Any]:
     return {
         "attention_bias": _flag(hf_config, "attention_bias"),
+        "mlp_bias": _flag(hf_config, "mlp_bias"),  # GraniteMLP: Llama's
         "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
         "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
         "attention_multiplier": float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
         "logits_scaling": float(getattr(hf_config, "logits_scaling", 1.0)),
     }
+
+
+def _phi3(hf_config: Any) -> dict[str, Any]:
+    return {"sliding_window": getattr(hf_config, "sliding_window", None)}  # Phi3Model: window mask when set
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -67,6 +75,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
     Family("granite", _granite),
+    Family("phi3", _phi3, partial_rotary=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

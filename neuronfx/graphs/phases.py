@@ -25,7 +25,7 @@ from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
-from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_cos_sin, rope_inv_freq
+from neuronfx.graphs.layers import LayerWeights, Weights, rms_norm, rope_tables
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.ops import Ops, tensor_parallel_ops
 from neuronfx.graphs.sampling import sample
@@ -46,13 +46,16 @@ def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
     return ops.parallel_out(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
 
 
-def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
+           seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and RoPE cos/sin
-    (B, 1, T, head_dim)."""
+    (B, 1, T, rotary_dim) for rows holding ``seq_lens`` (B,) tokens after this step (the
+    length-dependent RoPE types, dynamic and longrope, choose their table per row from it:
+    ``layers.row_inv_freq``)."""
     h = _lookup(plan, ops, embed, input_ids)
     if plan.model.embedding_multiplier != 1.0:  # granite
         h = h * plan.model.embedding_multiplier
-    cos, sin = rope_cos_sin(position_ids, rope_inv_freq(plan.model).to(h.device), h.dtype)
+    cos, sin = rope_tables(plan.model, position_ids, seq_lens, h.dtype)
     return h, cos, sin
 
 
@@ -100,7 +103,7 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids
     if t != bucket:
         input_ids = torch.nn.functional.pad(input_ids, (0, t - bucket))
         position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
-    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids, prompt_lens)
     return h, cos, sin, prefill_mask(prompt_lens, t)  # mask (B, 1, T, T)
 
 
@@ -133,8 +136,9 @@ def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: T
 
 
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
-    """ids/positions (B, T): T = 1 for decode and draft, k for speculate."""
-    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
+    """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
+    last position + 1 tokens."""
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids, position_ids.amax(-1) + 1)
     return h, cos, sin, decode_mask(position_ids, bucket)  # mask (B, 1, T, S)
 
 
