@@ -22,11 +22,16 @@ class Family:
     transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
     ``partial_rotary``: transformers' family applies ``partial_rotary_factor`` (RoPE on the
     first dims of each head only); elsewhere a factor below 1 is refused.
+    ``recompute_at_rope_switch``: transformers' ``generate`` recomputes the whole KV cache when
+    a longrope sequence grows past ``original_max_position_embeddings`` (Phi-3's
+    ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
+    families keep the keys cached before the switch, as transformers does for them.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
     partial_rotary: bool = False
+    recompute_at_rope_switch: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -75,7 +80,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
     Family("granite", _granite),
-    Family("phi3", _phi3, partial_rotary=True),
+    Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
