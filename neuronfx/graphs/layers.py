@@ -126,8 +126,14 @@ def row_inv_freq(cfg: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
     length, where transformers decides once per forward call from the batch's largest position
     (the same for a batch of one):
 
-    - "longrope": the long table where ``seq_lens > original_max_position_embeddings``, else the
-      short one (``longrope_frequency_update``), selected with ``torch.where``.
+    - "longrope": the long table where ``seq_lens > original_max_position_embeddings`` (L), else
+      the short one (``longrope_frequency_update``), selected with ``torch.where``. At the switch:
+      a prefill of more than L tokens is long throughout; a decode step writing position L
+      (sequence L + 1) rotates its q and k with the long table, but K cached before it keeps
+      its short rotation. transformers' Phi-3 ``generate`` instead recomputes the whole cache
+      there, so the scheduler recomputes the slot at that token (``runtime.steps.refill_step``)
+      and batch-1 greedy tokens match; other families' transformers ``generate`` keeps the short
+      keys, like the plain decode step.
     - "dynamic": NTK base ``theta * (factor * L / M - (factor - 1)) ** (d / (d - 2))`` with
       ``L = max(seq_len, M)``, ``M = max_position_embeddings`` (``_compute_dynamic_ntk_parameters``
       at the current length; lengths <= M give the unscaled table, as its reset does).
