@@ -71,22 +71,20 @@ def main() -> None:
         return h
 
     h0 = torch.randn(1, 1, 1024).to(dtype)
-    results = {}
-    for name, layer, lws in (("split at load", llama.decoder_layer, split), ("fused in graph", fused_layer, fused)):
-        fn = torch.compile(lambda h, layer=layer, lws=lws: step(layer, lws, h), fullgraph=True, dynamic=False)
-        t0 = time.perf_counter()
-        out = fn(h0)
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(args.iters):
+    variants = {"split at load": (llama.decoder_layer, split), "fused in graph": (fused_layer, fused)}
+    fns, outs, times = {}, {}, {name: [] for name in variants}
+    for name, (layer, lws) in variants.items():
+        fns[name] = torch.compile(lambda h, layer=layer, lws=lws: step(layer, lws, h), fullgraph=True, dynamic=False)
+        outs[name] = fns[name](h0).float()
+    for _ in range(args.iters):  # interleaved, so that load from other processes hits both alike
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn(h0)
-            times.append(time.perf_counter() - t0)
-        results[name] = out.float()
-        print(f"{name:15s} {args.dtype}: median {statistics.median(times) * 1e3:.3f} ms/step, "
-              f"min {min(times) * 1e3:.3f} ms ({args.layers} layers, batch 1, compile {compile_s:.0f} s, {ops.name})")
-    print(f"max |split - fused| = {(results['split at load'] - results['fused in graph']).abs().max().item():.2e}")
-
+            times[name].append(time.perf_counter() - t0)
+    for name, t in times.items():
+        print(f"{name:15s} {args.dtype}: median {statistics.median(t) * 1e3:.3f} ms/step, min {min(t) * 1e3:.3f} ms "
+              f"({args.layers} layers, batch 1, {ops.name})")
+    print(f"max |split - fused| = {(outs['split at load'] - outs['fused in graph']).abs().max().item():.2e}")
 
 if __name__ == "__main__":
     main()
