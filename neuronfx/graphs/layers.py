@@ -76,7 +76,10 @@ def _yarn_inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
 def _longrope_inv_freq(theta: float, dim: int, factors: tuple[float, ...]) -> torch.Tensor:
     """LongRoPE (Ding et al. 2024): per-frequency rescale factors, transformers'
     ``_compute_longrope_parameters``."""
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # One full() per value, not torch.tensor(factors): torch.export cannot unlift a tensor
+    # constant created inside a graph (RuntimeError "references nonexistent attribute lifted_tensor_0").
+    ext = torch.stack([torch.full((), f, dtype=torch.float32) for f in factors])
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
