@@ -5,6 +5,7 @@ Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -33,7 +36,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text", "phi3")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -52,6 +55,13 @@ _HF_CLASSES = {
         "vocab_size": 257, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
         "attention_chunk_size": 6, "no_rope_layer_interval": 2, "floor_scale": 4, "attn_scale": 0.5,
         "initializer_range": 0.1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # Phi-3 as Phi-4-mini configures it: RoPE on 12 of 16 head dims (partial_rotary_factor 0.75)
+    # with longrope, whose switch (original_max_position_embeddings=20) lies inside the tiny
+    # ladders; vocabulary 250 (not a multiple of 64) and its special ids inside it.
+    "phi3": (Phi3Config, Phi3ForCausalLM, {
+        "vocab_size": 250, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 20,
+        "rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 48.0]}}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -72,7 +82,8 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: object)
     ``overrides`` are config fields."""
     config_cls, model_cls, extra = _HF_CLASSES[model_type]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**(TINY | extra | overrides))).to(torch.float32).eval()
+    fields = copy.deepcopy(TINY | extra | overrides)  # transformers edits rope_parameters in place
+    model = model_cls(config_cls(**fields)).to(torch.float32).eval()
     model.generation_config.eos_token_id = None  # tests choose eos explicitly
     return model
 

@@ -22,10 +22,18 @@ class Family:
 
     ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
     transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
+    ``partial_rotary``: transformers' family applies ``partial_rotary_factor`` (RoPE on the
+    first dims of each head only); elsewhere a factor below 1 is refused.
+    ``recompute_at_rope_switch``: transformers' ``generate`` recomputes the whole KV cache when
+    a longrope sequence grows past ``original_max_position_embeddings`` (Phi-3's
+    ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
+    families keep the keys cached before the switch, as transformers does for them.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
+    partial_rotary: bool = False
+    recompute_at_rope_switch: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -38,7 +46,7 @@ def _qwen_window(hf_config: Any) -> int | None:
 
 
 def _llama(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias")}
+    return {"attention_bias": _flag(hf_config, "attention_bias"), "mlp_bias": _flag(hf_config, "mlp_bias")}
 
 
 def _mistral(hf_config: Any) -> dict[str, Any]:
@@ -57,6 +65,7 @@ def _qwen3(hf_config: Any) -> dict[str, Any]:
 def _granite(hf_config: Any) -> dict[str, Any]:
     return {
         "attention_bias": _flag(hf_config, "attention_bias"),
+        "mlp_bias": _flag(hf_config, "mlp_bias"),  # GraniteMLP: Llama's
         "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
         "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
         "attention_multiplier": float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
@@ -98,6 +107,10 @@ def _llama4_text(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _phi3(hf_config: Any) -> dict[str, Any]:
+    return _mistral(hf_config)  # Phi3Model: every layer's mask slides when sliding_window is set
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
@@ -106,6 +119,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", _granite),
     Family("smollm3", _smollm3),
     Family("llama4_text", _llama4_text),
+    Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -10,24 +10,78 @@ from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
 from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+# rope_parameters keys each type reads (transformers ``RotaryEmbeddingConfigMixin._validate_*``);
+# any other key would change the math in a way neuronfx does not, so it is an error.
+_COMMON_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"}),
+}
+
+
+def _optional_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        positive_number(inst, attribute, value)
+
+
+def _factors(inst: RopeScaling, attribute: attrs.Attribute, value: tuple[float, ...]) -> None:
+    if inst.rope_type == "longrope" and (not value or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in value)):
+        raise ConfigError(f"RopeScaling.{attribute.name}={value!r} must be a non-empty list of finite numbers > 0 for "
+                          "rope_type='longrope' (one per rotary frequency); fix the model config's rope_parameters.")
 
 
 @attrs.frozen(kw_only=True)
 class RopeScaling:
-    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``); the math is in
+    ``graphs/layers.py`` (``rope_inv_freq``, ``rope_tables``), after transformers'
+    ``modeling_rope_utils.py``.
 
-    ``rope_type`` "linear" divides every frequency by ``factor``; "llama3" applies the
-    piecewise rule of Meta's Llama 3.1 reference (``apply_scaling`` in meta-llama/llama-models,
-    also transformers ``_compute_llama3_parameters``) using ``low_freq_factor``,
-    ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
+    - "linear": every frequency divided by ``factor``.
+    - "llama3": Meta's piecewise rule (``_compute_llama3_parameters``) from ``low_freq_factor``,
+      ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
+    - "yarn": YaRN (``_compute_yarn_parameters``): frequencies blended between interpolated
+      (/ ``factor``) and original by a ramp over dims set by ``beta_fast`` / ``beta_slow``
+      (rotations in ``original_max_position_embeddings``; ``truncate`` rounds the ramp ends);
+      cos/sin times ``attention_factor`` (None: from ``factor``, ``mscale``, ``mscale_all_dim``).
+    - "dynamic": dynamic NTK (``_compute_dynamic_ntk_parameters``): the base grows with the
+      row's sequence length past ``ModelConfig.max_position_embeddings`` by ``factor``.
+    - "longrope": LongRoPE (``_compute_longrope_parameters``): frequencies divided by
+      ``short_factor`` while the row's sequence length is <= ``original_max_position_embeddings``,
+      by ``long_factor`` beyond; cos/sin times ``attention_factor`` (None: from ``factor``).
+    ``factor`` left out of a yarn / longrope config is max_position_embeddings /
+    original_max_position_embeddings, as transformers reads it (``from_hf`` resolves it).
     """
 
-    rope_type: str = attrs.field(validator=one_of(("linear", "llama3")))
+    rope_type: str = attrs.field(validator=one_of(("linear", "llama3", "yarn", "dynamic", "longrope")))
     factor: float = attrs.field(validator=positive_number)
     low_freq_factor: float = attrs.field(default=1.0, validator=positive_number)
     high_freq_factor: float = attrs.field(default=4.0, validator=positive_number)
     original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
+    attention_factor: float | None = attrs.field(default=None, validator=_optional_number)
+    beta_fast: float = attrs.field(default=32.0, validator=positive_number)
+    beta_slow: float = attrs.field(default=1.0, validator=positive_number)
+    mscale: float | None = attrs.field(default=None, validator=_optional_number)
+    mscale_all_dim: float | None = attrs.field(default=None, validator=_optional_number)
+    truncate: bool = attrs.field(default=True, validator=boolean)
+    short_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_factors)
+    long_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_factors)
+
+
+def _check_rotary(inst: ModelConfig, attribute: attrs.Attribute, value: float) -> None:
+    dim = int(inst.head_dim * value)
+    if value > 1 or dim < 2 or dim % 2:
+        raise ConfigError(
+            f"partial_rotary_factor={value!r} gives rotary_dim=int(head_dim={inst.head_dim} * {value!r})={dim}; it must "
+            "be in (0, 1] and give an even rotary_dim >= 2; fix the model config's partial_rotary_factor."
+        )
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -74,7 +128,9 @@ class ModelConfig:
     (logits divided by it); mixture-of-experts layers: ``num_experts`` (0: a dense MLP) and
     ``num_experts_per_tok`` (top-k); llama4's ``qk_l2_norm`` (q and k L2-normalised after RoPE
     on RoPE layers), ``attn_temperature_tuning`` with ``floor_scale`` (tokens) and
-    ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4.py``).
+    ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4_text.py``);
+    ``partial_rotary_factor`` (RoPE on the first ``rotary_dim`` dims of
+    each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -98,6 +154,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
     rope_layers: tuple[bool, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
     sliding_rope_theta: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
+    partial_rotary_factor: float = attrs.field(default=1.0, validator=[positive_number, _check_rotary])
+    mlp_bias: bool = attrs.field(default=False, validator=boolean)
     embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
@@ -109,6 +167,23 @@ class ModelConfig:
     floor_scale: float = attrs.field(default=8192.0, validator=positive_number)
     attn_scale: float = attrs.field(default=0.1, validator=positive_number)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates: ``int(head_dim * partial_rotary_factor)``
+        (transformers' ``dim`` in ``modeling_rope_utils``); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def __attrs_post_init__(self) -> None:
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.rotary_dim // 2:
+                    raise ConfigError(
+                        f"rope_scaling.{name} has {len(getattr(rs, name))} values, expected rotary_dim // 2 = "
+                        f"{self.rotary_dim // 2} (head_dim={self.head_dim}, partial_rotary_factor={self.partial_rotary_factor}); "
+                        "fix the model config's rope_parameters."
+                    )
 
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Any = None) -> ModelConfig:
@@ -126,12 +201,18 @@ class ModelConfig:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported; only 'silu' GLU MLPs are.")
-        if getattr(hf_config, "mlp_bias", False):
-            raise UnsupportedModelError("mlp_bias=True is not supported; only bias-free MLPs are.")
+        options = {"layer_types": _layer_types(hf_config)} | FAMILIES[model_type].options(hf_config)
+        if getattr(hf_config, "mlp_bias", False) and not options.get("mlp_bias"):
+            raise UnsupportedModelError(f"mlp_bias=True is not supported for model_type={model_type!r}; "
+                                        "only llama reads MLP biases.")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling = _rope_from_hf(hf_config)
-        options = {"layer_types": _layer_types(hf_config)} | FAMILIES[model_type].options(hf_config)
+        theta, scaling, partial = _rope_from_hf(hf_config)
+        if partial != 1.0 and not FAMILIES[model_type].partial_rotary:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={partial!r} is not supported for model_type={model_type!r}: transformers' "
+                f"{model_type} rotates the whole head; only phi3 applies a partial rotary factor."
+            )
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -146,6 +227,7 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            partial_rotary_factor=partial,
             eos_token_ids=_eos_ids(hf_config, generation_config),
             **options,
         )
@@ -157,22 +239,38 @@ def _layer_types(hf_config: Any) -> tuple[str, ...]:
     return () if all(t == "full_attention" for t in types) else types
 
 
-def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, partial_rotary_factor) from ``hf_config``; UnsupportedModelError for
+    a RoPE type outside SUPPORTED_ROPE_TYPES or a rope_parameters key that type does not read."""
     # transformers >= 5 folds theta and scaling into rope_parameters; 4.x has both fields.
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy = getattr(hf_config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
+    unknown = sorted(set(params) - _COMMON_ROPE_KEYS - ROPE_KEYS[rope_type])
+    if unknown:
+        raise UnsupportedModelError(
+            f"rope_parameters keys {unknown} are not read for rope_type={rope_type!r} (it reads "
+            f"{sorted(ROPE_KEYS[rope_type])}); neuronfx would compute different RoPE tables than the model expects: "
+            "remove them from the config if they are stray, else this model is not supported."
+        )
     if rope_type == "default":
-        return theta, None
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, RopeScaling(rope_type=rope_type, **{k: params[k] for k in keys if k in params})
+        return theta, None, partial
+    fields = {k: params[k] for k in ROPE_KEYS[rope_type] if params.get(k) is not None}
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if key in fields and not fields[key]:  # transformers treats 0 as unset (``or`` / truthiness)
+            del fields[key]
+    if rope_type in ("yarn", "longrope") and "factor" not in fields:  # transformers' default factor
+        max_pos = getattr(hf_config, "max_position_embeddings", 4096)
+        fields["factor"] = max_pos / fields.get("original_max_position_embeddings", max_pos)
+    return theta, RopeScaling(rope_type=rope_type, **fields), partial
 
 
 def _eos_ids(hf_config: Any, generation_config: Any) -> tuple[int, ...]:

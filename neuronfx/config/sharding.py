@@ -11,10 +11,11 @@ weight          split                  neuronx-distributed layer
 wq, bq          column (q heads)       ``ColumnParallelLinear(gather_output=False)``
 wk, wv, bk, bv  column (KV heads)      same; GQA heads padded / replicated as below
 wo              row (q heads)          ``RowParallelLinear(input_is_parallel=True)``
-gate, up        column (intermediate)  ``ColumnParallelLinear(gather_output=False, pad=True)``
+gate, up (+b)   column (intermediate)  ``ColumnParallelLinear(gather_output=False, pad=True)``
 down            row (intermediate)     ``RowParallelLinear(input_is_parallel=True)``
 embed           rows (vocabulary)      ``ParallelEmbedding(shard_across_embedding=False)``
 lm_head         column (vocabulary)    ``ColumnParallelLinear(gather_output=True, pad=True)``
+bdown           replicated             ``RowParallelLinear``'s bias, added after the sum
 norms           replicated             plain (``sequence_parallel_enabled`` on SP prefill)
 =============  =====================  ====================================================
 
@@ -55,12 +56,13 @@ WEIGHT_RULES: dict[str, tuple[str, int]] = {
     "wv": ("kv_heads", 0), "bv": ("kv_heads", 0),
     "wo": ("q_heads", 1),
     "gate": ("intermediate", 0), "up": ("intermediate", 0),
+    "bgate": ("intermediate", 0), "bup": ("intermediate", 0),
     "down": ("intermediate", 1),
     "embed": ("vocab", 0), "lm_head": ("vocab", 0),
 }
 """Split weights: neuronfx weight name (per-layer names without ``layers.{i}.``) -> (what is
 split, dimension)."""
-REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "rope_index", "mask_index", "use_rope"})
+REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "bdown", "rope_index", "mask_index", "use_rope"})
 """Weights every rank holds whole."""
 
 

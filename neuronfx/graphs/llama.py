@@ -1,5 +1,6 @@
 """Llama (HF ``model_type`` "llama", also SmolLM2): pre-norm decoder, GQA, RoPE, SwiGLU MLP,
-q/k/v projection biases when the config sets ``attention_bias`` (HF ``LlamaConfig``).
+q/k/v projection biases when the config sets ``attention_bias``, gate/up/down biases when it
+sets ``mlp_bias`` (HF ``LlamaConfig``).
 
 Reference: transformers ``models/llama/modeling_llama.py``. Other families reuse the pieces
 here (mistral, qwen2) or compose them with their own (qwen3's q/k norm).
@@ -36,9 +37,17 @@ BIAS_KEY_MAP = {
 }
 
 
+# Present only when ModelConfig.mlp_bias is set.
+MLP_BIAS_KEY_MAP = {
+    "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.bgate",
+    "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.bup",
+    "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.bdown",
+}
+
+
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     """HF checkpoint name -> neuronfx weight name ("{i}": layer index)."""
-    return KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {})
+    return KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {}) | (MLP_BIAS_KEY_MAP if cfg.mlp_bias else {})
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -47,7 +56,8 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = {"attn_norm": (h,), "mlp_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
               "gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz)}
-    return shapes | ({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.attention_bias else {})
+    shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.attention_bias else {}
+    return shapes | ({"bgate": (i_sz,), "bup": (i_sz,), "bdown": (h,)} if cfg.mlp_bias else {})
 
 
 def qkv_heads(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,4 +77,4 @@ def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor,
     x = rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps)
     q, k, v = qkv_heads(cfg, ops, lw, x)
     h = h + attention_output(ops, lw, q, k, v, cos, sin, attend)
-    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps))
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps), cfg.mlp_bias)

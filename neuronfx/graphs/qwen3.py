@@ -37,4 +37,4 @@ def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor,
     if cfg.qk_norm:
         q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
     h = h + attention_output(ops, lw, q, k, v, cos, sin, attend)
-    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps))
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps), cfg.mlp_bias)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+import attrs
 import torch
 
 from neuronfx.config.attention import ROPE_NONE, attention_layout
@@ -26,22 +27,82 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expand_key_map(cfg: ModelConfig) -> dict[str, str]:
-    """The model file's key map with ``{i}`` expanded over layers: HF name -> neuronfx name."""
-    out = {}
+Target = str | tuple[str, ...]
+"""A key map value: one neuronfx name, or for a fused HF tensor (phi3's ``qkv_proj``) the names
+of the weights stacked along its dim 0, in order."""
+
+
+def _format(ours: Target, i: int) -> Target:
+    return ours.format(i=i) if isinstance(ours, str) else tuple(o.format(i=i) for o in ours)
+
+
+def expand_key_map(cfg: ModelConfig) -> dict[str, Target]:
+    """The model file's key map with ``{i}`` expanded over layers: HF name -> neuronfx name (or
+    names, for a fused tensor)."""
+    out: dict[str, Target] = {}
     for hf, ours in model_module(cfg.model_type).key_map(cfg).items():
         if "{i}" in hf:
-            out |= {hf.format(i=i): ours.format(i=i) for i in range(cfg.num_hidden_layers)}
+            out |= {hf.format(i=i): _format(ours, i) for i in range(cfg.num_hidden_layers)}
         else:
             out[hf] = ours
     return out
 
 
-def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, str]:
+def _target_shape(shapes: dict[str, tuple[int, ...]], ours: Target) -> tuple[int, ...]:
+    """Shape of the HF tensor behind ``ours``: a fused one stacks its parts along dim 0."""
+    if isinstance(ours, str):
+        return shapes[ours]
+    parts = [shapes[o] for o in ours]
+    return (sum(p[0] for p in parts), *parts[0][1:])
+
+
+@attrs.frozen
+class RowSlice:
+    """Rows ``[start, start + rows)`` of a fused weight ``source`` (a tensor or a lazily read
+    ``checkpoints.LazyTensor``), read without copying the rest: ``shape``, and indexing with
+    slices whose first one (dim 0, step 1) is offset into the source. A fused checkpoint tensor
+    (phi3's ``qkv_proj``, ``gate_up_proj``) is split at load into one RowSlice per part, so
+    tensor-parallel ranks still read only their rows (:func:`read_shard`)."""
+
+    source: object
+    start: int
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *tuple(self.source.shape)[1:])  # type: ignore[attr-defined]
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        start, stop, step = first.indices(self.rows)
+        if step != 1:
+            raise ValueError(f"RowSlice supports step-1 row slices only, got {first!r}.")
+        return self.source[(slice(self.start + start, self.start + max(start, stop)), *index[1:])]  # type: ignore[index]
+
+
+def split_fused(state_dict: Mapping[str, object], required: dict[str, Target], cfg: ModelConfig) -> dict[str, object]:
+    """neuronfx name -> its source in ``state_dict``: the HF tensor, or for a part of a fused
+    one a :class:`RowSlice` of it (rows given by the family's ``layer_shapes``)."""
+    shapes = expected_shapes(cfg)
+    out: dict[str, object] = {}
+    for hf, ours in required.items():
+        if isinstance(ours, str):
+            out[ours] = state_dict[hf]
+            continue
+        start = 0
+        for name in ours:
+            out[name] = RowSlice(state_dict[hf], start, shapes[name][0])
+            start += shapes[name][0]
+    return out
+
+
+def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, Target]:
     """The one checkpoint check: raise CheckpointError listing missing, unexpected or
     mis-shaped tensors (expected vs found shape) of an HF-named ``state_dict`` (tensors, or
     anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message.
-    Returns the key map to apply (HF name -> neuronfx name, tied ``lm_head.weight`` left out)."""
+    Returns the key map to apply (HF name -> neuronfx name or fused names, tied
+    ``lm_head.weight`` left out)."""
     names = expand_key_map(cfg)
     required = dict(names)
     if cfg.tie_word_embeddings:
@@ -58,10 +119,10 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
         )
     shapes = expected_shapes(cfg)
     for hf, ours in required.items():
-        found = tuple(state_dict[hf].shape)  # type: ignore[attr-defined]
-        if found != shapes[ours]:
+        found, expected = tuple(state_dict[hf].shape), _target_shape(shapes, ours)  # type: ignore[attr-defined]
+        if found != expected:
             raise CheckpointError(
-                f"{source} tensor {hf!r} has shape {found}, expected {shapes[ours]} from the config; "
+                f"{source} tensor {hf!r} has shape {found}, expected {expected} from the config; "
                 "the checkpoint does not match its config.json."
             )
     return required
@@ -70,17 +131,18 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
 def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None) -> dict:
     """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
     in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
-    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). Layers that differ in
+    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). A fused HF tensor is
+    split into its parts (:func:`split_fused`). Layers that differ in
     RoPE or mask also get their indices (:func:`layer_indices`).
 
     With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
     (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
     lazily read safetensors slices, so a rank reads only its part of the file)."""
-    required = check_state_dict(state_dict, cfg)
+    sources = split_fused(state_dict, check_state_dict(state_dict, cfg), cfg)
     if shard is not None and shard.tp_degree > 1:
-        flat = {ours: read_shard(state_dict[hf], weight_split(shard, _base(ours)), dtype) for hf, ours in required.items()}
-    else:
-        flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}  # type: ignore[attr-defined]
+        flat = {ours: read_shard(src, weight_split(shard, _base(ours)), dtype) for ours, src in sources.items()}
+    else:  # a tensor's row slice is a view: cast (and copied) only when the dtype differs
+        flat = {ours: torch.as_tensor(src[:]).to(torch_dtype(dtype)).contiguous() for ours, src in sources.items()}  # type: ignore[index]
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat | layer_indices(cfg), cfg.num_hidden_layers)
@@ -113,8 +175,8 @@ def read_shard(source: object, split: Split, dtype: str) -> torch.Tensor:
     ``split.dim`` with zeros for padding blocks, as a new contiguous tensor in ``dtype`` (never
     a view that would keep the whole weight alive)."""
     shape = tuple(source.shape)  # type: ignore[attr-defined]
-    if split.dim is None:
-        return torch.as_tensor(source[:]).to(torch_dtype(dtype)).clone()  # type: ignore[index]
+    if split.dim is None:  # whole (a 0-d tensor has no slice to read)
+        return torch.as_tensor(source[:] if shape else source).to(torch_dtype(dtype)).clone()  # type: ignore[index]
     parts = []
     for block in split.blocks:
         if block.start is None:
