@@ -13,17 +13,22 @@ from typing import Any
 
 import attrs
 
+from neuronfx.errors import UnsupportedModelError
+
 
 @attrs.frozen
 class Family:
     """One supported HF ``model_type``.
 
     ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
-    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm).
+    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm); it raises
+    UnsupportedModelError naming an option the family file cannot run. ``moe``: every layer's
+    MLP is a mixture of experts (``ModelConfig.num_experts`` > 0), else none is.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
+    moe: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -61,12 +66,47 @@ def _granite(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _mixtral(hf_config: Any) -> dict[str, Any]:
+    # MixtralTopKRouter always renormalises the top-k softmax; experts are intermediate_size
+    # wide. router_jitter_noise, output_router_logits and router_aux_loss_coef only act in
+    # training: inference ignores them, as transformers does in eval mode.
+    return _mistral(hf_config) | {
+        "num_experts": hf_config.num_local_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": True, "moe_intermediate_size": hf_config.intermediate_size,
+    }
+
+
+def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
+    # Qwen3MoeDecoderLayer: a layer listed in mlp_only_layers, or one whose index + 1 is not a
+    # multiple of decoder_sparse_step, has a dense MLP instead of experts. Every layer here must
+    # share one weight structure (one compiled layer group serves them all), so mixed layers
+    # are refused rather than run wrong.
+    only = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if only:
+        raise UnsupportedModelError(
+            f"qwen3_moe mlp_only_layers={only} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (mlp_only_layers=[])."
+        )
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if step != 1:
+        raise UnsupportedModelError(
+            f"qwen3_moe decoder_sparse_step={step} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (decoder_sparse_step=1)."
+        )
+    return _qwen3(hf_config) | {
+        "num_experts": hf_config.num_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": _flag(hf_config, "norm_topk_prob"), "moe_intermediate_size": hf_config.moe_intermediate_size,
+    }
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
     Family("qwen2", _qwen2),
     Family("qwen3", _qwen3),
     Family("granite", _granite),
+    Family("mixtral", _mixtral, moe=True),
+    Family("qwen3_moe", _qwen3_moe, moe=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
-from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
+from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -28,6 +28,27 @@ class RopeScaling:
     low_freq_factor: float = attrs.field(default=1.0, validator=positive_number)
     high_freq_factor: float = attrs.field(default=4.0, validator=positive_number)
     original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
+
+
+def _check_experts(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    moe = FAMILIES[inst.model_type].moe
+    if moe != (value > 0):
+        need = "> 0 (its layers are mixtures of experts)" if moe else "0 (its MLPs are dense)"
+        raise ConfigError(f"ModelConfig.num_experts={value} for model_type={inst.model_type!r} must be {need}.")
+
+
+def _check_topk(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not 1 <= value <= inst.num_experts:
+        raise ConfigError(
+            f"ModelConfig.num_experts_per_tok={value} must be in [1, num_experts={inst.num_experts}]; fix the model config."
+        )
+    if not inst.num_experts and value:
+        raise ConfigError(f"ModelConfig.num_experts_per_tok={value} needs num_experts > 0; pass 0 for a dense model.")
+
+
+def _check_expert_width(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not value:
+        raise ConfigError("ModelConfig.moe_intermediate_size=0 with num_experts > 0; pass each expert's MLP width.")
 
 
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
@@ -51,6 +72,11 @@ class ModelConfig:
     (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
     attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
     (logits divided by it).
+    Mixture of experts (mixtral, qwen3_moe; names as in transformers): ``num_experts`` experts
+    per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
+    ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
+    (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
+    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -74,6 +100,10 @@ class ModelConfig:
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
+    num_experts: int = attrs.field(default=0, validator=[non_negative_int, _check_experts])
+    num_experts_per_tok: int = attrs.field(default=0, validator=[non_negative_int, _check_topk])
+    norm_topk_prob: bool = attrs.field(default=False, validator=boolean)
+    moe_intermediate_size: int = attrs.field(default=0, validator=[non_negative_int, _check_expert_width])
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @classmethod
