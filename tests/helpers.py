@@ -15,11 +15,15 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 import neuronfx
@@ -29,7 +33,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "mixtral", "qwen3_moe")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -38,6 +42,10 @@ _HF_CLASSES = {
     # Granite's four scalars away from 1 (granite-3's are 12, 0.22, 1/128 and 8)
     "granite": (GraniteConfig, GraniteForCausalLM, {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                                     "attention_multiplier": 0.1, "logits_scaling": 2.0}),
+    # Mixture of experts, top-2, vocabulary 257 (not a multiple of 64; random_prompt ids stay < 256)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 257}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                        "head_dim": 32, "vocab_size": 257}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -19,7 +19,7 @@ from neuronfx import PrefillBatch
 from neuronfx.config.buckets import select_bucket
 
 ATOL = 1e-4
-EAGER = ["llama", "mistral", "qwen2", "qwen3", "granite"]
+EAGER = ["llama", "mistral", "qwen2", "qwen3", "granite", "mixtral", "qwen3_moe"]
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
           "qwen2-inductor": "inductor_qwen2", "llama-inductor": "inductor_llama_speculative"}
 
