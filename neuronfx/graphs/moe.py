@@ -16,7 +16,8 @@ Static shapes, two strategies chosen from the number of rows N (tokens in the gr
 
 - gathered (``N * top_k <= num_experts``, e.g. decode at batch 1): each row gathers its k
   experts' weights (``w[topk_idx]``) and multiplies them as reductions, so a step reads k
-  experts per row, never all E (under inductor the gather fuses into the reduction loops).
+  experts per row, never all E (written as reductions over the gathered rows, which inductor
+  can fuse with the gather instead of copying the weights first).
 - dense (otherwise: prefill, larger decode batches): every expert runs on every row and a
   routing-weight matrix (N, E), zero for the experts a row did not pick, weights the results;
   with N * k > E rows the k-per-row gather would read more weight bytes than all experts once.
