@@ -18,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -25,6 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -36,7 +40,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text", "phi3", "mixtral", "qwen3_moe")
 _HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {}),
@@ -62,6 +66,10 @@ _HF_CLASSES = {
         "vocab_size": 250, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 20,
         "rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
                             "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 48.0]}}),
+    # Mixture of experts, top-2, vocabulary 257 (not a multiple of 64; random_prompt ids stay < 256)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 257}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                        "head_dim": 32, "vocab_size": 257}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+from transformers import GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
@@ -313,6 +313,16 @@ CASES: dict[str, Case] = {
     "model-kv-heads-not-dividing": Case(ConfigError, "`num_key_value_heads=3` with `num_attention_heads=4`",
                                         lambda c: model_config(num_key_value_heads=3),
                                         ("num_key_value_heads=3", "num_attention_heads=4", "fix the model config")),
+    "model-moe-dense-layers": Case(UnsupportedModelError, "qwen3_moe config with `mlp_only_layers=[1]` (a dense layer among MoE layers)",
+                                   lambda c: ModelConfig.from_hf(Qwen3MoeConfig(**TINY, num_experts=4, mlp_only_layers=[1])),
+                                   ("mlp_only_layers=[1]", "every layer is a mixture of experts")),
+    "model-moe-top-k-above-experts": Case(ConfigError, "`num_experts_per_tok=5` with `num_experts=4`",
+                                          lambda c: model_config(model_type="mixtral", num_experts=4, num_experts_per_tok=5,
+                                                                 moe_intermediate_size=64),
+                                          ("num_experts_per_tok=5", "num_experts=4")),
+    "model-moe-experts-on-dense-family": Case(ConfigError, "`num_experts=4` for `model_type=\"llama\"`",
+                                              lambda c: model_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+                                              ("num_experts=4", "model_type='llama'", "must be 0")),
     "plan-draft-layers-all": Case(ConfigError, "`draft_layers=2` on a 2-layer model",
                                   lambda c: make_plan(model_config(), inference(speculation_length=2, draft_layers=2)),
                                   ("draft_layers=2", "num_hidden_layers=2", "first layers")),

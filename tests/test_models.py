@@ -30,6 +30,7 @@ EAGER = {
     "smollm3": ("smollm3", {}),  # layer 1 NoPE
     "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 6}),  # layer 1 NoPE and sliding
     "llama4": ("llama4_text", {}),  # layer 0 chunked RoPE, layer 1 NoPE; MoE
+    "mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
 }
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
           "qwen2-inductor": "inductor_qwen2", "llama4-inductor": "inductor_speculative"}

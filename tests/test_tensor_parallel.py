@@ -28,8 +28,11 @@ MODELS = {
     "smollm3-window": ("smollm3", dict(vocab_size=257, use_sliding_window=True, sliding_window=6)),  # NoPE + sliding layer
     # fused qkv/gate_up split at load, partial rotary, longrope refilled at 20 tokens (tp=2 only)
     "phi3-longrope": ("phi3", dict(vocab_size=257)),
+    # mixture of experts (4 experts, top-2): every expert's 128 rows split, router replicated (tp 2 only: each case costs;
+    # padded expert rows are the dense MLP's padding, tested on the others, and test_moe.py reads them at tp 3)
+    "mixtral-moe": ("mixtral", dict(vocab_size=257)),
 }
-TP2_ONLY = {"granite", "smollm3-window", "phi3-longrope"}
+TP2_ONLY = {"granite", "smollm3-window", "phi3-longrope", "mixtral-moe"}
 # Self-speculation (speculate and draft graphs; generate speculates by default when it can).
 SPECULATIVE = dict(speculation_length=3, draft_layers=1)
 PROMPTS = [random_prompt(n, seed) for seed, n in enumerate((5, 17, 9, 3, 12, 7))]  # ragged, 6 prompts > 4 slots

@@ -28,12 +28,16 @@ class Family:
     a longrope sequence grows past ``original_max_position_embeddings`` (Phi-3's
     ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
     families keep the keys cached before the switch, as transformers does for them.
+    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm); it raises
+    UnsupportedModelError naming an option the family file cannot run. ``moe``: every layer's
+    MLP is a mixture of experts (``ModelConfig.num_experts`` > 0), else none is.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
     partial_rotary: bool = False
     recompute_at_rope_switch: bool = False
+    moe: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -100,6 +104,7 @@ def _llama4_text(hf_config: Any) -> dict[str, Any]:
         "attention_chunk_size": hf_config.attention_chunk_size,
         "num_experts": hf_config.num_local_experts,
         "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "moe_intermediate_size": hf_config.intermediate_size,  # experts and the shared expert alike
         "qk_l2_norm": _flag(hf_config, "use_qk_norm"),
         "attn_temperature_tuning": _flag(hf_config, "attn_temperature_tuning"),
         "floor_scale": float(hf_config.floor_scale),
@@ -111,6 +116,39 @@ def _phi3(hf_config: Any) -> dict[str, Any]:
     return _mistral(hf_config)  # Phi3Model: every layer's mask slides when sliding_window is set
 
 
+def _mixtral(hf_config: Any) -> dict[str, Any]:
+    # MixtralTopKRouter always renormalises the top-k softmax; experts are intermediate_size
+    # wide. router_jitter_noise, output_router_logits and router_aux_loss_coef only act in
+    # training: inference ignores them, as transformers does in eval mode.
+    return _mistral(hf_config) | {
+        "num_experts": hf_config.num_local_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": True, "moe_intermediate_size": hf_config.intermediate_size,
+    }
+
+
+def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
+    # Qwen3MoeDecoderLayer: a layer listed in mlp_only_layers, or one whose index + 1 is not a
+    # multiple of decoder_sparse_step, has a dense MLP instead of experts. Every layer here must
+    # share one weight structure (one compiled layer group serves them all), so mixed layers
+    # are refused rather than run wrong.
+    only = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if only:
+        raise UnsupportedModelError(
+            f"qwen3_moe mlp_only_layers={only} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (mlp_only_layers=[])."
+        )
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if step != 1:
+        raise UnsupportedModelError(
+            f"qwen3_moe decoder_sparse_step={step} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (decoder_sparse_step=1)."
+        )
+    return _qwen3(hf_config) | {
+        "num_experts": hf_config.num_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": _flag(hf_config, "norm_topk_prob"), "moe_intermediate_size": hf_config.moe_intermediate_size,
+    }
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", _llama),
     Family("mistral", _mistral),
@@ -118,8 +156,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3", _qwen3),
     Family("granite", _granite),
     Family("smollm3", _smollm3),
-    Family("llama4_text", _llama4_text),
+    Family("llama4_text", _llama4_text, moe=True),
     Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
+    Family("mixtral", _mixtral, moe=True),
+    Family("qwen3_moe", _qwen3_moe, moe=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
-from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
+from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -99,6 +99,27 @@ def _check_layer_types(inst: ModelConfig, attribute: attrs.Attribute, value: tup
             raise ConfigError(f"layer_types has {kind!r} layers but {field} is None; set {field}.")
 
 
+def _check_experts(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    moe = FAMILIES[inst.model_type].moe
+    if moe != (value > 0):
+        need = "> 0 (its layers are mixtures of experts)" if moe else "0 (its MLPs are dense)"
+        raise ConfigError(f"ModelConfig.num_experts={value} for model_type={inst.model_type!r} must be {need}.")
+
+
+def _check_topk(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not 1 <= value <= inst.num_experts:
+        raise ConfigError(
+            f"ModelConfig.num_experts_per_tok={value} must be in [1, num_experts={inst.num_experts}]; fix the model config."
+        )
+    if not inst.num_experts and value:
+        raise ConfigError(f"ModelConfig.num_experts_per_tok={value} needs num_experts > 0; pass 0 for a dense model.")
+
+
+def _check_expert_width(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not value:
+        raise ConfigError("ModelConfig.moe_intermediate_size=0 with num_experts > 0; pass each expert's MLP width.")
+
+
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_attention_heads % value:
         raise ConfigError(
@@ -131,6 +152,11 @@ class ModelConfig:
     ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4_text.py``);
     ``partial_rotary_factor`` (RoPE on the first ``rotary_dim`` dims of
     each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``).
+    Mixture of experts (mixtral, qwen3_moe; names as in transformers): ``num_experts`` experts
+    per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
+    ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
+    (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
+    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model).
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -160,8 +186,10 @@ class ModelConfig:
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
-    num_experts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    num_experts_per_tok: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    num_experts: int = attrs.field(default=0, validator=[non_negative_int, _check_experts])
+    num_experts_per_tok: int = attrs.field(default=0, validator=[non_negative_int, _check_topk])
+    norm_topk_prob: bool = attrs.field(default=False, validator=boolean)
+    moe_intermediate_size: int = attrs.field(default=0, validator=[non_negative_int, _check_expert_width])
     qk_l2_norm: bool = attrs.field(default=False, validator=boolean)
     attn_temperature_tuning: bool = attrs.field(default=False, validator=boolean)
     floor_scale: float = attrs.field(default=8192.0, validator=positive_number)

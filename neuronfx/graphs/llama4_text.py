@@ -19,18 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from neuronfx.config.model import ModelConfig
-from neuronfx.graphs import llama
+from neuronfx.graphs import llama, moe
 from neuronfx.graphs.layers import Attend, LayerWeights, glu_mlp, merge_heads, rms_norm
 from neuronfx.graphs.ops import Ops
 
 MOE_KEY_MAP = {
     "model.layers.{i}.feed_forward.router.weight": "layers.{i}.router",
-    "model.layers.{i}.feed_forward.experts.gate_up_proj": "layers.{i}.experts_gate_up",
-    "model.layers.{i}.feed_forward.experts.down_proj": "layers.{i}.experts_down",
+    "model.layers.{i}.feed_forward.experts.gate_up_proj": "layers.{i}.experts_gate_up_t",
+    "model.layers.{i}.feed_forward.experts.down_proj": "layers.{i}.experts_down_t",
     "model.layers.{i}.feed_forward.shared_expert.gate_proj.weight": "layers.{i}.gate",
     "model.layers.{i}.feed_forward.shared_expert.up_proj.weight": "layers.{i}.up",
     "model.layers.{i}.feed_forward.shared_expert.down_proj.weight": "layers.{i}.down",
 }
+# Llama 4 checkpoints (hub and transformers 5 alike) keep experts fused in the layout the key map
+# reads as it is: no per-expert or split views (graphs.weights.expert_views).
+EXPERT_SOURCES = moe.ExpertSources(fused_gate_up="", per_expert={})
 GATHER_MAX_ROWS = 8
 """Tokens per step up to which each token gathers its top-k experts' weights (decode: reads
 k of E experts); above it every expert runs on every token with zero scores for the others."""
@@ -44,9 +47,11 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Llama's attention shapes; router (E, hidden), experts in transformers' input-major layout
-    (E, hidden, 2 * I) and (E, I, hidden), shared expert (I, hidden) x 2 and (hidden, I)."""
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
-    return llama.layer_shapes(cfg) | {"router": (e, h), "experts_gate_up": (e, h, 2 * i), "experts_down": (e, i, h)}
+    (E, hidden, 2 * I) and (E, I, hidden) (``_t``: transposed against graphs/moe.py's stacked
+    experts, so no tensor-parallel rule applies to them), shared expert (I, hidden) x 2 and
+    (hidden, I)."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return llama.layer_shapes(cfg) | {"router": (e, h), "experts_gate_up_t": (e, h, 2 * i), "experts_down_t": (e, i, h)}
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,8 +97,8 @@ def moe(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.
     top_logits, top_experts = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
     if x.shape[0] * x.shape[1] <= GATHER_MAX_ROWS:  # static: tokens this graph runs
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (B, T, k)
-        gate_up = lw["experts_gate_up"][top_experts]  # (B, T, k, hidden, 2I): only k experts read
-        down = lw["experts_down"][top_experts]  # (B, T, k, I, hidden)
+        gate_up = lw["experts_gate_up_t"][top_experts]  # (B, T, k, hidden, 2I): only k experts read
+        down = lw["experts_down_t"][top_experts]  # (B, T, k, I, hidden)
         routed_in = x[..., None, :] * scores[..., None]  # (B, T, k, hidden)
         gate, up = torch.einsum("btkh,btkhi->btki", routed_in, gate_up).chunk(2, dim=-1)
         routed = torch.einsum("btki,btkih->btkh", up * F.silu(gate), down).sum(-2)
@@ -101,8 +106,8 @@ def moe(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.
         full = torch.full_like(logits, float("-inf")).scatter(-1, top_experts, top_logits)
         scores = torch.sigmoid(full.float()).to(x.dtype)  # (B, T, E)
         routed_in = x[..., None, :] * scores[..., None]  # (B, T, E, hidden)
-        gate, up = torch.einsum("bteh,ehi->btei", routed_in, lw["experts_gate_up"]).chunk(2, dim=-1)
-        routed = torch.einsum("btei,eih->bteh", up * F.silu(gate), lw["experts_down"]).sum(-2)
+        gate, up = torch.einsum("bteh,ehi->btei", routed_in, lw["experts_gate_up_t"]).chunk(2, dim=-1)
+        routed = torch.einsum("btei,eih->bteh", up * F.silu(gate), lw["experts_down_t"]).sum(-2)
     return glu_mlp(ops, lw, x) + routed
 
 

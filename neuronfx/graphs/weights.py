@@ -14,6 +14,7 @@ from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
 from neuronfx.errors import CheckpointError
 from neuronfx.graphs.models import model_module
+from neuronfx.graphs.moe import ROUTER_NAME, STACKED_NAMES
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -97,12 +98,104 @@ def split_fused(state_dict: Mapping[str, object], required: dict[str, Target], c
     return out
 
 
+# --- expert weights: two checkpoint layouts, one stacked view -------------------------------------
+
+
+def _index(index: object, ndim: int) -> list:
+    """An index of slices (a tuple, or one slice for dim 0) as a list of ``ndim`` slices."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if not all(isinstance(p, slice) for p in parts):
+        raise TypeError(f"expert views take slices only, got {index!r}")
+    return parts + [slice(None)] * (ndim - len(parts))
+
+
+@attrs.frozen(eq=False)
+class RangeView:
+    """``source`` narrowed to ``[start, start + size)`` along ``dim``, read on indexing: a half of a
+    fused (E, 2I, H) gate_up tensor. ``source`` is a tensor or a lazily read
+    ``checkpoints.LazyTensor``; ``view[index]`` (slices) reads only the indexed part of it."""
+
+    source: object
+    dim: int
+    start: int
+    size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.source.shape)  # type: ignore[attr-defined]
+        shape[self.dim] = self.size
+        return tuple(shape)
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        parts = _index(index, len(self.shape))
+        begin, end, step = parts[self.dim].indices(self.size)
+        if step != 1:
+            raise TypeError(f"expert views take unit-step slices, got {parts[self.dim]!r}")
+        parts[self.dim] = slice(self.start + begin, self.start + max(begin, end))
+        return torch.as_tensor(self.source[tuple(parts)])  # type: ignore[index]
+
+
+@attrs.frozen(eq=False)
+class StackedView:
+    """Per-expert sources (each (I, H) or (H, I); tensors or ``LazyTensor``) seen as one (E, ...)
+    tensor: ``view[experts, rows, cols]`` reads those rows and columns of those experts only,
+    so a tensor-parallel rank reads its slice of every expert of a hub checkpoint."""
+
+    parts: tuple[object, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)  # type: ignore[attr-defined]
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        first, *rest = _index(index, len(self.shape))
+        return torch.stack([torch.as_tensor(p[tuple(rest)]) for p in self.parts[first]])  # type: ignore[index]
+
+
+def expert_views(state_dict: Mapping[str, object], cfg: ModelConfig) -> Mapping[str, object]:
+    """``state_dict`` with a MoE family's expert weights under the stacked names of
+    ``moe.MOE_KEY_MAP``, from either layout of its ``EXPERT_SOURCES``: transformers 5's fused
+    gate_up (split into two :class:`RangeView`) or the hub's per-expert tensors (each stacked
+    in a :class:`StackedView`), and the router under its in-memory name. Nothing is read here;
+    a layer with neither layout complete is left as it is (the check names what is missing).
+    Dense models: ``state_dict`` itself."""
+    if not cfg.num_experts:
+        return state_dict
+    sources = model_module(cfg.model_type).EXPERT_SOURCES
+    out = dict(state_dict)
+    stacked = STACKED_NAMES
+    for i in range(cfg.num_hidden_layers):
+        for alias in sources.router_aliases:
+            if alias.format(i=i) in out:
+                out[ROUTER_NAME.format(i=i)] = out.pop(alias.format(i=i))
+        fused = sources.fused_gate_up.format(i=i)
+        if fused in out:
+            source = out.pop(fused)
+            half = source.shape[1] // 2  # type: ignore[attr-defined]
+            out[stacked["gate"].format(i=i)] = RangeView(source, 1, 0, half)
+            out[stacked["up"].format(i=i)] = RangeView(source, 1, half, half)
+        for part, pattern in sources.per_expert.items():
+            names = [pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
+            if all(n in out for n in names):
+                out[stacked[part].format(i=i)] = StackedView(tuple(out.pop(n) for n in names))
+    return out
+
+
+def _whole(source: object, dtype: str) -> torch.Tensor:
+    """A weight whole in ``dtype``: a tensor as it is (no copy when it is already ``dtype`` and
+    contiguous), an expert view read."""
+    tensor = source if isinstance(source, torch.Tensor) else torch.as_tensor(source[:])  # type: ignore[index]
+    return tensor.to(torch_dtype(dtype)).contiguous()
+
+
 def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, Target]:
     """The one checkpoint check: raise CheckpointError listing missing, unexpected or
     mis-shaped tensors (expected vs found shape) of an HF-named ``state_dict`` (tensors, or
-    anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message.
-    Returns the key map to apply (HF name -> neuronfx name or fused names, tied
-    ``lm_head.weight`` left out)."""
+    anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message. MoE
+    experts may come in either layout (:func:`expert_views`).
+    Returns the key map to apply to ``expert_views(state_dict, cfg)`` (HF name -> neuronfx name
+    or fused names, tied ``lm_head.weight`` left out)."""
+    state_dict = expert_views(state_dict, cfg)
     names = expand_key_map(cfg)
     required = dict(names)
     if cfg.tie_word_embeddings:
@@ -137,12 +230,14 @@ def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dt
 
     With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
     (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
-    lazily read safetensors slices, so a rank reads only its part of the file)."""
-    sources = split_fused(state_dict, check_state_dict(state_dict, cfg), cfg)
+    lazily read safetensors slices, so a rank reads only its part of the file). MoE experts are
+    stacked per layer from either checkpoint layout (:func:`expert_views`)."""
+    required = check_state_dict(state_dict, cfg)
+    sources = split_fused(expert_views(state_dict, cfg), required, cfg)
     if shard is not None and shard.tp_degree > 1:
         flat = {ours: read_shard(src, weight_split(shard, _base(ours)), dtype) for ours, src in sources.items()}
-    else:  # a tensor's row slice is a view: cast (and copied) only when the dtype differs
-        flat = {ours: torch.as_tensor(src[:]).to(torch_dtype(dtype)).contiguous() for ours, src in sources.items()}  # type: ignore[index]
+    else:
+        flat = {ours: _whole(src, dtype) for ours, src in sources.items()}
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat | layer_indices(cfg), cfg.num_hidden_layers)
