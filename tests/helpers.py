@@ -86,13 +86,17 @@ GREEDY = SamplingParams()
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
-    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval;
-    ``overrides`` are config fields."""
+    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval,
+    its biases (if any) random too; ``overrides`` are config fields."""
     config_cls, model_cls, extra = _HF_CLASSES[model_type]
     torch.manual_seed(seed)
     fields = copy.deepcopy(TINY | extra | overrides)  # transformers edits rope_parameters in place
     model = model_cls(config_cls(**fields)).to(torch.float32).eval()
     model.generation_config.eos_token_id = None  # tests choose eos explicitly
+    with torch.no_grad():  # transformers initialises biases to zero: random ones are seen by the tests
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     return model
 
 

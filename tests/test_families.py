@@ -63,3 +63,22 @@ def test_bf16_logits_track_the_fp32_reference(family):
     for i in range(8):
         err = (logits[0][i] - hf_last_logits(hf, prompt + tokens[0][:i])).abs().max().item()
         assert err < BF16_LOGIT_BOUND, f"step {i}: max |logit error| {err:.4f}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2"])
+def test_attention_biases_match_transformers(model_type):
+    """attention_bias: llama and qwen3 bias q/k/v and o_proj, qwen2 q/k/v only (transformers
+    initialises biases to zero: here they are random, so each one moves the logits)."""
+    hf = tiny_hf_model(model_type, seed=23, attention_bias=True)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    assert any(n.endswith("o_proj.bias") for n, _ in hf.named_parameters()) == (model_type != "qwen2")
+    rt = tiny_runtime(hf, "eager")
+    for length in (7, 17):
+        prompt = random_prompt(length, seed=length)
+        tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], 4)
+        for i in range(4):
+            ref = hf_last_logits(hf, prompt + tokens[0][:i])
+            torch.testing.assert_close(logits[0][i], ref, atol=1e-4, rtol=0)

@@ -68,7 +68,7 @@ def hf_shape(model: ModelConfig, name: str) -> tuple[int, ...]:
         "wq": (q, h), "bq": (q,), "wk": (kv, h), "bk": (kv,), "wv": (kv, h), "bv": (kv,), "wo": (h, q),
         "gate": (i, h), "up": (i, h), "down": (h, i), "embed": (v, h), "lm_head": (v, h),
         "norm": (h,), "attn_norm": (h,), "mlp_norm": (h,), "q_norm": (d,), "k_norm": (d,),
-        "bgate": (i,), "bup": (i,), "bdown": (h,), "rope_index": (), "mask_index": (), "use_rope": (),
+        "bgate": (i,), "bup": (i,), "bdown": (h,), "bo": (h,), "rope_index": (), "mask_index": (), "use_rope": (),
         "router": (e, h), "experts_gate": (e, ei, h), "experts_up": (e, ei, h), "experts_down": (e, h, ei),
     }[name]
 

@@ -24,7 +24,7 @@ MODELS = {
     # 11 layers: inductor runs them as 11 calls of one compiled 1-layer group
     "llama-deep": ("llama", dict(num_key_value_heads=1, vocab_size=257, num_hidden_layers=11)),
     # Other families, at tp=2 only (each adds seconds to a launch)
-    "granite": ("granite", dict(vocab_size=257)),  # its four scalars
+    "granite": ("granite", dict(vocab_size=257, attention_bias=True)),  # its four scalars; q/k/v and o_proj biases
     "smollm3-window": ("smollm3", dict(vocab_size=257, use_sliding_window=True, sliding_window=6)),  # NoPE + sliding layer
     # fused qkv/gate_up split at load, partial rotary, longrope refilled at 20 tokens (tp=2 only)
     "phi3-longrope": ("phi3", dict(vocab_size=257)),

@@ -49,8 +49,14 @@ def _qwen_window(hf_config: Any) -> int | None:
     return getattr(hf_config, "sliding_window", None) if _flag(hf_config, "use_sliding_window") else None
 
 
+def _attention_biases(hf_config: Any) -> dict[str, Any]:
+    # q/k/v and o_proj biases both follow attention_bias (LlamaAttention and its copies).
+    flag = _flag(hf_config, "attention_bias")
+    return {"attention_bias": flag, "attention_output_bias": flag}
+
+
 def _llama(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias"), "mlp_bias": _flag(hf_config, "mlp_bias")}
+    return _attention_biases(hf_config) | {"mlp_bias": _flag(hf_config, "mlp_bias")}
 
 
 def _mistral(hf_config: Any) -> dict[str, Any]:
@@ -63,12 +69,12 @@ def _qwen2(hf_config: Any) -> dict[str, Any]:
 
 
 def _qwen3(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias"), "qk_norm": True, "sliding_window": _qwen_window(hf_config)}
+    return _attention_biases(hf_config) | {"qk_norm": True, "sliding_window": _qwen_window(hf_config)}
 
 
 def _granite(hf_config: Any) -> dict[str, Any]:
     return {
-        "attention_bias": _flag(hf_config, "attention_bias"),
+        **_attention_biases(hf_config),
         "mlp_bias": _flag(hf_config, "mlp_bias"),  # GraniteMLP: Llama's
         "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
         "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
@@ -83,7 +89,7 @@ def _smollm3(hf_config: Any) -> dict[str, Any]:
     sliding = _flag(hf_config, "use_sliding_window") and getattr(hf_config, "sliding_window", None) is not None
     types = tuple(getattr(hf_config, "layer_types", None) or ()) if sliding else ()
     return {
-        "attention_bias": _flag(hf_config, "attention_bias"),
+        **_attention_biases(hf_config),
         "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),
         "sliding_window": hf_config.sliding_window if sliding else None,
         "layer_types": () if all(t == "full_attention" for t in types) else types,
@@ -99,7 +105,7 @@ def _llama4_text(hf_config: Any) -> dict[str, Any]:
             "only configs whose every layer is MoE (interleave_moe_layer_step=1, the 16E model) are."
         )
     return {
-        "attention_bias": _flag(hf_config, "attention_bias"),
+        **_attention_biases(hf_config),
         "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),  # 1: the layer uses RoPE
         "attention_chunk_size": hf_config.attention_chunk_size,
         "num_experts": hf_config.num_local_experts,

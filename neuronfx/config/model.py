@@ -151,7 +151,9 @@ class ModelConfig:
     on RoPE layers), ``attn_temperature_tuning`` with ``floor_scale`` (tokens) and
     ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4_text.py``);
     ``partial_rotary_factor`` (RoPE on the first ``rotary_dim`` dims of
-    each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``).
+    each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``), ``attention_output_bias``
+    (the o_proj bias, which transformers ties to ``attention_bias`` in llama, qwen3, granite,
+    smollm3, llama4, qwen3_moe and gemma3, and which qwen2 lacks).
     Mixture of experts (mixtral, qwen3_moe; names as in transformers): ``num_experts`` experts
     per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
     ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
@@ -182,6 +184,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     partial_rotary_factor: float = attrs.field(default=1.0, validator=[positive_number, _check_rotary])
     mlp_bias: bool = attrs.field(default=False, validator=boolean)
+    attention_output_bias: bool = attrs.field(default=False, validator=boolean)
     embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))

@@ -73,7 +73,7 @@ WEIGHT_RULES: dict[str, tuple[str, int]] = {
 }
 """Split weights: neuronfx weight name (per-layer names without ``layers.{i}.``) -> (what is
 split, dimension)."""
-REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "bdown", "router", "rope_index", "mask_index", "use_rope"})
+REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "bdown", "bo", "router", "rope_index", "mask_index", "use_rope"})
 """Weights every rank holds whole."""
 
 

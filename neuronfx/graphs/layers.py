@@ -214,9 +214,11 @@ def glu_mlp(ops: Ops, lw: LayerWeights, x: torch.Tensor, bias: bool = False) -> 
 
 
 def attention_output(ops: Ops, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+                     cos: torch.Tensor, sin: torch.Tensor, attend: Attend, bias: bool = False) -> torch.Tensor:
     """RoPE on q (B, n_heads, T, D) and k (B, n_kv_heads, T, D), attention through ``attend``
     (which owns the KV cache), then the output projection -> (B, T, hidden), row-parallel under
-    tensor parallelism (``ops.parallel_out``)."""
+    tensor parallelism (``ops.parallel_out``). ``bias`` (``ModelConfig.attention_output_bias``):
+    the o_proj bias "bo", whole on every rank, added after the row-parallel sum."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))  # attend: (B, n_heads, T, D)
+    out = ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))  # attend: (B, n_heads, T, D)
+    return out + lw["bo"] if bias else out

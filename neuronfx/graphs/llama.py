@@ -41,6 +41,8 @@ BIAS_KEY_MAP = {
 }
 
 
+# Present only when ModelConfig.attention_output_bias is set (llama's attention_bias; not qwen2's).
+O_BIAS_KEY_MAP = {"model.layers.{i}.self_attn.o_proj.bias": "layers.{i}.bo"}
 # Present only when ModelConfig.mlp_bias is set.
 MLP_BIAS_KEY_MAP = {
     "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.bgate",
@@ -51,12 +53,13 @@ MLP_BIAS_KEY_MAP = {
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
     """HF checkpoint name -> neuronfx weight name ("{i}": layer index)."""
-    return KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {}) | (MLP_BIAS_KEY_MAP if cfg.mlp_bias else {})
+    return attention_key_map(cfg) | MLP_KEY_MAP | (MLP_BIAS_KEY_MAP if cfg.mlp_bias else {})
 
 
 def attention_key_map(cfg: ModelConfig) -> dict[str, str]:
     """The key map without the MLP (embeddings, norms, attention, q/k/v biases when set)."""
-    return ATTENTION_KEY_MAP | (BIAS_KEY_MAP if cfg.attention_bias else {})
+    biases = (BIAS_KEY_MAP if cfg.attention_bias else {}) | (O_BIAS_KEY_MAP if cfg.attention_output_bias else {})
+    return ATTENTION_KEY_MAP | biases
 
 
 def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -64,7 +67,8 @@ def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = {"attn_norm": (h,), "mlp_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
-    return shapes | ({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.attention_bias else {})
+    shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.attention_bias else {}
+    return shapes | ({"bo": (h,)} if cfg.attention_output_bias else {})
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -90,7 +94,7 @@ def attention_block(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tenso
     """The attention half of a pre-norm layer with its residual: h (B, T, hidden) -> (B, T, hidden)."""
     x = rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps)
     q, k, v = qkv_heads(cfg, ops, lw, x)
-    return h + attention_output(ops, lw, q, k, v, cos, sin, attend)
+    return h + attention_output(ops, lw, q, k, v, cos, sin, attend, cfg.attention_output_bias)
 
 
 def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -85,7 +85,8 @@ def attention(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor, cos
         q = nope_q
     else:  # layers differ: this layer's flag (graphs.weights.layer_indices)
         q, k = torch.where(lw["use_rope"], rope_q, nope_q), torch.where(lw["use_rope"], rope_k, k)
-    return ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))
+    out = ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))
+    return out + lw["bo"] if cfg.attention_output_bias else out
 
 
 def moe(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def attention_block(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tenso
     q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
     if cfg.qk_norm:
         q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
-    return h + attention_output(ops, lw, q, k, v, cos, sin, attend)
+    return h + attention_output(ops, lw, q, k, v, cos, sin, attend, cfg.attention_output_bias)
 
 
 def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
