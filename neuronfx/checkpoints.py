@@ -4,7 +4,9 @@ Nothing here downloads: every transformers call gets ``local_files_only=True`` a
 must already exist. The result is a :class:`Checkpoint` whose ``state_dict`` uses the parameter
 names of transformers' ``<Arch>ForCausalLM.state_dict()`` (``"model.embed_tokens.weight"``,
 ``"model.layers.0.self_attn.q_proj.weight"``, ...), so graph code needs one key map whichever
-format the weights came from.
+format the weights came from. Mixture-of-experts checkpoints keep the names they were saved
+with: one tensor per expert in hub checkpoints (what transformers 5.24's ``save_pretrained``
+writes too) or the fused in-memory ones; ``graphs.weights.expert_views`` stacks either.
 """
 
 from __future__ import annotations

@@ -43,10 +43,12 @@ def inductor_qwen2():
 
 
 @pytest.fixture(scope="session")
-def inductor_llama_speculative():
-    """(transformers model, inductor runtime) of a tiny llama with speculate graphs (k = 4) and
-    self-draft graphs (1 layer), one bucket per phase (prefill 32, decode 64), batch 4: 4 graphs."""
-    hf = tiny_hf_model("llama", seed=6)
+def inductor_speculative():
+    """(transformers model, inductor runtime) of a tiny llama4 (MoE; a chunked RoPE layer and a
+    NoPE layer, so the compiled layer group picks RoPE table, mask and flag by index) with
+    speculate graphs (k = 4) and self-draft graphs (1 layer), one bucket per phase (prefill 32,
+    decode 64), batch 4: 4 graphs. Llama's own math runs on inductor in the SmolLM2 tests."""
+    hf = tiny_hf_model("llama4_text", seed=6)
     return hf, tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,))
 
 

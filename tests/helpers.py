@@ -5,6 +5,7 @@ Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -13,15 +14,23 @@ from transformers import (
     Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -33,7 +42,7 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Ru
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
 torch.set_num_threads(1)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "llama4_text", "phi3", "mixtral", "qwen3_moe", "gemma3_text")
 
 
 def gemma3_random_norms(config: Gemma3TextConfig) -> Gemma3ForCausalLM:
@@ -64,6 +73,24 @@ _HF_CLASSES = {
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2, "pad_token_id": None,
                                                     "bos_token_id": None, "eos_token_id": None}),
     "gemma3_text": (Gemma3TextConfig, gemma3_random_norms, GEMMA3),
+    # Layer 0 RoPE with chunks of 6 tokens, layer 1 NoPE with temperature tuning (floor 4 tokens),
+    # 4 experts top-2 and a shared expert; weights 5x transformers' default scale so the experts
+    # and the temperature move the logits (tests check they do)
+    "llama4_text": (Llama4TextConfig, Llama4ForCausalLM, {
+        "vocab_size": 257, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "attention_chunk_size": 6, "no_rope_layer_interval": 2, "floor_scale": 4, "attn_scale": 0.5,
+        "initializer_range": 0.1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # Phi-3 as Phi-4-mini configures it: RoPE on 12 of 16 head dims (partial_rotary_factor 0.75)
+    # with longrope, whose switch (original_max_position_embeddings=20) lies inside the tiny
+    # ladders; vocabulary 250 (not a multiple of 64) and its special ids inside it.
+    "phi3": (Phi3Config, Phi3ForCausalLM, {
+        "vocab_size": 250, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "original_max_position_embeddings": 20,
+        "rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0], "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 48.0]}}),
+    # Mixture of experts, top-2, vocabulary 257 (not a multiple of 64; random_prompt ids stay < 256)
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 257}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                                        "head_dim": 32, "vocab_size": 257}),
 }
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -80,12 +107,17 @@ GREEDY = SamplingParams()
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:
-    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval;
-    ``overrides`` are config fields."""
+    """A random 2-layer transformers model (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32, eval,
+    its biases (if any) random too; ``overrides`` are config fields."""
     config_cls, model_cls, extra = _HF_CLASSES[model_type]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**(TINY | extra | overrides))).to(torch.float32).eval()
+    fields = copy.deepcopy(TINY | extra | overrides)  # transformers edits rope_parameters in place
+    model = model_cls(config_cls(**fields)).to(torch.float32).eval()
     model.generation_config.eos_token_id = None  # tests choose eos explicitly
+    with torch.no_grad():  # transformers initialises biases to zero: random ones are seen by the tests
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     return model
 
 

@@ -65,9 +65,9 @@ print(json.dumps(tokens))
 """
 
 
-def test_speculative_inductor_round_trip(inductor_llama_speculative, tmp_path):
+def test_speculative_inductor_round_trip(inductor_speculative, tmp_path):
     """Speculate and draft graphs save and load too; greedy speculation gives the same tokens."""
-    _, rt = inductor_llama_speculative
+    _, rt = inductor_speculative
     prompts = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
     want, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=10, eos_token_ids=[])
     loaded = neuronfx.load(neuronfx.save(rt, tmp_path / "rt"))

@@ -111,9 +111,8 @@ def test_from_hf_unsupported_activation_and_rope():
         ModelConfig.from_hf(LlamaConfig(**TINY, hidden_act="gelu"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = LlamaConfig(**TINY, rope_scaling={"rope_type": "yarn", "factor": 2.0,
-                                               "original_max_position_embeddings": 1024})
-    with pytest.raises(UnsupportedModelError, match="rope_type='yarn'"):
+        hf = LlamaConfig(**TINY, rope_scaling={"rope_type": "proportional", "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="rope_type='proportional'"):
         ModelConfig.from_hf(hf)
 
 

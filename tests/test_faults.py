@@ -244,7 +244,7 @@ def nan_embedding(rt, token: int) -> neuronfx.Runtime:
 def test_generate_reports_nan_prompt_and_keeps_others(hf, request, backend):
     base = {"eager": lambda: rt_small(hf, "eager"), "export": lambda: rt_small(hf, "export"),
             "inductor": lambda: request.getfixturevalue("inductor_qwen2")[1],
-            "inductor-speculative": lambda: request.getfixturevalue("inductor_llama_speculative")[1]}[backend]()
+            "inductor-speculative": lambda: request.getfixturevalue("inductor_speculative")[1]}[backend]()
     good, bad = [3, 4, 5], [6, 7, 8]
     alone, _ = neuronfx.generate(base, neuronfx.init_state(base), [good], max_new_tokens=5, eos_token_ids=[])
     poisoned = nan_embedding(base, 7)

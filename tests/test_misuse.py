@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,12 @@ import pytest
 import torch
 from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast
+from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
 from neuronfx.checkpoints import load_checkpoint
-from neuronfx.config import plan_from_json, structure
+from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
     ArtifactError,
     BatchTooLargeError,
@@ -107,6 +108,12 @@ def model_config(**overrides):
     fields = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6)
     return ModelConfig(**(fields | overrides))
+
+
+def _hf_rope(rope_parameters: dict) -> LlamaConfig:
+    with warnings.catch_warnings():  # transformers warns about the keys neuronfx refuses
+        warnings.simplefilter("ignore")
+        return LlamaConfig(**TINY, rope_parameters=rope_parameters)
 
 
 def inference(**overrides):
@@ -287,9 +294,35 @@ CASES: dict[str, Case] = {
     "model-unsupported-activation": Case(UnsupportedModelError, "llama config with `hidden_act=\"gelu\"`",
                                          lambda c: ModelConfig.from_hf(LlamaConfig(**TINY, hidden_act="gelu")),
                                          ("hidden_act='gelu'", "only 'silu'")),
+    "model-rope-unknown-key": Case(UnsupportedModelError, "llama `rope_parameters` of type yarn with a key yarn does not read",
+                                   lambda c: ModelConfig.from_hf(_hf_rope({"rope_type": "yarn", "factor": 2.0,
+                                                                            "original_max_position_embeddings": 128,
+                                                                            "low_freq_factor": 1.0})),
+                                   ("['low_freq_factor']", "rope_type='yarn'", "remove them")),
+    "model-partial-rotary-on-llama": Case(UnsupportedModelError, "llama config with `partial_rotary_factor=0.5`",
+                                          lambda c: ModelConfig.from_hf(_hf_rope({"rope_type": "default",
+                                                                                   "partial_rotary_factor": 0.5})),
+                                          ("partial_rotary_factor=0.5", "model_type='llama'", "only phi3")),
+    "model-partial-rotary-odd": Case(ConfigError, "phi3 `partial_rotary_factor=0.2` with head_dim 16 (rotary_dim 3, odd)",
+                                     lambda c: model_config(model_type="phi3", partial_rotary_factor=0.2),
+                                     ("partial_rotary_factor=0.2", "rotary_dim=int(head_dim=16 * 0.2)=3", "even rotary_dim")),
+    "model-longrope-factor-count": Case(ConfigError, "longrope `short_factor` with 3 values for 8 rotary frequencies",
+                                        lambda c: model_config(rope_scaling=RopeScaling(
+                                            rope_type="longrope", factor=2.0, short_factor=(1.0,) * 3, long_factor=(1.0,) * 8)),
+                                        ("short_factor has 3 values", "expected rotary_dim // 2 = 8", "rope_parameters")),
     "model-kv-heads-not-dividing": Case(ConfigError, "`num_key_value_heads=3` with `num_attention_heads=4`",
                                         lambda c: model_config(num_key_value_heads=3),
                                         ("num_key_value_heads=3", "num_attention_heads=4", "fix the model config")),
+    "model-moe-dense-layers": Case(UnsupportedModelError, "qwen3_moe config with `mlp_only_layers=[1]` (a dense layer among MoE layers)",
+                                   lambda c: ModelConfig.from_hf(Qwen3MoeConfig(**TINY, num_experts=4, mlp_only_layers=[1])),
+                                   ("mlp_only_layers=[1]", "every layer is a mixture of experts")),
+    "model-moe-top-k-above-experts": Case(ConfigError, "`num_experts_per_tok=5` with `num_experts=4`",
+                                          lambda c: model_config(model_type="mixtral", num_experts=4, num_experts_per_tok=5,
+                                                                 moe_intermediate_size=64),
+                                          ("num_experts_per_tok=5", "num_experts=4")),
+    "model-moe-experts-on-dense-family": Case(ConfigError, "`num_experts=4` for `model_type=\"llama\"`",
+                                              lambda c: model_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+                                              ("num_experts=4", "model_type='llama'", "must be 0")),
     "plan-draft-layers-all": Case(ConfigError, "`draft_layers=2` on a 2-layer model",
                                   lambda c: make_plan(model_config(), inference(speculation_length=2, draft_layers=2)),
                                   ("draft_layers=2", "num_hidden_layers=2", "first layers")),

@@ -1,9 +1,10 @@
 """neuronfx against transformers on the same random weights, per model file and backend.
 
 Eager runtimes are built here (nothing to compile); the compiled ones are the session's shared
-runtimes (conftest.py): llama (with speculate and draft graphs) and qwen3 exported, qwen2
-(Llama's math plus biases) with the tiny ladders and llama with one bucket per phase (and
-speculate/draft graphs) under inductor. On runtimes that can speculate, ``generate`` speculates:
+runtimes (conftest.py): llama (with speculate and draft graphs) and qwen3 (a sliding layer)
+exported, qwen2 (Llama's math plus biases, a sliding layer) with the tiny ladders and llama4
+(MoE, chunked and NoPE layers) with one bucket per phase (and speculate/draft graphs) under
+inductor. On runtimes that can speculate, ``generate`` speculates:
 its greedy tokens must still be transformers' own.
 Expected buckets come from each runtime's own plan: the smallest that holds the length.
 """
@@ -29,9 +30,11 @@ EAGER = {
     "smollm3": ("smollm3", {}),  # layer 1 NoPE
     "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 6}),  # layer 1 NoPE and sliding
     "gemma3": ("gemma3_text", {}),  # layer 0 slides over 5 (local RoPE base), layer 1 global; helpers.GEMMA3
+    "llama4": ("llama4_text", {}),  # layer 0 chunked RoPE, layer 1 NoPE; MoE
+    "mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
 }
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
-          "qwen2-inductor": "inductor_qwen2", "llama-inductor": "inductor_llama_speculative"}
+          "qwen2-inductor": "inductor_qwen2", "llama4-inductor": "inductor_speculative"}
 
 
 @pytest.fixture(scope="module", params=[f"{m}-eager" for m in EAGER] + list(SHARED))
@@ -101,7 +104,7 @@ def test_batched_generate_matches_transformers_per_prompt(case):
         assert list(tokens) == hf_greedy(hf, prompt, 12), f"prompt length {len(prompt)}"
 
 
-@pytest.mark.parametrize("shared", ["export_llama", "inductor_llama_speculative"])
+@pytest.mark.parametrize("shared", ["export_llama", "inductor_speculative"])
 def test_compiled_speculate_and_draft_graphs(request, shared):
     hf, rt = request.getfixturevalue(shared)
     assert rt.can_speculate
@@ -117,6 +120,8 @@ def test_compiled_speculate_and_draft_graphs(request, shared):
     ("qwen2-window", {"use_sliding_window": False}),
     ("smollm3", {"no_rope_layer_interval": 99}),
     ("smollm3-window", {"use_sliding_window": False, "no_rope_layer_interval": 99}),
+    ("llama4", {"attention_chunk_size": None, "attn_temperature_tuning": False, "use_qk_norm": False}),
+    ("llama4", {"no_rope_layer_interval": 99}),
 ])
 def test_windowed_and_nope_cases_are_not_plain_attention(name, plain):
     """The cases above exercise their layer types: with every layer full and with RoPE, the same
@@ -127,3 +132,14 @@ def test_windowed_and_nope_cases_are_not_plain_attention(name, plain):
     ours = hf_last_logits(tiny_hf_model(model_type, seed=seed, **overrides), prompt)
     other = hf_last_logits(tiny_hf_model(model_type, seed=seed, **(overrides | plain)), prompt)
     assert (ours - other).abs().max() > 1e-3
+
+
+def test_llama4_experts_move_the_logits():
+    """The tiny llama4's routed experts matter: zeroing them changes transformers' logits."""
+    hf = tiny_hf_model("llama4_text", seed=list(EAGER).index("llama4"))
+    prompt = random_prompt(12, seed=3)
+    ours = hf_last_logits(hf, prompt)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.feed_forward.experts.down_proj.zero_()
+    assert (ours - hf_last_logits(hf, prompt)).abs().max() > 1e-3

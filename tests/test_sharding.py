@@ -28,22 +28,28 @@ KV_NAMES = frozenset(n for n, (kind, _) in WEIGHT_RULES.items() if kind == "kv_h
 
 
 def llama(*, heads: int, kv: int, head_dim: int, intermediate: int, vocab: int, hidden: int = 8,
-          layers: int = 1, tied: bool = False) -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+          layers: int = 1, tied: bool = False, experts: int = 0, expert_intermediate: int = 0) -> ModelConfig:
+    """A llama ModelConfig, or a qwen3_moe one with ``experts`` > 0 (top-1, experts
+    ``expert_intermediate`` wide)."""
+    moe = dict(model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=1, moe_intermediate_size=expert_intermediate,
+               qk_norm=True) if experts else dict(model_type="llama")
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                        intermediate_size=intermediate, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       tie_word_embeddings=tied)
+                       tie_word_embeddings=tied, **moe)
 
 
 @st.composite
 def model_and_tp(draw) -> tuple[ModelConfig, int]:
-    """(a random GQA llama ModelConfig, a tp_degree in [1, min(num_attention_heads, 8)])."""
+    """(a random GQA llama or qwen3_moe ModelConfig, a tp_degree in [1, min(num_attention_heads, 8)])."""
     kv = draw(st.integers(1, 8))
     group = draw(st.integers(1, 6))
     heads = kv * group
+    experts = draw(st.sampled_from([0, 0, 1, 3]))
     model = llama(heads=heads, kv=kv, head_dim=draw(st.sampled_from([2, 4, 8])),
                   intermediate=draw(st.integers(1, 40)), vocab=draw(st.integers(1, 100)),
-                  hidden=draw(st.integers(1, 5)))
+                  hidden=draw(st.integers(1, 5)), experts=experts,
+                  expert_intermediate=draw(st.integers(1, 40)) if experts else 0)
     tp = draw(st.integers(1, min(heads, 8)))
     return model, tp
 
@@ -57,10 +63,13 @@ def hf_shape(model: ModelConfig, name: str) -> tuple[int, ...]:
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.num_key_value_heads * d
     i, v = model.intermediate_size, model.vocab_size
+    e, ei = model.num_experts, model.moe_intermediate_size
     return {
         "wq": (q, h), "bq": (q,), "wk": (kv, h), "bk": (kv,), "wv": (kv, h), "bv": (kv,), "wo": (h, q),
         "gate": (i, h), "up": (i, h), "down": (h, i), "embed": (v, h), "lm_head": (v, h),
         "norm": (h,), "attn_norm": (h,), "mlp_norm": (h,), "q_norm": (d,), "k_norm": (d,),
+        "bgate": (i,), "bup": (i,), "bdown": (h,), "bo": (h,), "rope_index": (), "mask_index": (), "use_rope": (), "post_attn_norm": (h,), "post_mlp_norm": (h,),
+        "router": (e, h), "experts_gate": (e, ei, h), "experts_up": (e, ei, h), "experts_down": (e, h, ei),
     }[name]
 
 
@@ -152,6 +161,8 @@ def test_read_shard_round_trip(case, seed):
     model, tp = case
     gen = torch.Generator().manual_seed(seed)
     for name in WEIGHT_RULES:
+        if name.startswith("experts_") and not model.num_experts:
+            continue
         source = torch.randn(hf_shape(model, name), generator=gen)
         _check_weight(model, tp, name, source)
 
@@ -162,6 +173,8 @@ def test_replicated_weights_are_whole_copies(case, name):
     """Norm weights are Split(None) on every rank and read_shard returns an equal tensor that
     does not share the source's storage."""
     model, tp = case
+    if name == "router" and not model.num_experts:
+        return  # a dense model has no router
     source = torch.randn(hf_shape(model, name))
     for s in shards(model, tp):
         split = weight_split(s, name)
@@ -193,6 +206,41 @@ def test_vocab_and_intermediate_tile(case):
         assert s.intermediate_start == position
         position += s.intermediate_size
     assert model.intermediate_size <= position < model.intermediate_size + tp
+    position = 0
+    for s in ranks:
+        assert s.expert_intermediate_start == position
+        position += s.expert_intermediate_size
+    assert model.moe_intermediate_size <= position < model.moe_intermediate_size + tp or position == 0 == model.moe_intermediate_size
+
+
+@given(model_and_tp(), st.integers(0, 2**31 - 1))
+@SETTINGS
+def test_expert_weights_split_per_expert(case, seed):
+    """Every expert is split alike: rank r's experts_gate / experts_up hold rows [start, start +
+    size) of every expert's (I, H) matrix along dim 1 (experts_down: the same columns along dim 2),
+    zeros past I; the router is whole on every rank; the local model's expert width is the
+    rank's. Dense models have no expert weights (moe_intermediate_size 0 on every rank)."""
+    model, tp = case
+    if not model.num_experts:
+        assert all(s.expert_intermediate_size == 0 for s in shards(model, tp))
+        return
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(hf_shape(model, "experts_gate"), generator=gen)
+    down = torch.randn(hf_shape(model, "experts_down"), generator=gen)
+    i = model.moe_intermediate_size
+    for s in shards(model, tp):
+        assert weight_split(s, "router") == Split(None)
+        g = read_shard(gate, weight_split(s, "experts_gate"), "float32")
+        d = read_shard(down, weight_split(s, "experts_down"), "float32")
+        start, size = s.expert_intermediate_start, s.expert_intermediate_size
+        real = max(0, min(size, i - start))
+        assert g.shape == (model.num_experts, size, model.hidden_size) and d.shape == (model.num_experts, model.hidden_size, size)
+        for e in range(model.num_experts):
+            assert torch.equal(g[e, :real], gate[e, start:start + real])
+            assert torch.equal(d[e, :, :real], down[e, :, start:start + real])
+        assert torch.count_nonzero(g[:, real:]) == 0 and torch.count_nonzero(d[:, :, real:]) == 0
+        plan = make_plan(model, InferenceConfig(tp_degree=tp), rank=s.rank)
+        assert plan.local_model.moe_intermediate_size == (size if tp > 1 else i)
 
 
 @given(model_and_tp(), st.integers(1, 8))

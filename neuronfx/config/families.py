@@ -24,11 +24,21 @@ class Family:
     transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm); it raises
     UnsupportedModelError for an option of the family neuronfx does not implement.
     ``activations``: the MLP activations (transformers' ``ACT2FN`` names) its file implements.
+    ``partial_rotary``: transformers' family applies ``partial_rotary_factor`` (RoPE on the
+    first dims of each head only); elsewhere a factor below 1 is refused.
+    ``recompute_at_rope_switch``: transformers' ``generate`` recomputes the whole KV cache when
+    a longrope sequence grows past ``original_max_position_embeddings`` (Phi-3's
+    ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
+    families keep the keys cached before the switch, as transformers does for them.
+    ``moe``: every layer's MLP is a mixture of experts (``ModelConfig.num_experts`` > 0), else none is.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
     activations: tuple[str, ...] = ("silu",)
+    partial_rotary: bool = False
+    recompute_at_rope_switch: bool = False
+    moe: bool = False
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -40,8 +50,14 @@ def _qwen_window(hf_config: Any) -> int | None:
     return getattr(hf_config, "sliding_window", None) if _flag(hf_config, "use_sliding_window") else None
 
 
+def _attention_biases(hf_config: Any) -> dict[str, Any]:
+    # q/k/v and o_proj biases both follow attention_bias (LlamaAttention and its copies).
+    flag = _flag(hf_config, "attention_bias")
+    return {"attention_bias": flag, "attention_output_bias": flag}
+
+
 def _llama(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias")}
+    return _attention_biases(hf_config) | {"mlp_bias": _flag(hf_config, "mlp_bias")}
 
 
 def _mistral(hf_config: Any) -> dict[str, Any]:
@@ -54,12 +70,13 @@ def _qwen2(hf_config: Any) -> dict[str, Any]:
 
 
 def _qwen3(hf_config: Any) -> dict[str, Any]:
-    return {"attention_bias": _flag(hf_config, "attention_bias"), "qk_norm": True, "sliding_window": _qwen_window(hf_config)}
+    return _attention_biases(hf_config) | {"qk_norm": True, "sliding_window": _qwen_window(hf_config)}
 
 
 def _granite(hf_config: Any) -> dict[str, Any]:
     return {
-        "attention_bias": _flag(hf_config, "attention_bias"),
+        **_attention_biases(hf_config),
+        "mlp_bias": _flag(hf_config, "mlp_bias"),  # GraniteMLP: Llama's
         "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
         "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
         "attention_multiplier": float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
@@ -73,7 +90,7 @@ def _smollm3(hf_config: Any) -> dict[str, Any]:
     sliding = _flag(hf_config, "use_sliding_window") and getattr(hf_config, "sliding_window", None) is not None
     types = tuple(getattr(hf_config, "layer_types", None) or ()) if sliding else ()
     return {
-        "attention_bias": _flag(hf_config, "attention_bias"),
+        **_attention_biases(hf_config),
         "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),
         "sliding_window": hf_config.sliding_window if sliding else None,
         "layer_types": () if all(t == "full_attention" for t in types) else types,
@@ -108,6 +125,63 @@ REFUSED: dict[str, str] = {
               "text model: Gemma3ForCausalLM with the checkpoint's text_config (model_type 'gemma3_text', e.g. "
               "google/gemma-3-1b-it), or save Gemma3ForCausalLM's weights and text config with save_pretrained()",
 }
+def _llama4_text(hf_config: Any) -> dict[str, Any]:
+    layers = hf_config.num_hidden_layers
+    if list(hf_config.moe_layers) != list(range(layers)):
+        raise UnsupportedModelError(
+            f"llama4 moe_layers={list(hf_config.moe_layers)} (interleave_moe_layer_step="
+            f"{hf_config.interleave_moe_layer_step}): dense layers between MoE layers are not supported; "
+            "only configs whose every layer is MoE (interleave_moe_layer_step=1, the 16E model) are."
+        )
+    return {
+        **_attention_biases(hf_config),
+        "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),  # 1: the layer uses RoPE
+        "attention_chunk_size": hf_config.attention_chunk_size,
+        "num_experts": hf_config.num_local_experts,
+        "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "moe_intermediate_size": hf_config.intermediate_size,  # experts and the shared expert alike
+        "qk_l2_norm": _flag(hf_config, "use_qk_norm"),
+        "attn_temperature_tuning": _flag(hf_config, "attn_temperature_tuning"),
+        "floor_scale": float(hf_config.floor_scale),
+        "attn_scale": float(hf_config.attn_scale),
+    }
+
+
+def _phi3(hf_config: Any) -> dict[str, Any]:
+    return _mistral(hf_config)  # Phi3Model: every layer's mask slides when sliding_window is set
+
+
+def _mixtral(hf_config: Any) -> dict[str, Any]:
+    # MixtralTopKRouter always renormalises the top-k softmax; experts are intermediate_size
+    # wide. router_jitter_noise, output_router_logits and router_aux_loss_coef only act in
+    # training: inference ignores them, as transformers does in eval mode.
+    return _mistral(hf_config) | {
+        "num_experts": hf_config.num_local_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": True, "moe_intermediate_size": hf_config.intermediate_size,
+    }
+
+
+def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
+    # Qwen3MoeDecoderLayer: a layer listed in mlp_only_layers, or one whose index + 1 is not a
+    # multiple of decoder_sparse_step, has a dense MLP instead of experts. Every layer here must
+    # share one weight structure (one compiled layer group serves them all), so mixed layers
+    # are refused rather than run wrong.
+    only = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if only:
+        raise UnsupportedModelError(
+            f"qwen3_moe mlp_only_layers={only} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (mlp_only_layers=[])."
+        )
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if step != 1:
+        raise UnsupportedModelError(
+            f"qwen3_moe decoder_sparse_step={step} (dense MLP layers among MoE layers) is not supported; "
+            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (decoder_sparse_step=1)."
+        )
+    return _qwen3(hf_config) | {
+        "num_experts": hf_config.num_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
+        "norm_topk_prob": _flag(hf_config, "norm_topk_prob"), "moe_intermediate_size": hf_config.moe_intermediate_size,
+    }
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -118,6 +192,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", _granite),
     Family("smollm3", _smollm3),
     Family("gemma3_text", _gemma3_text, activations=("gelu_pytorch_tanh",)),
+    Family("llama4_text", _llama4_text, moe=True),
+    Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
+    Family("mixtral", _mixtral, moe=True),
+    Family("qwen3_moe", _qwen3_moe, moe=True),
 )}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)

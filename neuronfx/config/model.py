@@ -7,27 +7,81 @@ from typing import Any
 import attrs
 
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES, unsupported_model_type
-from neuronfx.config.validators import boolean, one_of, positive_int, positive_number
+from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+# rope_parameters keys each type reads (transformers ``RotaryEmbeddingConfigMixin._validate_*``);
+# any other key would change the math in a way neuronfx does not, so it is an error.
+_COMMON_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"}),
+}
+
+
+def _optional_number(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None:
+        positive_number(inst, attribute, value)
+
+
+def _factors(inst: RopeScaling, attribute: attrs.Attribute, value: tuple[float, ...]) -> None:
+    if inst.rope_type == "longrope" and (not value or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in value)):
+        raise ConfigError(f"RopeScaling.{attribute.name}={value!r} must be a non-empty list of finite numbers > 0 for "
+                          "rope_type='longrope' (one per rotary frequency); fix the model config's rope_parameters.")
 
 
 @attrs.frozen(kw_only=True)
 class RopeScaling:
-    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``).
+    """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``); the math is in
+    ``graphs/layers.py`` (``rope_inv_freq``, ``rope_tables``), after transformers'
+    ``modeling_rope_utils.py``.
 
-    ``rope_type`` "linear" divides every frequency by ``factor``; "llama3" applies the
-    piecewise rule of Meta's Llama 3.1 reference (``apply_scaling`` in meta-llama/llama-models,
-    also transformers ``_compute_llama3_parameters``) using ``low_freq_factor``,
-    ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
+    - "linear": every frequency divided by ``factor``.
+    - "llama3": Meta's piecewise rule (``_compute_llama3_parameters``) from ``low_freq_factor``,
+      ``high_freq_factor`` and ``original_max_position_embeddings`` (tokens).
+    - "yarn": YaRN (``_compute_yarn_parameters``): frequencies blended between interpolated
+      (/ ``factor``) and original by a ramp over dims set by ``beta_fast`` / ``beta_slow``
+      (rotations in ``original_max_position_embeddings``; ``truncate`` rounds the ramp ends);
+      cos/sin times ``attention_factor`` (None: from ``factor``, ``mscale``, ``mscale_all_dim``).
+    - "dynamic": dynamic NTK (``_compute_dynamic_ntk_parameters``): the base grows with the
+      row's sequence length past ``ModelConfig.max_position_embeddings`` by ``factor``.
+    - "longrope": LongRoPE (``_compute_longrope_parameters``): frequencies divided by
+      ``short_factor`` while the row's sequence length is <= ``original_max_position_embeddings``,
+      by ``long_factor`` beyond; cos/sin times ``attention_factor`` (None: from ``factor``).
+    ``factor`` left out of a yarn / longrope config is max_position_embeddings /
+    original_max_position_embeddings, as transformers reads it (``from_hf`` resolves it).
     """
 
-    rope_type: str = attrs.field(validator=one_of(("linear", "llama3")))
+    rope_type: str = attrs.field(validator=one_of(("linear", "llama3", "yarn", "dynamic", "longrope")))
     factor: float = attrs.field(validator=positive_number)
     low_freq_factor: float = attrs.field(default=1.0, validator=positive_number)
     high_freq_factor: float = attrs.field(default=4.0, validator=positive_number)
     original_max_position_embeddings: int = attrs.field(default=8192, validator=positive_int)
+    attention_factor: float | None = attrs.field(default=None, validator=_optional_number)
+    beta_fast: float = attrs.field(default=32.0, validator=positive_number)
+    beta_slow: float = attrs.field(default=1.0, validator=positive_number)
+    mscale: float | None = attrs.field(default=None, validator=_optional_number)
+    mscale_all_dim: float | None = attrs.field(default=None, validator=_optional_number)
+    truncate: bool = attrs.field(default=True, validator=boolean)
+    short_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_factors)
+    long_factor: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_factors)
+
+
+def _check_rotary(inst: ModelConfig, attribute: attrs.Attribute, value: float) -> None:
+    dim = int(inst.head_dim * value)
+    if value > 1 or dim < 2 or dim % 2:
+        raise ConfigError(
+            f"partial_rotary_factor={value!r} gives rotary_dim=int(head_dim={inst.head_dim} * {value!r})={dim}; it must "
+            "be in (0, 1] and give an even rotary_dim >= 2; fix the model config's partial_rotary_factor."
+        )
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -54,6 +108,25 @@ def _check_activation(inst: ModelConfig, attribute: attrs.Attribute, value: str)
         raise UnsupportedModelError(
             f"hidden_act={value!r} is not supported for {inst.model_type}; only {', '.join(map(repr, supported))} MLPs are."
         )
+def _check_experts(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    moe = FAMILIES[inst.model_type].moe
+    if moe != (value > 0):
+        need = "> 0 (its layers are mixtures of experts)" if moe else "0 (its MLPs are dense)"
+        raise ConfigError(f"ModelConfig.num_experts={value} for model_type={inst.model_type!r} must be {need}.")
+
+
+def _check_topk(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not 1 <= value <= inst.num_experts:
+        raise ConfigError(
+            f"ModelConfig.num_experts_per_tok={value} must be in [1, num_experts={inst.num_experts}]; fix the model config."
+        )
+    if not inst.num_experts and value:
+        raise ConfigError(f"ModelConfig.num_experts_per_tok={value} needs num_experts > 0; pass 0 for a dense model.")
+
+
+def _check_expert_width(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
+    if inst.num_experts and not value:
+        raise ConfigError("ModelConfig.moe_intermediate_size=0 with num_experts > 0; pass each expert's MLP width.")
 
 
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
@@ -82,7 +155,19 @@ class ModelConfig:
     granite's ``embedding_multiplier`` (embeddings scaled by it), ``residual_multiplier``
     (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
     attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
-    (logits divided by it).
+    (logits divided by it); mixture-of-experts layers: ``num_experts`` (0: a dense MLP) and
+    ``num_experts_per_tok`` (top-k); llama4's ``qk_l2_norm`` (q and k L2-normalised after RoPE
+    on RoPE layers), ``attn_temperature_tuning`` with ``floor_scale`` (tokens) and
+    ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4_text.py``);
+    ``partial_rotary_factor`` (RoPE on the first ``rotary_dim`` dims of
+    each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``), ``attention_output_bias``
+    (the o_proj bias, which transformers ties to ``attention_bias`` in llama, qwen3, granite,
+    smollm3, llama4, qwen3_moe and gemma3, and which qwen2 lacks).
+    Mixture of experts (mixtral, qwen3_moe; names as in transformers): ``num_experts`` experts
+    per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
+    ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
+    (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
+    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model).
     Gemma3's: ``hidden_act`` (the MLP's gate activation, transformers' ``ACT2FN`` name; each
     family implements its registry entry's ``activations``), ``norm_unit_offset`` (RMSNorm
     weights are offsets from 1: ``(x * (1 + w))`` in fp32, then cast, transformers'
@@ -113,6 +198,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
     rope_layers: tuple[bool, ...] = attrs.field(default=(), converter=tuple, validator=_check_layer_types)
     sliding_rope_theta: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
+    partial_rotary_factor: float = attrs.field(default=1.0, validator=[positive_number, _check_rotary])
+    mlp_bias: bool = attrs.field(default=False, validator=boolean)
+    attention_output_bias: bool = attrs.field(default=False, validator=boolean)
     embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
     attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
@@ -121,7 +209,32 @@ class ModelConfig:
     norm_unit_offset: bool = attrs.field(default=False, validator=boolean)
     embedding_multiplier_rounded: bool = attrs.field(default=False, validator=boolean)
     final_logit_softcapping: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
+    num_experts: int = attrs.field(default=0, validator=[non_negative_int, _check_experts])
+    num_experts_per_tok: int = attrs.field(default=0, validator=[non_negative_int, _check_topk])
+    norm_topk_prob: bool = attrs.field(default=False, validator=boolean)
+    moe_intermediate_size: int = attrs.field(default=0, validator=[non_negative_int, _check_expert_width])
+    qk_l2_norm: bool = attrs.field(default=False, validator=boolean)
+    attn_temperature_tuning: bool = attrs.field(default=False, validator=boolean)
+    floor_scale: float = attrs.field(default=8192.0, validator=positive_number)
+    attn_scale: float = attrs.field(default=0.1, validator=positive_number)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates: ``int(head_dim * partial_rotary_factor)``
+        (transformers' ``dim`` in ``modeling_rope_utils``); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def __attrs_post_init__(self) -> None:
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.rotary_dim // 2:
+                    raise ConfigError(
+                        f"rope_scaling.{name} has {len(getattr(rs, name))} values, expected rotary_dim // 2 = "
+                        f"{self.rotary_dim // 2} (head_dim={self.head_dim}, partial_rotary_factor={self.partial_rotary_factor}); "
+                        "fix the model config's rope_parameters."
+                    )
 
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Any = None) -> ModelConfig:
@@ -129,7 +242,7 @@ class ModelConfig:
         fields every family shares, then the family's own (its registry entry's ``options``).
 
         Raises UnsupportedModelError for a ``model_type`` outside
-        ``SUPPORTED_MODEL_TYPES``, an unsupported activation or RoPE type.
+        ``SUPPORTED_MODEL_TYPES``, an unsupported activation, RoPE type or option.
         """
         model_type = hf_config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -139,12 +252,17 @@ class ModelConfig:
         if act not in FAMILIES[model_type].activations:
             supported = ", ".join(map(repr, FAMILIES[model_type].activations))
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type}; only {supported} MLPs are.")
-        if getattr(hf_config, "mlp_bias", False):
-            raise UnsupportedModelError("mlp_bias=True is not supported; only bias-free MLPs are.")
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        theta, scaling, sliding_theta = _rope_from_hf(hf_config)
+        theta, scaling, partial, sliding_theta = _rope_from_hf(hf_config)
         options = {"layer_types": _layer_types(hf_config), "sliding_rope_theta": sliding_theta} | FAMILIES[model_type].options(hf_config)
+        if getattr(hf_config, "mlp_bias", False) and not options.get("mlp_bias"):
+            raise UnsupportedModelError(f"mlp_bias=True is not supported for model_type={model_type!r}; "
+                                        "only llama and granite read MLP biases.")
+        if partial != 1.0 and not FAMILIES[model_type].partial_rotary:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={partial!r} is not supported for model_type={model_type!r}: transformers' "
+                f"{model_type} rotates the whole head; only phi3 applies a partial rotary factor."
+            )
+        num_heads = hf_config.num_attention_heads
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -152,13 +270,14 @@ class ModelConfig:
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
             intermediate_size=hf_config.intermediate_size,
             rope_theta=theta,
             rope_scaling=scaling,
             rms_norm_eps=hf_config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            partial_rotary_factor=partial,
             eos_token_ids=_eos_ids(hf_config, generation_config),
             **options,
         )
@@ -170,42 +289,60 @@ def _layer_types(hf_config: Any) -> tuple[str, ...]:
     return () if all(t == "full_attention" for t in types) else types
 
 
-def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None, float | None]:
-    """(rope_theta, rope_scaling, sliding_rope_theta). transformers >= 5 folds theta and scaling
-    into ``rope_parameters``, per layer type for models whose layer types differ in RoPE
-    (gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``); 4.x has both fields.
-    sliding_rope_theta is None unless sliding layers use another RoPE than full ones."""
+def _rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None, float, float | None]:
+    """(rope_theta, rope_scaling, partial_rotary_factor, sliding_rope_theta). transformers >= 5
+    folds theta and scaling into ``rope_parameters``, per layer type for models whose layer types
+    differ in RoPE (gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``); 4.x has
+    both fields. sliding_rope_theta is None unless sliding layers use another RoPE than full ones."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if "full_attention" not in params:
         legacy = getattr(hf_config, "rope_scaling", None)
         if legacy and not params.get("rope_type"):
             params.update(legacy)
-        theta, scaling = _rope_params(params, getattr(hf_config, "rope_theta", 10000.0), "rope_parameters")
-        return theta, scaling, None
-    theta, scaling = _rope_params(dict(params["full_attention"]), 10000.0, "rope_parameters['full_attention']")
+        theta, scaling, partial = _rope_params(hf_config, params, getattr(hf_config, "rope_theta", 10000.0), "rope_parameters")
+        return theta, scaling, partial, None
+    full = dict(params["full_attention"])
+    theta, scaling, partial = _rope_params(hf_config, full, 10000.0, "rope_parameters['full_attention']")
     sliding = dict(params.get("sliding_attention") or {})
     if "sliding_attention" not in (getattr(hf_config, "layer_types", None) or ()) or not sliding:
-        return theta, scaling, None
-    local, local_scaling = _rope_params(sliding, theta, "rope_parameters['sliding_attention']")
+        return theta, scaling, partial, None
+    local, local_scaling, _ = _rope_params(hf_config, sliding, theta, "rope_parameters['sliding_attention']")
     if local_scaling is not None:  # attention.ROPE_LOCAL tables are unscaled
         raise UnsupportedModelError(
             f"rope_parameters['sliding_attention'] has rope_type={local_scaling.rope_type!r}; sliding layers support "
             "only the 'default' RoPE (their own rope_theta)."
         )
-    return theta, scaling, (local if (local, None) != (theta, scaling) else None)
+    return theta, scaling, partial, (local if (local, None) != (theta, scaling) else None)
 
 
-def _rope_params(params: dict[str, Any], default_theta: float, where: str) -> tuple[float, RopeScaling | None]:
+def _rope_params(hf_config: Any, params: dict[str, Any], default_theta: float, where: str) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling, partial_rotary_factor) of one ``rope_parameters`` dict (``where`` names it
+    in errors); UnsupportedModelError for a RoPE type outside SUPPORTED_ROPE_TYPES or a key that
+    type does not read."""
     theta = params.get("rope_theta", default_theta)
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type={rope_type!r} ({where}) is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
+    unknown = sorted(set(params) - _COMMON_ROPE_KEYS - ROPE_KEYS[rope_type])
+    if unknown:
+        raise UnsupportedModelError(
+            f"rope_parameters keys {unknown} are not read for rope_type={rope_type!r} (it reads "
+            f"{sorted(ROPE_KEYS[rope_type])}); neuronfx would compute different RoPE tables than the model expects: "
+            "remove them from the config if they are stray, else this model is not supported."
+        )
     if rope_type == "default":
-        return theta, None
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, RopeScaling(rope_type=rope_type, **{k: params[k] for k in keys if k in params})
+        return theta, None, partial
+    fields = {k: params[k] for k in ROPE_KEYS[rope_type] if params.get(k) is not None}
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if key in fields and not fields[key]:  # transformers treats 0 as unset (``or`` / truthiness)
+            del fields[key]
+    if rope_type in ("yarn", "longrope") and "factor" not in fields:  # transformers' default factor
+        max_pos = getattr(hf_config, "max_position_embeddings", 4096)
+        fields["factor"] = max_pos / fields.get("original_max_position_embeddings", max_pos)
+    return theta, RopeScaling(rope_type=rope_type, **fields), partial
 
 
 def _eos_ids(hf_config: Any, generation_config: Any) -> tuple[int, ...]:

@@ -181,11 +181,11 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
 
 def local_model(model: ModelConfig, shard: RankShard) -> ModelConfig:
     """The model as one rank's graphs see it: that rank's (padded) query and KV head counts and
-    MLP rows; ``model`` itself at tp_degree 1."""
+    MLP (and expert) rows; ``model`` itself at tp_degree 1."""
     if shard.tp_degree == 1:
         return model
     return attrs.evolve(model, num_attention_heads=shard.num_heads, num_key_value_heads=shard.num_kv_heads,
-                        intermediate_size=shard.intermediate_size)
+                        intermediate_size=shard.intermediate_size, moe_intermediate_size=shard.expert_intermediate_size)
 
 
 def plan_for_rank(plan: Plan, rank: int) -> Plan:

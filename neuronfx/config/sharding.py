@@ -11,10 +11,15 @@ weight          split                  neuronx-distributed layer
 wq, bq          column (q heads)       ``ColumnParallelLinear(gather_output=False)``
 wk, wv, bk, bv  column (KV heads)      same; GQA heads padded / replicated as below
 wo              row (q heads)          ``RowParallelLinear(input_is_parallel=True)``
-gate, up        column (intermediate)  ``ColumnParallelLinear(gather_output=False, pad=True)``
+gate, up (+b)   column (intermediate)  ``ColumnParallelLinear(gather_output=False, pad=True)``
 down            row (intermediate)     ``RowParallelLinear(input_is_parallel=True)``
+experts_gate,   column (each expert's  per expert as gate / up (NxDI MoE without expert
+experts_up      intermediate, dim 1)   parallelism: ``ExpertMLPs`` column-parallel)
+experts_down    row (dim 2)            per expert as down (``ExpertMLPs`` row-parallel)
+router          replicated             ``RouterTopK`` (every rank routes every token)
 embed           rows (vocabulary)      ``ParallelEmbedding(shard_across_embedding=False)``
 lm_head         column (vocabulary)    ``ColumnParallelLinear(gather_output=True, pad=True)``
+bdown           replicated             ``RowParallelLinear``'s bias, added after the sum
 norms           replicated             plain (``sequence_parallel_enabled`` on SP prefill)
 =============  =====================  ====================================================
 
@@ -36,7 +41,12 @@ Heads (GQA, ``G = num_attention_heads / num_key_value_heads`` query heads per KV
   attends uniformly to zero values and its output meets zero columns of ``wo``, so padding
   changes nothing but the cost.
 
-The MLP's intermediate rows and the vocabulary are padded to a multiple of tp with zeros
+Mixture-of-experts layers (stacked expert weights: gate / up (E, I, H), down (E, H, I)) split
+every expert the way a dense MLP splits: each rank holds the same slice of every expert's
+intermediate rows, computes the same routing from the replicated router, and the row-parallel
+down products are summed like a dense MLP's (no expert parallelism, no all-to-all).
+
+The MLP's (and each expert's) intermediate rows and the vocabulary are padded to a multiple of tp with zeros
 (zero gate/up rows give silu(0) * 0 = 0 into zero ``down`` columns; zero embedding rows are
 never looked up, padded logits are dropped).
 """
@@ -55,13 +65,16 @@ WEIGHT_RULES: dict[str, tuple[str, int]] = {
     "wv": ("kv_heads", 0), "bv": ("kv_heads", 0),
     "wo": ("q_heads", 1),
     "gate": ("intermediate", 0), "up": ("intermediate", 0),
+    "bgate": ("intermediate", 0), "bup": ("intermediate", 0),
     "down": ("intermediate", 1),
+    "experts_gate": ("expert_intermediate", 1), "experts_up": ("expert_intermediate", 1),
+    "experts_down": ("expert_intermediate", 2),
     "embed": ("vocab", 0), "lm_head": ("vocab", 0),
 }
 """Split weights: neuronfx weight name (per-layer names without ``layers.{i}.``) -> (what is
 split, dimension)."""
-REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "rope_index", "mask_index",
-                        "post_attn_norm", "post_mlp_norm"})  # the last two: gemma3's norms of each block's output
+REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "bdown", "bo", "router", "rope_index", "mask_index",
+                        "use_rope", "post_attn_norm", "post_mlp_norm"})  # the last two: gemma3's norms of each block's output
 """Weights every rank holds whole."""
 
 
@@ -93,6 +106,8 @@ class RankShard:
     - ``kv_replication``: ranks holding each KV head (1 unless KV heads are replicated).
     - ``intermediate``: (start, size) of the MLP rows on this rank, ``intermediate_size`` the
       padded per-rank count (rows past the model's are zeros).
+    - ``expert_intermediate``: the same for each expert's rows (``moe_intermediate_size``; 0 for
+      a dense model).
     - ``vocab_start`` / ``vocab_size``: the vocabulary ids ``[vocab_start, vocab_start +
       vocab_size)`` of this rank's embedding and LM-head rows (ids past the model's are zeros);
       ``padded_vocab_size = tp_degree * vocab_size``.
@@ -107,6 +122,9 @@ class RankShard:
     intermediate_start: int
     intermediate_size: int
     model_intermediate_size: int
+    expert_intermediate_start: int
+    expert_intermediate_size: int
+    model_expert_intermediate_size: int
     vocab_start: int
     vocab_size: int
     model_vocab_size: int
@@ -164,11 +182,13 @@ def rank_shard(model: ModelConfig, tp_degree: int, rank: int) -> RankShard:
         kv_heads = (g,)
         q_heads = tuple(g * group + p if p < group else None for p in range(part * per_rank, (part + 1) * per_rank))
     inter = _ceil_to(model.intermediate_size, tp_degree) // tp_degree
+    expert = _ceil_to(model.moe_intermediate_size, tp_degree) // tp_degree
     vocab = _ceil_to(model.vocab_size, tp_degree) // tp_degree
     return RankShard(
         tp_degree=tp_degree, rank=rank, head_dim=model.head_dim, q_heads=q_heads, kv_heads=kv_heads,
         kv_replication=replication, intermediate_start=rank * inter, intermediate_size=inter,
-        model_intermediate_size=model.intermediate_size, vocab_start=rank * vocab, vocab_size=vocab,
+        model_intermediate_size=model.intermediate_size, expert_intermediate_start=rank * expert,
+        expert_intermediate_size=expert, model_expert_intermediate_size=model.moe_intermediate_size, vocab_start=rank * vocab, vocab_size=vocab,
         model_vocab_size=model.vocab_size,
     )
 
@@ -206,6 +226,9 @@ def weight_split(shard: RankShard, name: str) -> Split:
         return Split(dim, _merge([Block(None if h is None else h * d, d) for h in heads]))
     if kind == "intermediate":
         return Split(dim, _range_blocks(shard.intermediate_start, shard.intermediate_size, shard.model_intermediate_size))
+    if kind == "expert_intermediate":
+        return Split(dim, _range_blocks(shard.expert_intermediate_start, shard.expert_intermediate_size,
+                                        shard.model_expert_intermediate_size))
     return Split(dim, _range_blocks(shard.vocab_start, shard.vocab_size, shard.model_vocab_size))
 
 

@@ -28,5 +28,5 @@ def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor,
     q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
     if cfg.attention_multiplier is not None:
         q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))
-    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend) * m
-    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps)) * m
+    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend, cfg.attention_output_bias) * m
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps), cfg.mlp_bias) * m

@@ -20,13 +20,14 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from neuronfx.config.attention import ROPE_GLOBAL, ROPE_NONE
+from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL
 from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
 from neuronfx.config.masks import decode_mask, prefill_mask
+from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
-from neuronfx.graphs.layers import LayerWeights, Weights, final_norm, rope_cos_sin, rope_inv_freq
+from neuronfx.graphs.layers import LayerWeights, Weights, default_inv_freq, final_norm, rope_cos_sin, rope_tables
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.ops import Ops, tensor_parallel_ops
 from neuronfx.graphs.sampling import sample
@@ -47,33 +48,51 @@ def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
     return ops.parallel_out(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
 
 
-def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
+           seq_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """ids (B, T) -> h (B, T, hidden) (B, T / tp in sequence-parallel prefill) and the RoPE
-    cos/sin tables of the layout's kinds, stacked: (R, B, 1, T, head_dim) (:func:`_rope_tables`)."""
+    cos/sin tables of the layout's kinds, stacked: (R, B, 1, T, rotary_dim) (:func:`_rope_tables`),
+    for rows holding ``seq_lens`` (B,) tokens after this step (the length-dependent RoPE types,
+    dynamic and longrope, choose their table per row from it: ``layers.row_inv_freq``)."""
     h = _lookup(plan, ops, embed, input_ids)
     if plan.model.embedding_multiplier_rounded:  # gemma3: the multiplier in h's dtype (55.4256 -> 55.5 in bf16)
         # made by an op (torch.full), not torch.tensor: export cannot lift a tensor constant here
         h = h * torch.full((), plan.model.embedding_multiplier, dtype=h.dtype, device=h.device)
     elif plan.model.embedding_multiplier != 1.0:  # granite
         h = h * plan.model.embedding_multiplier
-    cos, sin = _rope_tables(plan, position_ids, h.dtype)
+    cos, sin = _rope_tables(plan, position_ids, seq_lens, h.dtype)
     return h, cos, sin
 
 
-def _rope_tables(plan: Plan, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin (R, B, 1, T, head_dim), one table per RoPE kind of the attention layout:
-    the model's RoPE, the local base of gemma3's sliding layers (no scaling), or for NoPE layers
-    cos 1 and sin 0 (the rotation is then exactly the identity)."""
+def _rope_tables(plan: Plan, position_ids: Tensor, seq_lens: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin (R, B, 1, T, rotary_dim), one table per RoPE kind of the attention layout:
+    the model's RoPE (``layers.rope_tables``), the local base of gemma3's sliding layers (no
+    scaling), or for NoPE layers cos 1 and sin 0 (the rotation is then exactly the identity; with
+    Llama 4's temperature tuning cos holds the temperature, which only its layer reads, see
+    ``graphs/llama4_text.py``)."""
     model = plan.model
     tables = []
     for kind in plan.layout.ropes:
-        if kind == ROPE_NONE:
-            ones = torch.ones((*position_ids.shape, model.head_dim), dtype=dtype, device=position_ids.device)[:, None]
-            tables.append((ones, torch.zeros_like(ones)))
-            continue
-        inv_freq = rope_inv_freq(model, local=kind != ROPE_GLOBAL)
-        tables.append(rope_cos_sin(position_ids, inv_freq.to(position_ids.device), dtype))
+        if kind == ROPE_GLOBAL:
+            tables.append(rope_tables(model, position_ids, seq_lens, dtype))
+        elif kind == ROPE_LOCAL:
+            inv_freq = default_inv_freq(model.sliding_rope_theta, model.rotary_dim).to(position_ids.device)
+            tables.append(rope_cos_sin(position_ids, inv_freq, dtype))
+        else:
+            cos = _temperature(model, position_ids, dtype) if model.attn_temperature_tuning else torch.ones(
+                (*position_ids.shape, model.rotary_dim), dtype=dtype, device=position_ids.device)[:, None]
+            tables.append((cos, torch.zeros_like(cos)))
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
+
+
+def _temperature(model: ModelConfig, position_ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Llama 4's attention temperature of each position, (B, 1, T, head_dim) in ``dtype``:
+    ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`` (transformers
+    ``Llama4TextAttention``, after Nakanishi 2025, arXiv:2501.19399), computed in fp32; its NoPE
+    layers multiply q by it."""
+    pos = position_ids.float()[:, None, :, None]  # (B, 1, T, 1)
+    scale = torch.log1p(torch.floor((pos + 1.0) / model.floor_scale)) * model.attn_scale + 1.0
+    return scale.expand(-1, -1, -1, model.rotary_dim).to(dtype)
 
 
 def _masks(plan: Plan, build: Callable[..., Tensor], *args: object) -> Tensor:
@@ -147,7 +166,7 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids
     if t != bucket:
         input_ids = torch.nn.functional.pad(input_ids, (0, t - bucket))
         position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
-    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids, prompt_lens)
     return h, cos, sin, _masks(plan, prefill_mask, prompt_lens, t)  # mask (M, B, 1, T, T)
 
 
@@ -182,8 +201,9 @@ def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: T
 
 
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, ...]:
-    """ids/positions (B, T): T = 1 for decode and draft, k for speculate."""
-    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids)
+    """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
+    last position + 1 tokens."""
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids, position_ids.amax(-1) + 1)
     return h, cos, sin, _masks(plan, decode_mask, position_ids, bucket)  # mask (M, B, 1, T, S)
 
 

@@ -28,13 +28,20 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return llama.layer_shapes(cfg) | ({"q_norm": (d,), "k_norm": (d,)} if cfg.qk_norm else {})
 
 
-def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  attend: Attend) -> torch.Tensor:
-    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden); q and k are normalised per
-    head (RMSNorm over head_dim, HF ``Qwen3RMSNorm``) before RoPE."""
+def attention_block(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    attend: Attend) -> torch.Tensor:
+    """The attention half of a pre-norm layer with its residual, h (B, T, hidden) -> (B, T,
+    hidden); q and k are normalised per head (RMSNorm over head_dim, HF ``Qwen3RMSNorm``)
+    before RoPE when ``cfg.qk_norm``."""
     eps = cfg.rms_norm_eps
     q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
     if cfg.qk_norm:
         q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
-    h = h + attention_output(ops, lw, q, k, v, cos, sin, attend)
-    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps))
+    return h + attention_output(ops, lw, q, k, v, cos, sin, attend, cfg.attention_output_bias)
+
+
+def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden) (q/k norm attention, SwiGLU MLP)."""
+    h = attention_block(cfg, ops, lw, h, cos, sin, attend)
+    return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps))

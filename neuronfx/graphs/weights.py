@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+import attrs
 import torch
 
-from neuronfx.config.attention import attention_layout
+from neuronfx.config.attention import ROPE_NONE, attention_layout
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
 from neuronfx.errors import CheckpointError
 from neuronfx.graphs.models import model_module
+from neuronfx.graphs.moe import ROUTER_NAME, STACKED_NAMES
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -26,22 +28,174 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expand_key_map(cfg: ModelConfig) -> dict[str, str]:
-    """The model file's key map with ``{i}`` expanded over layers: HF name -> neuronfx name."""
-    out = {}
+Target = str | tuple[str, ...]
+"""A key map value: one neuronfx name, or for a fused HF tensor (phi3's ``qkv_proj``) the names
+of the weights stacked along its dim 0, in order."""
+
+
+def _format(ours: Target, i: int) -> Target:
+    return ours.format(i=i) if isinstance(ours, str) else tuple(o.format(i=i) for o in ours)
+
+
+def expand_key_map(cfg: ModelConfig) -> dict[str, Target]:
+    """The model file's key map with ``{i}`` expanded over layers: HF name -> neuronfx name (or
+    names, for a fused tensor)."""
+    out: dict[str, Target] = {}
     for hf, ours in model_module(cfg.model_type).key_map(cfg).items():
         if "{i}" in hf:
-            out |= {hf.format(i=i): ours.format(i=i) for i in range(cfg.num_hidden_layers)}
+            out |= {hf.format(i=i): _format(ours, i) for i in range(cfg.num_hidden_layers)}
         else:
             out[hf] = ours
     return out
 
 
-def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, str]:
+def _target_shape(shapes: dict[str, tuple[int, ...]], ours: Target) -> tuple[int, ...]:
+    """Shape of the HF tensor behind ``ours``: a fused one stacks its parts along dim 0."""
+    if isinstance(ours, str):
+        return shapes[ours]
+    parts = [shapes[o] for o in ours]
+    return (sum(p[0] for p in parts), *parts[0][1:])
+
+
+@attrs.frozen
+class RowSlice:
+    """Rows ``[start, start + rows)`` of a fused weight ``source`` (a tensor or a lazily read
+    ``checkpoints.LazyTensor``), read without copying the rest: ``shape``, and indexing with
+    slices whose first one (dim 0, step 1) is offset into the source. A fused checkpoint tensor
+    (phi3's ``qkv_proj``, ``gate_up_proj``) is split at load into one RowSlice per part, so
+    tensor-parallel ranks still read only their rows (:func:`read_shard`)."""
+
+    source: object
+    start: int
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *tuple(self.source.shape)[1:])  # type: ignore[attr-defined]
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        start, stop, step = first.indices(self.rows)
+        if step != 1:
+            raise ValueError(f"RowSlice supports step-1 row slices only, got {first!r}.")
+        return self.source[(slice(self.start + start, self.start + max(start, stop)), *index[1:])]  # type: ignore[index]
+
+
+def split_fused(state_dict: Mapping[str, object], required: dict[str, Target], cfg: ModelConfig) -> dict[str, object]:
+    """neuronfx name -> its source in ``state_dict``: the HF tensor, or for a part of a fused
+    one a :class:`RowSlice` of it (rows given by the family's ``layer_shapes``)."""
+    shapes = expected_shapes(cfg)
+    out: dict[str, object] = {}
+    for hf, ours in required.items():
+        if isinstance(ours, str):
+            out[ours] = state_dict[hf]
+            continue
+        start = 0
+        for name in ours:
+            out[name] = RowSlice(state_dict[hf], start, shapes[name][0])
+            start += shapes[name][0]
+    return out
+
+
+# --- expert weights: two checkpoint layouts, one stacked view -------------------------------------
+
+
+def _index(index: object, ndim: int) -> list:
+    """An index of slices (a tuple, or one slice for dim 0) as a list of ``ndim`` slices."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if not all(isinstance(p, slice) for p in parts):
+        raise TypeError(f"expert views take slices only, got {index!r}")
+    return parts + [slice(None)] * (ndim - len(parts))
+
+
+@attrs.frozen(eq=False)
+class RangeView:
+    """``source`` narrowed to ``[start, start + size)`` along ``dim``, read on indexing: a half of a
+    fused (E, 2I, H) gate_up tensor. ``source`` is a tensor or a lazily read
+    ``checkpoints.LazyTensor``; ``view[index]`` (slices) reads only the indexed part of it."""
+
+    source: object
+    dim: int
+    start: int
+    size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.source.shape)  # type: ignore[attr-defined]
+        shape[self.dim] = self.size
+        return tuple(shape)
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        parts = _index(index, len(self.shape))
+        begin, end, step = parts[self.dim].indices(self.size)
+        if step != 1:
+            raise TypeError(f"expert views take unit-step slices, got {parts[self.dim]!r}")
+        parts[self.dim] = slice(self.start + begin, self.start + max(begin, end))
+        return torch.as_tensor(self.source[tuple(parts)])  # type: ignore[index]
+
+
+@attrs.frozen(eq=False)
+class StackedView:
+    """Per-expert sources (each (I, H) or (H, I); tensors or ``LazyTensor``) seen as one (E, ...)
+    tensor: ``view[experts, rows, cols]`` reads those rows and columns of those experts only,
+    so a tensor-parallel rank reads its slice of every expert of a hub checkpoint."""
+
+    parts: tuple[object, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)  # type: ignore[attr-defined]
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        first, *rest = _index(index, len(self.shape))
+        return torch.stack([torch.as_tensor(p[tuple(rest)]) for p in self.parts[first]])  # type: ignore[index]
+
+
+def expert_views(state_dict: Mapping[str, object], cfg: ModelConfig) -> Mapping[str, object]:
+    """``state_dict`` with a MoE family's expert weights under the stacked names of
+    ``moe.MOE_KEY_MAP``, from either layout of its ``EXPERT_SOURCES``: transformers 5's fused
+    gate_up (split into two :class:`RangeView`) or the hub's per-expert tensors (each stacked
+    in a :class:`StackedView`), and the router under its in-memory name. Nothing is read here;
+    a layer with neither layout complete is left as it is (the check names what is missing).
+    Dense models: ``state_dict`` itself."""
+    if not cfg.num_experts:
+        return state_dict
+    sources = model_module(cfg.model_type).EXPERT_SOURCES
+    out = dict(state_dict)
+    stacked = STACKED_NAMES
+    for i in range(cfg.num_hidden_layers):
+        for alias in sources.router_aliases:
+            if alias.format(i=i) in out:
+                out[ROUTER_NAME.format(i=i)] = out.pop(alias.format(i=i))
+        fused = sources.fused_gate_up.format(i=i)
+        if fused in out:
+            source = out.pop(fused)
+            half = source.shape[1] // 2  # type: ignore[attr-defined]
+            out[stacked["gate"].format(i=i)] = RangeView(source, 1, 0, half)
+            out[stacked["up"].format(i=i)] = RangeView(source, 1, half, half)
+        for part, pattern in sources.per_expert.items():
+            names = [pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
+            if all(n in out for n in names):
+                out[stacked[part].format(i=i)] = StackedView(tuple(out.pop(n) for n in names))
+    return out
+
+
+def _whole(source: object, dtype: str) -> torch.Tensor:
+    """A weight whole in ``dtype``: a tensor as it is (no copy when it is already ``dtype`` and
+    contiguous), an expert view read."""
+    tensor = source if isinstance(source, torch.Tensor) else torch.as_tensor(source[:])  # type: ignore[index]
+    return tensor.to(torch_dtype(dtype)).contiguous()
+
+
+def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, Target]:
     """The one checkpoint check: raise CheckpointError listing missing, unexpected or
     mis-shaped tensors (expected vs found shape) of an HF-named ``state_dict`` (tensors, or
-    anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message.
-    Returns the key map to apply (HF name -> neuronfx name, tied ``lm_head.weight`` left out)."""
+    anything with a ``shape``) for ``cfg``'s family; ``source`` names it in the message. MoE
+    experts may come in either layout (:func:`expert_views`).
+    Returns the key map to apply to ``expert_views(state_dict, cfg)`` (HF name -> neuronfx name
+    or fused names, tied ``lm_head.weight`` left out)."""
+    state_dict = expert_views(state_dict, cfg)
     names = expand_key_map(cfg)
     required = dict(names)
     if cfg.tie_word_embeddings:
@@ -58,10 +212,10 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
         )
     shapes = expected_shapes(cfg)
     for hf, ours in required.items():
-        found = tuple(state_dict[hf].shape)  # type: ignore[attr-defined]
-        if found != shapes[ours]:
+        found, expected = tuple(state_dict[hf].shape), _target_shape(shapes, ours)  # type: ignore[attr-defined]
+        if found != expected:
             raise CheckpointError(
-                f"{source} tensor {hf!r} has shape {found}, expected {shapes[ours]} from the config; "
+                f"{source} tensor {hf!r} has shape {found}, expected {expected} from the config; "
                 "the checkpoint does not match its config.json."
             )
     return required
@@ -70,17 +224,20 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
 def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None) -> dict:
     """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
     in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
-    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). Layers that differ in
+    Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). A fused HF tensor is
+    split into its parts (:func:`split_fused`). Layers that differ in
     RoPE or mask also get their indices (:func:`layer_indices`).
 
     With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
     (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
-    lazily read safetensors slices, so a rank reads only its part of the file)."""
+    lazily read safetensors slices, so a rank reads only its part of the file). MoE experts are
+    stacked per layer from either checkpoint layout (:func:`expert_views`)."""
     required = check_state_dict(state_dict, cfg)
+    sources = split_fused(expert_views(state_dict, cfg), required, cfg)
     if shard is not None and shard.tp_degree > 1:
-        flat = {ours: read_shard(state_dict[hf], weight_split(shard, _base(ours)), dtype) for hf, ours in required.items()}
+        flat = {ours: read_shard(src, weight_split(shard, _base(ours)), dtype) for ours, src in sources.items()}
     else:
-        flat = {ours: state_dict[hf].to(torch_dtype(dtype)).contiguous() for hf, ours in required.items()}  # type: ignore[attr-defined]
+        flat = {ours: _whole(src, dtype) for ours, src in sources.items()}
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat | layer_indices(cfg), cfg.num_hidden_layers)
@@ -88,14 +245,17 @@ def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dt
 
 def layer_indices(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Per-layer ``rope_index`` and ``mask_index`` (0-d int64) when the layers differ in RoPE
-    or mask (``config.attention``): the compiled layer group reads them as data, so one group
-    serves every layer. Empty when all layers are alike."""
+    or mask (``config.attention``), and ``use_rope`` (0-d bool) when some layers are NoPE and
+    others not: the compiled layer group reads them as data, so one group serves every layer.
+    Empty when all layers are alike."""
     layout = attention_layout(cfg)
     if not layout.per_layer:
         return {}
     out = {}
     for i, (r, m) in enumerate(zip(layout.rope_index, layout.mask_index)):
         out |= {f"layers.{i}.rope_index": torch.tensor(r), f"layers.{i}.mask_index": torch.tensor(m)}
+        if ROPE_NONE in layout.ropes and len(layout.ropes) > 1:
+            out[f"layers.{i}.use_rope"] = torch.tensor(layout.ropes[r] != ROPE_NONE)
     return out
 
 
@@ -110,8 +270,8 @@ def read_shard(source: object, split: Split, dtype: str) -> torch.Tensor:
     ``split.dim`` with zeros for padding blocks, as a new contiguous tensor in ``dtype`` (never
     a view that would keep the whole weight alive)."""
     shape = tuple(source.shape)  # type: ignore[attr-defined]
-    if split.dim is None:
-        return torch.as_tensor(source[:]).to(torch_dtype(dtype)).clone()  # type: ignore[index]
+    if split.dim is None:  # whole (a 0-d tensor has no slice to read)
+        return torch.as_tensor(source[:] if shape else source).to(torch_dtype(dtype)).clone()  # type: ignore[index]
     parts = []
     for block in split.blocks:
         if block.start is None:

@@ -5,7 +5,9 @@ Read it as a template for your own. Each iteration of :func:`schedule`:
 1. admit: while requests wait and slots are free, prefill the oldest waiting ones (one step);
 2. decode: every running request advances (one step, padded to a batch bucket): by one token
    with ``decode_step``, or, when the runtime can speculate, by 1 to k tokens with
-   ``speculate_step`` (rows with no room left for k more tokens take a ``decode_step``);
+   ``speculate_step`` (rows with no room left for k more tokens take a ``decode_step``); a
+   longrope request reaching its switch length is recomputed whole (``refill_step``, see
+   :func:`rope_switch_refill`);
 3. retire: requests that met a stop condition release their slots.
 
 Plain and speculative requests share this bookkeeping and one stop rule, applied to every new
@@ -28,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from neuronfx.config.families import FAMILIES
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import InputError, SequenceLengthExceededError
 from neuronfx.runtime.runtime import Runtime
@@ -41,6 +44,7 @@ from neuronfx.runtime.steps import (
     check_prompts,
     decode_step,
     prefill_step,
+    refill_step,
     release,
 )
 
@@ -218,23 +222,50 @@ def step(
         queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0)
         state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events, speculative, first=True)
     running, queue = list(queue.running), attrs.evolve(queue, running=())
-    speculating = [r for r in running if speculative and _can_speculate(runtime, state, r)]
-    for rows, run, kind in ((speculating, speculate_step, SpeculateBatch),
-                            ([r for r in running if r not in speculating], decode_step, DecodeBatch)):
+    refilling = [r for r in running if state.cache_lens[r.slot] == rope_switch_refill(runtime)]
+    speculating = [r for r in running if r not in refilling and speculative and _can_speculate(runtime, state, r)]
+    for rows, run, kind in ((refilling, refill_step, None), (speculating, speculate_step, SpeculateBatch),
+                            ([r for r in running if r not in speculating + refilling], decode_step, DecodeBatch)):
         if not rows:
             continue
         t0 = time.perf_counter()
-        batch = kind(seq_ids=[r.slot for r in rows], input_ids=[r.tokens[-1] for r in rows], sampling=[r.request.sampling for r in rows])
+        if kind is None:  # refill: each row's whole sequence through the prefill graph
+            batch = PrefillBatch(seq_ids=[r.slot for r in rows], prompts=[r.request.prompt + r.tokens for r in rows],
+                                 sampling=[r.request.sampling for r in rows])
+        else:
+            batch = kind(seq_ids=[r.slot for r in rows], input_ids=[r.tokens[-1] for r in rows],
+                         sampling=[r.request.sampling for r in rows])
         out, state = run(runtime, state, batch)
         queue = attrs.evolve(queue, decode_s=queue.decode_s + time.perf_counter() - t0)
         state, queue = _finish_step(runtime, state, queue, rows, out, tokenizer, eos_token_ids, events, speculative)
     return events, state, queue
 
 
+def rope_switch_refill(runtime: Runtime) -> int | None:
+    """The cache length at which a request is recomputed (:func:`refill_step`) instead of
+    decoded, or None: longrope's ``original_max_position_embeddings`` L, when a whole sequence of
+    L + 1 tokens fits a prefill bucket. The token at position L is the first whose sequence is
+    longer than L, where longrope switches to its long factors (``graphs.layers.row_inv_freq``);
+    transformers' Phi-3 ``generate`` recomputes the cache there, and so does this scheduler for
+    the families whose registry entry says so (``Family.recompute_at_rope_switch``; the others
+    keep the keys cached before the switch, as transformers does for them). A plan whose prefill
+    buckets are shorter decodes on: the keys cached before the switch keep their short-factor
+    rotation (greedy tokens may then differ from transformers' past L)."""
+    model = runtime.plan.model
+    rs = model.rope_scaling
+    if (rs is None or rs.rope_type != "longrope" or not FAMILIES[model.model_type].recompute_at_rope_switch
+            or rs.original_max_position_embeddings >= runtime.plan.inference.max_context_length):
+        return None
+    return rs.original_max_position_embeddings
+
+
 def _can_speculate(runtime: Runtime, state: State, run: Progress) -> bool:
-    """The runtime can speculate and the request's slot has room for k more tokens."""
-    k = runtime.plan.inference.speculation_length
-    return runtime.can_speculate and state.cache_lens[run.slot] + k <= runtime.plan.inference.sequence_length
+    """The runtime can speculate, the request's slot has room for k more tokens and the k tokens
+    do not reach the longrope switch (the row decodes up to it, then is refilled)."""
+    k, n = runtime.plan.inference.speculation_length, state.cache_lens[run.slot]
+    switch = rope_switch_refill(runtime)
+    crosses = switch is not None and n <= switch < n + k
+    return runtime.can_speculate and n + k <= runtime.plan.inference.sequence_length and not crosses
 
 
 def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progress], out: StepOutput, tokenizer: Any,

@@ -354,6 +354,59 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
                       batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
 
 
+def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
+    """Recompute live slots ``batch.seq_ids`` from scratch and decode one token each:
+    ``batch.prompts[b]`` is row b's whole sequence so far (prompt and generated tokens, the
+    last one the token a decode step would feed), run through the prefill graph, which rewrites
+    the slot's K/V at every position; the slot keeps its request (generated count, output
+    counts and prompt mask, as a decode step would see them).
+
+    What it is for: longrope switches to its long factors once a row's sequence is longer than
+    ``original_max_position_embeddings``, and transformers' Phi-3 ``generate`` then recomputes the
+    whole cache with them (``Phi3ForCausalLM.prepare_inputs_for_generation`` drops the cache);
+    the scheduler calls this at that token (``rope_switch_refill``), so greedy tokens match it.
+    Raises what :func:`prefill_step` raises for its rows (the slots must be live) and InputError
+    when a row's sequence is not its slot's cache_len + 1 tokens.
+    """
+    check_state(runtime, state)
+    plan = runtime.plan
+    check_batch(batch, PrefillBatch)
+    check_rows(runtime, batch.seq_ids, batch.prompts, "refill")
+    check_rows(runtime, batch.seq_ids, batch.sampling, "refill")
+    check_slots(state, batch.seq_ids, live=True)
+    check_prompts(runtime, batch.prompts)
+    check_params(runtime, batch.sampling)
+    for s, row in zip(batch.seq_ids, batch.prompts):
+        if len(row) != state.cache_lens[s] + 1:
+            raise InputError(f"refill of slot {s}: {len(row)} tokens given, the slot holds {state.cache_lens[s]}; "
+                             "give its whole sequence (prompt, generated tokens and the new token).")
+
+    slots, n = list(batch.seq_ids), len(batch.seq_ids)
+    generated = [state.generated[s] for s in slots]
+    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
+    bucket = select_bucket(plan.prefill_buckets, max(len(p) for p in batch.prompts), "prompt length")
+    rand, next_key = draws(state.rng_key, batch.sampling, generated, bsz)
+    sampler = decode_sampler(runtime, state, slots, batch.sampling, generated, rand, bsz)
+    ids, positions, seq_ids = token_inputs(runtime, bsz, bucket, slots, batch.prompts, [0] * n)
+    lens = torch.tensor(pad([len(p) for p in batch.prompts], bsz, 1), dtype=torch.int32)
+    inputs = PrefillInputs(input_ids=ids, position_ids=positions, seq_ids=seq_ids, prompt_lens=lens, sampler=sampler)
+    out = call_graph(runtime, state.kv, "prefill", bsz, bucket, inputs)
+    draft = None
+    if runtime.draft is not None:
+        greedy = attrs.evolve(batch, sampling=[SamplingParams()] * n)
+        draft = refill_step(runtime.draft, state.draft, greedy)[1]
+    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
+    finite = row_finite(out, n)
+    new_lens, new_generated = list(state.cache_lens), list(state.generated)
+    for s in slots:
+        new_lens[s] += 1
+        new_generated[s] += 1
+    new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key, draft=draft)
+    count_tokens(new, slots, single(tokens))  # after the lease is revoked (see prefill_step)
+    return StepOutput(tokens=tokens, new_tokens=single(tokens), logits=logits, logprobs=logprobs, bucket=bucket,
+                      batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
+
+
 def _follow_draft(runtime: Runtime, state: State, slots: Sequence[int], input_ids: Sequence[int]) -> State | None:
     """The draft runtime's state after writing ``input_ids`` at each slot's cache_len (a plain
     decode step keeps the draft's cache in step with the target's), or None without one."""

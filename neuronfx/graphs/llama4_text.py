@@ -1,0 +1,119 @@
+"""Llama 4 text model (HF ``model_type`` "llama4_text", ``Llama4ForCausalLM``): Llama's
+attention with interleaved-pair RoPE, chunked local attention on RoPE layers and full attention
+on NoPE layers (every ``no_rope_layer_interval``-th), L2-normalised q and k on RoPE layers
+(``use_qk_norm``), attention temperature tuning of q on NoPE layers, and a mixture-of-experts
+feed-forward in every layer: a sigmoid-scored top-k router whose experts take the token already
+multiplied by its score, plus a shared expert.
+
+The NoPE layers' "RoPE table" (``phases._rope_tables``) holds the temperature scale of each
+position (cos) and 0 (sin); each layer picks its table and mask by index and, when layers differ,
+reads its ``use_rope`` flag (``graphs.weights.layer_indices``), so one compiled layer group serves
+RoPE and NoPE layers. Interleaved dense / MoE layers (``interleave_moe_layer_step`` > 1, the 128E
+model) are not supported (their weights differ per layer). Reference: transformers
+``models/llama4/modeling_llama4.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from neuronfx.config.model import ModelConfig
+from neuronfx.graphs import llama, moe
+from neuronfx.graphs.layers import Attend, LayerWeights, glu_mlp, merge_heads, rms_norm
+from neuronfx.graphs.ops import Ops
+
+MOE_KEY_MAP = {
+    "model.layers.{i}.feed_forward.router.weight": "layers.{i}.router",
+    "model.layers.{i}.feed_forward.experts.gate_up_proj": "layers.{i}.experts_gate_up_t",
+    "model.layers.{i}.feed_forward.experts.down_proj": "layers.{i}.experts_down_t",
+    "model.layers.{i}.feed_forward.shared_expert.gate_proj.weight": "layers.{i}.gate",
+    "model.layers.{i}.feed_forward.shared_expert.up_proj.weight": "layers.{i}.up",
+    "model.layers.{i}.feed_forward.shared_expert.down_proj.weight": "layers.{i}.down",
+}
+# Llama 4 checkpoints (hub and transformers 5 alike) keep experts fused in the layout the key map
+# reads as it is: no per-expert or split views (graphs.weights.expert_views).
+EXPERT_SOURCES = moe.ExpertSources(fused_gate_up="", per_expert={})
+GATHER_MAX_ROWS = 8
+"""Tokens per step up to which each token gathers its top-k experts' weights (decode: reads
+k of E experts); above it every expert runs on every token with zero scores for the others."""
+
+
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Llama's attention and norm names, the MoE feed-forward's in place of the MLP's."""
+    mlp = {"model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.down_proj.weight"}
+    return {k: v for k, v in llama.key_map(cfg).items() if k not in mlp} | MOE_KEY_MAP
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Llama's attention shapes; router (E, hidden), experts in transformers' input-major layout
+    (E, hidden, 2 * I) and (E, I, hidden) (``_t``: transposed against graphs/moe.py's stacked
+    experts, so no tensor-parallel rule applies to them), shared expert (I, hidden) x 2 and
+    (hidden, I)."""
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return llama.layer_shapes(cfg) | {"router": (e, h), "experts_gate_up_t": (e, h, 2 * i), "experts_down_t": (e, i, h)}
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x[2i], x[2i+1]) rotated by frequency i, in fp32 (transformers'
+    complex ``apply_rotary_emb``); x (B, H, T, D), cos/sin (B, 1, T, D) in rotate-half layout
+    (their first D/2 columns hold the D/2 frequencies)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32, no weight (``Llama4TextL2Norm``)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              attend: Attend) -> torch.Tensor:
+    """x (B, T, hidden) -> attention output (B, T, hidden). RoPE layers rotate q and k (then L2
+    norm when ``qk_l2_norm``); NoPE layers multiply q by the temperature in ``cos`` (their table)."""
+    q, k, v = llama.qkv_heads(cfg, ops, lw, x)
+    rope_q, rope_k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
+    if cfg.qk_l2_norm:
+        rope_q, rope_k = l2_norm(rope_q, cfg.rms_norm_eps), l2_norm(rope_k, cfg.rms_norm_eps)
+    nope_q = (q.float() * cos[..., :1].float()).to(q.dtype) if cfg.attn_temperature_tuning else q
+    if not cfg.rope_layers or all(cfg.rope_layers):  # every layer rotates
+        q, k = rope_q, rope_k
+    elif not any(cfg.rope_layers):  # none does
+        q = nope_q
+    else:  # layers differ: this layer's flag (graphs.weights.layer_indices)
+        q, k = torch.where(lw["use_rope"], rope_q, nope_q), torch.where(lw["use_rope"], rope_k, k)
+    out = ops.parallel_out(ops.linear(merge_heads(attend(q, k, v)), lw["wo"], None))
+    return out + lw["bo"] if cfg.attention_output_bias else out
+
+
+def moe(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """Llama 4's MoE feed-forward, x (B, T, hidden) -> (B, T, hidden): the shared expert plus,
+    for each of the top-k experts by router logit, expert(x * sigmoid(logit)) (``Llama4TextMoe``;
+    the other experts' scores are sigmoid(-inf) = 0). Up to GATHER_MAX_ROWS tokens gather their k
+    experts' weights; more run all E experts densely (an expert of a zero input outputs zero)."""
+    logits = ops.linear(x, lw["router"], None)  # (B, T, E)
+    top_logits, top_experts = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
+    if x.shape[0] * x.shape[1] <= GATHER_MAX_ROWS:  # static: tokens this graph runs
+        scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (B, T, k)
+        gate_up = lw["experts_gate_up_t"][top_experts]  # (B, T, k, hidden, 2I): only k experts read
+        down = lw["experts_down_t"][top_experts]  # (B, T, k, I, hidden)
+        routed_in = x[..., None, :] * scores[..., None]  # (B, T, k, hidden)
+        gate, up = torch.einsum("btkh,btkhi->btki", routed_in, gate_up).chunk(2, dim=-1)
+        routed = torch.einsum("btki,btkih->btkh", up * F.silu(gate), down).sum(-2)
+    else:
+        full = torch.full_like(logits, float("-inf")).scatter(-1, top_experts, top_logits)
+        scores = torch.sigmoid(full.float()).to(x.dtype)  # (B, T, E)
+        routed_in = x[..., None, :] * scores[..., None]  # (B, T, E, hidden)
+        gate, up = torch.einsum("bteh,ehi->btei", routed_in, lw["experts_gate_up_t"]).chunk(2, dim=-1)
+        routed = torch.einsum("btei,eih->bteh", up * F.silu(gate), lw["experts_down_t"]).sum(-2)
+    return glu_mlp(ops, lw, x) + routed
+
+
+def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden)."""
+    h = h + attention(cfg, ops, lw, rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps), cos, sin, attend)
+    return h + moe(cfg, ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps))
