@@ -68,10 +68,10 @@ _HF_CLASSES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),  # head_dim != hidden / heads
     # Granite's four scalars away from 1 (granite-3's are 12, 0.22, 1/128 and 8)
     "granite": (GraniteConfig, GraniteForCausalLM, {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
-                                                    "attention_multiplier": 0.1, "logits_scaling": 2.0}),
+                                                    "attention_multiplier": 0.1, "logits_scaling": 2.0, "vocab_size": 257}),
     # Layer 1 of 2 is NoPE (no_rope_layers [1, 0]); its config's token ids lie outside the tiny vocabulary
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, {"no_rope_layer_interval": 2, "pad_token_id": None,
-                                                    "bos_token_id": None, "eos_token_id": None}),
+                                                    "bos_token_id": None, "eos_token_id": None, "vocab_size": 257}),
     "gemma3_text": (Gemma3TextConfig, gemma3_random_norms, GEMMA3),
     # Layer 0 RoPE with chunks of 6 tokens, layer 1 NoPE with temperature tuning (floor 4 tokens),
     # 4 experts top-2 and a shared expert; weights 5x transformers' default scale so the experts

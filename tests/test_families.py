@@ -1,5 +1,5 @@
 """Families beyond the first four, end to end from a directory transformers saved: smollm3 (NoPE
-layers) and llama4 text (MoE, chunked and NoPE layers). Each loads through ``load_checkpoint``
+layers), llama4 text (MoE, chunked and NoPE layers) and granite (its scalars, with every bias). Each loads through ``load_checkpoint``
 with its config and weights intact, generates through the CLI exactly transformers' greedy
 tokens, and runs in bf16 within the bound the bf16 tests use. Logits and greedy tokens per
 backend are in test_models.py (``EAGER`` and the shared compiled runtimes)."""
@@ -18,7 +18,8 @@ import neuronfx
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config.model import ModelConfig
 
-FAMILIES = {"smollm3": {"use_sliding_window": True, "sliding_window": 6}, "llama4_text": {}}
+FAMILIES = {"smollm3": {"use_sliding_window": True, "sliding_window": 6}, "llama4_text": {},
+            "granite": {"attention_bias": True, "mlp_bias": True}}
 
 
 def save_with_tokenizer(model: torch.nn.Module, path: Path) -> Path:
@@ -82,3 +83,29 @@ def test_attention_biases_match_transformers(model_type):
         for i in range(4):
             ref = hf_last_logits(hf, prompt + tokens[0][:i])
             torch.testing.assert_close(logits[0][i], ref, atol=1e-4, rtol=0)
+
+
+# Inductor for the families whose compiled coverage is not elsewhere (llama: SmolLM2; qwen2,
+# llama4: conftest; phi3, gemma3, qwen3_moe: their files): one runtime each, batch 2, one bucket
+# per phase (2 graphs), so the compiled layer group runs each family's own layer.
+COMPILED = {"granite": ("granite", {"attention_bias": True}), "smollm3-window": ("smollm3", FAMILIES["smollm3"]),
+            "mixtral": ("mixtral", {})}
+
+
+@pytest.fixture(scope="module", params=COMPILED)
+def compiled(request):
+    model_type, overrides = COMPILED[request.param]
+    hf = tiny_hf_model(model_type, seed=24, **overrides)
+    return hf, tiny_runtime(hf, "inductor", batch_size=2, prefill_buckets=(32,), decode_buckets=(64,))
+
+
+def test_inductor_logits_and_greedy_tokens_match_transformers(compiled):
+    hf, rt = compiled
+    prompts = [random_prompt(17, seed=31), random_prompt(9, seed=32)]  # ragged, past the window of 6
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], prompts, 3)
+    for row, prompt in enumerate(prompts):
+        for i in range(3):
+            torch.testing.assert_close(logits[row][i], hf_last_logits(hf, prompt + tokens[row][:i]), atol=1e-4, rtol=0)
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=24, eos_token_ids=[])
+    for prompt, got in zip(prompts, result.token_ids, strict=True):
+        assert list(got) == hf_greedy(hf, prompt, 24)
