@@ -35,7 +35,7 @@ demo: $(STAMP)
 # --durations: CI output lists the slowest tests, so a slow newcomer shows at once. Two xdist
 # workers (one per core here); tests/conftest.py groups the files that share expensive fixtures.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

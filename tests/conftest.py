@@ -28,19 +28,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="neuronfx-test-cache-")
 
-# `make test` runs two pytest-xdist workers with --dist loadgroup: each file is one group (its
-# module fixtures built once), and files sharing a session fixture share a group, so the shared
-# compiled runtimes and the real model are each built in one worker only.
+# `make test` runs two pytest-xdist workers, each given whole files (its module fixtures built
+# once); files sharing a session fixture go to one worker together, so the shared compiled
+# runtimes and the real model are each built once. (xdist's own --dist loadgroup cannot do this
+# on pytest 9: it renames node ids through an attribute pytest 9 no longer reads.)
 XDIST_GROUPS = {
     "test_models.py": "shared-compiled", "test_faults.py": "shared-compiled", "test_artifacts.py": "shared-compiled",
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(item.path.name, item.path.name)))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's per-file scheduling with the files of XDIST_GROUPS sharing a work unit."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return XDIST_GROUPS.get(os.path.basename(path), path)
+
+    return SharedFixtureScheduling(config, log)
 
 
 # --- compiled tiny runtimes, built once per session ----------------------------------------------
