@@ -489,3 +489,18 @@ def test_plan_to_dict_holds_only_sources():
     plan = make_plan(tiny_model(), InferenceConfig(), checkpoint="ckpt")
     assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint", "rank"}
     assert plan_to_dict(plan)["inference"]["prefill_buckets"] is None
+
+
+def test_layer_period_of_mixed_dense_and_moe_layers():
+    from neuronfx.config.attention import layer_kinds, layer_period
+    from neuronfx.graphs.inductor import layer_group_size
+
+    moe = dict(model_type="llama4_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    m = tiny_model(**moe, num_hidden_layers=6, moe_layers=(1, 3, 5), dense_intermediate_size=96)
+    assert layer_kinds(m) == ("dense", "moe") * 3
+    assert layer_period(m, 6) == 2 and layer_period(m, 1) == 1  # a 1-layer draft repeats trivially
+    assert layer_group_size(48, period=2) == 8 and layer_group_size(6, period=2) == 6 and layer_group_size(30) == 10
+    assert layer_period(tiny_model(**moe, num_hidden_layers=6, moe_layers=(1, 2), dense_intermediate_size=96), 6) == 6
+    assert layer_period(tiny_model(), 3) == 1
+    with pytest.raises(ConfigError, match="moe_layers="):
+        tiny_model(**moe, moe_layers=(3,), dense_intermediate_size=96)

@@ -31,6 +31,7 @@ EAGER = {
     "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 6}),  # layer 1 NoPE and sliding
     "gemma3": ("gemma3_text", {}),  # layer 0 slides over 5 (local RoPE base), layer 1 global; helpers.GEMMA3
     "llama4": ("llama4_text", {}),  # layer 0 chunked RoPE, layer 1 NoPE; MoE
+    "llama4-dense": ("llama4_text", {"interleave_moe_layer_step": 2, "intermediate_size_mlp": 96}),  # layer 0 dense MLP
     "mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
 }
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",

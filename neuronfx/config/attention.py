@@ -64,3 +64,20 @@ def attention_layout(model: ModelConfig) -> AttentionLayout:
     ropes, rope_index = _distinct([layer_rope(model, i) for i in layers])
     masks, mask_index = _distinct([layer_mask(model, i) for i in layers])
     return AttentionLayout(ropes, masks, rope_index, mask_index)
+
+
+def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
+    """Each layer's weight structure: "moe" or "dense" where ``moe_layers`` mixes them (llama4),
+    else "same" for every layer."""
+    if not model.moe_layers:
+        return ("same",) * model.num_hidden_layers
+    return tuple("moe" if i in model.moe_layers else "dense" for i in range(model.num_hidden_layers))
+
+
+def layer_period(model: ModelConfig, num_layers: int) -> int:
+    """The smallest p dividing ``num_layers`` with the first ``num_layers`` layers' structure
+    repeating every p layers (1 when all are alike; ``num_layers`` when nothing repeats): a
+    compiled layer group of a multiple of p layers serves every group."""
+    kinds = layer_kinds(model)[:num_layers]
+    return min(p for p in range(1, num_layers + 1) if num_layers % p == 0 and all(
+        kinds[i] == kinds[i % p] for i in range(num_layers)))

@@ -126,14 +126,13 @@ REFUSED: dict[str, str] = {
               "google/gemma-3-1b-it), or save Gemma3ForCausalLM's weights and text config with save_pretrained()",
 }
 def _llama4_text(hf_config: Any) -> dict[str, Any]:
-    layers = hf_config.num_hidden_layers
-    if list(hf_config.moe_layers) != list(range(layers)):
-        raise UnsupportedModelError(
-            f"llama4 moe_layers={list(hf_config.moe_layers)} (interleave_moe_layer_step="
-            f"{hf_config.interleave_moe_layer_step}): dense layers between MoE layers are not supported; "
-            "only configs whose every layer is MoE (interleave_moe_layer_step=1, the 16E model) are."
-        )
+    # Llama4TextDecoderLayer: layers in moe_layers (every interleave_moe_layer_step-th by default)
+    # are MoE with a shared expert of intermediate_size; the others dense MLPs of intermediate_size_mlp.
+    moe_layers = tuple(int(i) for i in hf_config.moe_layers)
+    dense = moe_layers != tuple(range(hf_config.num_hidden_layers))
     return {
+        "moe_layers": moe_layers if dense else (),
+        "dense_intermediate_size": hf_config.intermediate_size_mlp if dense else 0,
         **_attention_biases(hf_config),
         "rope_layers": tuple(bool(x) for x in hf_config.no_rope_layers),  # 1: the layer uses RoPE
         "attention_chunk_size": hf_config.attention_chunk_size,

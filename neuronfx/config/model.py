@@ -124,6 +124,15 @@ def _check_topk(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> No
         raise ConfigError(f"ModelConfig.num_experts_per_tok={value} needs num_experts > 0; pass 0 for a dense model.")
 
 
+def _check_moe_layers(inst: ModelConfig, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if value and (not inst.num_experts or not inst.dense_intermediate_size or sorted(set(value)) != list(value)
+                  or not all(0 <= i < inst.num_hidden_layers for i in value)):
+        raise ConfigError(
+            f"moe_layers={value} must be increasing layer indices in [0, num_hidden_layers={inst.num_hidden_layers}) of a "
+            "model with num_experts > 0 and dense_intermediate_size > 0 (the other layers' MLP width); () = every layer MoE."
+        )
+
+
 def _check_expert_width(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_experts and not value:
         raise ConfigError("ModelConfig.moe_intermediate_size=0 with num_experts > 0; pass each expert's MLP width.")
@@ -167,7 +176,9 @@ class ModelConfig:
     per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
     ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
     (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
-    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model).
+    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model); ``moe_layers``
+    (llama4: the MoE layers when others are dense, whose MLPs are ``dense_intermediate_size``
+    wide; () = every layer MoE).
     Gemma3's: ``hidden_act`` (the MLP's gate activation, transformers' ``ACT2FN`` name; each
     family implements its registry entry's ``activations``), ``norm_unit_offset`` (RMSNorm
     weights are offsets from 1: ``(x * (1 + w))`` in fp32, then cast, transformers'
@@ -213,6 +224,8 @@ class ModelConfig:
     num_experts_per_tok: int = attrs.field(default=0, validator=[non_negative_int, _check_topk])
     norm_topk_prob: bool = attrs.field(default=False, validator=boolean)
     moe_intermediate_size: int = attrs.field(default=0, validator=[non_negative_int, _check_expert_width])
+    moe_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_moe_layers)
+    dense_intermediate_size: int = attrs.field(default=0, validator=non_negative_int)
     qk_l2_norm: bool = attrs.field(default=False, validator=boolean)
     attn_temperature_tuning: bool = attrs.field(default=False, validator=boolean)
     floor_scale: float = attrs.field(default=8192.0, validator=positive_number)

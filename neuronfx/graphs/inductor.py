@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+from neuronfx.config.attention import layer_period
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import ArtifactError
 from neuronfx.graphs.inputs import KVCache, example_inputs
@@ -38,9 +39,11 @@ MAX_LAYER_GROUP = 10
 ones cut compile time (it grows with the traced graph)."""
 
 
-def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP) -> int:
-    """Largest divisor of ``num_layers`` not above ``limit`` (SmolLM2's 30 layers -> 10)."""
-    return max(d for d in range(1, min(num_layers, limit) + 1) if num_layers % d == 0)
+def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int = 1) -> int:
+    """Largest divisor of ``num_layers`` that is a multiple of ``period`` (the layers' structure
+    repeats every ``period`` layers, ``config.attention.layer_period``) and not above ``limit``
+    unless ``period`` is (SmolLM2's 30 layers -> 10)."""
+    return max(d for d in range(period, max(min(num_layers, limit), period) + 1, period) if num_layers % d == 0)
 
 
 class PrecompiledPart:
@@ -69,7 +72,8 @@ def private_dir(source: Path | None = None) -> Path:
 def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> GraphModule:
     """Compile one (phase, batch, bucket) graph now: one run on the template ``kv`` (call it
     inside the runtime's private cache directory, see :func:`in_dir`)."""
-    group = layer_group_size(phase_num_layers(plan, spec.phase))
+    n = phase_num_layers(plan, spec.phase)
+    group = layer_group_size(n, period=layer_period(plan.model, n))
     graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=group, wrap=PrecompiledPart)
     with torch.no_grad():
         graph(weights, kv, example_inputs(plan, spec))
@@ -131,5 +135,6 @@ def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
         with open(src / name, "rb") as f:
             fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
     layers = phase_num_layers(plan, spec.phase)
-    parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=layer_group_size(layers))
+    group = layer_group_size(layers, period=layer_period(plan.model, layers))
+    parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=group)
     return GraphModule(parts, spec.phase, layers)

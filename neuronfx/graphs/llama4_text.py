@@ -8,9 +8,11 @@ multiplied by its score, plus a shared expert.
 The NoPE layers' "RoPE table" (``phases._rope_tables``) holds the temperature scale of each
 position (cos) and 0 (sin); each layer picks its table and mask by index and, when layers differ,
 reads its ``use_rope`` flag (``graphs.weights.layer_indices``), so one compiled layer group serves
-RoPE and NoPE layers. Interleaved dense / MoE layers (``interleave_moe_layer_step`` > 1, the 128E
-model) are not supported (their weights differ per layer). Reference: transformers
-``models/llama4/modeling_llama4.py``.
+RoPE and NoPE layers. With ``interleave_moe_layer_step`` > 1 (the 128E model) the layers outside
+``moe_layers`` have a dense SwiGLU MLP instead (``dense_*`` weights of ``dense_intermediate_size``):
+a layer's weights say which feed-forward it has, and the inductor backend compiles one group of
+a whole number of periods of the pattern (``config.attention.layer_period``), so every group
+has the same structure. Reference: transformers ``models/llama4/modeling_llama4.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ MOE_KEY_MAP = {
     "model.layers.{i}.feed_forward.shared_expert.up_proj.weight": "layers.{i}.up",
     "model.layers.{i}.feed_forward.shared_expert.down_proj.weight": "layers.{i}.down",
 }
+DENSE_KEY_MAP = {  # layers outside moe_layers: Llama4TextMLP of intermediate_size_mlp
+    "model.layers.{i}.feed_forward.gate_proj.weight": "layers.{i}.dense_gate",
+    "model.layers.{i}.feed_forward.up_proj.weight": "layers.{i}.dense_up",
+    "model.layers.{i}.feed_forward.down_proj.weight": "layers.{i}.dense_down",
+}
 # Llama 4 checkpoints (hub and transformers 5 alike) keep experts fused in the layout the key map
 # reads as it is: no per-expert or split views (graphs.weights.expert_views).
 EXPERT_SOURCES = moe.ExpertSources(fused_gate_up="", per_expert={})
@@ -40,18 +47,25 @@ k of E experts); above it every expert runs on every token with zero scores for 
 
 
 def key_map(cfg: ModelConfig) -> dict[str, str]:
-    """Llama's attention and norm names, the MoE feed-forward's in place of the MLP's."""
-    mlp = {"model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.down_proj.weight"}
-    return {k: v for k, v in llama.key_map(cfg).items() if k not in mlp} | MOE_KEY_MAP
+    """Llama's attention and norm names, the MoE feed-forward's in place of the MLP's; with
+    ``moe_layers``, each layer's own (MoE or dense) names, spelled out per layer."""
+    attention = llama.attention_key_map(cfg)
+    if not cfg.moe_layers:
+        return attention | MOE_KEY_MAP
+    for i in range(cfg.num_hidden_layers):
+        ffn = MOE_KEY_MAP if i in cfg.moe_layers else DENSE_KEY_MAP
+        attention |= {hf.format(i=i): ours.format(i=i) for hf, ours in ffn.items()}
+    return attention
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Llama's attention shapes; router (E, hidden), experts in transformers' input-major layout
     (E, hidden, 2 * I) and (E, I, hidden) (``_t``: transposed against graphs/moe.py's stacked
     experts, so no tensor-parallel rule applies to them), shared expert (I, hidden) x 2 and
-    (hidden, I)."""
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    return llama.layer_shapes(cfg) | {"router": (e, h), "experts_gate_up_t": (e, h, 2 * i), "experts_down_t": (e, i, h)}
+    (hidden, I); with dense layers also their MLP (D, hidden) x 2 and (hidden, D)."""
+    e, h, i, d = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.dense_intermediate_size
+    shapes = llama.layer_shapes(cfg) | {"router": (e, h), "experts_gate_up_t": (e, h, 2 * i), "experts_down_t": (e, i, h)}
+    return shapes | ({"dense_gate": (d, h), "dense_up": (d, h), "dense_down": (h, d)} if d else {})
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,8 +126,16 @@ def moe(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.
     return glu_mlp(ops, lw, x) + routed
 
 
+def dense_mlp(ops: Ops, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """A dense layer's SwiGLU MLP (``Llama4TextMLP``), x (B, T, hidden) -> (B, T, hidden)."""
+    return ops.linear(ops.glu(x, lw["dense_gate"], lw["dense_up"]), lw["dense_down"], None)
+
+
 def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   attend: Attend) -> torch.Tensor:
-    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden)."""
+    """One pre-norm decoder layer: h (B, T, hidden) -> (B, T, hidden). Its feed-forward is the
+    MoE when its weights hold a router (a layer of ``moe_layers``, or every layer), else dense:
+    the weights' structure is static, so a traced group fixes it per layer position."""
     h = h + attention(cfg, ops, lw, rms_norm(h, lw["attn_norm"], cfg.rms_norm_eps), cos, sin, attend)
-    return h + moe(cfg, ops, lw, rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps))
+    x = rms_norm(h, lw["mlp_norm"], cfg.rms_norm_eps)
+    return h + (moe(cfg, ops, lw, x) if "router" in lw else dense_mlp(ops, lw, x))
