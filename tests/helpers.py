@@ -188,3 +188,15 @@ def run_steps(
             logits[r].append(out.logits[r].clone())
         buckets.append(out.bucket)
     return tokens, logits, buckets, state
+
+
+def bf16_logit_errors(hf_model: PreTrainedModel, steps: int = 8) -> list[float]:
+    """Max |logit error| per decode step of an eager bf16 run (batch 1, prompt of 11) against
+    transformers in fp32 on the same weights rounded to bf16 (``hf_model`` is rounded in place)."""
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    rt = tiny_runtime(hf_model, "eager", batch_size=1, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(64,))
+    prompt = random_prompt(11, seed=5)
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], steps)
+    return [(logits[0][i] - hf_last_logits(hf_model, prompt + tokens[0][:i])).abs().max().item() for i in range(steps)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy, hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import bf16_logit_errors, hf_greedy, hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 from test_cli import run_json
 from test_lowp import BF16_LOGIT_BOUND
 
@@ -54,16 +54,8 @@ def test_saved_directory_loads_and_the_cli_matches_transformers(family, tmp_path
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_logits_track_the_fp32_reference(family):
-    hf = tiny_hf_model(family, seed=22, **FAMILIES[family])
-    with torch.no_grad():  # the reference runs the bf16-rounded weights in fp32
-        for p in hf.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    rt = tiny_runtime(hf, "eager", batch_size=1, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(64,))
-    prompt = random_prompt(11, seed=5)
-    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], 8)
-    for i in range(8):
-        err = (logits[0][i] - hf_last_logits(hf, prompt + tokens[0][:i])).abs().max().item()
-        assert err < BF16_LOGIT_BOUND, f"step {i}: max |logit error| {err:.4f}"
+    errors = bf16_logit_errors(tiny_hf_model(family, seed=22, **FAMILIES[family]))
+    assert max(errors) < BF16_LOGIT_BOUND, errors
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2"])

@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GEMMA3, GREEDY, TINY, hf_greedy, hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import (
+    GEMMA3,
+    GREEDY,
+    TINY,
+    bf16_logit_errors,
+    hf_greedy,
+    hf_last_logits,
+    random_prompt,
+    tiny_hf_model,
+    tiny_runtime,
+)
 from transformers import Gemma3Config, Gemma3TextConfig
 
 import neuronfx
@@ -167,16 +177,8 @@ def test_self_speculation_equals_plain_greedy(hf):
 def test_bf16_decode_logits_track_fp32_reference():
     """bf16 graphs against transformers in fp32 on the same bf16-rounded weights, within
     test_lowp.py's bound (0.06 on these logits)."""
-    hf = tiny_hf_model("gemma3_text", seed=22)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    rt = tiny_runtime(hf, "eager", batch_size=1, dtype="bfloat16", prefill_buckets=(32,), decode_buckets=(64,))
-    prompt = random_prompt(11, seed=5)
-    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], 8)
-    for i in range(8):
-        err = (logits[0][i] - hf_last_logits(hf, prompt + tokens[0][:i])).abs().max().item()
-        assert err < 0.06, f"step {i}: max |logit error| {err:.4f}"
+    errors = bf16_logit_errors(tiny_hf_model("gemma3_text", seed=22))
+    assert max(errors) < 0.06, errors
 
 
 # --- a saved directory: load_checkpoint and the CLI ---------------------------------------------

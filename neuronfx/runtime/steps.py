@@ -235,6 +235,18 @@ def single(tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
 # --- steps --------------------------------------------------------------------------------------
 
 
+def check_prefill_batch(runtime: Runtime, state: State, batch: PrefillBatch, what: str, live: bool) -> None:
+    """Every check of a prefill (``live=False``: free slots) or refill (``live=True``) batch,
+    before anything changes; raises what :func:`prefill_step` documents."""
+    check_state(runtime, state)
+    check_batch(batch, PrefillBatch)
+    check_rows(runtime, batch.seq_ids, batch.prompts, what)
+    check_rows(runtime, batch.seq_ids, batch.sampling, what)
+    check_slots(state, batch.seq_ids, live=live)
+    check_prompts(runtime, batch.prompts)
+    check_params(runtime, batch.sampling)
+
+
 def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
     """Prefill ``batch.prompts`` into free slots ``batch.seq_ids``; returns each row's first token.
 
@@ -245,14 +257,8 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     or live), EmptyPromptError, PromptTooLongError (> max_context_length), TokenOutOfVocabError,
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
-    check_state(runtime, state)
+    check_prefill_batch(runtime, state, batch, "prefill", live=False)
     plan = runtime.plan
-    check_batch(batch, PrefillBatch)
-    check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
-    check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
-    check_slots(state, batch.seq_ids, live=False)
-    check_prompts(runtime, batch.prompts)
-    check_params(runtime, batch.sampling)
 
     n, vocab = len(batch.prompts), plan.model.vocab_size
     bsz = select_bucket(plan.batch_buckets, n, "batch rows")
@@ -342,16 +348,7 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     positions = [state.cache_lens[s] for s in slots]
     out, bsz, bucket = one_token(runtime, state.kv, "decode", slots, batch.input_ids, positions, sampler, n)
     draft = _follow_draft(runtime, state, slots, batch.input_ids)
-    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
-    finite = row_finite(out, n)
-    new_lens, new_generated = list(state.cache_lens), list(state.generated)
-    for s in slots:
-        new_lens[s] += 1
-        new_generated[s] += 1
-    new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key, draft=draft)
-    count_tokens(new, slots, single(tokens))  # after the lease is revoked (see prefill_step)
-    return StepOutput(tokens=tokens, new_tokens=single(tokens), logits=logits, logprobs=logprobs, bucket=bucket,
-                      batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
+    return _one_token_each(runtime, state, slots, batch.sampling, out, sampler, next_key, draft, bucket, bsz)
 
 
 def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
@@ -368,14 +365,8 @@ def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[St
     Raises what :func:`prefill_step` raises for its rows (the slots must be live) and InputError
     when a row's sequence is not its slot's cache_len + 1 tokens.
     """
-    check_state(runtime, state)
+    check_prefill_batch(runtime, state, batch, "refill", live=True)
     plan = runtime.plan
-    check_batch(batch, PrefillBatch)
-    check_rows(runtime, batch.seq_ids, batch.prompts, "refill")
-    check_rows(runtime, batch.seq_ids, batch.sampling, "refill")
-    check_slots(state, batch.seq_ids, live=True)
-    check_prompts(runtime, batch.prompts)
-    check_params(runtime, batch.sampling)
     for s, row in zip(batch.seq_ids, batch.prompts):
         if len(row) != state.cache_lens[s] + 1:
             raise InputError(f"refill of slot {s}: {len(row)} tokens given, the slot holds {state.cache_lens[s]}; "
@@ -395,8 +386,15 @@ def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[St
     if runtime.draft is not None:
         greedy = attrs.evolve(batch, sampling=[SamplingParams()] * n)
         draft = refill_step(runtime.draft, state.draft, greedy)[1]
-    tokens, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
-    finite = row_finite(out, n)
+    return _one_token_each(runtime, state, slots, batch.sampling, out, sampler, next_key, draft, bucket, bsz)
+
+
+def _one_token_each(runtime: Runtime, state: State, slots: list[int], sampling: Sequence[SamplingParams], out: dict,
+                    sampler: SamplerInputs, next_key: int, draft: State | None, bucket: int, bsz: int) -> tuple[StepOutput, State]:
+    """The output and new state of a step that gave each slot one token (decode, refill): its
+    cache_len and generated count grow by one."""
+    n = len(slots)
+    tokens, logits, logprobs = _outputs(runtime, out, sampling, sampler)
     new_lens, new_generated = list(state.cache_lens), list(state.generated)
     for s in slots:
         new_lens[s] += 1
@@ -404,7 +402,7 @@ def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[St
     new = advance(state, cache_lens=tuple(new_lens), generated=tuple(new_generated), live=state.live, rng_key=next_key, draft=draft)
     count_tokens(new, slots, single(tokens))  # after the lease is revoked (see prefill_step)
     return StepOutput(tokens=tokens, new_tokens=single(tokens), logits=logits, logprobs=logprobs, bucket=bucket,
-                      batch_size=bsz, finite=finite, num_drafted=(0,) * n), new
+                      batch_size=bsz, finite=row_finite(out, n), num_drafted=(0,) * n), new
 
 
 def _follow_draft(runtime: Runtime, state: State, slots: Sequence[int], input_ids: Sequence[int]) -> State | None:
