@@ -41,7 +41,7 @@ from neuronfx.parallel import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
-FORMAT_VERSION = 4  # 4: plan.json holds the tensor-parallel rank
+FORMAT_VERSION = 5  # 5: ModelConfig holds the per-layer layout, MoE and RoPE fields; layers may carry layout indices
 """3: graphs take the KV cache as (K, V) per layer and step-input records (2: a flat KV list)."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
