@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
+from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Config, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
@@ -349,6 +349,13 @@ CASES: dict[str, Case] = {
                                           "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})),
                                       ("sliding_attention", "rope_type='linear'", "only the 'default' RoPE")),
+    "plan-tp-unsupported-family": Case(UnsupportedModelError, "`tp_degree=2` for a llama4_text model",
+                                       lambda c: make_plan(model_config(model_type="llama4_text", num_experts=4, num_experts_per_tok=2,
+                                                                        moe_intermediate_size=32), inference(tp_degree=2)),
+                                       ("tp_degree=2", "model_type='llama4_text'", "use tp_degree=1")),
+    "model-llama4-multimodal": Case(UnsupportedModelError, "a config of model_type `llama4` (the multimodal model)",
+                                    lambda c: ModelConfig.from_hf(Llama4Config()),
+                                    ("model_type='llama4'", "Llama4ForCausalLM", "llama4_text")),
     "plan-tp-above-heads": Case(ConfigError, "`tp_degree=8` for a model with 4 query heads",
                                 lambda c: make_plan(model_config(), inference(tp_degree=8)),
                                 ("tp_degree=8", "num_attention_heads=4", "tp_degree <= 4")),

@@ -33,6 +33,7 @@ EAGER = {
     "llama4": ("llama4_text", {}),  # layer 0 chunked RoPE, layer 1 NoPE; MoE
     "llama4-dense": ("llama4_text", {"interleave_moe_layer_step": 2, "intermediate_size_mlp": 96}),  # layer 0 dense MLP
     "mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe-window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 5}),  # every layer slides
 }
 SHARED = {"llama-export": "export_llama", "qwen3-export": "export_qwen3",
           "qwen2-inductor": "inductor_qwen2", "llama4-inductor": "inductor_speculative"}
@@ -123,6 +124,7 @@ def test_compiled_speculate_and_draft_graphs(request, shared):
     ("smollm3-window", {"use_sliding_window": False, "no_rope_layer_interval": 99}),
     ("llama4", {"attention_chunk_size": None, "attn_temperature_tuning": False, "use_qk_norm": False}),
     ("llama4", {"no_rope_layer_interval": 99}),
+    ("qwen3_moe-window", {"use_sliding_window": False}),
 ])
 def test_windowed_and_nope_cases_are_not_plain_attention(name, plain):
     """The cases above exercise their layer types: with every layer full and with RoPE, the same

@@ -31,6 +31,8 @@ class Family:
     ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
     families keep the keys cached before the switch, as transformers does for them.
     ``moe``: every layer's MLP is a mixture of experts (``ModelConfig.num_experts`` > 0), else none is.
+    ``tensor_parallel``: the sharding plan covers every weight of the family (else tp_degree > 1
+    is refused before any rank starts).
     """
 
     model_type: str
@@ -39,6 +41,7 @@ class Family:
     partial_rotary: bool = False
     recompute_at_rope_switch: bool = False
     moe: bool = False
+    tensor_parallel: bool = True
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -124,7 +127,11 @@ REFUSED: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration (the multimodal model with its vision tower) is not supported; run its "
               "text model: Gemma3ForCausalLM with the checkpoint's text_config (model_type 'gemma3_text', e.g. "
               "google/gemma-3-1b-it), or save Gemma3ForCausalLM's weights and text config with save_pretrained()",
+    "llama4": "Llama4ForConditionalGeneration (the multimodal model with its vision tower) is not supported; run its "
+              "text model: Llama4ForCausalLM with the checkpoint's text_config (model_type 'llama4_text')",
 }
+
+
 def _llama4_text(hf_config: Any) -> dict[str, Any]:
     # Llama4TextDecoderLayer: layers in moe_layers (every interleave_moe_layer_step-th by default)
     # are MoE with a shared expert of intermediate_size; the others dense MLPs of intermediate_size_mlp.
@@ -177,7 +184,8 @@ def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
             f"qwen3_moe decoder_sparse_step={step} (dense MLP layers among MoE layers) is not supported; "
             "neuronfx runs qwen3_moe only when every layer is a mixture of experts (decoder_sparse_step=1)."
         )
-    return _qwen3(hf_config) | {
+    window = _qwen_window(hf_config)  # Qwen3MoeAttention: every layer slides when it is set
+    return _qwen3(hf_config) | {"layer_types": ("sliding_attention",) * hf_config.num_hidden_layers if window else ()} | {
         "num_experts": hf_config.num_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
         "norm_topk_prob": _flag(hf_config, "norm_topk_prob"), "moe_intermediate_size": hf_config.moe_intermediate_size,
     }
@@ -191,7 +199,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", _granite),
     Family("smollm3", _smollm3),
     Family("gemma3_text", _gemma3_text, activations=("gelu_pytorch_tanh",)),
-    Family("llama4_text", _llama4_text, moe=True),
+    Family("llama4_text", _llama4_text, moe=True, tensor_parallel=False),  # experts in transformers' own layout
     Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
     Family("mixtral", _mixtral, moe=True),
     Family("qwen3_moe", _qwen3_moe, moe=True),

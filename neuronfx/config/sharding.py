@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import attrs
 
+from neuronfx.config.families import FAMILIES
 from neuronfx.config.model import ModelConfig
-from neuronfx.errors import ConfigError
+from neuronfx.errors import ConfigError, UnsupportedModelError
 
 HEAD_KINDS = ("q_heads", "kv_heads")
 WEIGHT_RULES: dict[str, tuple[str, int]] = {
@@ -148,11 +149,17 @@ def _ceil_to(n: int, multiple: int) -> int:
 
 def check_tp(model: ModelConfig, tp_degree: int, rank: int) -> None:
     """ConfigError naming the values when ``model`` cannot be split over ``tp_degree`` ranks or
-    ``rank`` is not one of them."""
+    ``rank`` is not one of them; UnsupportedModelError for tp_degree > 1 of a family the
+    sharding plan does not cover (llama4_text)."""
     if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
         raise ConfigError(f"tp_degree={tp_degree!r} must be a positive int (ranks).")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp_degree:
         raise ConfigError(f"rank={rank!r} must be in [0, tp_degree={tp_degree}).")
+    if tp_degree > 1 and not FAMILIES[model.model_type].tensor_parallel:
+        raise UnsupportedModelError(
+            f"tp_degree={tp_degree}: tensor parallel is not supported for model_type={model.model_type!r} (the "
+            "sharding plan does not cover its weights); use tp_degree=1."
+        )
     if tp_degree > model.num_attention_heads:
         raise ConfigError(
             f"tp_degree={tp_degree} > num_attention_heads={model.num_attention_heads}: some rank would hold no query "
