@@ -14,14 +14,12 @@ table (``config/attention.py``). Sliding layers keep a full-length KV cache like
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.graphs import llama, qwen3
-from neuronfx.graphs.layers import Attend, LayerWeights, attention_output
+from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, scale_query
 from neuronfx.graphs.layers import unit_offset_rms_norm as norm
 from neuronfx.graphs.ops import Ops
 
@@ -67,7 +65,6 @@ def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor,
     eps = cfg.rms_norm_eps
     q, k, v = llama.qkv_heads(cfg, ops, lw, norm(h, lw["attn_norm"], eps))  # (B, H, T, D), (B, H_kv, T, D) x 2
     q, k = norm(q, lw["q_norm"], eps), norm(k, lw["k_norm"], eps)
-    if cfg.attention_multiplier is not None:
-        q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))
+    q = scale_query(cfg, q)
     h = h + norm(attention_output(ops, lw, q, k, v, cos, sin, attend), lw["post_attn_norm"], eps)
     return h + norm(gated_mlp(cfg, ops, lw, norm(h, lw["mlp_norm"], eps)), lw["post_mlp_norm"], eps)

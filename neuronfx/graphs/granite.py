@@ -6,13 +6,11 @@ scale. Reference: transformers ``models/granite/modeling_granite.py``."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.graphs import llama
-from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, glu_mlp, rms_norm
+from neuronfx.graphs.layers import Attend, LayerWeights, attention_output, glu_mlp, rms_norm, scale_query
 from neuronfx.graphs.ops import Ops
 
 key_map = llama.key_map
@@ -26,7 +24,6 @@ def decoder_layer(cfg: ModelConfig, ops: Ops, lw: LayerWeights, h: torch.Tensor,
     (RoPE is linear: scaling before it is the same)."""
     eps, m = cfg.rms_norm_eps, cfg.residual_multiplier
     q, k, v = llama.qkv_heads(cfg, ops, lw, rms_norm(h, lw["attn_norm"], eps))
-    if cfg.attention_multiplier is not None:
-        q = q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))
+    q = scale_query(cfg, q)
     h = h + attention_output(ops, lw, q, k, v, cos, sin, attend, cfg.attention_output_bias) * m
     return h + glu_mlp(ops, lw, rms_norm(h, lw["mlp_norm"], eps), cfg.mlp_bias) * m

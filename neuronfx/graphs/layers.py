@@ -204,6 +204,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
+def scale_query(cfg: ModelConfig, q: torch.Tensor) -> torch.Tensor:
+    """q with ``cfg.attention_multiplier`` as its attention scale (granite's multiplier,
+    gemma3's ``query_pre_attn_scalar ** -0.5``): the ops attend at 1/sqrt(head_dim), so q is
+    multiplied by ``attention_multiplier * sqrt(head_dim)``; unchanged when it is None. RoPE is
+    linear, so scaling before or after it is the same."""
+    if cfg.attention_multiplier is None:
+        return q
+    return q * (cfg.attention_multiplier * math.sqrt(cfg.head_dim))
+
+
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """(B, T, num_heads * head_dim) -> (B, num_heads, T, head_dim)."""
     b, t, _ = x.shape

@@ -222,20 +222,15 @@ def step(
         queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0)
         state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events, speculative, first=True)
     running, queue = list(queue.running), attrs.evolve(queue, running=())
-    refilling = [r for r in running if state.cache_lens[r.slot] == rope_switch_refill(runtime)]
-    speculating = [r for r in running if r not in refilling and speculative and _can_speculate(runtime, state, r)]
-    for rows, run, kind in ((refilling, refill_step, None), (speculating, speculate_step, SpeculateBatch),
+    switch = rope_switch_refill(runtime)
+    refilling = [r for r in running if state.cache_lens[r.slot] == switch]
+    speculating = [r for r in running if r not in refilling and speculative and _can_speculate(runtime, state, r, switch)]
+    for rows, run, kind in ((refilling, refill_step, PrefillBatch), (speculating, speculate_step, SpeculateBatch),
                             ([r for r in running if r not in speculating + refilling], decode_step, DecodeBatch)):
         if not rows:
             continue
         t0 = time.perf_counter()
-        if kind is None:  # refill: each row's whole sequence through the prefill graph
-            batch = PrefillBatch(seq_ids=[r.slot for r in rows], prompts=[r.request.prompt + r.tokens for r in rows],
-                                 sampling=[r.request.sampling for r in rows])
-        else:
-            batch = kind(seq_ids=[r.slot for r in rows], input_ids=[r.tokens[-1] for r in rows],
-                         sampling=[r.request.sampling for r in rows])
-        out, state = run(runtime, state, batch)
+        out, state = run(runtime, state, _batch(kind, rows))
         queue = attrs.evolve(queue, decode_s=queue.decode_s + time.perf_counter() - t0)
         state, queue = _finish_step(runtime, state, queue, rows, out, tokenizer, eos_token_ids, events, speculative)
     return events, state, queue
@@ -259,11 +254,19 @@ def rope_switch_refill(runtime: Runtime) -> int | None:
     return rs.original_max_position_embeddings
 
 
-def _can_speculate(runtime: Runtime, state: State, run: Progress) -> bool:
+def _batch(kind: type, rows: list[Progress]) -> PrefillBatch | SpeculateBatch | DecodeBatch:
+    """The step batch of ``rows``: a refill (PrefillBatch) gets each row's whole sequence, a
+    decode or speculate batch each row's last token."""
+    slots, sampling = [r.slot for r in rows], [r.request.sampling for r in rows]
+    if kind is PrefillBatch:
+        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling)
+    return kind(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling)
+
+
+def _can_speculate(runtime: Runtime, state: State, run: Progress, switch: int | None) -> bool:
     """The runtime can speculate, the request's slot has room for k more tokens and the k tokens
-    do not reach the longrope switch (the row decodes up to it, then is refilled)."""
+    do not reach the longrope switch ``switch`` (the row decodes up to it, then is refilled)."""
     k, n = runtime.plan.inference.speculation_length, state.cache_lens[run.slot]
-    switch = rope_switch_refill(runtime)
     crosses = switch is not None and n <= switch < n + k
     return runtime.can_speculate and n + k <= runtime.plan.inference.sequence_length and not crosses
 
