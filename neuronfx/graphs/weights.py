@@ -57,34 +57,10 @@ def _target_shape(shapes: dict[str, tuple[int, ...]], ours: Target) -> tuple[int
     return (sum(p[0] for p in parts), *parts[0][1:])
 
 
-@attrs.frozen
-class RowSlice:
-    """Rows ``[start, start + rows)`` of a fused weight ``source`` (a tensor or a lazily read
-    ``checkpoints.LazyTensor``), read without copying the rest: ``shape``, and indexing with
-    slices whose first one (dim 0, step 1) is offset into the source. A fused checkpoint tensor
-    (phi3's ``qkv_proj``, ``gate_up_proj``) is split at load into one RowSlice per part, so
-    tensor-parallel ranks still read only their rows (:func:`read_shard`)."""
-
-    source: object
-    start: int
-    rows: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.rows, *tuple(self.source.shape)[1:])  # type: ignore[attr-defined]
-
-    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        first = index[0] if index else slice(None)
-        start, stop, step = first.indices(self.rows)
-        if step != 1:
-            raise ValueError(f"RowSlice supports step-1 row slices only, got {first!r}.")
-        return self.source[(slice(self.start + start, self.start + max(start, stop)), *index[1:])]  # type: ignore[index]
-
-
 def split_fused(state_dict: Mapping[str, object], required: dict[str, Target], cfg: ModelConfig) -> dict[str, object]:
     """neuronfx name -> its source in ``state_dict``: the HF tensor, or for a part of a fused
-    one a :class:`RowSlice` of it (rows given by the family's ``layer_shapes``)."""
+    one (phi3's ``qkv_proj``, ``gate_up_proj``) a :class:`RangeView` of its rows (given by the
+    family's ``layer_shapes``), so tensor-parallel ranks still read only their rows."""
     shapes = expected_shapes(cfg)
     out: dict[str, object] = {}
     for hf, ours in required.items():
@@ -93,7 +69,7 @@ def split_fused(state_dict: Mapping[str, object], required: dict[str, Target], c
             continue
         start = 0
         for name in ours:
-            out[name] = RowSlice(state_dict[hf], start, shapes[name][0])
+            out[name] = RangeView(state_dict[hf], 0, start, shapes[name][0])
             start += shapes[name][0]
     return out
 
@@ -111,8 +87,8 @@ def _index(index: object, ndim: int) -> list:
 
 @attrs.frozen(eq=False)
 class RangeView:
-    """``source`` narrowed to ``[start, start + size)`` along ``dim``, read on indexing: a half of a
-    fused (E, 2I, H) gate_up tensor. ``source`` is a tensor or a lazily read
+    """``source`` narrowed to ``[start, start + size)`` along ``dim``, read on indexing: a part of
+    a fused tensor (rows of phi3's ``qkv_proj``, a half of a MoE's (E, 2I, H) gate_up). ``source`` is a tensor or a lazily read
     ``checkpoints.LazyTensor``; ``view[index]`` (slices) reads only the indexed part of it."""
 
     source: object
