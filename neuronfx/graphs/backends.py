@@ -16,6 +16,7 @@ of output tensors. :data:`BACKENDS` is the one table keyed by backend name; noth
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -170,7 +171,8 @@ EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, sa
 
 def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
     directory = inductor.private_dir()
-    graphs, seconds = inductor.in_dir(directory, build_each, plan, weights, inductor.build_graph, progress)
+    builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
+    graphs, seconds = inductor.in_dir(directory, build_each, plan, weights, builder, progress)
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 

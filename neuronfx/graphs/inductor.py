@@ -5,7 +5,11 @@ Each part of a (phase, batch, bucket) graph (prologue, one layer group reused fo
 epilogue) is compiled with ``torch.compile(fullgraph=True, dynamic=False).aot_compile`` on its
 first call: the result is an ``AOTCompiledFunction`` that ``save_compiled_function`` writes to a
 file and ``torch.compiler.load_compiled_function`` reads back with no dynamo tracing and no
-inductor lowering. The kernels it calls are C++ libraries in inductor's cache directory, so each
+inductor lowering. The layer group and the epilogue are compiled once per (phase, batch) with the
+bucket's dimension dynamic and shared by the graphs of every bucket (:data:`BUCKET_DIMS`); the
+runtime still sees one graph per (phase, batch, bucket). Most of a cold compile is C++: one
+compiler run per generated kernel (about 1.5 CPU seconds each), so sharing cut the default
+plan's kernels from about 50 to about 20. The kernels it calls are C++ libraries in inductor's cache directory, so each
 runtime compiles inside a private copy of that directory (``compiled_dir``), which saved runtimes
 and compile-cache entries ship (``inductor/``). Weights and KV cache stay inputs (KV mutated in
 place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu_kernel_ops`.
@@ -13,6 +17,7 @@ place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -28,7 +33,18 @@ from neuronfx.graphs.inputs import KVCache, example_inputs
 from neuronfx.graphs.kernels import small_gemm_available
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.ops import cpu_kernel_ops
-from neuronfx.graphs.phases import GraphModule, PhaseParts, build_module, phase_num_layers
+from neuronfx.graphs.phases import (
+    GraphModule,
+    PhaseParts,
+    build_module,
+    decode_epilogue,
+    decode_layers,
+    draft_epilogue,
+    phase_num_layers,
+    prefill_epilogue,
+    prefill_layers,
+    speculate_epilogue,
+)
 
 PART_NAMES = ("prologue", "layers", "epilogue")
 INDUCTOR_DIR = "inductor"
@@ -46,18 +62,74 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int 
     return max(d for d in range(period, max(min(num_layers, limit), period) + 1, period) if num_layers % d == 0)
 
 
+BUCKET_DIMS: dict[Callable, tuple[tuple[int, int], ...]] = {
+    prefill_layers: ((2, 1), (3, 3), (4, 3), (6, 3), (6, 4)),  # h (B, T, hidden), cos/sin (R, B, 1, T, D), mask (M, B, 1, T, T)
+    prefill_epilogue: ((2, 1),),  # h (B, T, hidden)
+    decode_layers: ((7, 4),),  # mask (M, B, 1, T, S)
+    decode_epilogue: (),
+    speculate_epilogue: (),
+    draft_epilogue: (),
+}
+"""The parts one compile serves for every bucket of a (phase, batch): (argument, dim) of each
+bucket-sized dimension of their arguments, compiled as a dynamic size. Prologues are compiled
+per bucket (they build the bucket's masks from its length). Under tensor parallelism every part
+is compiled per bucket (sequence-parallel prefill writes ``bucket`` positions of a padded T)."""
+
+
+def _aot_compile(fn: Callable, args: tuple) -> Callable:
+    return torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+
+
+class SharedCompile:
+    """The compiled versions of one part that the buckets of a (phase, batch) share: a bucket
+    reuses the first version whose guards accept its arguments, else compiles one more (with
+    the bucket dims ``dims`` dynamic). One version is the rule; more appear where a shape
+    guard splits the buckets, e.g. a product switching to ``small_gemm`` at 8 rows or less."""
+
+    def __init__(self, dims: tuple[tuple[int, int], ...]):
+        self.dims = dims
+        self.versions: list = []
+
+    def compiled_for(self, fn: Callable, args: tuple) -> Callable:
+        for version in self.versions:
+            if version.guard_check(*args):
+                return version
+        mark = torch._dynamo.decorators.mark_unbacked if len(self.dims) == 1 else torch._dynamo.maybe_mark_dynamic
+        for index, dim in self.dims:
+            # a hint, not a demand: a dim the trace must specialise stays static (then the
+            # guards send the next bucket to a version of its own)
+            mark(args[index], dim)
+        self.versions.append(_aot_compile(fn, args))
+        return self.versions[-1]
+
+
 class PrecompiledPart:
     """One graph part: compiled ahead of time on its first call (with that call's arguments as
-    the example), or given an already compiled (loaded) function."""
+    the example; through ``shared`` when the part is one of several buckets'), or given an
+    already compiled (loaded) function."""
 
-    def __init__(self, fn: Callable | None, compiled: Callable | None = None):
+    def __init__(self, fn: Callable | None, compiled: Callable | None = None, shared: SharedCompile | None = None):
         self.fn = fn
         self.compiled = compiled
+        self.shared = shared
 
     def __call__(self, *args: torch.Tensor) -> object:
         if self.compiled is None:
-            self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+            self.compiled = _aot_compile(self.fn, args) if self.shared is None else self.shared.compiled_for(self.fn, args)
         return self.compiled(*args)
+
+
+def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) -> Callable[[functools.partial], PrecompiledPart]:
+    """The ``wrap`` of :func:`phases.phase_parts` for ``spec``: the parts of :data:`BUCKET_DIMS`
+    go through the (phase, batch) entry of ``shared`` (on one process), the others compile alone."""
+
+    def wrap(fn: functools.partial) -> PrecompiledPart:
+        dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
+        if dims is None:
+            return PrecompiledPart(fn)
+        return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims)))
+
+    return wrap
 
 
 def private_dir(source: Path | None = None) -> Path:
@@ -69,12 +141,16 @@ def private_dir(source: Path | None = None) -> Path:
     return target
 
 
-def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> GraphModule:
+def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
+                shared: dict[tuple, SharedCompile] | None = None) -> GraphModule:
     """Compile one (phase, batch, bucket) graph now: one run on the template ``kv`` (call it
-    inside the runtime's private cache directory, see :func:`in_dir`)."""
+    inside the runtime's private cache directory, see :func:`in_dir`). ``shared``: the
+    :class:`SharedCompile` of the graphs built so far for this plan, which this graph reuses
+    and extends (None: a new one, nothing shared)."""
     n = phase_num_layers(plan, spec.phase)
     group = layer_group_size(n, period=layer_period(plan.model, n))
-    graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=group, wrap=PrecompiledPart)
+    wrap = _wrapper(plan, spec, {} if shared is None else shared)
+    graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=group, wrap=wrap)
     with torch.no_grad():
         graph(weights, kv, example_inputs(plan, spec))
     return graph

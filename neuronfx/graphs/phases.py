@@ -7,9 +7,11 @@ consecutive decoder layers (run once per group with those layers' weights and K/
 epilogue (final norm, LM head, sampling). Phases: prefill (right-padded prompts), decode
 (1 token per row), speculate (k tokens per row, logits out) and draft (decode through the first
 ``draft_layers`` layers). Backends compose them into a graph; the ``inductor`` backend compiles
-each part once per (phase, batch, bucket) and reuses the compiled group for every group of
-layers. Parts take tensors (lists and dicts of them), so that compiled parts have a plain
-calling convention; the records are opened in the runners.
+the prologue once per (phase, batch, bucket) and, on one process, the layer group and the
+epilogue once per (phase, batch) for all its buckets (they read the bucket from their inputs'
+shapes), and reuses the compiled group for every group of layers. Parts take tensors (lists
+and dicts of them), so that compiled parts have a plain calling convention; the records are
+opened in the runners.
 """
 
 from __future__ import annotations
@@ -174,14 +176,17 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: 
                    h: Tensor, cos: Tensor, sin: Tensor, seq_ids: Tensor, mask: Tensor) -> Tensor:
     """``len(lws)`` consecutive layers of the family's ``layer``. Each writes K/V positions
     [0, bucket) of each row's slot (``config.kv.prefill_access``); the prompt attends only
-    itself, so nothing is read from the cache."""
+    itself, so nothing is read from the cache. Without sequence parallelism the bucket is read
+    from k's shape (T), not from ``bucket``, so one compiled group with a dynamic T serves every
+    prefill bucket (``graphs/inductor.py``)."""
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = _layer_inputs(plan, lw, cos, sin, mask)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
-            k_cache[seq_ids, :, :bucket] = k[:, :, :bucket]  # (B, n_kv, T, D) into slots
-            v_cache[seq_ids, :, :bucket] = v[:, :, :bucket]
+            n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
+            k_cache[seq_ids, :, :n] = k[:, :, :n]  # (B, n_kv, T, D) into slots
+            v_cache[seq_ids, :, :n] = v[:, :, :n]
             return ops.attention(q, k, v, mask)
 
         h = layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
@@ -214,7 +219,9 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: l
     the layer's window)
     (``config.kv.decode_access`` / ``speculate_access``) with ``ops.cached_attention``, which
     never lets positions past the row's last new token through (they may hold anything: stale
-    rows, rejected speculation, NaN)."""
+    rows, rejected speculation, NaN). The bucket is read from the mask's shape (S), not from
+    ``bucket``, so one compiled group with a dynamic S serves every bucket of the phase
+    (``graphs/inductor.py``)."""
     pos = position_ids.long()  # (B, T)
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = _layer_inputs(plan, lw, cos, sin, mask)
@@ -223,7 +230,7 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: l
                    mask: Tensor = layer_mask) -> Tensor:
             k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
             v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
-            return ops.cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)
+            return ops.cached_attention(q, k_cache, v_cache, seq_ids, mask.shape[-1], mask)  # mask (B, 1, T, S)
 
         h = layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h
