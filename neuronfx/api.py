@@ -53,7 +53,9 @@ def compile(
     ConfigError when this process is not one of ``tp_degree`` ranks, TensorParallelError when
     the ranks disagree.
     """
-    get_backend(plan.inference.backend).check()  # before the (slow) checkpoint read
+    backend = get_backend(plan.inference.backend)
+    backend.check()  # before the (slow) checkpoint read
+    backend.prepare()  # overlaps it
     root = resolve_cache(cache, plan.inference.backend)
     tp = plan.inference.tp_degree
     plan = plan_for_rank(plan, init_tensor_parallel(tp))

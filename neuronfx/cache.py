@@ -22,7 +22,9 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -80,20 +82,31 @@ def cache_key(plan: Plan) -> str:
 
 def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bool = True) -> Runtime:
     """The runtime of ``plan`` on ``weights``: graphs loaded from the cache entry under ``root``
-    when there is a good one, else built (and, with a root, written as a new entry)."""
+    when there is a good one, else built (and, with a root, written as a new entry). With
+    ``progress``, one line on stderr says which happened and what the next run will do."""
     if root is None:
         return build_runtime(plan, weights, build_graphs(plan, weights, progress))
     key = cache_key(plan)
     root.mkdir(parents=True, exist_ok=True)
     entry = root / key
+    t0 = time.perf_counter()
     with FileLock(str(root / f"{key}.lock")):
         if entry.exists():
             loaded = _load_entry(entry, plan, weights)
             if loaded is not None:
+                _report(progress, f"loaded {len(plan.graphs)} compiled graphs from the compile cache ({entry}) "
+                        f"in {time.perf_counter() - t0:.1f} s")
                 return build_runtime(plan, weights, loaded, key)
         runtime = build_runtime(plan, weights, build_graphs(plan, weights, progress), key)
-        _write_entry(root, key, runtime)
+        if _write_entry(root, key, runtime):
+            _report(progress, f"compiled {len(plan.graphs)} graphs in {time.perf_counter() - t0:.0f} s and saved them "
+                    f"in the compile cache ({entry}): the next run of this plan loads them in seconds")
         return runtime
+
+
+def _report(progress: bool, line: str) -> None:
+    if progress:
+        print(f"neuronfx: {line}", file=sys.stderr, flush=True)
 
 
 def _load_entry(entry: Path, plan: Plan, weights: Weights) -> Built | None:
@@ -126,9 +139,10 @@ def _discard(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _write_entry(root: Path, key: str, runtime: Runtime) -> None:
-    """Write the entry to a temp directory and rename it into place (lock held). Failing to
-    write only costs the cache (warned); the compiled runtime is still returned."""
+def _write_entry(root: Path, key: str, runtime: Runtime) -> bool:
+    """Write the entry to a temp directory and rename it into place (lock held); whether it
+    was written. Failing to write only costs the cache (warned); the compiled runtime is still
+    returned."""
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         plan = _without_checkpoint(runtime.plan)
@@ -140,6 +154,8 @@ def _write_entry(root: Path, key: str, runtime: Runtime) -> None:
         warnings.warn(f"could not write neuronfx compile cache entry {root / key} ({type(exc).__name__}: {exc}); the runtime is fine, "
                       "the next compile of this plan compiles again.", CacheEntryWarning, stacklevel=3)
         shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    return True
 
 
 def _size(path: Path) -> int:

@@ -33,7 +33,7 @@ from neuronfx.errors import (
     SequenceLengthExceededError,
     TensorParallelError,
 )
-from neuronfx.graphs.backends import check_backend
+from neuronfx.graphs.backends import check_backend, prepare_backend
 from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
 
@@ -290,6 +290,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
     check_backend(inference.backend)
+    prepare_backend(inference.backend)  # overlaps the load below
     model_path = args.model or default_model_path()
     if saved is not None:
         t0 = time.perf_counter()
@@ -374,6 +375,7 @@ def compile_command(args: argparse.Namespace) -> dict:
 
     inference = _inference(args)
     check_backend(inference.backend)
+    prepare_backend(inference.backend)  # overlaps the load below
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
     tokenizer = load_tokenizer(args.model)

@@ -65,6 +65,9 @@ class Backend:
     - ``load(plan, weights, src) -> Built``: the graphs from what ``save`` wrote in ``src``
       (checked by the caller's manifest first).
     - ``cached``: whether the compile cache is on by default (it holds graph files worth keeping).
+    - ``prepare()``: start, in the background, the work every build needs first (inductor: the
+      C++ kernel library, compiler probes, precompiled header), so that it overlaps the
+      checkpoint load; ``build`` waits for it. Call after ``check``.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Backend:
     save: Callable[[Plan, Mapping[GraphKey, Graph], str | None, Path], list[str]]
     load: Callable[[Plan, Weights, Path], Built]
     cached: bool
+    prepare: Callable[[], None] = attrs.field(default=lambda: None)
 
 
 def build_each(plan: Plan, weights: Weights, builder: Callable[[Plan, GraphSpec, Weights, KVCache], Graph],
@@ -170,6 +174,7 @@ EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, sa
 
 
 def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+    inductor.wait_warm_up()
     directory = inductor.private_dir()
     builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
     graphs, seconds = inductor.in_dir(directory, build_each, plan, weights, builder, progress)
@@ -177,6 +182,7 @@ def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
 
 
 def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
+    inductor.wait_warm_up()  # it registers the kernel ops the loaded graphs call
     directory = inductor.private_dir(src / inductor.INDUCTOR_DIR)
     graphs, seconds = {}, {}
     for spec in plan.graphs:
@@ -187,7 +193,7 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
 
 
 INDUCTOR = Backend(name="inductor", check=_nothing_to_check, build=_inductor_build, save=inductor.save,
-                   load=_inductor_load, cached=True)
+                   load=_inductor_load, cached=True, prepare=inductor.start_warm_up)
 
 
 # --- neuron -------------------------------------------------------------------------------------
@@ -228,3 +234,9 @@ def check_backend(name: str) -> None:
     """Raise BackendUnavailableError if backend ``name``'s optional dependencies are missing
     (cheap; call it before loading weights)."""
     get_backend(name).check()
+
+
+def prepare_backend(name: str) -> None:
+    """Start backend ``name``'s preparation in the background (``Backend.prepare``); call it
+    after :func:`check_backend`, before loading weights."""
+    get_backend(name).prepare()

@@ -17,9 +17,11 @@ place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -130,6 +132,39 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
         return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims)))
 
     return wrap
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) + 1.0
+
+
+def _warm_up() -> None:
+    """What every inductor build needs before its first kernel, all C++ compiler runs: the
+    ``small_gemm`` library (about 13 CPU seconds the first time on a machine), inductor's
+    vector-ISA probes (about 8) and its precompiled header (about 9), the last two by compiling
+    a one-kernel function into inductor's default cache (where the header lives, per machine)."""
+    small_gemm_available()  # warns and falls back by itself
+    with contextlib.suppress(Exception), torch.no_grad():  # the build repeats the step and reports its failure
+        torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(64))
+
+
+_warm_up_thread: list[threading.Thread] = []  # the one started in this process, if any
+
+
+def start_warm_up() -> None:
+    """Start :func:`_warm_up` in a background thread (once per process), so that it overlaps
+    the checkpoint load; :func:`wait_warm_up` joins it. The compiler runs in subprocesses, so
+    it takes a core the load leaves free."""
+    if not _warm_up_thread:
+        thread = threading.Thread(target=_warm_up, name="neuronfx-inductor-warm-up", daemon=True)
+        _warm_up_thread.append(thread)
+        thread.start()
+
+
+def wait_warm_up() -> None:
+    """Join the warm-up thread when one was started (the build must not race it)."""
+    for thread in _warm_up_thread:
+        thread.join()
 
 
 def private_dir(source: Path | None = None) -> Path:
