@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from neuronfx.config.inputs import leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import BackendUnavailableError, ConfigError
-from neuronfx.graphs import inductor
+from neuronfx.graphs import compile_workers, inductor
 from neuronfx.graphs.inputs import KVCache, empty_kv, example_inputs
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.ops import REFERENCE_OPS
@@ -79,18 +79,25 @@ class Backend:
     prepare: Callable[[], None] = attrs.field(default=lambda: None)
 
 
+def _bar(plan: Plan, progress: bool, total: int | None = None) -> tqdm:
+    """The progress bar of a plan's compile: one step per graph."""
+    return tqdm(total=total, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
+
+
 def build_each(plan: Plan, weights: Weights, builder: Callable[[Plan, GraphSpec, Weights, KVCache], Graph],
                progress: bool) -> tuple[dict[GraphKey, Graph], dict[GraphKey, float]]:
     """``builder(plan, spec, weights, template_kv)`` for every graph of ``plan``, timed, with a
     progress bar; the template KV cache is the trace-time cache (live states own their own)."""
     template_kv = empty_kv(plan)
     graphs, seconds = {}, {}
-    bar = tqdm(plan.graphs, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
-    for spec in bar:
+    bar = _bar(plan, progress, len(plan.graphs))
+    for spec in plan.graphs:
         bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
         t0 = time.perf_counter()
         graphs[spec.key] = builder(plan, spec, weights, template_kv)
         seconds[spec.key] = time.perf_counter() - t0
+        bar.update(1)
+    bar.close()
     return graphs, seconds
 
 
@@ -177,7 +184,7 @@ def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
     inductor.wait_warm_up()
     directory = inductor.private_dir()
     builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
-    graphs, seconds = inductor.in_dir(directory, build_each, plan, weights, builder, progress)
+    graphs, seconds = compile_workers.build(plan, weights, directory, builder, functools.partial(_bar, plan, progress))
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 

@@ -138,7 +138,7 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x) + 1.0
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """What every inductor build needs before its first kernel, all C++ compiler runs: the
     ``small_gemm`` library (about 13 CPU seconds the first time on a machine), inductor's
     vector-ISA probes (about 8) and its precompiled header (about 9), the last two by compiling
@@ -152,11 +152,11 @@ _warm_up_thread: list[threading.Thread] = []  # the one started in this process,
 
 
 def start_warm_up() -> None:
-    """Start :func:`_warm_up` in a background thread (once per process), so that it overlaps
+    """Start :func:`warm_up` in a background thread (once per process), so that it overlaps
     the checkpoint load; :func:`wait_warm_up` joins it. The compiler runs in subprocesses, so
     it takes a core the load leaves free."""
     if not _warm_up_thread:
-        thread = threading.Thread(target=_warm_up, name="neuronfx-inductor-warm-up", daemon=True)
+        thread = threading.Thread(target=warm_up, name="neuronfx-inductor-warm-up", daemon=True)
         _warm_up_thread.append(thread)
         thread.start()
 
@@ -225,16 +225,21 @@ def save(plan: Plan, graphs: Mapping[tuple, object], compiled_dir: str | None, o
             f"this inductor runtime's compiled files ({compiled_dir!r}) are gone; compile it again "
             "with neuronfx.compile and save that runtime."
         )
-    parts = {key: _parts(graph) for key, graph in graphs.items()}  # all checked before anything is written
-    (out / "precompiled").mkdir(parents=True, exist_ok=True)
-    names = []
-    for spec in plan.graphs:
-        for name, part in zip(part_files(spec), parts[spec.key]):
-            part.compiled.save_compiled_function(str(out / name))
-            names.append(name)
+    for graph in graphs.values():
+        _parts(graph)  # all checked before anything is written
+    names = [name for spec in plan.graphs for name in save_parts(spec, graphs[spec.key], out)]
     shutil.copytree(compiled_dir, out / INDUCTOR_DIR, dirs_exist_ok=True,
                     ignore=lambda _d, found: [n for n in found if n.endswith(_SKIPPED_SUFFIXES) or n == "__pycache__"])
     return names + _tree_files(out / INDUCTOR_DIR, INDUCTOR_DIR)
+
+
+def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
+    """Write the compiled parts of ``spec``'s graph under ``out``; their relative names
+    (:func:`part_files`). ArtifactError for a graph this backend did not build."""
+    (out / "precompiled").mkdir(parents=True, exist_ok=True)
+    for name, part in zip(part_files(spec), _parts(graph)):
+        part.compiled.save_compiled_function(str(out / name))
+    return part_files(spec)
 
 
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:

@@ -1,0 +1,254 @@
+"""Compile workers: the inductor backend compiles some of a plan's graphs in other processes.
+
+A cold inductor compile is mostly single-threaded Python (dynamo tracing, AOT, inductor
+lowering and code generation) waiting in turns on C++ compiler runs, so one process keeps about
+one core busy. The graphs fall into independent units, one per (phase, batch size): the graphs of
+a unit share their compiled layer group and epilogue (``inductor.SharedCompile``), different
+units share nothing. :func:`build` gives whole units to ``python -m
+neuronfx.graphs.compile_workers JOB`` subprocesses (one per spare core, ``NEURONFX_COMPILE_WORKERS``
+overrides) and compiles the rest itself, all in the runtime's private inductor directory (its
+file locks let processes share kernels). A worker compiles on weights of the same structure,
+shapes, dtypes, strides and aliasing as the caller's (large tensors uninitialised, small ones
+copied, as index tensors are read), saves each part (``save_compiled_function``) and prints one
+line per graph; the caller loads them (``inductor.load_graph``, no tracing). A worker that fails
+costs only time: its graphs are compiled in the calling process, with a warning naming its log.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+from torch.utils._pytree import tree_map_only
+
+from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.graphs import inductor
+from neuronfx.graphs.inputs import empty_kv
+from neuronfx.graphs.layers import Weights
+
+ENV_VAR = "NEURONFX_COMPILE_WORKERS"
+COPIED_BYTES = 4096
+"""Tensors whose storage is at most this size travel to a worker by value (layer indices,
+norms); larger ones by description only (their values do not change a compile)."""
+
+
+class CompileWorkerWarning(RuntimeWarning):
+    """A compile worker failed; its graphs were compiled in the calling process instead."""
+
+
+def units(plan: Plan) -> list[list[GraphSpec]]:
+    """The plan's graphs grouped by (phase, batch size), in plan order: the graphs of a unit
+    share compiled parts, so a unit is compiled by one process."""
+    groups: dict[tuple[str, int], list[GraphSpec]] = {}
+    for spec in plan.graphs:
+        groups.setdefault((spec.phase, spec.batch_size), []).append(spec)
+    return list(groups.values())
+
+
+def num_workers(plan: Plan, num_units: int) -> int:
+    """Worker processes for a plan of ``num_units`` units: ``$NEURONFX_COMPILE_WORKERS`` when
+    set, else one per usable core beyond this process's, never more than ``num_units - 1``
+    (a unit each, one stays here); none under tensor parallelism (the ranks are processes
+    already, and their graphs call collectives of this rank's process group)."""
+    if plan.tp_degree > 1:
+        return 0
+    env = os.environ.get(ENV_VAR)
+    wanted = int(env) if env else len(os.sched_getaffinity(0)) - 1
+    return max(0, min(wanted, num_units - 1))
+
+
+def split(unit_list: list[list[GraphSpec]], workers: int) -> list[list[GraphSpec]]:
+    """Assign units to ``workers + 1`` processes (index 0: this one), longest first to the
+    least loaded, a unit's cost taken as its number of graphs plus a fixed 2 (its layer group
+    and epilogue compile once, each bucket adds a prologue)."""
+    loads = [[0, i, []] for i in range(workers + 1)]
+    for unit in sorted(unit_list, key=len, reverse=True):
+        target = min(loads, key=lambda x: (x[0], x[1]))
+        target[0] += len(unit) + 2
+        target[2].extend(unit)
+    return [sorted(specs, key=plan_order(unit_list)) for _, _, specs in loads]
+
+
+def plan_order(unit_list: list[list[GraphSpec]]) -> Callable[[GraphSpec], int]:
+    order = {spec.key: i for i, spec in enumerate(s for unit in unit_list for s in unit)}
+    return lambda spec: order[spec.key]
+
+
+# --- weights a worker can rebuild ----------------------------------------------------------------
+
+
+@attrs.frozen
+class TensorInfo:
+    """What a worker needs of one weight tensor: its view of storage ``storage`` (index into
+    the description's storages) and, for small storages, the bytes."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    storage: int
+
+
+def describe(weights: Weights) -> tuple[object, list[int | bytes]]:
+    """(the weights' pytree with a :class:`TensorInfo` per tensor, each storage's size in bytes
+    or, up to :data:`COPIED_BYTES`, its bytes). Tensors sharing a storage (tied embeddings,
+    views) share it in the description."""
+    storages: dict[int, int] = {}
+    sizes: list[int | bytes] = []
+
+    def info(t: torch.Tensor) -> TensorInfo:
+        s = t.untyped_storage()
+        if s.data_ptr() not in storages:
+            storages[s.data_ptr()] = len(sizes)
+            sizes.append(bytes(s) if s.nbytes() <= COPIED_BYTES else s.nbytes())
+        return TensorInfo(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, storages[s.data_ptr()])
+
+    return tree_map_only(torch.Tensor, info, weights), sizes
+
+
+def rebuild(description: object, sizes: list[int | bytes]) -> Weights:
+    """The weights :func:`describe` described: same structure, views and aliasing; large
+    storages uninitialised."""
+    storages = [torch.UntypedStorage(n) if isinstance(n, int) else torch.frombuffer(bytearray(n), dtype=torch.uint8).untyped_storage()
+                for n in sizes]
+
+    def tensor(i: TensorInfo) -> torch.Tensor:
+        return torch.empty(0, dtype=i.dtype).set_(storages[i.storage], i.offset, i.shape, i.stride)
+
+    return tree_map_only(TensorInfo, tensor, description)
+
+
+# --- the calling side ------------------------------------------------------------------------------
+
+
+class Worker:
+    """One worker process compiling ``specs`` into ``directory``; ``on_done(key, seconds)`` is
+    called (from a reader thread) as each graph is saved."""
+
+    def __init__(self, index: int, plan: Plan, weights_description: tuple, directory: Path, specs: list[GraphSpec],
+                 on_done: Callable[[tuple, float], None]):
+        self.plan, self.specs, self.on_done = plan, specs, on_done
+        self.out = directory / f"worker-{index}"
+        self.out.mkdir()
+        job = self.out / "job.pkl"
+        job.write_bytes(pickle.dumps({"plan": plan, "weights": weights_description, "directory": str(directory),
+                                      "keys": [s.key for s in specs], "out": str(self.out)}))
+        self.log = self.out / "log.txt"
+        self.seconds: dict[tuple, float] = {}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "neuronfx.graphs.compile_workers", str(job)],
+                                         stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env())
+        self.reader = threading.Thread(target=self._read, name=f"neuronfx-compile-worker-{index}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            fields = line.split()
+            if len(fields) == 5 and fields[0] == "done":
+                key = (fields[1], int(fields[2]), int(fields[3]))
+                self.seconds[key] = float(fields[4])
+                self.on_done(key, self.seconds[key])
+
+    def result(self) -> dict[tuple, inductor.GraphModule] | None:
+        """Its graphs, loaded (call inside the private directory); None, with a
+        :class:`CompileWorkerWarning`, when it failed."""
+        code = self.proc.wait()
+        self.reader.join()
+        try:
+            if code != 0 or len(self.seconds) != len(self.specs):
+                raise RuntimeError(f"exit status {code}, {len(self.seconds)} of {len(self.specs)} graphs done")
+            return {spec.key: inductor.load_graph(self.plan, spec, self.out) for spec in self.specs}
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            warnings.warn(f"neuronfx compile worker failed ({exc}); compiling its {len(self.specs)} graphs here. "
+                          f"Its log ends:\n{tail}", CompileWorkerWarning, stacklevel=3)
+            return None
+
+
+def _worker_env() -> dict[str, str]:
+    """This environment (outside any private directory: the worker warms up in inductor's
+    default cache, then enters the private one itself) with the neuronfx this process runs
+    first on the path."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding this neuronfx package
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")  # its one example run per graph is small
+    return env
+
+
+def build(plan: Plan, weights: Weights, directory: Path, builder: Callable[..., object],
+          bar_factory: Callable[[int], object]) -> tuple[dict, dict]:
+    """Every graph of ``plan``: units given to workers (:func:`num_workers`) and the rest built
+    here with ``builder(plan, spec, weights, kv)`` inside ``directory``; (graphs, seconds) keyed
+    by spec key. ``bar_factory(total)`` makes the progress bar (``update``, ``set_postfix_str``,
+    ``close``)."""
+    unit_list = units(plan)
+    shares = split(unit_list, num_workers(plan, len(unit_list)))
+    bar = bar_factory(len(plan.graphs))
+    lock = threading.Lock()
+
+    def done(key: tuple, seconds: float) -> None:
+        with lock:
+            bar.update(1)
+
+    described = describe(weights) if len(shares) > 1 else None
+    workers = [Worker(i, plan, described, directory, specs, done) for i, specs in enumerate(shares[1:], 1) if specs]
+    graphs, seconds = {}, {}
+    template_kv = empty_kv(plan)
+    for spec in shares[0]:
+        with lock:
+            bar.set_postfix_str(f"{spec.phase} {spec.batch_size}x{spec.bucket}")
+        t0 = time.perf_counter()
+        graphs[spec.key] = inductor.in_dir(directory, builder, plan, spec, weights, template_kv)
+        seconds[spec.key] = time.perf_counter() - t0
+        done(spec.key, seconds[spec.key])
+    for worker in workers:
+        with lock:
+            bar.set_postfix_str(f"waiting for compile worker {worker.out.name}")
+        loaded = inductor.in_dir(directory, worker.result)
+        if loaded is None:  # compile its graphs here (they count again on the bar)
+            for spec in worker.specs:
+                t0 = time.perf_counter()
+                graphs[spec.key] = inductor.in_dir(directory, builder, plan, spec, weights, template_kv)
+                seconds[spec.key] = time.perf_counter() - t0
+        else:
+            graphs |= loaded
+            seconds |= worker.seconds
+    bar.close()
+    return graphs, seconds
+
+
+# --- the worker side ---------------------------------------------------------------------------------
+
+
+def _work(job_path: str) -> None:
+    job = pickle.loads(Path(job_path).read_bytes())
+    plan: Plan = job["plan"]
+    inductor.warm_up()  # vector-ISA probes and header found in inductor's default cache, before the private one
+    weights = rebuild(*job["weights"])
+    kv = empty_kv(plan)
+    directory, out = Path(job["directory"]), Path(job["out"])
+    shared: dict = {}
+    build_graph = functools.partial(inductor.build_graph, shared=shared)
+    for spec in (plan.graph(*key) for key in job["keys"]):
+        t0 = time.perf_counter()
+        graph = inductor.in_dir(directory, build_graph, plan, spec, weights, kv)
+        inductor.save_parts(spec, graph, out)
+        print(f"done {spec.phase} {spec.batch_size} {spec.bucket} {time.perf_counter() - t0:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    # run the imported module's copy, whose classes the job was pickled with (not __main__'s)
+    from neuronfx.graphs.compile_workers import _work as work
+
+    work(sys.argv[1])
