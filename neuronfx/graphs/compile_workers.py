@@ -4,8 +4,8 @@ A cold inductor compile is mostly single-threaded Python (dynamo tracing, AOT, i
 lowering and code generation) waiting in turns on C++ compiler runs, so one process keeps about
 one core busy. The graphs fall into independent units, one per (phase, batch size): the graphs of
 a unit share their compiled layer group and epilogue (``inductor.SharedCompile``), different
-units share nothing. :func:`build` gives whole units to ``python -m
-neuronfx.graphs.compile_workers JOB`` subprocesses (one per spare core, ``NEURONFX_COMPILE_WORKERS``
+units share nothing. :func:`build` gives whole units to ``python -c``
+subprocesses running :func:`work` (one per spare core, ``NEURONFX_COMPILE_WORKERS``
 overrides) and compiles the rest itself, all in the runtime's private inductor directory (its
 file locks let processes share kernels). A worker compiles on weights of the same structure,
 shapes, dtypes, strides and aliasing as the caller's (large tensors uninitialised, small ones
@@ -19,8 +19,11 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -63,8 +66,16 @@ def num_workers(plan: Plan, num_units: int) -> int:
     if plan.tp_degree > 1:
         return 0
     env = os.environ.get(ENV_VAR)
-    wanted = int(env) if env else len(os.sched_getaffinity(0)) - 1
+    wanted = int(env) if env else usable_cores() - 1
     return max(0, min(wanted, num_units - 1))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def split(unit_list: list[list[GraphSpec]], workers: int) -> list[list[GraphSpec]]:
@@ -138,15 +149,14 @@ class Worker:
     def __init__(self, index: int, plan: Plan, weights_description: tuple, directory: Path, specs: list[GraphSpec],
                  on_done: Callable[[tuple, float], None]):
         self.plan, self.specs, self.on_done = plan, specs, on_done
-        self.out = directory / f"worker-{index}"
-        self.out.mkdir()
+        self.out = Path(tempfile.mkdtemp(prefix=f"neuronfx-compile-worker-{index}-"))  # parts, job and log; removed once loaded
         job = self.out / "job.pkl"
         job.write_bytes(pickle.dumps({"plan": plan, "weights": weights_description, "directory": str(directory),
                                       "keys": [s.key for s in specs], "out": str(self.out)}))
         self.log = self.out / "log.txt"
         self.seconds: dict[tuple, float] = {}
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "neuronfx.graphs.compile_workers", str(job)],
+            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(job)],
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env())
         self.reader = threading.Thread(target=self._read, name=f"neuronfx-compile-worker-{index}", daemon=True)
         self.reader.start()
@@ -173,6 +183,8 @@ class Worker:
             warnings.warn(f"neuronfx compile worker failed ({exc}); compiling its {len(self.specs)} graphs here. "
                           f"Its log ends:\n{tail}", CompileWorkerWarning, stacklevel=3)
             return None
+        finally:
+            shutil.rmtree(self.out, ignore_errors=True)
 
 
 def _worker_env() -> dict[str, str]:
@@ -231,7 +243,9 @@ def build(plan: Plan, weights: Weights, directory: Path, builder: Callable[..., 
 # --- the worker side ---------------------------------------------------------------------------------
 
 
-def _work(job_path: str) -> None:
+def work(job_path: str) -> None:
+    """The worker: compile the job's graphs, save their parts, print ``done PHASE BATCH BUCKET
+    SECONDS`` per graph (stdout) and its CPU time (stderr, its log)."""
     job = pickle.loads(Path(job_path).read_bytes())
     plan: Plan = job["plan"]
     inductor.warm_up()  # vector-ISA probes and header found in inductor's default cache, before the private one
@@ -245,10 +259,10 @@ def _work(job_path: str) -> None:
         graph = inductor.in_dir(directory, build_graph, plan, spec, weights, kv)
         inductor.save_parts(spec, graph, out)
         print(f"done {spec.phase} {spec.batch_size} {spec.bucket} {time.perf_counter() - t0:.3f}", flush=True)
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    print(f"neuronfx compile worker: {len(job['keys'])} graphs; cpu {used[0].ru_utime + used[0].ru_stime:.1f} s, "
+          f"compiler {used[1].ru_utime + used[1].ru_stime:.1f} s", file=sys.stderr)
 
 
-if __name__ == "__main__":
-    # run the imported module's copy, whose classes the job was pickled with (not __main__'s)
-    from neuronfx.graphs.compile_workers import _work as work
-
-    work(sys.argv[1])
+_WORKER_MAIN = "import sys; from neuronfx.graphs.compile_workers import work; work(sys.argv[1])"
+"""The worker's program (``python -c``, so that this module is imported once, under its name)."""

@@ -53,8 +53,13 @@ INDUCTOR_DIR = "inductor"
 _SKIPPED_SUFFIXES = (".lock", ".pyc")  # inductor's lock files and bytecode are not shipped
 
 MAX_LAYER_GROUP = 10
-"""Layers per compiled call: bigger groups cut per-call overhead (about 0.2 ms each), smaller
-ones cut compile time (it grows with the traced graph)."""
+"""Layers per compiled decode-type call: bigger groups cut per-call overhead (about 50 us each,
+a fifth of it guards), smaller ones cut compile time (about 1.3 s of Python per traced layer,
+SmolLM2: the generated kernels repeat per layer and are deduplicated only after codegen)."""
+PREFILL_LAYER_GROUP = 1
+"""Layers per compiled prefill call: one (or the layers' period). Against a prefill's hundreds
+of milliseconds the call overhead does not show (SmolLM2, 128 tokens: 436-467 ms a step for
+groups of 1, 2 and 10, within the noise), and each layer traced more costs compile time."""
 
 
 def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int = 1) -> int:
@@ -62,6 +67,14 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int 
     repeats every ``period`` layers, ``config.attention.layer_period``) and not above ``limit``
     unless ``period`` is (SmolLM2's 30 layers -> 10)."""
     return max(d for d in range(period, max(min(num_layers, limit), period) + 1, period) if num_layers % d == 0)
+
+
+def phase_group_size(plan: Plan, phase: str) -> int:
+    """Layers per compiled call of ``phase``'s graphs (:data:`PREFILL_LAYER_GROUP` for prefill,
+    :data:`MAX_LAYER_GROUP` at most for the others)."""
+    n = phase_num_layers(plan, phase)
+    limit = PREFILL_LAYER_GROUP if phase == "prefill" else MAX_LAYER_GROUP
+    return layer_group_size(n, limit, period=layer_period(plan.model, n))
 
 
 BUCKET_DIMS: dict[Callable, tuple[tuple[int, int], ...]] = {
@@ -182,10 +195,8 @@ def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
     inside the runtime's private cache directory, see :func:`in_dir`). ``shared``: the
     :class:`SharedCompile` of the graphs built so far for this plan, which this graph reuses
     and extends (None: a new one, nothing shared)."""
-    n = phase_num_layers(plan, spec.phase)
-    group = layer_group_size(n, period=layer_period(plan.model, n))
     wrap = _wrapper(plan, spec, {} if shared is None else shared)
-    graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=group, wrap=wrap)
+    graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=phase_group_size(plan, spec.phase), wrap=wrap)
     with torch.no_grad():
         graph(weights, kv, example_inputs(plan, spec))
     return graph
@@ -250,7 +261,5 @@ def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     for name in part_files(spec):
         with open(src / name, "rb") as f:
             fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
-    layers = phase_num_layers(plan, spec.phase)
-    group = layer_group_size(layers, period=layer_period(plan.model, layers))
-    parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=group)
-    return GraphModule(parts, spec.phase, layers)
+    parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=phase_group_size(plan, spec.phase))
+    return GraphModule(parts, spec.phase, phase_num_layers(plan, spec.phase))
