@@ -27,6 +27,9 @@ settings.register_profile("dev", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="neuronfx-test-cache-")
+# No compile worker processes (graphs/compile_workers.py) unless a test asks: the xdist workers
+# keep the cores busy already, and a compile worker's start-up would only add to the suite.
+os.environ.setdefault("NEURONFX_COMPILE_WORKERS", "0")
 
 # `make test` runs two pytest-xdist workers, each given whole files (its module fixtures built
 # once); files sharing a session fixture go to one worker together, so the shared compiled
@@ -34,6 +37,7 @@ os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or 
 # on pytest 9: it renames node ids through an attribute pytest 9 no longer reads.)
 XDIST_GROUPS = {
     "test_models.py": "shared-compiled", "test_faults.py": "shared-compiled", "test_artifacts.py": "shared-compiled",
+    "test_compile_time.py": "shared-compiled",
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
 }
 

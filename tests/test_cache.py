@@ -265,3 +265,19 @@ def test_clear_touches_only_cache_entries(filled, tmp_path):
     for other in ("myproject", ".git", ".venv-x", "0123"):
         assert (root / other / "keep.txt").read_text() == "mine"
     assert cache.list_entries(root) == []
+
+
+def test_progress_says_compiled_then_loaded(hf, tmp_path, capsys):
+    """With progress on, a miss says it compiled and that the next run loads in seconds; the
+    next compile of the plan says it loaded from the cache (and prints no compile bar). Eager
+    graphs (nothing to compile) through a cache directory keep it quick."""
+    plan = tiny_plan(hf, "eager", batch_size=1, **SMALL)
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    err = capsys.readouterr().err
+    assert "compile (eager)" in err  # the per-graph progress bar
+    assert f"compiled {len(plan.graphs)} graphs in" in err and "the next run of this plan loads them in seconds" in err
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    err = capsys.readouterr().err
+    assert f"loaded {len(plan.graphs)} compiled graphs from the compile cache" in err and "compile (eager)" not in err
+    neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
+    assert capsys.readouterr().err == ""

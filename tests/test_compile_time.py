@@ -1,0 +1,121 @@
+"""What cuts the inductor backend's cold compile (graphs/inductor.py, graphs/compile_workers.py):
+the buckets of a (phase, batch) share one compiled layer group and epilogue, units go to worker
+processes, whose weights are rebuilt from a description; a failed worker costs only time.
+
+Sharing is checked on the session's tiny qwen2 runtime (its decode bucket 64 is the whole cache:
+a dim the trace must not specialise). One more runtime (tiny llama, batch 1, prefill buckets 8
+and 16, decode bucket 16) is compiled with a worker: prefill here, decode in the worker. Prefill
+at 8 rows runs ``small_gemm`` and at 16 rows ``F.linear``, so its layer group is the
+guard-split case (two versions)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan
+
+import neuronfx
+from neuronfx.graphs import compile_workers
+from neuronfx.graphs.kernels import small_gemm_available
+from neuronfx.graphs.quant import Int8Weight
+
+LADDERS = dict(batch_size=1, max_context_length=16, sequence_length=16, prefill_buckets=(8, 16), decode_buckets=(16,))
+
+
+@pytest.fixture(scope="module")
+def runtimes():
+    """(eager runtime, inductor runtime compiled with one worker) of one tiny llama."""
+    hf = tiny_hf_model("llama", seed=21)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(compile_workers.ENV_VAR, "1")
+        compiled = neuronfx.compile(tiny_plan(hf, "inductor", **LADDERS), hf.state_dict(), progress=False, cache=False)
+    return neuronfx.compile(tiny_plan(hf, "eager", **LADDERS), hf.state_dict(), progress=False), compiled
+
+
+@pytest.mark.parametrize("length", [5, 12])  # prefill buckets 8 and 16
+def test_worker_and_guard_split_graphs_match_eager(runtimes, length):
+    eager, compiled = runtimes
+    prompt = random_prompt(length, seed=length)
+    want, want_logits, want_buckets, _ = run_steps(eager, neuronfx.init_state(eager), [0], [prompt], 16 - length)
+    got, logits, buckets, _ = run_steps(compiled, neuronfx.init_state(compiled), [0], [prompt], 16 - length)
+    assert got == want and buckets == want_buckets == [8 if length <= 8 else 16] + [16] * (15 - length)
+    for a, b in zip(logits[0], want_logits[0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    parts = compiled.graphs
+    p8, p16 = parts[("prefill", 1, 8)].parts, parts[("prefill", 1, 16)].parts
+    assert p8.epilogue.compiled is p16.epilogue.compiled and p8.prologue.compiled is not p16.prologue.compiled
+    assert (p8.layers.compiled is p16.layers.compiled) != small_gemm_available()
+    assert parts[("decode", 1, 16)].parts.layers.fn is None  # loaded from the worker's files, not traced here
+
+
+def test_buckets_share_compiled_parts(inductor_qwen2):
+    """Every bucket of a phase runs the same compiled layer group and epilogue, its own prologue."""
+    graphs = inductor_qwen2[1].graphs
+    for phase, buckets in (("prefill", (8, 16, 32)), ("decode", (16, 32, 64))):
+        parts = [graphs[(phase, 4, b)].parts for b in buckets]
+        assert len({id(p.layers.compiled) for p in parts}) == len({id(p.epilogue.compiled) for p in parts}) == 1
+        assert len({id(p.prologue.compiled) for p in parts}) == 3
+
+
+def test_units_and_split():
+    hf = tiny_hf_model("llama", seed=21)
+    plan = tiny_plan(hf, "inductor", batch_size=2, batch_buckets=(1, 2), prefill_buckets=(8, 16, 32), decode_buckets=(64,))
+    units = compile_workers.units(plan)
+    assert [[s.key for s in u] for u in units] == [
+        [("prefill", 1, 8), ("prefill", 1, 16), ("prefill", 1, 32)], [("prefill", 2, 8), ("prefill", 2, 16), ("prefill", 2, 32)],
+        [("decode", 1, 64)], [("decode", 2, 64)]]
+    shares = compile_workers.split(units, 1)
+    assert sorted(s.key for share in shares for s in share) == sorted(s.key for s in plan.graphs)
+    assert [len(share) for share in shares] == [4, 4]  # costs 3 + 2 + 1 + 2 vs 3 + 2 + 1 + 2
+    assert compile_workers.split(units, 0) == [list(plan.graphs)]
+
+
+def test_num_workers(monkeypatch):
+    hf = tiny_hf_model("llama", seed=21)
+    plan = tiny_plan(hf, "inductor")
+    monkeypatch.setenv(compile_workers.ENV_VAR, "3")
+    assert compile_workers.num_workers(plan, 2) == 1 and compile_workers.num_workers(plan, 9) == 3
+    monkeypatch.setenv(compile_workers.ENV_VAR, "0")
+    assert compile_workers.num_workers(plan, 9) == 0
+
+
+def test_described_weights_rebuild_views_and_small_values():
+    embed = torch.randn(300, 16)
+    fused = torch.randn(12, 16)
+    weights = {"embed": embed, "lm_head": embed, "norm": torch.ones(16), "layers": [
+        {"wq": fused[:8], "wk": fused[8:], "rope_index": torch.tensor(1), "wo": Int8Weight(torch.ones(4, 4, dtype=torch.int8), torch.ones(4))}]}
+    rebuilt = compile_workers.rebuild(*compile_workers.describe(weights))
+    assert rebuilt["lm_head"] is not embed and rebuilt["lm_head"].untyped_storage().data_ptr() == rebuilt["embed"].untyped_storage().data_ptr()
+    layer = rebuilt["layers"][0]
+    assert layer["wk"].storage_offset() == 128 and layer["wk"].untyped_storage().data_ptr() == layer["wq"].untyped_storage().data_ptr()
+    assert isinstance(layer["wo"], Int8Weight) and layer["wo"].data.dtype == torch.int8
+    assert layer["rope_index"].item() == 1 and torch.equal(rebuilt["norm"], torch.ones(16))  # small: copied
+    flat_in, flat_out = torch.utils._pytree.tree_leaves(weights), torch.utils._pytree.tree_leaves(rebuilt)
+    assert [(t.shape, t.stride(), t.dtype) for t in flat_in] == [(t.shape, t.stride(), t.dtype) for t in flat_out]
+
+
+def test_failed_worker_is_reported_and_its_graphs_built_here(monkeypatch, tmp_path):
+    hf = tiny_hf_model("llama", seed=21)
+    plan = tiny_plan(hf, "inductor", **LADDERS)
+    monkeypatch.setenv(compile_workers.ENV_VAR, "1")
+    monkeypatch.setattr(compile_workers, "_WORKER_MAIN", "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)")
+    built = []
+
+    class Bar:
+        def update(self, n): pass
+        def set_postfix_str(self, s): pass
+        def close(self): pass
+
+    def builder(plan, spec, weights, kv):
+        built.append(spec.key)
+        return spec.key
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs, _ = compile_workers.build(plan, {"embed": torch.zeros(4)}, Path(tmp_path), builder, lambda total: Bar())
+    assert sorted(built) == sorted(s.key for s in plan.graphs) and graphs == {s.key: s.key for s in plan.graphs}
+    [warning] = [w for w in caught if w.category is compile_workers.CompileWorkerWarning]
+    assert "exit status 3" in str(warning.message) and "no compiler here" in str(warning.message)
