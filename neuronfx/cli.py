@@ -290,7 +290,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
     check_backend(inference.backend)
-    prepare_backend(inference.backend)  # overlaps the load below
+    if saved is None:  # a checkpoint: the compile (or compile-cache load) follows its load, which this overlaps
+        prepare_backend(inference.backend)
     model_path = args.model or default_model_path()
     if saved is not None:
         t0 = time.perf_counter()
