@@ -2,7 +2,7 @@
 
 An entry is keyed by a content hash (:func:`cache_key`) of the model config, the inference
 config, the backend, the versions of neuronfx, torch and Python, a fingerprint of neuronfx's
-source and the machine. It holds graph files only (the layout of a saved runtime without
+source, the machine and torch's thread count. It holds graph files only (the layout of a saved runtime without
 weights: ``plan.json``, ``manifest.json``, ``graphs/*.pt2`` or ``inductor/``): weights are
 graph inputs, never baked into compiled code, so a hit runs on the caller's weights.
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 from filelock import FileLock
 
 from neuronfx.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
@@ -69,13 +70,14 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
 
 def cache_key(plan: Plan) -> str:
     """sha256 hex of the canonical JSON of (model config, inference config, tensor-parallel
-    rank, environment);
-    ``plan.checkpoint`` is left out: entries hold no weights."""
+    rank, environment, torch's intra-op thread count: compiled inductor code guards on it and
+    refuses to run under another); ``plan.checkpoint`` is left out: entries hold no weights."""
     content = {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
         "rank": plan.rank,
         "environment": environment(plan.inference.backend),
+        "num_threads": torch.get_num_threads(),
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

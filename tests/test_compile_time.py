@@ -27,12 +27,17 @@ LADDERS = dict(batch_size=1, max_context_length=16, sequence_length=16, prefill_
 
 @pytest.fixture(scope="module")
 def runtimes():
-    """(eager runtime, inductor runtime compiled with one worker) of one tiny llama."""
+    """(eager runtime, inductor runtime compiled with one worker) of one tiny llama, built and
+    run with another thread count than the environment's (compiled code guards on it: the
+    worker must compile with the caller's)."""
     hf = tiny_hf_model("llama", seed=21)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(compile_workers.ENV_VAR, "1")
         compiled = neuronfx.compile(tiny_plan(hf, "inductor", **LADDERS), hf.state_dict(), progress=False, cache=False)
-    return neuronfx.compile(tiny_plan(hf, "eager", **LADDERS), hf.state_dict(), progress=False), compiled
+    yield neuronfx.compile(tiny_plan(hf, "eager", **LADDERS), hf.state_dict(), progress=False), compiled
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("length", [5, 12])  # prefill buckets 8 and 16

@@ -152,7 +152,7 @@ class Worker:
         self.out = Path(tempfile.mkdtemp(prefix=f"neuronfx-compile-worker-{index}-"))  # parts, job and log; removed once loaded
         job = self.out / "job.pkl"
         job.write_bytes(pickle.dumps({"plan": plan, "weights": weights_description, "directory": str(directory),
-                                      "keys": [s.key for s in specs], "out": str(self.out)}))
+                                      "keys": [s.key for s in specs], "out": str(self.out), "num_threads": torch.get_num_threads()}))
         self.log = self.out / "log.txt"
         self.seconds: dict[tuple, float] = {}
         with open(self.log, "wb") as log:
@@ -194,7 +194,6 @@ def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this neuronfx package
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("OMP_NUM_THREADS", "1")  # its one example run per graph is small
     return env
 
 
@@ -247,6 +246,7 @@ def work(job_path: str) -> None:
     """The worker: compile the job's graphs, save their parts, print ``done PHASE BATCH BUCKET
     SECONDS`` per graph (stdout) and its CPU time (stderr, its log)."""
     job = pickle.loads(Path(job_path).read_bytes())
+    torch.set_num_threads(job["num_threads"])  # compiled code guards on the caller's thread count
     plan: Plan = job["plan"]
     inductor.warm_up()  # vector-ISA probes and header found in inductor's default cache, before the private one
     weights = rebuild(*job["weights"])
