@@ -5,13 +5,19 @@ Each part of a (phase, batch, bucket) graph (prologue, one layer group reused fo
 epilogue) is compiled with ``torch.compile(fullgraph=True, dynamic=False).aot_compile`` on its
 first call: the result is an ``AOTCompiledFunction`` that ``save_compiled_function`` writes to a
 file and ``torch.compiler.load_compiled_function`` reads back with no dynamo tracing and no
-inductor lowering. The layer group and the epilogue are compiled once per (phase, batch) with the
-bucket's dimension dynamic and shared by the graphs of every bucket (:data:`BUCKET_DIMS`); the
-runtime still sees one graph per (phase, batch, bucket). Most of a cold compile is C++: one
-compiler run per generated kernel (about 1.5 CPU seconds each), so sharing cut the default
-plan's kernels from about 50 to about 20. The kernels it calls are C++ libraries in inductor's cache directory, so each
+inductor lowering. The kernels it calls are C++ libraries in inductor's cache directory, so each
 runtime compiles inside a private copy of that directory (``compiled_dir``), which saved runtimes
-and compile-cache entries ship (``inductor/``). Weights and KV cache stay inputs (KV mutated in
+and compile-cache entries ship (``inductor/``).
+
+What a cold compile costs, and what cuts it: Python (dynamo, AOT, inductor's lowering and code
+generation, about 1.3 s per traced layer) and one C++ compiler run per distinct generated kernel
+(about 1-1.5 CPU s each, most of it loading the precompiled header and linking). So the layer
+group and the epilogue are compiled once per (phase, batch) with the bucket's dimension dynamic
+and shared by the graphs of every bucket (:data:`BUCKET_DIMS`; the runtime still sees one graph
+per (phase, batch, bucket)), prefill traces fewer layers per call than decode
+(:data:`PREFILL_LAYER_GROUP`), the one-off compiler runs (kernel library, vector-ISA probes,
+precompiled header) start during the checkpoint load (:func:`start_warm_up`), and spare cores
+compile whole (phase, batch) units in worker processes (``graphs/compile_workers.py``). Weights and KV cache stay inputs (KV mutated in
 place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu_kernel_ops`.
 """
 
@@ -111,10 +117,14 @@ class SharedCompile:
         for version in self.versions:
             if version.guard_check(*args):
                 return version
+        # One bucket dim (decode's S) is marked unbacked: no size of it is special to the trace,
+        # where a backed one guards S != the KV length (the slice would be the whole cache) and
+        # the last bucket would need a version of its own. Several dims (prefill's T in h, RoPE
+        # and mask) must stay one symbol, which only backed (duck-sized) dims are. Either way a
+        # hint, not a demand: a dim the trace must specialise stays static, and the guards send
+        # the other buckets to a version of their own.
         mark = torch._dynamo.decorators.mark_unbacked if len(self.dims) == 1 else torch._dynamo.maybe_mark_dynamic
         for index, dim in self.dims:
-            # a hint, not a demand: a dim the trace must specialise stays static (then the
-            # guards send the next bucket to a version of its own)
             mark(args[index], dim)
         self.versions.append(_aot_compile(fn, args))
         return self.versions[-1]
@@ -155,9 +165,10 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 def warm_up() -> None:
     """What every inductor build needs before its first kernel, all C++ compiler runs: the
-    ``small_gemm`` library (about 13 CPU seconds the first time on a machine), inductor's
-    vector-ISA probes (about 8) and its precompiled header (about 9), the last two by compiling
-    a one-kernel function into inductor's default cache (where the header lives, per machine)."""
+    ``small_gemm`` library (about 12 CPU seconds, once per machine), inductor's vector-ISA
+    probes (about 6; once per machine in the default cache, where inside a private directory
+    every compile repeated them) and its precompiled header (about 7, once per machine), the
+    last two by compiling a one-kernel function in inductor's default cache."""
     small_gemm_available()  # warns and falls back by itself
     with contextlib.suppress(Exception), torch.no_grad():  # the build repeats the step and reports its failure
         torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(64))
