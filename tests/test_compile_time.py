@@ -85,6 +85,12 @@ def test_num_workers(monkeypatch):
     assert compile_workers.num_workers(plan, 2) == 1 and compile_workers.num_workers(plan, 9) == 3
     monkeypatch.setenv(compile_workers.ENV_VAR, "0")
     assert compile_workers.num_workers(plan, 9) == 0
+    monkeypatch.delenv(compile_workers.ENV_VAR)
+    cores = len(compile_workers.os.sched_getaffinity(0))
+    monkeypatch.setattr(compile_workers.os, "getloadavg", lambda: (0.4, 0.0, 0.0))  # idle: all but this process's core
+    assert compile_workers.idle_cores() == cores - 1 and compile_workers.num_workers(plan, 9) == min(cores - 1, 8)
+    monkeypatch.setattr(compile_workers.os, "getloadavg", lambda: (cores + 2.5, 0.0, 0.0))  # busy: none
+    assert compile_workers.idle_cores() == 0 and compile_workers.num_workers(plan, 9) == 0
 
 
 def test_described_weights_rebuild_views_and_small_values():

@@ -16,7 +16,7 @@ group and the epilogue are compiled once per (phase, batch) with the bucket's di
 and shared by the graphs of every bucket (:data:`BUCKET_DIMS`; the runtime still sees one graph
 per (phase, batch, bucket)), prefill traces fewer layers per call than decode
 (:data:`PREFILL_LAYER_GROUP`), the one-off compiler runs (kernel library, vector-ISA probes,
-precompiled header) start during the checkpoint load (:func:`start_warm_up`), and spare cores
+precompiled header) start during the checkpoint load (:func:`start_warm_up`), and idle cores
 compile whole (phase, batch) units in worker processes (``graphs/compile_workers.py``). Weights and KV cache stay inputs (KV mutated in
 place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu_kernel_ops`.
 """
