@@ -163,33 +163,42 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x) + 1.0
 
 
-def warm_up() -> None:
-    """What every inductor build needs before its first kernel, all C++ compiler runs: the
-    ``small_gemm`` library (about 12 CPU seconds, once per machine), inductor's vector-ISA
-    probes (about 6; once per machine in the default cache, where inside a private directory
-    every compile repeated them) and its precompiled header (about 7, once per machine), the
-    last two by compiling a one-kernel function in inductor's default cache."""
-    small_gemm_available()  # warns and falls back by itself
+def _compile_probe() -> None:
     with contextlib.suppress(Exception), torch.no_grad():  # the build repeats the step and reports its failure
         torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(64))
 
 
-_warm_up_thread: list[threading.Thread] = []  # the one started in this process, if any
+WARM_UP_STEPS = (small_gemm_available, _compile_probe)
+"""What every inductor build needs before its first kernel, all C++ compiler runs: the
+``small_gemm`` library (about 12 CPU seconds, once per machine; it warns and falls back by
+itself), and inductor's vector-ISA probes (about 6; once per machine in the default cache, where
+inside a private directory every compile repeated them) and precompiled header (about 7, once
+per machine), the last two by compiling a one-kernel function in inductor's default cache."""
+
+
+def warm_up() -> None:
+    """:data:`WARM_UP_STEPS`, one after the other."""
+    for step in WARM_UP_STEPS:
+        step()
+
+
+_warm_up_threads: list[threading.Thread] = []  # the ones started in this process, if any
 
 
 def start_warm_up() -> None:
-    """Start :func:`warm_up` in a background thread (once per process), so that it overlaps
-    the checkpoint load; :func:`wait_warm_up` joins it. The compiler runs in subprocesses, so
-    it takes a core the load leaves free."""
-    if not _warm_up_thread:
-        thread = threading.Thread(target=warm_up, name="neuronfx-inductor-warm-up", daemon=True)
-        _warm_up_thread.append(thread)
-        thread.start()
+    """Start :data:`WARM_UP_STEPS` in background threads, one each (once per process), so that
+    they overlap the checkpoint load and each other; :func:`wait_warm_up` joins them. Their
+    compilers run in subprocesses, on the cores the load leaves free."""
+    if not _warm_up_threads:
+        for step in WARM_UP_STEPS:
+            thread = threading.Thread(target=step, name=f"neuronfx-warm-up-{step.__name__}", daemon=True)
+            _warm_up_threads.append(thread)
+            thread.start()
 
 
 def wait_warm_up() -> None:
-    """Join the warm-up thread when one was started (the build must not race it)."""
-    for thread in _warm_up_thread:
+    """Join the warm-up threads when they were started (the build must not race them)."""
+    for thread in _warm_up_threads:
         thread.join()
 
 
