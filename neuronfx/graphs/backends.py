@@ -199,7 +199,7 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 
-INDUCTOR = Backend(name="inductor", check=_nothing_to_check, build=_inductor_build, save=inductor.save,
+INDUCTOR = Backend(name="inductor", check=compile_workers.check_env, build=_inductor_build, save=inductor.save,
                    load=_inductor_load, cached=True, prepare=inductor.start_warm_up)
 
 

@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.errors import ConfigError
 from neuronfx.graphs import inductor
 from neuronfx.graphs.inputs import empty_kv
 from neuronfx.graphs.layers import Weights
@@ -65,9 +66,25 @@ def num_workers(plan: Plan, num_units: int) -> int:
     their graphs call collectives of this rank's process group)."""
     if plan.tp_degree > 1:
         return 0
-    env = os.environ.get(ENV_VAR)
-    wanted = int(env) if env else idle_cores()
-    return max(0, min(wanted, num_units - 1))
+    wanted = configured_workers()
+    return max(0, min(idle_cores() if wanted is None else wanted, num_units - 1))
+
+
+def configured_workers() -> int | None:
+    """``$NEURONFX_COMPILE_WORKERS`` as a count, None when unset or empty; ConfigError for
+    anything but a whole number >= 0 (the inductor backend's ``check``, before any load)."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if not env:
+        return None
+    if not env.isdigit():
+        raise ConfigError(f"{ENV_VAR}={env!r} must be a whole number of compile worker processes (0: compile in this process "
+                          "only); unset it for one per idle core.")
+    return int(env)
+
+
+def check_env() -> None:
+    """Raise ConfigError for a malformed ``$NEURONFX_COMPILE_WORKERS``."""
+    configured_workers()
 
 
 def idle_cores() -> int:
