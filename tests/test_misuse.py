@@ -150,6 +150,15 @@ def compile_with(c, sd):
     return neuronfx.compile(c.rt.plan, sd, progress=False)
 
 
+def compile_with_env(c, **env):
+    """Compile the plan on the inductor backend with ``env`` set (restored after)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        plan = make_plan(c.rt.plan.model, attrs.evolve(c.rt.plan.inference, backend="inductor"))
+        return neuronfx.compile(plan, c.hf.state_dict(), progress=False)
+
+
 def artifact(c, damage: Callable[[Path], None]) -> Path:
     directory = c.tmp / "saved"
     shutil.copytree(c.extras["saved"], directory)
@@ -392,6 +401,9 @@ CASES: dict[str, Case] = {
     "weights-misshaped-tensor": Case(CheckpointError, "`model.norm.weight` of shape (65,) where the config implies (64,)",
                                      lambda c: compile_with(c, state_dict(c, replace={"model.norm.weight": torch.ones(65)})),
                                      ("(65,)", "expected (64,)", "config.json")),
+    "compile-workers-not-a-count": Case(ConfigError, "`NEURONFX_COMPILE_WORKERS=two` and an inductor plan",
+                                        lambda c: compile_with_env(c, NEURONFX_COMPILE_WORKERS="two"),
+                                        ("NEURONFX_COMPILE_WORKERS='two'", "whole number", "unset it")),
     # --- saved runtimes (neuronfx.save / neuronfx.load) ----------------------------------------
     "artifact-not-a-runtime": Case(ArtifactError, "`neuronfx.load` of a directory without a manifest",
                                    lambda c: neuronfx.load(c.tmp), ("manifest.json", "neuronfx.save")),
