@@ -76,7 +76,8 @@ class LazyTensor:
             raise CheckpointError(f"cannot read {self.name!r} from {self.file!r}: {exc}; copy the checkpoint again.") from exc
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, lazy: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, lazy: bool = False,
+                    gguf_blocks: bool = False) -> Checkpoint:
     """Read a checkpoint: an HF directory (safetensors, single or sharded) or a ``.gguf`` file.
 
     ``dtype`` is the floating dtype every tensor is cast to. GGUF weights are dequantized by
@@ -92,6 +93,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     (or option) neuronfx does not run; ConfigError for a non-floating ``dtype``.
     """
     _check_dtype(dtype)
+    if gguf_blocks:
+        raise CheckpointError("gguf_blocks=True is not available yet")
     source = Path(path)
     if source.is_dir():
         return _load_hf_dir(source, dtype, lazy)

@@ -21,7 +21,7 @@ import neuronfx
 from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
-from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, InferenceConfig
+from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, WEIGHT_FORMATS, WEIGHT_GROUP_SIZES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
@@ -67,7 +67,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel")
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -89,6 +89,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
     p.add_argument("--sequence-parallel", action="store_const", const=True,
                    help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS,
+                   help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
+    p.add_argument("--weight-group-size", type=int, metavar="G",
+                   help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -291,6 +295,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
+    if saved is None:
+        neuronfx.api.check_weight_source(inference, model_path)
     if saved is not None:
         t0 = time.perf_counter()
         runtime = neuronfx.load(saved)
@@ -300,7 +306,8 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
             bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
+            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                                   gguf_blocks=inference.weight_format == "gguf")
             bar.update()
             bar.set_postfix_str("tokenizer")
             tokenizer = load_tokenizer(model_path)
@@ -374,8 +381,10 @@ def compile_command(args: argparse.Namespace) -> dict:
 
     inference = _inference(args)
     check_backend(inference.backend)
+    neuronfx.api.check_weight_source(inference, args.model)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
+    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                           gguf_blocks=inference.weight_format == "gguf")
     tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))

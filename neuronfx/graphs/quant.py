@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.utils import _pytree
 
 Tensor = torch.Tensor
 
@@ -27,6 +28,10 @@ GGUF_BLOCK = 32
 """Weights per GGUF block of the kept types (ggml's QK4_0 = QK4_1 = QK8_0 = 32)."""
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 """Bytes per block: fp16 d (+ fp16 m for q4_1), then 16 bytes of nibbles or 32 int8."""
+
+
+def _block_shape(data: Tensor, fmt: str) -> tuple[int, int]:
+    return (data.shape[0], data.shape[1] // GGUF_BLOCK_BYTES[fmt] * GGUF_BLOCK)
 
 
 class Int8Weight(NamedTuple):
@@ -49,11 +54,21 @@ class Q4_0Blocks(NamedTuple):
 
     data: Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_0")
+
 
 class Q4_1Blocks(NamedTuple):
     """uint8 (N, K / 32 * 20): per block fp16 d, fp16 m, 16 bytes of nibbles; w = q * d + m."""
 
     data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_1")
 
 
 class Q8_0Blocks(NamedTuple):
@@ -61,7 +76,20 @@ class Q8_0Blocks(NamedTuple):
 
     data: Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q8_0")
+
 
 QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks
 FORMAT_NAMES = {Int8Weight: "int8", Int4Weight: "int4", Q4_0Blocks: "q4_0", Q4_1Blocks: "q4_1", Q8_0Blocks: "q8_0"}
 """Format name of each class (the kernel's ``format`` argument)."""
+BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
+"""The GGUF block records (kept from a file, never made by neuronfx's quantizer)."""
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES)
+"""Every quantized weight record: what ``isinstance`` tells from a float tensor."""
+
+for _cls in QUANTIZED_TYPES:
+    # torch.export saves a program's input tree only for namedtuples registered with a stable name.
+    _pytree._register_namedtuple(_cls, serialized_type_name=f"neuronfx.graphs.quant.{_cls.__name__}")
