@@ -54,7 +54,8 @@ class Checkpoint:
     read from (directory or ``.gguf`` file); ``hf_config`` the transformers config it came with
     (to build a reference model). ``kept_blocks``: HF name -> block format (``"q4_0"``,
     ``"q4_1"``, ``"q8_0"``: ``graphs.quant.FORMAT_NAMES``); ``gguf_types``: HF name -> the
-    ggml type the GGUF stores it in (``"Q4_1"``, ``"F32"``, ...); both empty for safetensors.
+    ggml type the GGUF stores it in (``"Q4_1"``, ``"F32"``, ...; tensors mapped one to one, so not
+    the MoE experts transformers fuses); both empty for safetensors.
     """
 
     config: ModelConfig
@@ -121,17 +122,21 @@ def load_checkpoint(
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """The transformers tokenizer of an HF directory or a ``.gguf`` file, read offline.
 
-    Returns a ``transformers.PreTrainedTokenizerBase``. Raises CheckpointError when the path is
-    missing or holds no tokenizer transformers can read.
+    Returns a ``transformers.PreTrainedTokenizerBase``: for a directory what
+    ``AutoTokenizer.from_pretrained`` returns; for a GGUF file what
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` returns (same class, vocabulary,
+    special tokens and chat template, from the file's metadata), without its slow detour through
+    the legacy GGUF config reader. Raises CheckpointError when the path is missing or holds no
+    tokenizer transformers can read.
     """
-    from transformers import AutoTokenizer
-
     source = Path(path)
     if not source.exists():
         raise CheckpointError(f"tokenizer path {str(source)!r} does not exist; check the path (nothing is downloaded).")
+    if source.is_file() and source.suffix == GGUF_SUFFIX:
+        return _gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+
     try:
-        if source.is_file() and source.suffix == GGUF_SUFFIX:
-            return _gguf_tokenizer(source)
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
@@ -469,10 +474,15 @@ def _gguf_tokenizer(file: Path) -> Any:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    gf = _read_gguf(file)
-    model_type = _gguf_config_dict(gf, file)[1]["model_type"]
+    model_type = _gguf_config_dict(_read_gguf(file), file)[1]["model_type"]
     tokenizer_class = TOKENIZER_MAPPING.get(CONFIG_MAPPING[model_type], None) or TokenizersBackend
-    return tokenizer_class.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+    try:
+        return tokenizer_class.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"transformers cannot build the tokenizer of {str(file)!r} from its metadata: {exc}; the file's "
+            "tokenizer.ggml.* keys are missing or of a tokenizer type transformers does not convert."
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------

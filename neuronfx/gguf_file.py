@@ -5,7 +5,7 @@ tensor count, metadata count, the metadata key/value pairs, the tensor table (na
 innermost first, ggml type, offset), then the tensor data from the next ``general.alignment``
 boundary. ``gguf.GGUFReader`` parses the same thing but builds numpy views per array element
 (3.6 s for SmolLM2's 49152-token vocabulary and merges); here a string array is one tight loop
-over ``mmap`` slices (about 50 ms). The type codes and block sizes come from the ``gguf``
+over ``mmap`` slices (under 0.1 s). The type codes and block sizes come from the ``gguf``
 package (``GGUFValueType``, ``GGMLQuantizationType``, ``GGML_QUANT_SIZES``), and so does
 dequantization of the types decoded here by :func:`dequantize` with ``gguf.quants``.
 

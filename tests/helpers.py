@@ -235,15 +235,43 @@ def _gguf_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
-    """Write a tiny llama ``hf_model`` (hidden 64, vocab >= 200) as llama.cpp would: GGUF v3,
-    "llama" metadata, a byte-level BPE tokenizer with a chat template, Q/K rows permuted, the
-    linears quantized to the types of GGUF_LINEARS (gguf.quants), norms F32, embeddings Q8_0,
-    an untied LM head Q4_1. Returns ``path``."""
+    """Write a tiny llama, qwen3 or qwen3_moe ``hf_model`` (vocab >= 200) as llama.cpp would:
+    GGUF v3, the architecture's metadata, a byte-level BPE tokenizer with a chat template,
+    tensors named by gguf-py's ``TensorNameMap``, llama's Q/K rows permuted, the linears
+    quantized to the types of GGUF_LINEARS (gguf.quants), norms and MoE experts F32,
+    embeddings Q8_0, an untied LM head Q4_1. Returns ``path``."""
     import gguf
 
     cfg = hf_model.config
+    arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    writer = gguf.GGUFWriter(path, arch=arch)
+    _gguf_metadata(writer, cfg)
     T = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(path, arch="llama")
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
+    for name, w in hf_model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused (E, 2I, H): llama.cpp stores the halves
+            layer, half = name.split(".")[2], w.shape[1] // 2
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].float().numpy().copy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].float().numpy().copy())
+            continue
+        base, _, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "weight")
+        gguf_name = names.get_name(base)
+        kind = gguf_name.split(".")[-1]
+        ggml_type = {"token_embd": "Q8_0", "output": "Q4_1"}.get(kind) or (GGUF_LINEARS[kind][1][int(gguf_name.split(".")[1]) % 2]
+                                                                          if kind in GGUF_LINEARS else "F32")
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            w = _llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+        writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(w.float().numpy(), T[ggml_type]), raw_dtype=T[ggml_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_metadata(writer: object, cfg: object) -> None:
+    """llama.cpp's metadata for ``cfg``: shape, RoPE, experts, and the tokenizer (_gguf_vocab)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_name("tiny")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -253,8 +281,14 @@ def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     tokens, types, merges = _gguf_vocab(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -266,26 +300,3 @@ def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(GGUF_CHAT_TEMPLATE)
-
-    def add(name: str, w: torch.Tensor, ggml_type: str) -> None:
-        data = w.detach().float().numpy()
-        writer.add_tensor(name, gguf.quants.quantize(data, T[ggml_type]), raw_dtype=T[ggml_type])
-
-    sd = hf_model.state_dict()
-    add("token_embd.weight", sd["model.embed_tokens.weight"], "Q8_0")
-    add("output_norm.weight", sd["model.norm.weight"], "F32")
-    if not cfg.tie_word_embeddings:
-        add("output.weight", sd["lm_head.weight"], "Q4_1")
-    for i in range(cfg.num_hidden_layers):
-        add(f"blk.{i}.attn_norm.weight", sd[f"model.layers.{i}.input_layernorm.weight"], "F32")
-        add(f"blk.{i}.ffn_norm.weight", sd[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
-        for gguf_name, (hf_name, ggml_types) in GGUF_LINEARS.items():
-            w = sd[f"model.layers.{i}.{hf_name}.weight"]
-            if gguf_name in ("attn_q", "attn_k"):
-                w = _llama_cpp_permute(w, cfg.num_attention_heads if gguf_name == "attn_q" else cfg.num_key_value_heads)
-            add(f"blk.{i}.{gguf_name}.weight", w, ggml_types[i % 2])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

@@ -202,18 +202,21 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module
     return hf, Path(write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"), hf))
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf_reference(tiny_gguf) -> tuple[object, dict[str, torch.Tensor]]:
-    """transformers' reading of the tiny GGUF: AutoConfig, and the fp32 tensors of
+def _transformers_gguf(file: Path) -> tuple[object, dict[str, torch.Tensor]]:
+    """transformers' reading of a GGUF: AutoConfig, and the fp32 tensors of
     ``load_gguf_checkpoint`` (GGUFReader + gguf.quants.dequantize: neuronfx's loader until now)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    _, file = tiny_gguf
     config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     return config, load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=meta)["tensors"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_reference(tiny_gguf) -> tuple[object, dict[str, torch.Tensor]]:
+    return _transformers_gguf(tiny_gguf[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -235,6 +238,25 @@ def test_gguf_equals_transformers(tiny_gguf, tiny_gguf_reference, dtype: torch.d
                        weights["model.layers.0.self_attn.k_proj.weight"].half().to(dtype))
     assert ckpt.kept_blocks == {}
     assert ckpt.gguf_types["model.layers.1.mlp.down_proj.weight"] == "Q4_1" and ckpt.gguf_types["model.norm.weight"] == "F32"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_gguf_other_architectures_equal_transformers(tmp_path: Path, model_type: str) -> None:
+    """qwen3 (no Q/K permutation, q/k norms) and qwen3_moe (transformers' fused gate_up from
+    llama.cpp's ffn_gate_exps + ffn_up_exps, through its tensor processor's fallback name map).
+    head_dim 128 and moe_intermediate_size 768: transformers' GGUF config maps neither, so its
+    class defaults (those values) must hold."""
+    hf = tiny_hf_model(model_type, seed=3, tie_word_embeddings=False, head_dim=128,
+                       **({"moe_intermediate_size": 768} if model_type == "qwen3_moe" else {}))
+    file = Path(write_tiny_gguf(str(tmp_path / f"{model_type}.gguf"), hf))
+    reference_config, reference = _transformers_gguf(file)
+    ckpt = load_checkpoint(file)
+    assert ckpt.hf_config.to_dict() == reference_config.to_dict()
+    assert set(ckpt.state_dict) == set(reference)
+    for name, tensor in ckpt.state_dict.items():
+        assert torch.equal(tensor, reference[name]), name
+    blocks = load_checkpoint(file, gguf_blocks=True)
+    assert set(blocks.kept_blocks) == {n for n, t in ckpt.gguf_types.items() if t in ("Q4_0", "Q4_1", "Q8_0")} != set()
 
 
 def test_gguf_blocks_kept(tiny_gguf, tiny_gguf_reference) -> None:
