@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
 
 T = GGMLQuantizationType
 V = GGUFValueType
@@ -125,10 +126,8 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
         return tensor.data.astype(np.float32)  # a copy, as gguf's F16 path; F32 not left a view of the file
     decode = _DECODERS.get(tensor.ggml_type)
     if decode is None:
-        import gguf.quants
-
         try:
-            return gguf.quants.dequantize(tensor.data, tensor.ggml_type)
+            return gguf_dequantize(tensor.data, tensor.ggml_type)
         except NotImplementedError as exc:
             raise GGUFFormatError(f"tensor {tensor.name!r} is {tensor.ggml_type.name}, which cannot be dequantized: {exc}") from exc
     block, size = GGML_QUANT_SIZES[tensor.ggml_type]
