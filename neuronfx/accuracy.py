@@ -322,41 +322,51 @@ def _forced_batch(runtime: Runtime, prompts: Sequence[Sequence[int]], continuati
 # --- comparing logits ------------------------------------------------------------------------------
 
 
-def position_errors(ref: Tensor, ours: Tensor, bands: Sequence[Band] = TOLERANCE_BANDS) -> tuple[tuple[float, ...], float]:
-    """NxDI's per-position logit check: (relative error per band, divergence difference).
+def position_errors(ref: Tensor, ours: Tensor, bands: Sequence[Band] = TOLERANCE_BANDS) -> tuple[Tensor, Tensor]:
+    """NxDI's per-position logit check: (relative error [n, len(bands)], divergence difference [n]),
+    float64.
 
-    ``ref``, ``ours``: [vocab] logits of one position (float32). As torch_neuronx's
-    ``testing.validation.logit_validation`` (called by NxDI's ``utils/accuracy.py``
-    ``check_accuracy_logits``; its source is not public, its semantics are reproduced in
-    vllm-neuron's ``vllm_neuron/accuracy/logit_validation.py``: ``_preprocess_logits``,
-    ``_validate_top_k_logits``, ``_cpu_allclose`` "CPU fallback implementation for
-    neuron_allclose", ``_validate_single_token_logits``):
+    ``ref``, ``ours``: [n, vocab] logits of n positions (float32), one row per position. As
+    torch_neuronx's ``testing.validation.logit_validation`` (called by NxDI's
+    ``utils/accuracy.py`` ``check_accuracy_logits``; its source is not public, its semantics are
+    reproduced in vllm-neuron's ``vllm_neuron/accuracy/logit_validation.py``:
+    ``_preprocess_logits``, ``_validate_top_k_logits``, ``_cpu_allclose`` "CPU fallback
+    implementation for neuron_allclose", ``_validate_single_token_logits``), per row:
 
     1. entries that are -inf in either are dropped;
     2. a constant shift is removed from ``ours``: the least-squares fit ``ours ~ s * ref + c``
-       (numpy ``lstsq``), then ``ours -= c`` (softmax does not see a shift; the slope stays);
-    3. per band, the indices of the ``top_k`` largest reference logits (all for None, and at
-       most the vocabulary); error = ``max(|ours - ref| - atol) / max|ref|`` over the band (inf
-       when every reference logit there is 0); the band passes at a position when
-       ``error <= rtol``;
+       (numpy ``lstsq``; here in closed form, and its minimum-norm solution when every
+       reference logit is equal), then ``ours -= c`` (softmax does not see a shift; the slope
+       stays);
+    3. per band, the ``top_k`` largest reference logits (all for None); error =
+       ``max(|ours - ref| - atol) / max|ref|`` over the band (inf when every reference logit
+       there is 0); the band passes at that position when ``error <= rtol``;
     4. divergence difference: 0 when both top-1 tokens agree, else
        ``max(ours) - ours[argmax ref]``; it passes below :data:`DIVERGENCE_TOLERANCE`.
-    Computed in float64.
     """
-    keep = ~(torch.isneginf(ref) | torch.isneginf(ours))
-    r, a = ref[keep].double(), ours[keep].double()
-    design = torch.stack([r, torch.ones_like(r)], dim=1)  # (V, 2): [ref | 1]
-    shift = torch.linalg.lstsq(design, a[:, None], driver="gelsd").solution[1, 0]
+    keep = ~(torch.isneginf(ref) | torch.isneginf(ours))  # (n, V)
+    r = torch.where(keep, ref.double(), 0.0)
+    a = torch.where(keep, ours.double(), 0.0)
+    count = keep.sum(-1, keepdim=True)  # (n, 1)
+    mean_r, mean_a = r.sum(-1, keepdim=True) / count, a.sum(-1, keepdim=True) / count
+    dr = torch.where(keep, r - mean_r, 0.0)
+    sxx, sxy = (dr * dr).sum(-1, keepdim=True), (dr * (a - mean_a)).sum(-1, keepdim=True)
+    flat = sxx == 0  # [ref | 1] has rank 1: lstsq's minimum-norm solution
+    shift = torch.where(flat, mean_a / (mean_r**2 + 1), mean_a - torch.where(flat, 0.0, sxy / sxx.clamp_min(1e-300)) * mean_r)
     a = a - shift
+    diff = torch.where(keep, (a - r).abs(), -math.inf)  # dropped entries never count
+    mag = torch.where(keep, r.abs(), 0.0)
+    ranked = torch.where(keep, r, -math.inf)
     errors = []
     for band in bands:
-        idx = torch.topk(r, min(band.top_k or len(r), len(r))).indices
-        scale = r[idx].abs().max()
-        worst = ((a[idx] - r[idx]).abs() - band.atol).max()
-        errors.append(float(worst / scale) if scale > 0 else math.inf)
-    top = int(r.argmax())
-    divergence = 0.0 if int(a.argmax()) == top else float(a.max() - a[top])
-    return tuple(errors), divergence
+        idx = torch.topk(ranked, min(band.top_k or ref.shape[-1], ref.shape[-1]), dim=-1).indices  # (n, k)
+        scale = mag.gather(-1, idx).amax(-1)
+        worst = diff.gather(-1, idx).amax(-1) - band.atol
+        errors.append(torch.where(scale > 0, worst / scale, math.inf))
+    top = ranked.argmax(-1, keepdim=True)  # (n, 1)
+    shifted = torch.where(keep, a, -math.inf)
+    divergence = torch.where(shifted.argmax(-1, keepdim=True) == top, 0.0, shifted.amax(-1, keepdim=True) - shifted.gather(-1, top))
+    return torch.stack(errors, dim=-1), divergence[:, 0]
 
 
 def compare_logits(refs: Sequence[Tensor], ours: Sequence[Tensor], bands: Sequence[Band] = TOLERANCE_BANDS) -> LogitsResult:
@@ -372,10 +382,10 @@ def compare_logits(refs: Sequence[Tensor], ours: Sequence[Tensor], bands: Sequen
         max_abs = max(max_abs, _max_abs_error(ref, mine))
         agree += int((ref.argmax(-1) == mine.argmax(-1)).sum())
         positions += ref.shape[0]
-        for t in range(ref.shape[0]):
-            errors, divergence = position_errors(ref[t], mine[t], bands)
-            worst = [max(w, (e, b, t), key=lambda x: x[0]) for w, e in zip(worst, errors)]
-            worst_divergence = max(worst_divergence, divergence)
+        errors, divergence = position_errors(ref, mine, bands)
+        for i, (value, t) in enumerate(zip(*errors.max(dim=0))):
+            worst[i] = max(worst[i], (float(value), b, int(t)), key=lambda x: x[0])
+        worst_divergence = max(worst_divergence, float(divergence.max()))
     results = tuple(BandResult(band=band, worst_rel_error=e, worst_prompt=b, worst_token=t, passed=e <= band.rtol)
                     for band, (e, b, t) in zip(bands, worst))
     return LogitsResult(positions=positions, max_abs_error=max_abs, top1_agreement=agree / max(positions, 1), bands=results,

@@ -9,6 +9,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import hf_greedy, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime
@@ -42,27 +43,44 @@ def reference(hf):
 
 def test_tolerance_map_semantics_on_exact_values():
     """NxDI's per-position check: a constant shift is removed, each band is normalised by its
-    largest |reference logit|, and a top-1 swap passes only as a near tie."""
+    largest |reference logit|, a top-1 swap passes only as a near tie, -inf entries are dropped."""
     ref = torch.linspace(-1.0, 2.0, 1000)  # top-1 = 2.0 = max|ref| in every band
-    errors, divergence = position_errors(ref, ref + 3.0)
-    assert all(e <= 0 for e in errors) and divergence == 0.0  # a shift is no error
     bumped = ref.clone()
     bumped[-1] += 0.03  # 1.5% of max|ref| on the top-1 logit
-    errors, divergence = position_errors(ref, bumped)
-    assert [round(e, 3) for e in errors] == [0.015] * 4
-    assert [e <= b.rtol for e, b in zip(errors, TOLERANCE_BANDS)] == [False, True, True, True]  # only top 5 (rtol 0.01) fails
-    swapped = ref.clone()
-    swapped[-2] = 2.0005  # the reference's second token now leads by 0.0005: a near tie
-    assert position_errors(ref, swapped)[1] == pytest.approx(0.0005, abs=2e-5)
-    swapped[-2] = 2.002  # leads by 0.002 >= 0.001: a divergence
-    result = compare_logits([ref[None]], [swapped[None]])
-    assert not result.divergence_passed and result.worst_divergence == pytest.approx(0.002, abs=5e-5)
-    assert result.top1_agreement == 0.0 and result.max_abs_error == pytest.approx(2.002 - ref[-2].item(), abs=1e-6)
+    tie, swap = ref.clone(), ref.clone()
+    tie[-2], swap[-2] = 2.0005, 2.002  # the reference's second token now leads by 0.0005 / 0.002
     masked = ref.clone()
-    masked[:10] = -math.inf  # -inf in either engine: dropped, as NxDI does
-    assert all(e <= 0 for e in position_errors(masked, masked + 1.0)[0])
+    masked[:10] = -math.inf
+    rows = torch.stack([ref + 3.0, bumped, tie, swap, masked + 1.0])
+    errors, divergence = position_errors(torch.stack([ref, ref, ref, ref, masked]), rows)
+    assert (errors[0] <= 0).all() and (errors[4] <= 0).all()  # a shift is no error, with or without -inf entries
+    assert errors[1].tolist() == pytest.approx([0.015] * 4, abs=1e-4)
+    assert [e <= b.rtol for e, b in zip(errors[1].tolist(), TOLERANCE_BANDS)] == [False, True, True, True]  # only top 5 fails
+    assert divergence.tolist() == pytest.approx([0.0, 0.0, 0.0005, 0.002, 0.0], abs=2e-5)
+    result = compare_logits([ref[None]] * 2, [tie[None], swap[None]])
+    assert not result.divergence_passed and result.worst_divergence == pytest.approx(0.002, abs=2e-5)
+    assert result.top1_agreement == 0.0 and result.max_abs_error == pytest.approx(2.002 - ref[-2].item(), abs=1e-6)
+    assert (result.bands[0].worst_prompt, result.bands[0].worst_token) == (1, 0)
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None and first_divergence([1, 5, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_tolerance_map_equals_a_naive_per_position_computation():
+    """The vectorised check against NxDI's steps written out per position with numpy's lstsq."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(6, 3000, generator=g) * 4
+    ours = 1.02 * ref + 0.7 + 0.05 * torch.randn(6, 3000, generator=g)
+    errors, divergence = position_errors(ref, ours)
+    for t in range(6):
+        r, a = ref[t].double().numpy(), ours[t].double().numpy()
+        _, shift = np.linalg.lstsq(np.stack([r, np.ones_like(r)], 1), a, rcond=None)[0]
+        a = a - shift
+        for i, band in enumerate(TOLERANCE_BANDS):
+            idx = np.argsort(-r)[: band.top_k or len(r)]
+            expect = (np.abs(a[idx] - r[idx]) - band.atol).max() / np.abs(r[idx]).max()
+            assert errors[t, i].item() == pytest.approx(expect, rel=1e-9)
+        expect = 0.0 if a.argmax() == r.argmax() else a.max() - a[r.argmax()]
+        assert divergence[t].item() == pytest.approx(expect, rel=1e-9)
 
 
 def test_float_plan_matches_transformers(hf, reference):
