@@ -186,7 +186,7 @@ class AccuracyReport:
                      f"{'pass' if lg.divergence_passed else 'FAIL'}")
         if self.perplexity is not None:
             pp = self.perplexity
-            lines.append(f"perplexity ({pp.predicted} tokens scored in {pp.chunks} chunks): neuronfx {pp.neuronfx:.4f}, "
+            lines.append(f"perplexity ({pp.predicted} tokens scored in {pp.chunks} chunk{'s' if pp.chunks > 1 else ''}): neuronfx {pp.neuronfx:.4f}, "
                          f"transformers {pp.transformers:.4f}")
         lines.append(f"greedy: {'identical' if self.greedy_identical else 'DIVERGED'}; "
                      f"tolerance map: {'pass' if lg.passed else 'FAIL'}")
@@ -194,8 +194,9 @@ class AccuracyReport:
 
 
 def _clip(text: str | None, ids: Sequence[int], width: int = 50) -> str:
+    """The prompt's last ``width`` characters: a chat prompt's user message is at its end."""
     shown = repr(text) if text is not None else str(list(ids))
-    return shown if len(shown) <= width else shown[: width - 3] + "..."
+    return shown if len(shown) <= width else "..." + shown[3 - width:]
 
 
 def _divergence_text(d: Divergence | None) -> str:
