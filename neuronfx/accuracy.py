@@ -252,15 +252,21 @@ def reference_model(source: Checkpoint | Any, state_dict: dict[str, Tensor]) -> 
 def reference_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], Tensor]:
     """transformers' greedy ``generate`` for one prompt: (``max_new_tokens`` token ids, their raw
     logits [max_new_tokens, vocab] float32). eos does not stop it (``eos_token_id=[]``: an unset
-    one would be taken from the model's generation config), and no other logits processor is set
-    (the raw logits are the ones compared)."""
+    one would be taken from the model's generation config). Raises ConfigError when a logits
+    processor of the model's generation config (repetition penalty, suppressed tokens, ...) made
+    a token other than the raw logits' argmax: neuronfx's greedy tokens are that argmax."""
     from transformers import GenerationConfig
 
     ids = torch.tensor([list(prompt)])
     config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
                               repetition_penalty=1.0, output_logits=True, return_dict_in_generate=True)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out.sequences[0, ids.shape[1]:].tolist(), torch.stack([step[0] for step in out.logits]).float()
+    tokens, logits = out.sequences[0, ids.shape[1]:].tolist(), torch.stack([step[0] for step in out.logits]).float()
+    if tokens != logits.argmax(-1).tolist():
+        raise ConfigError(f"the reference's generate picked {tokens[:8]} but its raw logits' argmax is "
+                          f"{logits.argmax(-1).tolist()[:8]}: its generation config processes logits ({model.generation_config}); "
+                          "build the reference with neuronfx.accuracy.reference_model.")
+    return tokens, logits
 
 
 @torch.no_grad()

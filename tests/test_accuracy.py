@@ -26,7 +26,7 @@ from neuronfx.accuracy import (
     reference_model,
 )
 from neuronfx.cli import main
-from neuronfx.errors import CheckpointError
+from neuronfx.errors import CheckpointError, ConfigError
 
 PROMPTS = [random_prompt(5, seed=1), random_prompt(13, seed=2), random_prompt(9, seed=3)]  # 3 prompts > batch_size 2
 
@@ -134,6 +134,16 @@ def test_reference_model_refuses_a_state_dict_it_cannot_take(hf):
     del sd["model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(CheckpointError, match=r"missing_keys.*up_proj"):
         reference_model(hf.config, sd)
+
+
+def test_a_reference_whose_generation_config_moves_tokens_is_refused(hf):
+    """A reference that suppresses its own first greedy token would be compared on tokens its raw
+    logits do not pick."""
+    ref = reference_model(hf.config, hf.state_dict())
+    first = hf_greedy(ref, PROMPTS[0], 1)[0]
+    ref.generation_config.suppress_tokens = [first]
+    with pytest.raises(ConfigError, match=rf"picked \[(?!{first})\d+.*raw logits' argmax is \[{first}"):
+        check_accuracy(tiny_runtime(hf), ref, prompts=PROMPTS[:1], max_new_tokens=2)
 
 
 @pytest.fixture(scope="module")
