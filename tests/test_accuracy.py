@@ -41,6 +41,12 @@ def reference(hf):
     return reference_model(hf.config, hf.state_dict())
 
 
+@pytest.fixture(scope="module")
+def runtime(hf):
+    """fp32 eager, batch_size 2 (fewer slots than PROMPTS), logits out."""
+    return tiny_runtime(hf, batch_size=2)
+
+
 def test_tolerance_map_semantics_on_exact_values():
     """NxDI's per-position check: a constant shift is removed, each band is normalised by its
     largest |reference logit|, a top-1 swap passes only as a near tie, -inf entries are dropped."""
@@ -83,11 +89,10 @@ def test_tolerance_map_equals_a_naive_per_position_computation():
         assert divergence[t].item() == pytest.approx(expect, rel=1e-9)
 
 
-def test_float_plan_matches_transformers(hf, reference):
+def test_float_plan_matches_transformers(hf, reference, runtime):
     """fp32 eager plan: greedy tokens identical (and equal to transformers' own generate), logits
     within 1e-4, full top-1 agreement, every band passes; 3 prompts over batches of 2."""
-    rt = tiny_runtime(hf, batch_size=2)
-    report = check_accuracy(rt, reference, prompts=PROMPTS, max_new_tokens=8)
+    report = check_accuracy(runtime, reference, prompts=PROMPTS, max_new_tokens=8)
     assert report.greedy_identical and [p.divergence for p in report.prompts] == [None] * 3
     assert report.logits.positions == 24 and report.logits.max_abs_error < 1e-4
     assert report.logits.top1_agreement == 1.0 and report.logits.passed and not report.failed("tolerance")
@@ -136,14 +141,14 @@ def test_reference_model_refuses_a_state_dict_it_cannot_take(hf):
         reference_model(hf.config, sd)
 
 
-def test_a_reference_whose_generation_config_moves_tokens_is_refused(hf):
+def test_a_reference_whose_generation_config_moves_tokens_is_refused(hf, runtime):
     """A reference that suppresses its own first greedy token would be compared on tokens its raw
     logits do not pick."""
     ref = reference_model(hf.config, hf.state_dict())
     first = hf_greedy(ref, PROMPTS[0], 1)[0]
     ref.generation_config.suppress_tokens = [first]
     with pytest.raises(ConfigError, match=rf"picked \[(?!{first})\d+.*raw logits' argmax is \[{first}"):
-        check_accuracy(tiny_runtime(hf), ref, prompts=PROMPTS[:1], max_new_tokens=2)
+        check_accuracy(runtime, ref, prompts=PROMPTS[:1], max_new_tokens=2)
 
 
 @pytest.fixture(scope="module")
