@@ -37,6 +37,7 @@ from neuronfx.errors import (
     TensorParallelError,
 )
 from neuronfx.graphs.backends import check_backend
+from neuronfx.graphs.weights import dequantized_state_dict
 from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
 
@@ -426,10 +427,12 @@ def compile_command(args: argparse.Namespace) -> dict:
             "cache_key": runtime.cache_key, "load_s": load_s, "compile_s": compile_s, "save_s": save_s, "bytes": size}
 
 
-def check_accuracy_command(args: argparse.Namespace) -> AccuracyReport:
+def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     """``neuronfx check-accuracy [MODEL]``: load the checkpoint in float32, compile the plan (with
     logits out) and a transformers reference on the same weights, compare; returns the
-    AccuracyReport. Options are checked before the (slow) load."""
+    AccuracyReports: one against transformers on the weights the plan multiplies by (a
+    quantized plan's dequantized weights) and, for a quantized plan, one against the float
+    model. Options are checked before the (slow) load."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     inference = attrs.evolve(_inference(args), output_logits=True)
@@ -439,16 +442,26 @@ def check_accuracy_command(args: argparse.Namespace) -> AccuracyReport:
     check_cli_limits(args, inference)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
+    neuronfx.api.check_weight_source(inference, model_path)
     ckpt = load_checkpoint(model_path, dtype=torch.float32)  # the reference's dtype; compile casts for the plan
     tokenizer = load_tokenizer(model_path)
     prompts = None
     if args.chat or args.prompt:
         prompts = chat_prompts(tokenizer, args.chat) + [list(tokenizer(t)["input_ids"]) for t in args.prompt]
-    runtime = neuronfx.compile(make_plan(ckpt.config, inference, checkpoint=str(model_path)), ckpt.state_dict,
-                               progress=not args.json)
-    reference = reference_model(ckpt, ckpt.state_dict)
-    return check_accuracy(runtime, reference, tokenizer, prompts, args.max_new_tokens, args.text_file,
-                          reference_name="transformers float32 (the checkpoint's weights)")
+    weights = ckpt.state_dict
+    if inference.weight_format == "gguf":
+        weights = load_checkpoint(model_path, dtype=torch.float32, gguf_blocks=True).state_dict
+    runtime = neuronfx.compile(make_plan(ckpt.config, inference, checkpoint=str(model_path)), weights, progress=not args.json)
+    if inference.weight_format == "float":
+        return [check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens,
+                               args.text_file, reference_name="transformers float32 (the checkpoint's weights)")]
+    dequantized = dequantized_state_dict(weights, runtime.weights, ckpt.config)
+    return [
+        check_accuracy(runtime, reference_model(ckpt, dequantized), tokenizer, prompts, args.max_new_tokens, args.text_file,
+                       reference_name=f"transformers float32 on the {inference.weight_format} weights dequantized"),
+        check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens, args.text_file,
+                       reference_name="transformers float32 (the checkpoint's float weights)"),
+    ]
 
 
 def cache_command(args: argparse.Namespace) -> None:
@@ -526,9 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cache_command(args)
             return 0
         if args.command == "check-accuracy":
-            report = check_accuracy_command(args)
-            print(json.dumps(report.to_json()) if args.json else report.format())
-            return 1 if report.failed(args.fail_on) else 0
+            reports = check_accuracy_command(args)
+            print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))
+            return 1 if reports[0].failed(args.fail_on) else 0
         if args.command == "compile":
             summary = compile_command(args)
             print(json.dumps(summary) if args.json else

@@ -187,9 +187,19 @@ def test_cli_check_accuracy(word_model_dir, capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "reference_model", off)
     assert main([*args, "--json"]) == 1
-    data = json.loads(capsys.readouterr().out)
+    data = json.loads(capsys.readouterr().out)[0]
     assert not data["greedy_identical"] and not data["tolerance_passed"] and data["logits"]["positions"] == 12
     assert any(p["divergence"] is not None for p in data["prompts"])
+
+
+def test_cli_check_accuracy_of_a_quantized_plan(word_model_dir, capsys):
+    """An int8 plan: against transformers on its dequantized weights it is exact (greedy
+    identical, fp32-order logits); a second report compares it with the float model."""
+    assert main(["check-accuracy", str(word_model_dir), *PLAN, "--weight-format", "int8", "--json"]) == 0
+    dequantized, floats = json.loads(capsys.readouterr().out)
+    assert "int8 weights dequantized" in dequantized["reference"] and "float weights" in floats["reference"]
+    assert dequantized["greedy_identical"] and dequantized["logits"]["max_abs_error"] < 1e-4
+    assert floats["logits"]["max_abs_error"] > dequantized["logits"]["max_abs_error"]
 
 
 def test_cli_check_accuracy_rejects_bad_options(word_model_dir, capsys):
