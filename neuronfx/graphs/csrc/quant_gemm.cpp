@@ -61,6 +61,7 @@ struct Isa {
   static constexpr int W = 16;
   static constexpr int kRegs = 8;  // MT * NT accumulators (+ as many per-group partial sums) of 32 zmm
   static constexpr const char* kName = "avx512";
+  static constexpr bool kTable = true;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V set1(float a) { return _mm512_set1_ps(a); }
@@ -75,6 +76,33 @@ struct Isa {
   static V s8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  // The 16 values a group's nibbles stand for, i * d + o for i in [0, 16): one lane each.
+  static V table(float d, float o) {
+    const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(o));
+  }
+  // 16 bytes -> the table's values for their low and high nibbles (vpermps reads the low 4 bits
+  // of each index lane, so the low nibble needs no mask).
+  // From GGUF block headers: fp16 d and m at p (Q4_1) -> i * d + m; fp16 d at p (Q4_0) -> (i - 8) * d.
+  // One broadcast load and one conversion instead of two scalar conversions and broadcasts.
+  static V table_dm(const uint8_t* p) {
+    int32_t dm;
+    std::memcpy(&dm, p, 4);
+    const V v = _mm512_cvtph_ps(_mm256_set1_epi32(dm));  // d, m, d, m, ...
+    const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+  }
+  static V table_d8(const uint8_t* p) {
+    int16_t d;
+    std::memcpy(&d, p, 2);
+    const V iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_mul_ps(iota8, _mm512_cvtph_ps(_mm256_set1_epi16(d)));
+  }
+  static void lookup(const uint8_t* p, V t, V& lo, V& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_permutexvar_ps(v, t);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+  }
   static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 };
 #elif defined(NFX_Q_AVX2)
@@ -83,6 +111,7 @@ struct Isa {
   static constexpr int W = 8;
   static constexpr int kRegs = 4;  // of 16 ymm
   static constexpr const char* kName = "avx2";
+  static constexpr bool kTable = false;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V set1(float a) { return _mm256_set1_ps(a); }
@@ -110,6 +139,7 @@ struct Isa {
   static constexpr int W = 1;
   static constexpr int kRegs = 8;
   static constexpr const char* kName = "scalar";
+  static constexpr bool kTable = false;
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
   static V set1(float a) { return a; }
@@ -131,18 +161,22 @@ constexpr int W = Isa::W;
 // kNibbles: 4-bit values, byte j of a group = element j (low nibble) and j + g/2 (high nibble);
 // otherwise int8 values. kOffset: the group has an offset term (needs per-group sums of x).
 
-template <typename S>
+// kG: the group size when known at compile time (32, 64, 128: the chunk loops unroll), else 0.
+template <typename S, int kG>
 struct Int4Layout {
   static constexpr bool kNibbles = true, kOffset = true;
   const uint8_t* data;
   const S* scale;
   const S* offset;
   int64_t row_bytes, groups, g;
-  int64_t group() const { return g; }
+  int64_t group() const { return kG ? kG : g; }
   const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
   const uint8_t* values(const uint8_t* r, int64_t b) const { return r + b * (g / 2); }
   float d(int64_t n, const uint8_t*, int64_t b) const { return to_f(scale[n * groups + b]); }
   float off(int64_t n, const uint8_t*, int64_t b) const { return to_f(offset[n * groups + b]); }
+#if defined(NFX_Q_AVX512)
+  V table(int64_t n, const uint8_t* r, int64_t b) const { return Isa::table(d(n, r, b), off(n, r, b)); }
+#endif
 };
 
 // GGUF blocks of 32 (ggml-common.h block_q4_0 / block_q4_1 / block_q8_0): fp16 d [, fp16 m], values.
@@ -159,6 +193,11 @@ struct GgufLayout {
     // Q4_1: m; Q4_0: w = (q - 8) d, so the offset is -8 d.
     return kHeader == 4 ? half_at(r + b * kBytes + 2) : -8.f * half_at(r + b * kBytes);
   }
+#if defined(NFX_Q_AVX512)
+  V table(int64_t, const uint8_t* r, int64_t b) const {
+    return kHeader == 4 ? Isa::table_dm(r + b * kBytes) : Isa::table_d8(r + b * kBytes);
+  }
+#endif
 };
 using Q4_0Layout = GgufLayout<18, 2, true, true>;
 using Q4_1Layout = GgufLayout<20, 4, true, true>;
@@ -229,6 +268,38 @@ inline void group_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
     for (int j = 0; j < NT; ++j) res[m * NT + j] = Isa::hsum(tot[m][j]) + corr[m][j];
 }
 
+#if defined(NFX_Q_AVX512)
+// 4-bit layouts where a 16-lane permute serves as lookup table (AVX-512): each group's nibbles
+// are dequantized in registers (q * d + o, one FMA per group for the table) and the products
+// are fp32 FMAs of x against those weights, as small_gemm; no per-group sums of x.
+template <typename L, int MT, int NT>
+inline void table_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, float* res) {
+  const int64_t g = lay.group(), half = g / 2;
+  const uint8_t* r[NT];
+  for (int j = 0; j < NT; ++j) r[j] = lay.row(n + j);
+  V tot[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) tot[m][j] = Isa::zero();
+  for (int64_t b = 0; b < xs.groups; ++b) {
+    const float* xb = xs.x + b * g;
+    for (int j = 0; j < NT; ++j) Isa::prefetch(lay.values(r[j], b) + pf_rows * lay.row_bytes);
+    for (int j = 0; j < NT; ++j) {
+      const V t = lay.table(n + j, r[j], b);
+      for (int64_t c = 0; c < half; c += W) {
+        V lo, hi;
+        Isa::lookup(lay.values(r[j], b) + c, t, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+          tot[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + c), lo, tot[m][j]);
+          tot[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + half + c), hi, tot[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) res[m * NT + j] = Isa::hsum(tot[m][j]);
+}
+#endif
+
 // int8 per output channel: one scale per row, no groups; K need not be a multiple of W.
 template <typename S>
 struct Int8Layout {
@@ -265,7 +336,15 @@ inline void int8_tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, int64_t
 template <int MT, int NT, typename S>
 inline void tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, float* res) { int8_tile<S, MT, NT>(lay, xs, n, NT, res); }
 template <int MT, int NT, typename L>
-inline void tile(const L& lay, const Xs& xs, int64_t n, float* res) { group_tile<L, MT, NT>(lay, xs, n, NT, res); }
+inline void tile(const L& lay, const Xs& xs, int64_t n, float* res) {
+#if defined(NFX_Q_AVX512) && !defined(NFX_QUANT_NO_TABLE)
+  if constexpr (L::kNibbles) {
+    table_tile<L, MT, NT>(lay, xs, n, NT, res);
+    return;
+  }
+#endif
+  group_tile<L, MT, NT>(lay, xs, n, NT, res);
+}
 
 // Where results go: out (M, N) in x's dtype, plus the bias.
 struct Out {
@@ -397,7 +476,11 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::op
   auto out = at::empty(shape, x.options());
   if (M == 0 || N == 0) return out;
   const int64_t kp = format == kInt8 ? K : groups * g;
+#if defined(NFX_Q_AVX512) && !defined(NFX_QUANT_NO_TABLE)
+  const bool sums = false;  // the 4-bit formats dequantize through the lookup table
+#else
   const bool sums = format == kInt4 || format == kQ4_0 || format == kQ4_1;
+#endif
   std::vector<float> buf(M * kp + (sums ? M * groups : 0));
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, buf.data());
@@ -417,10 +500,16 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::op
       else launch(Int8Layout<c10::BFloat16>{data.data_ptr<int8_t>(), scale->data_ptr<c10::BFloat16>(), K, K}, xs, M, N, o);
       break;
     case kInt4:
-      if (scale->scalar_type() == at::kFloat)
-        launch(Int4Layout<float>{d, scale->data_ptr<float>(), offset->data_ptr<float>(), rb, groups, g}, xs, M, N, o);
-      else
-        launch(Int4Layout<c10::BFloat16>{d, scale->data_ptr<c10::BFloat16>(), offset->data_ptr<c10::BFloat16>(), rb, groups, g}, xs, M, N, o);
+      if (scale->scalar_type() == at::kFloat) {
+        const float* s = scale->data_ptr<float>();
+        const float* f = offset->data_ptr<float>();
+        if (g == 32) launch(Int4Layout<float, 32>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else if (g == 64) launch(Int4Layout<float, 64>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else if (g == 128) launch(Int4Layout<float, 128>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else launch(Int4Layout<float, 0>{d, s, f, rb, groups, g}, xs, M, N, o);
+      } else {
+        launch(Int4Layout<c10::BFloat16, 0>{d, scale->data_ptr<c10::BFloat16>(), offset->data_ptr<c10::BFloat16>(), rb, groups, g}, xs, M, N, o);
+      }
       break;
     case kQ4_0: launch(Q4_0Layout{d, rb}, xs, M, N, o); break;
     case kQ4_1: launch(Q4_1Layout{d, rb}, xs, M, N, o); break;
