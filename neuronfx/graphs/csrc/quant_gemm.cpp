@@ -97,22 +97,25 @@ struct Isa {
     const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(o));
   }
-  // 16 bytes -> the table's values for their low and high nibbles (vpermps reads the low 4 bits
-  // of each index lane, so the low nibble needs no mask).
-  // From GGUF block headers: fp16 d and m at p (Q4_1) -> i * d + m; fp16 d at p (Q4_0) -> (i - 8) * d.
-  // One broadcast load and one conversion instead of two scalar conversions and broadcasts.
-  static V table_dm(const uint8_t* p) {
-    int32_t dm;
-    std::memcpy(&dm, p, 4);
-    const V v = _mm512_cvtph_ps(_mm256_set1_epi32(dm));  // d, m, d, m, ...
-    const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(iota, _mm512_moveldup_ps(v), _mm512_movehdup_ps(v));
+  static V table8(float d) {  // Q4_0: (i - 8) * d
+    return _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_ps(d));
   }
-  static V table_d8(const uint8_t* p) {
-    int16_t d;
-    std::memcpy(&d, p, 2);
-    const V iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm512_mul_ps(iota8, _mm512_cvtph_ps(_mm256_set1_epi16(d)));
+  // The fp16 pairs at p + i * stride, i < n -> fp32 at out[2i], out[2i + 1]: four pairs per
+  // conversion. Converting a tile's GGUF block headers ahead of its blocks leaves one FMA per
+  // block for the table; converting and broadcasting d and m inside the block loop cost 37% of
+  // a one-row Q4_1 product in cache (a gather instead was slower still on Zen 4).
+  static void fp16_pairs(const uint8_t* p, int64_t stride, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      int32_t h[4];
+      for (int c = 0; c < 4; ++c) std::memcpy(h + c, p + (i + c) * stride, 4);
+      _mm256_storeu_ps(out + 2 * i, _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3])));
+    }
+    for (; i < n; ++i) {
+      int32_t h;
+      std::memcpy(&h, p + i * stride, 4);
+      _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * i), _mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+    }
   }
   static void lookup(const uint8_t* p, V t, V& lo, V& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -205,7 +208,8 @@ struct Int4Layout {
   float d(int64_t n, const uint8_t*, int64_t b) const { return to_f(scale[n * groups + b]); }
   float off(int64_t n, const uint8_t*, int64_t b) const { return to_f(offset[n * groups + b]); }
 #if defined(NFX_Q_AVX512)
-  V table(int64_t n, const uint8_t* r, int64_t b) const { return Isa::table(d(n, r, b), off(n, r, b)); }
+  void headers(const uint8_t*, int64_t, float*) const {}  // scales and offsets are read in place
+  V table(int64_t n, const uint8_t* r, int64_t b, const float*) const { return Isa::table(d(n, r, b), off(n, r, b)); }
 #endif
 };
 
@@ -224,8 +228,11 @@ struct GgufLayout {
     return kHeader == 4 ? half_at(r + b * kBytes + 2) : -8.f * half_at(r + b * kBytes);
   }
 #if defined(NFX_Q_AVX512)
-  V table(int64_t, const uint8_t* r, int64_t b) const {
-    return kHeader == 4 ? Isa::table_dm(r + b * kBytes) : Isa::table_d8(r + b * kBytes);
+  // A row's block headers as fp32: hdr[2b] = d, hdr[2b + 1] = m (Q4_1; Q4_0: the first two
+  // value bytes, unused).
+  void headers(const uint8_t* r, int64_t groups, float* hdr) const { Isa::fp16_pairs(r, kBytes, groups, hdr); }
+  V table(int64_t, const uint8_t*, int64_t b, const float* hdr) const {
+    return kHeader == 4 ? Isa::table(hdr[2 * b], hdr[2 * b + 1]) : Isa::table8(hdr[2 * b]);
   }
 #endif
 };
@@ -239,6 +246,7 @@ struct Xs {
   const float* x;
   const float* sums;
   int64_t kp, groups;
+  float* hdr;  // per task: room for 8 rows of 2 * groups fp32 block headers
 };
 
 // MT rows of x against NT weight rows starting at n: res[m * NT + j] = sum over groups of
@@ -310,6 +318,8 @@ inline void table_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
   const int64_t g = lay.group(), half = g / 2;
   const uint8_t* r[NT];
   for (int j = 0; j < NT; ++j) r[j] = lay.row(n + j);
+  const int64_t hdr_stride = 2 * xs.groups;
+  for (int j = 0; j < NT; ++j) lay.headers(r[j], xs.groups, xs.hdr + j * hdr_stride);
   V tot[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) tot[m][j] = Isa::zero();
@@ -317,7 +327,7 @@ inline void table_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
     const float* xb = xs.x + b * g;
     for (int j = 0; j < NT; ++j) Isa::prefetch(lay.values(r[j], b) + pf_rows * lay.row_bytes);
     for (int j = 0; j < NT; ++j) {
-      const V t = lay.table(n + j, r[j], b);
+      const V t = lay.table(n + j, r[j], b, xs.hdr + j * hdr_stride);
       for (int64_t c = 0; c < half; c += W) {
         V lo, hi;
         Isa::lookup(lay.values(r[j], b) + c, t, lo, hi);
@@ -398,7 +408,7 @@ struct Out {
 template <int MT, int NT, typename L>
 inline void tile_rows(const L& lay, const Xs& xs, int64_t m0, int64_t n, const Out& out) {
   float res[MT * NT];
-  const Xs sub{xs.x + m0 * xs.kp, xs.sums ? xs.sums + m0 * xs.groups : nullptr, xs.kp, xs.groups};
+  const Xs sub{xs.x + m0 * xs.kp, xs.sums ? xs.sums + m0 * xs.groups : nullptr, xs.kp, xs.groups, xs.hdr};
   tile<MT, NT>(lay, sub, n, res);
   out.put(m0, n, MT, NT, res);
 }
@@ -440,7 +450,12 @@ constexpr int64_t GRAIN = 64;
 
 template <typename L>
 void launch(const L& lay, const Xs& xs, int64_t M, int64_t N, const Out& out) {
-  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) { run_rows(lay, xs, M, n0, n1, out); });
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+    std::vector<float> hdr(8 * 2 * xs.groups);
+    Xs task = xs;
+    task.hdr = hdr.data();
+    run_rows(lay, task, M, n0, n1, out);
+  });
 }
 
 // x (M, K) -> fp32 (M, kp) zero-padded, then (when sums) the sum of each group of g.
@@ -521,7 +536,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::op
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, buf.data());
   else widen(xc.data_ptr<c10::BFloat16>(), M, K, kp, g, sums, buf.data());
-  const Xs xs{buf.data(), sums ? buf.data() + M * kp : nullptr, kp, groups};
+  const Xs xs{buf.data(), sums ? buf.data() + M * kp : nullptr, kp, groups, nullptr};
   at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "quant_gemm: bias has ", bias->numel(), " values, weight has ", N, " rows");
