@@ -60,15 +60,14 @@ inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
 
 // ---- ISA: W fp32 lanes; nibbles() widens W bytes to their low and high nibbles, s8() W int8;
-// kRegs: accumulators a tile keeps in registers (MT * NT); kTable: the 4-bit lookup-table path ----
+// kRegs: accumulators a tile keeps in registers (MT * NT). AVX-512 adds the 4-bit lookup table ----
 
 #if defined(NFX_Q_AVX512)
 struct Isa {
   using V = __m512;
   static constexpr int W = 16;
-  static constexpr int kRegs = 8;  // MT * NT accumulators (+ as many per-group partial sums) of 32 zmm
+  static constexpr int kRegs = 8;  // of 32 zmm (the split path keeps as many per-group partial sums)
   static constexpr const char* kName = "avx512";
-  static constexpr bool kTable = true;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V set1(float a) { return _mm512_set1_ps(a); }
@@ -117,6 +116,8 @@ struct Isa {
       _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * i), _mm_cvtph_ps(_mm_cvtsi32_si128(h)));
     }
   }
+  // 16 bytes -> the table's values for their low and high nibbles (vpermps reads the low 4 bits
+  // of each index lane, so the low nibble needs no mask).
   static void lookup(const uint8_t* p, V t, V& lo, V& hi) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = _mm512_permutexvar_ps(v, t);
@@ -130,7 +131,6 @@ struct Isa {
   static constexpr int W = 8;
   static constexpr int kRegs = 4;  // of 16 ymm
   static constexpr const char* kName = "avx2";
-  static constexpr bool kTable = false;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V set1(float a) { return _mm256_set1_ps(a); }
@@ -162,7 +162,6 @@ struct Isa {
   static constexpr int W = 1;
   static constexpr int kRegs = 8;
   static constexpr const char* kName = "scalar";
-  static constexpr bool kTable = false;
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
   static V set1(float a) { return a; }
