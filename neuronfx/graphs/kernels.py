@@ -9,7 +9,7 @@ this kernel reads each weight row once against all rows of x (``csrc/small_gemm.
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
 Q8_0; ``graphs/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``).
 
-The C++ sources are built once per machine with torch's extension builder (about 25 s; cached
+The C++ sources are built once per machine with torch's extension builder (about 30 s; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
 so the library name carries a hash of the CPU's feature flags: a cache shared between different
 CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
