@@ -78,15 +78,22 @@ def test_quantization_changes_the_weights(hf):
     assert (logits[0][0] - float_logits[0]).abs().max() > 10 * ATOL
 
 
-def test_inductor_int4_kernels_match_eager(hf, tmp_path):
+def test_inductor_int4_kernels_match_reference(hf):
     """Decode through ``quant_gemm`` and prefill through dequantized GEMM (inductor) give the
-    reference's tokens; the runtime saves and loads with its quantized records."""
-    rt = tiny_runtime(hf, "inductor", weight_format="int4", batch_size=2, max_context_length=16, prefill_buckets=(16,), decode_buckets=(64,))
+    reference's tokens and logits."""
+    rt = tiny_runtime(hf, "inductor", weight_format="int4", batch_size=2, max_context_length=16, prefill_buckets=(16,),
+                      decode_buckets=(64,))
     check_against_reference(hf, rt)
+
+
+def test_save_and_load_keep_the_quantized_records(hf, tmp_path):
+    rt = tiny_runtime(hf, "eager", weight_format="int4", batch_size=2, prefill_buckets=(32,), decode_buckets=(64,))
     neuronfx.save(rt, tmp_path / "rt")
     loaded = neuronfx.load(tmp_path / "rt")
     assert isinstance(loaded.weights["layers"][1]["down"], quant.Int4Weight)
     assert loaded.weights["embed"] is loaded.weights["lm_head"]
+    for a, b in zip(loaded.weights["layers"][1]["down"], rt.weights["layers"][1]["down"]):
+        assert torch.equal(a, b)
     assert run_steps(loaded, neuronfx.init_state(loaded), [0, 1], PROMPTS, 3)[0] == run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 3)[0]
 
 
