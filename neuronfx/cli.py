@@ -216,7 +216,7 @@ def bench_command(args: argparse.Namespace) -> dict:
             print(f"memory B={m['batch_size']}: RSS {m['rss_bytes'] / 2**20:.0f} MiB; weights {m['weights_bytes'] / 2**20:.0f} MiB "
                   f"+ KV {m['kv_bytes'] / 2**20:.0f} MiB; bound 1.3x(w+kv)+400 MiB = {bound / 2**20:.0f} MiB")
         if args.compare:
-            print(f"threads: {data['threads']}" + (f"; {data['prefill_16bit']}" if data["prefill_16bit"] else ""))
+            print(f"both engines on {data['threads']} threads")
             for line in comparison_table([BenchResult(**r) for r in data["results"]], args.compare):
                 print(line)
     if args.plot:
