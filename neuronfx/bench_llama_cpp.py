@@ -8,9 +8,11 @@ batch of B sequences per call the way llama.cpp's own ``batched`` example does, 
 fills one ``llama_batch`` with B sequence ids (``seq_id`` b for row b): the prefill is one
 ``llama_decode`` of all B prompts (B x prompt_len tokens, logits of each prompt's last token),
 each decode step one ``llama_decode`` of B tokens. Greedy: the argmax of each row's logits
-(``llama_get_logits_ith``), eos ignored, as neuronfx's bench. KV cache: one context per batch
-size with ``n_seq_max = B`` and ``kv_unified = False`` (each sequence its own cache of
-``ctx_per_seq`` positions: the sequences share no prefix), cleared before each run.
+(``llama_get_logits_ith``), eos ignored, as neuronfx's bench. KV cache: a fresh context per run
+(made before the clock starts) with ``n_seq_max = B`` and ``kv_unified = False`` (each sequence
+its own cache: the sequences share no prefix). The token ids are written into the batch before
+the prefill's clock starts (a python loop over B x prompt_len tokens is not llama.cpp's cost);
+a decode step's clock includes writing its B tokens.
 """
 
 from __future__ import annotations
