@@ -56,3 +56,26 @@ def test_verdict_keyed_by_onednn_isa_cap(fake_timings, tmp_path, monkeypatch):
 def test_measure_times_both_ways():
     native_s, widened_s = gemm_choice.measure("bfloat16", shape=(16, 64, 32), repeats=1)
     assert 0 < native_s < 1 and 0 < widened_s < 1
+
+
+def test_compile_cache_key_follows_the_verdict(monkeypatch):
+    """Graphs bake the verdict in: a 16-bit inductor plan's cache key changes with it; other
+    plans never ask for it (no measurement)."""
+    from helpers import tiny_hf_model, tiny_plan
+
+    from neuronfx import cache
+
+    hf = tiny_hf_model("llama", seed=0)
+    bf16 = tiny_plan(hf, "inductor", dtype="bfloat16")
+    keys = set()
+    for verdict in (True, False):
+        monkeypatch.setattr(cache, "widen_16bit_prefill", lambda dtype, v=verdict: v)
+        keys.add(cache.cache_key(bf16))
+    assert len(keys) == 2
+
+    def no_measurement(dtype):
+        raise AssertionError("asked for a verdict")
+
+    monkeypatch.setattr(cache, "widen_16bit_prefill", no_measurement)
+    cache.cache_key(tiny_plan(hf, "inductor", dtype="float32"))
+    cache.cache_key(tiny_plan(hf, "export", dtype="bfloat16"))
