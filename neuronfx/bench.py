@@ -330,6 +330,7 @@ COMPARED = (  # (label, BenchResult field, scale, higher is better)
     ("decode tok/s", "decode_tok_s", 1.0, True),
     ("TTFT ms", "ttft_s", 1e3, False),
     ("TPOT ms", "tpot_s", 1e3, False),
+    ("ITL p50 ms", "itl_p50_s", 1e3, False),  # the median step: what a shared machine's bursts disturb least
     ("output tok/s", "output_tok_s", 1.0, True),
 )
 

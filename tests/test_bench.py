@@ -117,16 +117,17 @@ def test_comparison_table_side_by_side():
     from neuronfx.bench import comparison_table
 
     results = [_result("neuronfx", 1, 0.1, [0.02] * 3), _result("llama.cpp", 1, 0.2, [0.04] * 3),
-               _result("neuronfx", 8, 0.5, [0.1] * 3)]  # no llama.cpp B=8: no row
+               _result("neuronfx", 8, 0.5, [0.1] * 3)]  # no llama.cpp B=8: no rows
     lines = comparison_table(results, "llama.cpp")
     assert lines[0] == "neuronfx (x, bfloat16) vs llama.cpp (x, Q4_1)"
     assert lines[1].split() == ["case", "metric", "neuronfx", "llama.cpp", "ratio"]
     rows = [line.split() for line in lines[2:]]
-    assert len(rows) == 4 and all(r[:3] == ["B=1", "prompt=128", "gen=4"] for r in rows)
+    assert len(rows) == 5 and all(r[:3] == ["B=1", "prompt=128", "gen=4"] for r in rows)
     assert rows[0][3:9] == ["decode", "tok/s", "50.0", "25.0", "2.00x", "(higher"]
     assert rows[1][3:9] == ["TTFT", "ms", "100.0", "200.0", "0.50x", "(lower"]
     assert rows[2][3:8] == ["TPOT", "ms", "20.0", "40.0", "0.50x"]
-    assert rows[3][3:8] == ["output", "tok/s", f"{4 / 0.16:.1f}", f"{4 / 0.32:.1f}", "2.00x"]
+    assert rows[3][3:9] == ["ITL", "p50", "ms", "20.0", "40.0", "0.50x"]
+    assert rows[4][3:8] == ["output", "tok/s", f"{4 / 0.16:.1f}", f"{4 / 0.32:.1f}", "2.00x"]
     assert comparison_table(results, "transformers") == []
 
 
