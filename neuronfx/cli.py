@@ -128,8 +128,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
-    p.add_argument("--compare", choices=["transformers"], default=None, help="also run this engine in the same process")
-    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
+    p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+                   help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
+                        "runs the same .gguf --model on the same prompts and thread count")
+    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
+                   help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
     p.add_argument("--serving", action="store_true",
@@ -183,8 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _llama_cpp_model(args: argparse.Namespace, model_path: str) -> str | None:
+    """The GGUF file ``--compare llama.cpp`` runs (the --model itself), or None without it;
+    InputError for options llama.cpp cannot take."""
+    if args.compare != "llama.cpp":
+        return None
+    if not str(model_path).endswith(".gguf"):
+        raise InputError(f"--compare llama.cpp runs llama.cpp on the same weights: --model must be a .gguf file, not {model_path!r} "
+                         "(the default is SmolLM2's Q4_1 .gguf).")
+    if args.compare_dtype or args.serving or args.speculate or args.tp_degree:
+        raise InputError("--compare llama.cpp takes no --compare-dtype (llama.cpp runs the file's own types) and compares "
+                         "plain batches only (not --serving, --speculate or --tp-degree).")
+    from neuronfx.bench_llama_cpp import import_llama_cpp
+
+    import_llama_cpp()  # missing: say so before the checkpoint is read
+    return str(model_path)
+
+
 def bench_command(args: argparse.Namespace) -> dict:
-    from neuronfx.bench import plot, run_bench
+    from neuronfx.bench import BenchResult, comparison_table, format_bandwidth, plot, run_bench
     from neuronfx.checkpoints import default_model_path, load_checkpoint
 
     for name in ("batch_sizes", "prompt_lens", "gen_lens"):
@@ -193,20 +213,22 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    model_path = args.model or default_model_path()
+    llama_cpp_gguf = _llama_cpp_model(args, model_path)
     log = (lambda line: None) if args.json else print
     if args.tp_degree:  # the ranks read the checkpoint themselves
         from neuronfx.bench import run_tp_bench
 
-        return run_tp_bench(args.model or default_model_path(), args.tp_degree, args.backend, args.dtype, args.batch_sizes,
+        return run_tp_bench(model_path, args.tp_degree, args.backend, args.dtype, args.batch_sizes,
                             gen_len=args.gen_lens[0], prompt_len=args.prompt_lens[0], log=log)
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
-    ckpt = load_checkpoint(args.model or default_model_path(), dtype=torch_dtype(args.dtype))
+    ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype))
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
         from neuronfx.checkpoints import load_tokenizer
 
         draft = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype)) if args.draft_model else None
-        return run_speculative_bench(ckpt, load_tokenizer(args.model or default_model_path()), args.backend, args.dtype,
+        return run_speculative_bench(ckpt, load_tokenizer(model_path), args.backend, args.dtype,
                                      args.speculation_length, args.draft_layers, draft, gen_len=args.gen_lens[0], log=log)
     if args.serving:
         from neuronfx.bench import run_serving_bench
@@ -215,17 +237,20 @@ def bench_command(args: argparse.Namespace) -> dict:
                                  compare_transformers=args.compare == "transformers", log=log)
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
-                     reference_dtype=args.compare_dtype or args.dtype)
+                     reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf)
     if not args.json:
+        for row in data["bandwidth"]:
+            print(format_bandwidth(row))
         for c in data["compile"]:
             print(f"compile B={c['batch_size']}: {c['compile_s']:.1f} s for {c['graphs']} graphs")
         for m in data["memory"]:
             bound = 1.3 * (m["weights_bytes"] + m["kv_bytes"]) + 400 * 2**20
             print(f"memory B={m['batch_size']}: RSS {m['rss_bytes'] / 2**20:.0f} MiB; weights {m['weights_bytes'] / 2**20:.0f} MiB "
                   f"+ KV {m['kv_bytes'] / 2**20:.0f} MiB; bound 1.3x(w+kv)+400 MiB = {bound / 2**20:.0f} MiB")
-        for r in data["ratios"]:
-            print(f"ratio B={r['batch_size']} prompt={r['prompt_len']} gen={r['gen_len']}: decode x{r['decode_tok_s_ratio']:.2f}, "
-                  f"output x{r['output_tok_s_ratio']:.2f}, TTFT x{r['ttft_ratio']:.2f} (neuronfx / transformers)")
+        if args.compare:
+            print(f"both engines on {data['threads']} threads")
+            for line in comparison_table([BenchResult(**r) for r in data["results"]], args.compare):
+                print(line)
     if args.plot:
         plot(data, args.plot)
     return data

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from neuronfx.graphs import collectives, quant
 from neuronfx.graphs import kernels as cpu_kernels
+from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 
 Tensor = torch.Tensor
@@ -206,17 +207,13 @@ def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids:
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
-def native_16bit_gemm() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 / AMX), per oneDNN."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def cpu_kernel_ops(dtype: str) -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
     the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
-    products and attention for 16-bit plans without native 16-bit GEMM, fused cached attention."""
+    products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
+    one (:func:`neuronfx.graphs.gemm_choice.widen_16bit_prefill`), fused cached attention."""
     kernels = small_gemm_available()
-    widen = dtype != "float32" and not native_16bit_gemm()
+    widen = dtype != "float32" and widen_16bit_prefill(dtype)
     flags = {"kernels": kernels, "widen": widen}
     return Ops(
         name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen})",
