@@ -133,12 +133,13 @@ def rss_bytes() -> int:
     return 0
 
 
-def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int) -> Any:
+def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
+               weight_format: str = "float", weight_group_size: int = 32) -> Any:
     """The plan a bench case compiles: the default capacities, raised to fit the case."""
     seq = max(512, prompt_len + gen_len)
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
-        sequence_length=seq, dtype=dtype, backend=backend,
+        sequence_length=seq, dtype=dtype, backend=backend, weight_format=weight_format, weight_group_size=weight_group_size,
     )  # static batches: only the full batch size is compiled
     return make_plan(checkpoint.config, inference)
 
@@ -146,7 +147,7 @@ def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, promp
 def run_bench(
     checkpoint: Any, backend: str, dtype: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int],
     gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
-    compare_llama_cpp: str | None = None,
+    compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32,
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
     ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...],
@@ -157,7 +158,9 @@ def run_bench(
     BackendUnavailableError before anything is built when llama-cpp-python is missing.
     ``bandwidth``: per engine and batch size, the weight bytes one decode step reads
     (:func:`decode_weight_bytes`) over TPOT, against this machine's read bandwidth measured
-    once at the start (:func:`read_bandwidth`)."""
+    once at the start (:func:`read_bandwidth`). ``weight_format`` / ``weight_group_size``: the
+    plans' (a "gguf" plan needs ``checkpoint`` read with ``gguf_blocks=True``); the results
+    name the dtype "dtype/weight_format" for a quantized plan."""
     lib = import_llama_cpp() if compare_llama_cpp else None  # fail before compiling anything
     threads = torch.get_num_threads()
     bandwidth = read_bandwidth()
@@ -168,7 +171,7 @@ def run_bench(
     results, compiles, memory, step_bytes = [], [], [], {}
     vocab = checkpoint.config.vocab_size
     for b in batch_sizes:
-        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens))
+        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size)
         gc.collect()
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
@@ -181,7 +184,8 @@ def run_bench(
         time_neuronfx(runtime, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
         for p in prompt_lens:
             for g in gen_lens:
-                ours = summarize("neuronfx", backend, dtype, b, p, *time_neuronfx(runtime, random_prompts(vocab, b, p), g))
+                label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
+                ours = summarize("neuronfx", backend, label, b, p, *time_neuronfx(runtime, random_prompts(vocab, b, p), g))
                 results.append(ours)
                 log(format_result(ours))
         del runtime

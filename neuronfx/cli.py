@@ -131,6 +131,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
                         "runs the same .gguf --model on the same prompts and thread count")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float",
+                   help="weights of neuronfx's plans: float (in --dtype), int8, int4, gguf (the .gguf file's blocks kept)")
+    p.add_argument("--weight-group-size", type=int, choices=WEIGHT_GROUP_SIZES, default=32, help="int4 group size")
     p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
                    help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -222,7 +225,13 @@ def bench_command(args: argparse.Namespace) -> dict:
         return run_tp_bench(model_path, args.tp_degree, args.backend, args.dtype, args.batch_sizes,
                             gen_len=args.gen_lens[0], prompt_len=args.prompt_lens[0], log=log)
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
-    ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype))
+    if args.weight_format != "float" and (args.speculate or args.serving or args.tp_degree):
+        raise InputError(f"--weight-format {args.weight_format} is measured on plain batches only (not --serving, --speculate or --tp-degree).")
+    if args.weight_format == "gguf" and args.compare == "transformers":
+        raise InputError("--weight-format gguf with --compare transformers: transformers cannot run the kept blocks; compare "
+                         "with --compare llama.cpp (same file), or run transformers with --weight-format float.")
+    neuronfx.api.check_weight_source(InferenceConfig(weight_format=args.weight_format), model_path)
+    ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype), gguf_blocks=args.weight_format == "gguf")
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
         from neuronfx.checkpoints import load_tokenizer
@@ -237,7 +246,8 @@ def bench_command(args: argparse.Namespace) -> dict:
                                  compare_transformers=args.compare == "transformers", log=log)
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
-                     reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf)
+                     reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
+                     weight_format=args.weight_format, weight_group_size=args.weight_group_size)
     if not args.json:
         for row in data["bandwidth"]:
             print(format_bandwidth(row))
