@@ -36,7 +36,6 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_to_json, unstructure
 from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
 from neuronfx.graphs.backends import Built, get_backend
-from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.layers import Weights
 from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime
 
@@ -68,24 +67,17 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
 
 def cache_key(plan: Plan) -> str:
     """sha256 hex of the canonical JSON of (model config, inference config, tensor-parallel
-    rank, environment, the 16-bit prefill path the inductor backend bakes into the graphs);
+    rank, environment, what the backend chose on this machine (``Backend.choices``: the
+    inductor backend's 16-bit prefill path));
     ``plan.checkpoint`` is left out: entries hold no weights."""
     content = {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
         "rank": plan.rank,
         "environment": environment(plan.inference.backend),
-        "widen_16bit": _widen_16bit(plan),
+        "choices": get_backend(plan.inference.backend).choices(plan),
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _widen_16bit(plan: Plan) -> bool | None:
-    """This machine's verdict for a 16-bit inductor plan (graphs/gemm_choice.py; measured once
-    per machine), None otherwise: graphs built under one verdict are not served under another
-    (a deleted verdict file measured again, ``ONEDNN_MAX_CPU_ISA`` set or unset)."""
-    dtype = plan.inference.dtype
-    return widen_16bit_prefill(dtype) if plan.inference.backend == "inductor" and dtype != "float32" else None
 
 
 def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bool = True) -> Runtime:

@@ -64,18 +64,19 @@ def test_compile_cache_key_follows_the_verdict(monkeypatch):
     from helpers import tiny_hf_model, tiny_plan
 
     from neuronfx import cache
+    from neuronfx.graphs import backends
 
     hf = tiny_hf_model("llama", seed=0)
     bf16 = tiny_plan(hf, "inductor", dtype="bfloat16")
     keys = set()
     for verdict in (True, False):
-        monkeypatch.setattr(cache, "widen_16bit_prefill", lambda dtype, v=verdict: v)
+        monkeypatch.setattr(backends, "widen_16bit_prefill", lambda dtype, v=verdict: v)
         keys.add(cache.cache_key(bf16))
     assert len(keys) == 2
 
     def no_measurement(dtype):
         raise AssertionError("asked for a verdict")
 
-    monkeypatch.setattr(cache, "widen_16bit_prefill", no_measurement)
+    monkeypatch.setattr(backends, "widen_16bit_prefill", no_measurement)
     cache.cache_key(tiny_plan(hf, "inductor", dtype="float32"))
     cache.cache_key(tiny_plan(hf, "export", dtype="bfloat16"))

@@ -28,6 +28,7 @@ from neuronfx.config.inputs import leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import BackendUnavailableError, ConfigError
 from neuronfx.graphs import inductor
+from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.inputs import KVCache, empty_kv, example_inputs
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.ops import REFERENCE_OPS
@@ -64,6 +65,8 @@ class Backend:
     - ``load(plan, weights, src) -> Built``: the graphs from what ``save`` wrote in ``src``
       (checked by the caller's manifest first).
     - ``cached``: whether the compile cache is on by default (it holds graph files worth keeping).
+    - ``choices(plan) -> dict``: what this machine decided that the built graphs bake in (part
+      of the compile-cache key: graphs built under one choice are not served under another).
     """
 
     name: str
@@ -72,6 +75,7 @@ class Backend:
     save: Callable[[Plan, Mapping[GraphKey, Graph], str | None, Path], list[str]]
     load: Callable[[Plan, Weights, Path], Built]
     cached: bool
+    choices: Callable[[Plan], dict[str, object]] = attrs.field(default=lambda plan: {})  # none by default
 
 
 def build_each(plan: Plan, weights: Weights, builder: Callable[[Plan, GraphSpec, Weights, KVCache], Graph],
@@ -184,8 +188,15 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 
+def _inductor_choices(plan: Plan) -> dict[str, object]:
+    """The 16-bit prefill path of a 16-bit plan (:func:`neuronfx.graphs.ops.cpu_kernel_ops`),
+    measured once per machine (graphs/gemm_choice.py)."""
+    dtype = plan.inference.dtype
+    return {} if dtype == "float32" else {"widen_16bit": widen_16bit_prefill(dtype)}
+
+
 INDUCTOR = Backend(name="inductor", check=_nothing_to_check, build=_inductor_build, save=inductor.save,
-                   load=_inductor_load, cached=True)
+                   load=_inductor_load, cached=True, choices=_inductor_choices)
 
 
 # --- neuron -------------------------------------------------------------------------------------
