@@ -28,7 +28,7 @@ from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.moe import STACKED_NAMES
-from neuronfx.graphs.quant import FORMAT_NAMES, GGUF_BLOCK, GGUF_BLOCK_BYTES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, QuantizedWeight
+from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, QuantizedWeight
 from neuronfx.graphs.weights import check_state_dict, expand_key_map
 
 CONFIG_NAME = "config.json"
@@ -493,17 +493,10 @@ def _check_keys(state_dict: dict[str, Any], config: ModelConfig, source: Path, k
     """Drop ignorable buffers in place, then the one checkpoint check
     (``graphs.weights.check_state_dict``): CheckpointError for missing, extra or mis-shaped
     tensors (``lm_head.weight`` may be absent when the embeddings are tied). Block records
-    (``kept``) are checked by their logical (N, K) shape (:func:`blocks_shape`)."""
+    are checked by their logical (N, K) ``shape`` (``graphs.quant``)."""
     for name in [n for n in state_dict if n.endswith(_IGNORED_SUFFIXES)]:
         del state_dict[name]
-    shapes = {name: torch.empty(blocks_shape(state_dict[name]), device="meta") for name in kept or ()}
-    check_state_dict(state_dict | shapes, config, source=repr(str(source)))
-
-
-def blocks_shape(blocks: QuantizedWeight) -> tuple[int, int]:
-    """The logical (N, K) of a GGUF block record: uint8 (N, K / 32 * block bytes)."""
-    n, row_bytes = blocks.data.shape
-    return n, row_bytes // GGUF_BLOCK_BYTES[FORMAT_NAMES[type(blocks)]] * GGUF_BLOCK
+    check_state_dict(state_dict, config, source=repr(str(source)))
 
 
 def _check_dtype(dtype: torch.dtype) -> None:

@@ -13,7 +13,7 @@ import torch
 from helpers import GGUF_CHAT_TEMPLATE, GGUF_SPECIALS, tiny_hf_model, write_tiny_gguf
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from neuronfx.checkpoints import Checkpoint, blocks_shape, default_model_path, load_checkpoint, load_tokenizer
+from neuronfx.checkpoints import Checkpoint, default_model_path, load_checkpoint, load_tokenizer
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks
@@ -274,7 +274,7 @@ def test_gguf_blocks_kept(tiny_gguf, tiny_gguf_reference) -> None:
             continue
         ggml_type = gguf.GGMLQuantizationType[ckpt.gguf_types[name]]
         assert type(tensor) is records[ckpt.gguf_types[name]] and tensor.data.dtype == torch.uint8, name
-        assert blocks_shape(tensor) == tuple(reference[name].shape), name
+        assert tensor.shape == tuple(reference[name].shape), name
         dequantized = gguf.quants.dequantize(tensor.data.numpy(), ggml_type)
         assert torch.equal(torch.from_numpy(dequantized), reference[name]), name
 
