@@ -2,7 +2,7 @@
 graphs, through the compile cache), ``save`` / ``load`` of compiled runtimes, ``push_to_hub``.
 
 Layers import one way: config <- graphs <- runtime <- (checkpoints, artifacts, cache) <- this
-module <- the front ends (cli, bench). tests/test_layers.py checks it.
+module <- the front ends (cli, bench, accuracy). tests/test_layers.py checks it.
 """
 
 from __future__ import annotations
@@ -15,16 +15,39 @@ import torch
 from neuronfx.artifacts import load, push_to_hub, save
 from neuronfx.cache import compile_graphs, resolve_cache
 from neuronfx.checkpoints import load_checkpoint
+from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import Plan, plan_for_rank
+from neuronfx.config.quantization import quantized_formats
 from neuronfx.config.serialization import unstructure
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
+from neuronfx.graphs.quant import BLOCK_TYPES
 from neuronfx.graphs.weights import convert_hf_state_dict, weights_fingerprint
 from neuronfx.memory import trim_heap
 from neuronfx.parallel import check_agreement, digest, init_tensor_parallel, launch
 from neuronfx.runtime.runtime import Runtime
 
 __all__ = ["compile", "launch", "load", "push_to_hub", "save"]
+
+
+def check_weight_source(inference: InferenceConfig, checkpoint: str | os.PathLike) -> None:
+    """ConfigError when ``inference``'s weight format cannot come from ``checkpoint``: "gguf" keeps a
+    GGUF file's blocks, so it needs a ``.gguf`` file (int8 / int4 quantize any float checkpoint)."""
+    if inference.weight_format == "gguf" and not str(checkpoint).endswith(".gguf"):
+        raise ConfigError(
+            f"weight_format='gguf' keeps a GGUF file's quantized blocks, but the checkpoint {str(checkpoint)!r} is not a .gguf "
+            "file; pass a .gguf file, or weight_format='int8' / 'int4' to quantize these weights at load."
+        )
+
+
+def check_blocks(plan: Plan, state_dict: Mapping[str, object]) -> None:
+    """ConfigError when a "gguf" plan's weights hold no Q4_0 / Q4_1 / Q8_0 block to keep (e.g. an
+    F16 or k-quant GGUF, or a float state dict)."""
+    if plan.inference.weight_format == "gguf" and not any(isinstance(t, BLOCK_TYPES) for t in state_dict.values()):
+        raise ConfigError(
+            "weight_format='gguf' found no Q4_0, Q4_1 or Q8_0 tensor to keep in these weights (other GGUF types are "
+            "dequantized); use weight_format='int8' or 'int4' to quantize them, or 'float'."
+        )
 
 
 def compile(
@@ -63,10 +86,13 @@ def compile(
     if state_dict is None:
         if plan.checkpoint is None:
             raise ConfigError("compile(plan) needs weights: pass state_dict= or build the plan with a checkpoint path.")
-        state_dict = load_checkpoint(plan.checkpoint, lazy=tp > 1).state_dict
+        check_weight_source(plan.inference, plan.checkpoint)
+        state_dict = load_checkpoint(plan.checkpoint, lazy=tp > 1, gguf_blocks=plan.inference.weight_format == "gguf").state_dict
+    check_blocks(plan, state_dict)
     if tp > 1:
         check_agreement("weights", weights_fingerprint(state_dict))
-    weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard)
+    weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard,
+                                    quantized_formats(plan.inference), plan.inference.weight_group_size)
     del state_dict  # a checkpoint read here: only this rank's shard stays resident
     trim_heap()
     runtime = compile_graphs(plan, weights, root, progress)

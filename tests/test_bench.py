@@ -12,6 +12,12 @@ from neuronfx.checkpoints import load_checkpoint
 from neuronfx.cli import main
 
 
+@pytest.fixture(autouse=True)
+def small_read_probe(monkeypatch):
+    """Every run_bench measures the read bandwidth; 4 MiB instead of 128 keeps these tests fast."""
+    monkeypatch.setattr("neuronfx.bench.READ_PROBE_BYTES", 4 * 2**20)
+
+
 def test_summarize_follows_vllm_definitions():
     # TTFT 0.5 s, then 3 decode gaps: latency 1.1 s for 4 tokens per row, batch 2.
     r = summarize("neuronfx", "eager", "float32", 2, 16, 0.5, [0.1, 0.2, 0.3])
@@ -45,6 +51,11 @@ def test_run_bench_compares_engines_in_one_run(tiny_checkpoint, tmp_path):
     assert len(data["ratios"]) == 2 and all(r["decode_tok_s_ratio"] > 0 for r in data["ratios"])
     assert [m["batch_size"] for m in data["memory"]] == [1, 2]
     assert data["memory"][1]["kv_bytes"] > data["memory"][0]["kv_bytes"]
+    # eager fp32 weights, tied head: every tensor once, plus 1 or 2 embedding rows
+    rows = {r["batch_size"]: r for r in data["bandwidth"]}
+    assert sorted(rows) == [1, 2] and all(r["engine"] == "neuronfx" for r in data["bandwidth"])
+    assert rows[2]["weight_bytes_per_step"] - rows[1]["weight_bytes_per_step"] in (0, 4 * tiny_checkpoint.config.hidden_size)
+    assert data["read_bandwidth"]["bytes_per_s"] > 0 and data["prefill_16bit"] is None  # eager: reference ops
     json.dumps(data)
     plot(data, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -92,3 +103,72 @@ def test_tp_bench_cli_json(tiny_checkpoint, capsys):
     assert runs[1]["profile"]["collective_share"] == 0 < runs[2]["profile"]["collective_share"] < 1
     (ratio,) = data["ratios"]
     assert 0.5 < ratio["weights_bytes_ratio"] < 0.52
+
+
+# --- compare llama.cpp, bandwidth: no llama.cpp needed -------------------------------------------
+
+
+def _result(engine: str, batch: int, ttft: float, itl: list[float]):
+    return summarize(engine, "x", "bfloat16" if engine == "neuronfx" else "Q4_1", batch, 128, ttft, itl)
+
+
+def test_comparison_table_side_by_side():
+    """neuronfx at 50 tok/s and TTFT 100 ms against 25 tok/s and 200 ms: x2.00 and x0.50."""
+    from neuronfx.bench import comparison_table
+
+    results = [_result("neuronfx", 1, 0.1, [0.02] * 3), _result("llama.cpp", 1, 0.2, [0.04] * 3),
+               _result("neuronfx", 8, 0.5, [0.1] * 3)]  # no llama.cpp B=8: no rows
+    lines = comparison_table(results, "llama.cpp")
+    assert lines[0] == "neuronfx (x, bfloat16) vs llama.cpp (x, Q4_1)"
+    assert lines[1].split() == ["case", "metric", "neuronfx", "llama.cpp", "ratio"]
+    rows = [line.split() for line in lines[2:]]
+    assert len(rows) == 5 and all(r[:3] == ["B=1", "prompt=128", "gen=4"] for r in rows)
+    assert rows[0][3:9] == ["decode", "tok/s", "50.0", "25.0", "2.00x", "(higher"]
+    assert rows[1][3:9] == ["TTFT", "ms", "100.0", "200.0", "0.50x", "(lower"]
+    assert rows[2][3:8] == ["TPOT", "ms", "20.0", "40.0", "0.50x"]
+    assert rows[3][3:9] == ["ITL", "p50", "ms", "20.0", "40.0", "0.50x"]
+    assert rows[4][3:8] == ["output", "tok/s", f"{4 / 0.16:.1f}", f"{4 / 0.32:.1f}", "2.00x"]
+    assert comparison_table(results, "transformers") == []
+
+
+def test_decode_weight_bytes_counts_leaves_once():
+    """Layers (float and a NamedTuple of int8 data + scales), norm, LM head in full; the
+    embedding B rows, or nothing more when it is the (tied) LM head."""
+    import torch
+
+    from neuronfx.bench import decode_weight_bytes
+    from neuronfx.graphs.quant import Int8Weight
+
+    embed = torch.zeros(100, 8)  # 3200 bytes, 32 per row
+    layer = {"q": Int8Weight(torch.zeros(8, 8, dtype=torch.int8), torch.zeros(8)), "norm": torch.zeros(8, dtype=torch.bfloat16)}
+    untied = {"embed": embed, "norm": torch.zeros(8), "lm_head": torch.zeros(100, 8, dtype=torch.bfloat16), "layers": [layer, layer]}
+    assert decode_weight_bytes(untied, 3) == (64 + 32 + 16) + 32 + 1600 + 3 * 32  # the shared layer once
+    tied = untied | {"lm_head": embed}
+    assert decode_weight_bytes(tied, 3) == (64 + 32 + 16) + 32 + 3200
+
+
+def test_bandwidth_rows():
+    from neuronfx.bench import bandwidth_rows
+
+    rows = bandwidth_rows([_result("neuronfx", 1, 0.1, [0.02, 0.02]), _result("llama.cpp", 1, 0.1, [0.01])],
+                          {("neuronfx", 1): 10**8}, read_bytes_s=10**10)
+    assert len(rows) == 1 and rows[0]["bytes_per_s"] == pytest.approx(5e9) and rows[0]["share_of_read_bandwidth"] == pytest.approx(0.5)
+
+
+def test_compare_llama_cpp_without_the_package(monkeypatch, capsys, tmp_path):
+    """Missing llama-cpp-python: a named error with the extra to install, before any checkpoint is read."""
+    import sys
+
+    from neuronfx.bench_llama_cpp import import_llama_cpp
+    from neuronfx.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    with pytest.raises(BackendUnavailableError, match=r"neuronfx\[bench\]"):
+        import_llama_cpp()
+    assert main(["bench", "--compare", "llama.cpp", "--model", str(tmp_path / "absent.gguf")]) == 2
+    assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
+
+
+def test_compare_llama_cpp_needs_a_gguf(tiny_checkpoint, capsys):
+    assert main(["bench", "--compare", "llama.cpp", "--model", tiny_checkpoint.source]) == 2
+    assert "--model must be a .gguf file" in capsys.readouterr().err

@@ -6,6 +6,7 @@ and a draft model), with every sampling option speculation must honour."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -30,6 +31,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
                                               tokenize=True, return_dict=True)["input_ids"])
 
 
+@functools.cache  # several tests ask for the same reference generation
 def hf_greedy(smollm2, question: str, max_new_tokens: int) -> list[int]:
     ids = torch.tensor([chat_ids(smollm2.reference_tokenizer, question)])
     with torch.no_grad():
@@ -56,6 +58,32 @@ def test_batch_of_chat_prompts_matches_transformers(smollm2, smollm2_eager):
     rt = smollm2_eager
     result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=32, speculative=False)
     for q, ids in zip(questions, result.token_ids, strict=True):
+        assert list(ids) == hf_greedy(smollm2, q, 32), q
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2):
+    """SmolLM2 with the GGUF's Q4_1 (layers) and Q8_0 (tied embeddings and head) blocks kept,
+    eager: every product dequantizes its blocks (the reference ops)."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint
+
+    ckpt = load_checkpoint(default_model_path(), gguf_blocks=True)
+    inference = neuronfx.InferenceConfig(batch_size=3, max_context_length=64, sequence_length=128, backend="eager",
+                                         weight_format="gguf")
+    return neuronfx.compile(neuronfx.make_plan(ckpt.config, inference), ckpt.state_dict, progress=False)
+
+
+def test_gguf_blocks_kept_greedy_matches_transformers(smollm2, smollm2_gguf):
+    """The file's blocks, never re-quantized, give transformers' greedy tokens on the GGUF it
+    dequantizes (3 chat prompts x 32 tokens)."""
+    from neuronfx.graphs.quant import Q4_1Blocks, Q8_0Blocks
+
+    rt = smollm2_gguf
+    assert isinstance(rt.weights["layers"][0]["wq"], Q4_1Blocks) and isinstance(rt.weights["layers"][29]["down"], Q4_1Blocks)
+    assert isinstance(rt.weights["lm_head"], Q8_0Blocks) and rt.weights["embed"] is rt.weights["lm_head"]
+    prompts = [chat_ids(smollm2.tokenizer, q) for q in QUESTIONS]
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=32, speculative=False)
+    for q, ids in zip(QUESTIONS, result.token_ids, strict=True):
         assert list(ids) == hf_greedy(smollm2, q, 32), q
 
 

@@ -31,6 +31,7 @@ from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Confi
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
+from neuronfx.accuracy import check_accuracy, reference_model
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
@@ -227,8 +228,23 @@ def speculate_full(c):
     return neuronfx.speculate_step(rt, state, neuronfx.SpeculateBatch(seq_ids=[0], input_ids=[token], sampling=[GREEDY]))
 
 
+def runtime_without_logits(c):
+    """The tiny runtime compiled with output_logits=False, built once for the cases that use it."""
+    if "no-logits" not in c.extras:
+        c.extras["no-logits"] = tiny_runtime(c.hf, output_logits=False, on_device_sampling=True)
+    return c.extras["no-logits"]
+
+
 def draft_without_logits(c):
-    return neuronfx.with_draft(speculating_runtime(c), tiny_runtime(c.hf, output_logits=False, on_device_sampling=True))
+    return neuronfx.with_draft(speculating_runtime(c), runtime_without_logits(c))
+
+
+def suppressing_reference(c):
+    """check_accuracy against a reference (the tiny model's copy) whose generation config
+    suppresses the token its raw logits pick first."""
+    ref = reference_model(c.hf.config, c.hf.state_dict())
+    ref.generation_config.suppress_tokens = [int(ref(torch.tensor([[1, 2]])).logits[0, -1].argmax())]
+    return check_accuracy(c.rt, ref, prompts=[[1, 2]], max_new_tokens=2)
 
 
 def graph_call(c, phase, bsz, bucket, inputs):
@@ -371,6 +387,24 @@ CASES: dict[str, Case] = {
     "config-sequence-parallel-without-tp": Case(ConfigError, "`sequence_parallel=True` with `tp_degree=1`",
                                                 lambda c: inference(sequence_parallel=True),
                                                 ("sequence_parallel=True", "tp_degree >= 2")),
+    "config-weight-format-unknown": Case(ConfigError, "`InferenceConfig(weight_format='q4_k')`",
+                                         lambda c: inference(weight_format="q4_k"), ("weight_format='q4_k'", "'int8'", "'gguf'")),
+    "config-weight-group-size": Case(ConfigError, "`InferenceConfig(weight_group_size=48)`",
+                                     lambda c: inference(weight_format="int4", weight_group_size=48),
+                                     ("weight_group_size=48", "(32, 64, 128)")),
+    "plan-group-size-not-dividing-hidden": Case(ConfigError, "`weight_group_size=128` for hidden_size 64",
+                                                lambda c: make_plan(model_config(), inference(weight_format="int4", weight_group_size=128)),
+                                                ("weight_group_size=128", "hidden_size=64", "divides it")),
+    "config-quantized-tp": Case(ConfigError, "`weight_format='int8'` with `tp_degree=2`",
+                                lambda c: inference(weight_format="int8", tp_degree=2), ("weight_format='int8'", "tp_degree=2", "tp_degree=1")),
+    "compile-gguf-format-from-safetensors": Case(ConfigError, "`weight_format='gguf'` for a safetensors directory",
+                                                 lambda c: neuronfx.compile(make_plan(model_config(), inference(backend="eager", weight_format="gguf"),
+                                                                                      checkpoint=str(hf_dir(c, "gguf-format")))),
+                                                 ("weight_format='gguf'", "not a .gguf file", "'int8'")),
+    "compile-gguf-format-float-weights": Case(ConfigError, "`weight_format='gguf'` given a float state dict",
+                                              lambda c: neuronfx.compile(make_plan(model_config(), inference(backend="eager", weight_format="gguf")),
+                                                                         c.hf.state_dict()),
+                                              ("weight_format='gguf'", "no Q4_0, Q4_1 or Q8_0", "'int8'")),
     "plan-tp-without-ranks": Case(ConfigError, "`neuronfx.compile` of a `tp_degree=2` plan in one process",
                                   lambda c: neuronfx.compile(make_plan(c.rt.plan.model, inference(tp_degree=2, backend="eager")),
                                                              c.hf.state_dict(), progress=False),
@@ -546,6 +580,24 @@ CASES: dict[str, Case] = {
                                     graph_input_of_wrong_shape, ("'input_ids'", "[1, 2]", "[1, 1]", "GraphSpec")),
     "config-device-cuda": Case(ConfigError, "`InferenceConfig(device=\"cuda\")` (no device support yet)",
                                lambda c: inference(device="cuda"), ("device='cuda'", "CPU only", "device='cpu'")),
+    # --- check_accuracy (neuronfx.accuracy) -----------------------------------------------------
+    "accuracy-runtime-without-logits": Case(ConfigError, "`check_accuracy` on a runtime compiled with `output_logits=False`",
+                                            lambda c: check_accuracy(runtime_without_logits(c), c.hf, prompts=[[1, 2]]),
+                                            ("returns none", "output_logits=True")),
+    "accuracy-reference-other-vocab": Case(ConfigError, "`check_accuracy` against a reference with vocabulary 300",
+                                           lambda c: check_accuracy(c.rt, tiny_hf_model("llama", vocab_size=300), prompts=[[1, 2]]),
+                                           ("vocab_size=300", "has 256", "reference_model")),
+    "accuracy-prompt-over-capacity": Case(SequenceLengthExceededError, "`check_accuracy` of a 30-token prompt, `max_new_tokens=40`",
+                                          lambda c: check_accuracy(c.rt, c.hf, prompts=[list(range(30))], max_new_tokens=40),
+                                          ("prompt 0 has 30 tokens", "max_new_tokens=40", "sequence_length=64")),
+    "accuracy-text-without-tokenizer": Case(InputError, "`check_accuracy(..., text_file=...)` without a tokenizer",
+                                            lambda c: check_accuracy(c.rt, c.hf, prompts=[[1, 2]], text_file="text.txt"),
+                                            ("text_file='text.txt'", "tokenizer=")),
+    "accuracy-reference-processes-logits": Case(ConfigError, "a reference whose generation config suppresses its greedy token",
+                                                suppressing_reference, ("raw logits' argmax", "reference_model")),
+    "accuracy-reference-missing-weight": Case(CheckpointError, "`reference_model` of a state dict without `lm_head.weight`",
+                                              lambda c: reference_model(c.hf.config, state_dict(c, drop=("lm_head.weight",))),
+                                              ("missing_keys", "lm_head.weight", "HF-named weights")),
     # --- sampling parameters --------------------------------------------------------------------
     "sampling-not-params": Case(SamplingParamsError, "a dict instead of SamplingParams in a PrefillBatch",
                                 lambda c: bad_sampling(c, {"temperature": 1.0}), ("{'temperature': 1.0}", "neuronfx.SamplingParams")),

@@ -11,6 +11,10 @@ from neuronfx.errors import ConfigError
 BACKENDS = ("eager", "export", "inductor", "neuron")
 """Names of the backends (``neuronfx.graphs.backends.BACKENDS`` holds their records)."""
 DEFAULT_BACKEND = "inductor"
+WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
+"""Weight formats a plan may store its linear weights in (``config/quantization.py``)."""
+WEIGHT_GROUP_SIZES = (32, 64, 128)
+"""int4 group sizes (weights sharing one scale and offset along the input dim)."""
 DEVICES = ("cpu",)
 """Devices a plan may run on. CPU only: no code path places tensors on an accelerator yet."""
 
@@ -20,6 +24,14 @@ def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
         raise ConfigError(
             f"InferenceConfig.device={value!r} is not supported: neuronfx runs on the CPU only (no CUDA or other "
             "device support yet); pass device='cpu'."
+        )
+
+
+def _group_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or value not in WEIGHT_GROUP_SIZES:
+        raise ConfigError(
+            f"InferenceConfig.weight_group_size={value!r} is not one of {WEIGHT_GROUP_SIZES}; pick one "
+            "(smaller groups: closer to the float weights, more bytes per weight)."
         )
 
 
@@ -81,6 +93,12 @@ class InferenceConfig:
       :func:`neuronfx.launch`.
     - ``sequence_parallel``: prefill runs norms and residuals on sequence shards (NxD's
       ``sequence_parallel_enabled``); needs ``tp_degree >= 2``.
+    - ``weight_format``: "float" (weights in ``dtype``), "int8" (per output channel), "int4"
+      (groups of ``weight_group_size``), or "gguf" (a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept
+      as they are): weight-only quantization of the decoder layers' linear weights (and of the
+      LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
+    - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
+    - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
     - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
       value is a ConfigError).
 
@@ -104,6 +122,9 @@ class InferenceConfig:
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
     tp_degree: int = attrs.field(default=1, validator=positive_int)
     sequence_parallel: bool = attrs.field(default=False, validator=boolean)
+    weight_format: str = attrs.field(default="float", validator=one_of(WEIGHT_FORMATS))
+    weight_group_size: int = attrs.field(default=32, validator=_group_size)
+    quantize_lm_head: bool = attrs.field(default=True, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
 
     def __attrs_post_init__(self) -> None:
@@ -125,6 +146,16 @@ class InferenceConfig:
         if self.sequence_parallel and self.tp_degree < 2:
             raise ConfigError("sequence_parallel=True needs tp_degree >= 2 (it splits prefill over the ranks); "
                               "set tp_degree or drop sequence_parallel.")
+        if self.weight_format != "float" and self.tp_degree > 1:
+            raise ConfigError(
+                f"weight_format={self.weight_format!r} with tp_degree={self.tp_degree}: quantized weights are not "
+                "sharded over tensor-parallel ranks yet; use tp_degree=1 or weight_format='float'."
+            )
+        if self.weight_format != "float" and self.backend == "neuron":
+            raise ConfigError(
+                f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
+                "the neuron backend takes weight_format='float'."
+            )
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "

@@ -10,6 +10,7 @@ from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
+from neuronfx.config.quantization import check_quantization
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.config.sharding import RankShard, rank_shard
 from neuronfx.errors import ConfigError
@@ -132,8 +133,10 @@ def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, specu
 def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None, rank: int = 0) -> Plan:
     """Derive the plan of tensor-parallel rank ``rank``. Raises ConfigError when it cannot be
     split over ``tp_degree`` ranks (``config.sharding.check_tp``) or ``draft_layers`` is not
-    below the model's layer count."""
+    below the model's layer count, or ``weight_group_size`` does not divide the hidden size
+    (``config.quantization.check_quantization``)."""
     shard = rank_shard(model, inference.tp_degree, rank)
+    check_quantization(model, inference)
     if inference.draft_layers >= model.num_hidden_layers:
         raise ConfigError(
             f"draft_layers={inference.draft_layers} must be < num_hidden_layers={model.num_hidden_layers} "

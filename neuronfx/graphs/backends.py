@@ -29,6 +29,7 @@ from neuronfx.config.inputs import leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import BackendUnavailableError, ConfigError
 from neuronfx.graphs import compile_workers, inductor
+from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.inputs import KVCache, empty_kv, example_inputs
 from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.ops import REFERENCE_OPS
@@ -68,6 +69,8 @@ class Backend:
     - ``prepare()``: start, in the background, the work every build needs first (inductor: the
       C++ kernel library, compiler probes, precompiled header), so that it overlaps the
       checkpoint load; ``build`` waits for it. Call after ``check``.
+    - ``choices(plan) -> dict``: what this machine decided that the built graphs bake in (part
+      of the compile-cache key: graphs built under one choice are not served under another).
     """
 
     name: str
@@ -77,6 +80,7 @@ class Backend:
     load: Callable[[Plan, Weights, Path], Built]
     cached: bool
     prepare: Callable[[], None] = attrs.field(default=lambda: None)
+    choices: Callable[[Plan], dict[str, object]] = attrs.field(default=lambda plan: {})  # none by default
 
 
 def _bar(plan: Plan, progress: bool, total: int | None = None) -> tqdm:
@@ -199,8 +203,15 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 
+def _inductor_choices(plan: Plan) -> dict[str, object]:
+    """The 16-bit prefill path of a 16-bit plan (:func:`neuronfx.graphs.ops.cpu_kernel_ops`),
+    measured once per machine (graphs/gemm_choice.py)."""
+    dtype = plan.inference.dtype
+    return {} if dtype == "float32" else {"widen_16bit": widen_16bit_prefill(dtype)}
+
+
 INDUCTOR = Backend(name="inductor", check=compile_workers.check_env, build=_inductor_build, save=inductor.save,
-                   load=_inductor_load, cached=True, prepare=inductor.start_warm_up)
+                   load=_inductor_load, cached=True, prepare=inductor.start_warm_up, choices=_inductor_choices)
 
 
 # --- neuron -------------------------------------------------------------------------------------

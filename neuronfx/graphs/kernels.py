@@ -6,8 +6,10 @@ accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights aga
 one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
 step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
 this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
+``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
+Q8_0; ``graphs/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``).
 
-The C++ source is built once per machine with torch's extension builder (about 25 s; cached
+The C++ sources are built once per machine with torch's extension builder (about 30 s; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
 so the library name carries a hash of the CPU's feature flags: a cache shared between different
 CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
@@ -25,11 +27,14 @@ from pathlib import Path
 
 import torch
 
+from neuronfx.graphs.quant import FORMAT_NAMES, Int4Weight, Int8Weight, QuantizedWeight
+
 SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
 bound and torch's blocked GEMM wins."""
 
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "small_gemm.cpp", Path(__file__).parent / "csrc" / "quant_gemm.cpp")
+"""One library (one build per machine) holds every neuronfx kernel op."""
 
 
 def _cpu_flags() -> str:
@@ -44,7 +49,7 @@ def _cpu_flags() -> str:
 
 def library_name() -> str:
     """Extension name: source hash + CPU feature hash + torch version (one build per machine)."""
-    h = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_flags().encode() + torch.__version__.encode())
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 
 
@@ -57,7 +62,7 @@ def small_gemm_available() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=library_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
@@ -65,6 +70,7 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::small_gemm")(_small_gemm_fake)
     torch.library.register_fake("neuronfx::small_gemm_multi")(_small_gemm_multi_fake)
     torch.library.register_fake("neuronfx::small_glu")(_small_glu_fake)
+    torch.library.register_fake("neuronfx::quant_gemm")(_quant_gemm_fake)
     return True
 
 
@@ -78,6 +84,11 @@ def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list
 
 def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
+def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,3 +107,27 @@ def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype, formed from the fp32
     accumulators and rounded once; gate and up (N, K) share a dtype."""
     return torch.ops.neuronfx.small_glu(x, gate, up)
+
+
+QUANT_FORMAT_IDS = {"int8": 0, "int4": 1, "q4_0": 2, "q4_1": 3, "q8_0": 4}
+"""The ``format`` argument of ``neuronfx::quant_gemm`` per format name (``quant.FORMAT_NAMES``);
+the C++ ``Format`` enum."""
+
+
+def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 or bfloat16 @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype; the
+    weights are widened in registers, products accumulate in fp32 (x is never quantized). Any
+    number of rows (the kernel is meant for decode, <= :data:`SMALL_GEMM_MAX_ROWS`: weights are
+    read once per call). int4 group sizes must be multiples of 32. Reference:
+    ``quant.reference_linear``. Needs :func:`small_gemm_available` to have returned True."""
+    fmt = QUANT_FORMAT_IDS[FORMAT_NAMES[type(q)]]
+    scale = q.scale if isinstance(q, (Int8Weight, Int4Weight)) else None
+    offset = q.offset if isinstance(q, Int4Weight) else None
+    return torch.ops.neuronfx.quant_gemm(x, q.data, scale, offset, fmt, bias)
+
+
+def quant_isa() -> str:
+    """The SIMD path the quantized kernel was compiled with on this machine: ``"avx512"`` (16
+    fp32 lanes), ``"avx2"`` (AVX2 + FMA + F16C, 8 lanes) or ``"scalar"``. Needs
+    :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.quant_isa()

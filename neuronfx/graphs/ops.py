@@ -19,10 +19,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from neuronfx.graphs import collectives
+from neuronfx.graphs import collectives, quant
+from neuronfx.graphs import kernels as cpu_kernels
+from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 
 Tensor = torch.Tensor
+Weight = Tensor | quant.QuantizedWeight
+"""A linear weight: a float (out, in) tensor or a quantized record (``graphs/quant.py``)."""
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -65,17 +69,21 @@ class Ops:
 # --- reference ops (plain torch) ----------------------------------------------------------------
 
 
-def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def reference_linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
+    """F.linear; a quantized weight (``graphs/quant.py``) is dequantized to fp32 first and the
+    product taken in fp32 (``quant.reference_linear``)."""
+    if isinstance(weight, quant.QUANTIZED_TYPES):
+        return quant.reference_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def reference_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
-    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+def reference_projections(x: Tensor, weights: Sequence[Weight], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    return [reference_linear(x, w, b) for w, b in zip(weights, biases)]
 
 
-def reference_glu(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
+def reference_glu(x: Tensor, gate: Weight, up: Weight) -> Tensor:
     """SwiGLU's gated product (Shazeer 2020): silu(x @ gate.T) * (x @ up.T)."""
-    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+    return F.silu(reference_linear(x, gate)) * reference_linear(x, up)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -127,6 +135,8 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
     ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
     4x slower than fp32) multiplies in fp32; everything else is F.linear."""
     rows = _rows(x)
+    if isinstance(weight, quant.QUANTIZED_TYPES):
+        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return small_gemm(x, weight, bias)
     if weight.dtype != torch.float32 and rows == 1:
@@ -137,10 +147,28 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
     return F.linear(x, weight, bias)
 
 
+def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
+                     widen: bool) -> Tensor:
+    """A quantized weight's product: up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the
+    quantized bytes read once, fp32 accumulation); more rows (prefill) dequantize the weight
+    and run a GEMM, in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+        return cpu_kernels.quant_gemm(x, weight, bias)
+    dense = quant.dequantize(weight, x.shape[-1])
+    if x.dtype == torch.float32 or widen:
+        return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, dense.to(x.dtype), bias)
+
+
+def _any_quantized(weights: Sequence[Weight]) -> bool:
+    return any(isinstance(w, quant.QUANTIZED_TYPES) for w in weights)
+
+
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
                     widen: bool) -> list[Tensor]:
-    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path."""
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path; quantized
+    weights one ``quant_gemm`` each."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
     return [cpu_linear(x, w, b, kernels=kernels, widen=widen) for w, b in zip(weights, biases)]
 
@@ -148,7 +176,7 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
 def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool) -> Tensor:
     """SwiGLU's gated product; on the kernel path ``small_glu`` forms it from the fp32
     accumulators and rounds once."""
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
     linear = functools.partial(cpu_linear, kernels=kernels, widen=widen)
     return F.silu(linear(x, gate)) * linear(x, up)
@@ -179,17 +207,13 @@ def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids:
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
-def native_16bit_gemm() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 / AMX), per oneDNN."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def cpu_kernel_ops(dtype: str) -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
     the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
-    products and attention for 16-bit plans without native 16-bit GEMM, fused cached attention."""
+    products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
+    one (:func:`neuronfx.graphs.gemm_choice.widen_16bit_prefill`), fused cached attention."""
     kernels = small_gemm_available()
-    widen = dtype != "float32" and not native_16bit_gemm()
+    widen = dtype != "float32" and widen_16bit_prefill(dtype)
     flags = {"kernels": kernels, "widen": widen}
     return Ops(
         name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen})",

@@ -23,10 +23,12 @@ import attrs
 import torch
 
 from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL
+from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
 from neuronfx.config.masks import decode_mask, prefill_mask
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.graphs import quant
 from neuronfx.graphs.collectives import world_group
 from neuronfx.graphs.inputs import KVCache, LayerKV
 from neuronfx.graphs.layers import LayerWeights, Weights, default_inv_freq, final_norm, rope_cos_sin, rope_tables
@@ -42,6 +44,9 @@ DecoderLayer = Callable[..., Tensor]  # a family file's decoder_layer(cfg, ops, 
 def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
     """ids (B, T) -> h (B, T, hidden); under tensor parallelism each rank looks up the ids of its
     vocabulary rows, zeros elsewhere, and ``ops.parallel_out`` sums (or reduce-scatters) them."""
+    if isinstance(embed, quant.QUANTIZED_TYPES):  # tied to a quantized LM head: dequantize the rows read
+        rows = quant.dequantize(quant.gather_rows(embed, input_ids.reshape(-1)), plan.model.hidden_size)
+        return rows.to(torch_dtype(plan.inference.dtype)).reshape(*input_ids.shape, -1)
     if plan.tp_degree == 1:
         return embed[input_ids]
     local = input_ids - plan.shard.vocab_start

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.utils import _pytree
 
 Tensor = torch.Tensor
 
@@ -27,6 +28,10 @@ GGUF_BLOCK = 32
 """Weights per GGUF block of the kept types (ggml's QK4_0 = QK4_1 = QK8_0 = 32)."""
 GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 """Bytes per block: fp16 d (+ fp16 m for q4_1), then 16 bytes of nibbles or 32 int8."""
+
+
+def _block_shape(data: Tensor, fmt: str) -> tuple[int, int]:
+    return (data.shape[0], data.shape[1] // GGUF_BLOCK_BYTES[fmt] * GGUF_BLOCK)
 
 
 class Int8Weight(NamedTuple):
@@ -49,11 +54,21 @@ class Q4_0Blocks(NamedTuple):
 
     data: Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_0")
+
 
 class Q4_1Blocks(NamedTuple):
     """uint8 (N, K / 32 * 20): per block fp16 d, fp16 m, 16 bytes of nibbles; w = q * d + m."""
 
     data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_1")
 
 
 class Q8_0Blocks(NamedTuple):
@@ -61,7 +76,120 @@ class Q8_0Blocks(NamedTuple):
 
     data: Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q8_0")
+
 
 QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks
 FORMAT_NAMES = {Int8Weight: "int8", Int4Weight: "int4", Q4_0Blocks: "q4_0", Q4_1Blocks: "q4_1", Q8_0Blocks: "q8_0"}
 """Format name of each class (the kernel's ``format`` argument)."""
+
+
+# ---- quantizers (load time; pure torch, any float input) -----------------------------------
+
+
+def quantize_int8(w: Tensor) -> Int8Weight:
+    """w float (N, K) -> :class:`Int8Weight`: symmetric per output channel (gpt-fast's
+    ``dynamically_quantize_per_channel``): scale fp32 (N,) = absmax / 127, data int8 (N, K) =
+    round(w / scale), so ``|w - data * scale| <= scale / 2``. An all-zero row gets scale 0 and
+    data 0 (dequantizes exactly; no division by zero)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(data, scale)
+
+
+def quantize_int4(w: Tensor, group_size: int) -> Int4Weight:
+    """w float (N, K) -> :class:`Int4Weight`, asymmetric per group of ``group_size`` (even) along K,
+    as GGUF's Q4_1 (ggml-quants.c ``quantize_row_q4_1_ref``) but with fp32 scale / offset and
+    round-to-nearest: offset = group min, scale = (max - min) / 15, q = round((w - min) / scale)
+    in [0, 15], so ``|w - (q * scale + offset)| <= scale / 2``. K is padded with zeros to a multiple
+    of the group (the padding takes part in the last group's min / max); a constant group gets
+    scale 0 and q 0 (dequantizes exactly)."""
+    n, k = w.shape
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
+    groups = -(-k // group_size)
+    w = torch.nn.functional.pad(w.float(), (0, groups * group_size - k)).view(n, groups, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+    half = group_size // 2
+    data = q[..., :half] | (q[..., half:] << 4)  # byte j: element j (low nibble), j + g/2 (high)
+    return Int4Weight(data.reshape(n, groups * half), scale, lo)
+
+
+# ---- graph-side functions (torch ops only: traced by torch.export and inductor) ------------
+
+
+def _nibbles(packed: Tensor) -> Tensor:
+    """uint8 (..., h) -> uint8 (..., 2h): low nibbles then high nibbles (Q4 order in a group)."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _fp16(blocks: Tensor, start: int) -> Tensor:
+    """The little-endian fp16 at bytes [start, start + 2) of each block (..., B, bytes) -> fp32 (..., B, 1)."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _blocks(data: Tensor, fmt: str) -> Tensor:
+    """uint8 (..., B * bytes) -> (..., B, bytes)."""
+    size = GGUF_BLOCK_BYTES[fmt]
+    return data.view(*data.shape[:-1], data.shape[-1] // size, size)
+
+
+def dequantize(q: QuantizedWeight, k: int) -> Tensor:
+    """Any quantized weight (leading dims ``...``: (N,) for a weight, the ids' shape after
+    :func:`gather_rows`) -> float32 (..., k), the first k input features (drops int4's padding).
+    The GGUF formats follow ggml's ``dequantize_row_q4_0 / q4_1 / q8_0`` (ggml-quants.c)."""
+    if isinstance(q, Int8Weight):
+        return (q.data.float() * q.scale.float()[..., None])[..., :k]
+    if isinstance(q, Int4Weight):
+        groups = q.scale.shape[-1]
+        packed = q.data.view(*q.data.shape[:-1], groups, q.data.shape[-1] // groups)
+        w = _nibbles(packed).float() * q.scale.float()[..., None] + q.offset.float()[..., None]
+    elif isinstance(q, Q4_0Blocks):
+        b = _blocks(q.data, "q4_0")
+        w = (_nibbles(b[..., 2:]).float() - 8) * _fp16(b, 0)
+    elif isinstance(q, Q4_1Blocks):
+        b = _blocks(q.data, "q4_1")
+        w = _nibbles(b[..., 4:]).float() * _fp16(b, 0) + _fp16(b, 2)
+    elif isinstance(q, Q8_0Blocks):
+        b = _blocks(q.data, "q8_0")
+        w = b[..., 2:].contiguous().view(torch.int8).float() * _fp16(b, 0)
+    else:
+        raise TypeError(f"not a quantized weight: {type(q).__name__}")
+    return w.reshape(*w.shape[:-2], -1)[..., :k]  # (..., groups, g) -> (..., groups * g)
+
+
+def gather_rows(q: QuantizedWeight, ids: Tensor) -> QuantizedWeight:
+    """The same format holding rows ``ids`` (any integer shape S) of every tensor: leading dims S.
+    A tied embedding lookup is ``dequantize(gather_rows(lm_head, ids), hidden)`` -> (*S, hidden)."""
+    return type(q)(*(t[ids] for t in q))
+
+
+def reference_linear(x: Tensor, q: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ dequantize(q).T (+ bias) in fp32, cast to x.dtype: the reference op of the
+    quantized product kernel (``kernels.quant_gemm``) and its fallback without kernels."""
+    w = dequantize(q, x.shape[-1])
+    out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def weight_bytes(q: QuantizedWeight) -> int:
+    """Bytes a product reads from the weight (data, scales and offsets)."""
+    return sum(t.numel() * t.element_size() for t in q)
+
+
+BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
+"""The GGUF block records (kept from a file, never made by neuronfx's quantizer)."""
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES)
+"""Every quantized weight record: what ``isinstance`` tells from a float tensor."""
+
+for _cls in QUANTIZED_TYPES:
+    # torch.export saves a program's input tree only for namedtuples registered with a stable name.
+    _pytree._register_namedtuple(_cls, serialized_type_name=f"neuronfx.graphs.quant.{_cls.__name__}")

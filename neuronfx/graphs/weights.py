@@ -13,6 +13,7 @@ from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
 from neuronfx.errors import CheckpointError
+from neuronfx.graphs import quant
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.moe import ROUTER_NAME, STACKED_NAMES
 
@@ -197,12 +198,16 @@ def check_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, source:
     return required
 
 
-def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None) -> dict:
+def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dtype: str, shard: RankShard | None = None,
+                          formats: Mapping[str, str] | None = None, group_size: int = 32) -> dict:
     """Rename, check (:func:`check_state_dict`) and cast an HF state dict into neuronfx weights
     in ``dtype``: ``{"embed", "norm", "lm_head": tensor, "layers": [{"wq": ..., ...} per layer]}``.
     Tied embeddings reuse the embedding tensor as ``lm_head`` (no copy). A fused HF tensor is
     split into its parts (:func:`split_fused`). Layers that differ in
     RoPE or mask also get their indices (:func:`layer_indices`).
+
+    ``formats`` (``config.quantization.quantized_formats``: base name -> "int8" / "int4" /
+    "gguf") quantizes those weights (:func:`quantize_weights`; ``group_size`` for int4).
 
     With a tensor-parallel ``shard`` (tp_degree > 1) each weight is this rank's slices only
     (:func:`read_shard`); values may then be anything sliceable with a ``shape`` (tensors, or
@@ -213,10 +218,67 @@ def convert_hf_state_dict(state_dict: Mapping[str, object], cfg: ModelConfig, dt
     if shard is not None and shard.tp_degree > 1:
         flat = {ours: read_shard(src, weight_split(shard, _base(ours)), dtype) for ours, src in sources.items()}
     else:
-        flat = {ours: _whole(src, dtype) for ours, src in sources.items()}
+        flat = quantize_weights(sources, dict(formats or {}), group_size, dtype, cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:
         flat["lm_head"] = flat["embed"]
     return nest(flat | layer_indices(cfg), cfg.num_hidden_layers)
+
+
+def quantize_weights(sources: Mapping[str, object], formats: dict[str, str], group_size: int, dtype: str,
+                     tied: bool) -> dict[str, object]:
+    """neuronfx name -> weight: those whose base name ``formats`` lists quantized from their
+    fp32 values ("int8": :func:`quant.quantize_int8`, "int4": :func:`quant.quantize_int4` with
+    ``group_size``) or kept as the GGUF blocks they are ("gguf"), the rest in ``dtype``.
+    GGUF blocks of a weight kept float are dequantized; so is a "gguf" weight whose layers do
+    not all share one kept block type (one compiled layer group serves every layer, so every
+    layer must hold the same structure). Tied embeddings take the head's format."""
+    if tied and "lm_head" in formats:
+        formats = formats | {"embed": formats["lm_head"]}
+    kept = _uniform_blocks(sources, formats)
+    out: dict[str, object] = {}
+    for name, src in sources.items():
+        fmt = formats.get(_base(name))
+        if isinstance(src, quant.BLOCK_TYPES):
+            out[name] = src if name in kept else quant.dequantize(src, src.shape[1]).to(torch_dtype(dtype))
+        elif fmt == "int8":
+            out[name] = quant.quantize_int8(_whole(src, "float32"))
+        elif fmt == "int4":
+            out[name] = quant.quantize_int4(_whole(src, "float32"), group_size)
+        else:
+            out[name] = _whole(src, dtype)
+    return out
+
+
+def _uniform_blocks(sources: Mapping[str, object], formats: dict[str, str]) -> set[str]:
+    """Names of the GGUF block sources kept as blocks: "gguf" in ``formats`` for their base
+    name, and every layer's tensor of that base name of the same block type."""
+    types: dict[str, set[type]] = {}
+    for name, src in sources.items():
+        types.setdefault(_base(name), set()).add(type(src))
+    return {
+        name for name, src in sources.items()
+        if isinstance(src, quant.BLOCK_TYPES) and formats.get(_base(name)) == "gguf" and len(types[_base(name)]) == 1
+    }
+
+
+def dequantized_state_dict(state_dict: Mapping[str, object], weights: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF-named ``state_dict`` with every weight that ``weights`` (its conversion, see
+    :func:`convert_hf_state_dict`) holds quantized replaced by the float32 values the graphs
+    multiply by (GGUF blocks of ``state_dict`` dequantized too): load it into transformers to
+    get the reference of a quantized plan. Other tensors are passed through as they are."""
+    flat = {k: v for k, v in weights.items() if k != "layers"}
+    flat |= {f"layers.{i}.{k}": v for i, lw in enumerate(weights["layers"]) for k, v in lw.items()}
+    out = dict(state_dict)
+    for hf, ours in check_state_dict(state_dict, cfg).items():
+        if hf not in state_dict:  # stacked MoE experts (never quantized) under their view names
+            continue
+        parts = [flat[o] for o in ((ours,) if isinstance(ours, str) else ours)]
+        if any(isinstance(p, quant.QUANTIZED_TYPES) for p in parts) or isinstance(state_dict[hf], quant.QUANTIZED_TYPES):
+            k = state_dict[hf].shape[1]  # type: ignore[attr-defined]
+            out[hf] = torch.cat([quant.dequantize(p, k) if isinstance(p, quant.QUANTIZED_TYPES) else p.float() for p in parts])
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
 
 
 def layer_indices(cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,579 @@
+// Quantized-weight products for decode: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with w
+// stored as int8 (per channel), int4 (group-wise), or GGUF Q4_0 / Q4_1 / Q8_0 blocks
+// (layouts: graphs/quant.py). Weight-only: x stays fp32 (bf16 x is widened exactly), the weights
+// are widened to fp32 in registers and the products accumulate in fp32.
+//
+// Decode is bound by reading the weights, so each weight row is read from memory once against
+// every row of x: a tile of NT weight rows meets the x rows in chunks of MT (MT * NT
+// accumulators in registers; chunks after the first re-read the tile from L1), and the tile two
+// ahead is prefetched into L2. Output rows are split across torch's threads (OpenMP).
+//
+// Per group of g weights with scale d and offset o (o = -8 d for Q4_0, 0 for Q8_0 and int8):
+// - 4-bit formats on AVX-512: a 16-lane permute (vpermps) is a lookup table of the group's 16
+//   values i * d + o, built with one FMA per group; the nibbles (zero-extended bytes; the high
+//   ones shifted) index it, giving the dequantized fp32 weights for plain FMAs against x.
+// - otherwise: sum_k x_k (d q_k + o) = d * sum_k x_k q_k + o * sum_k x_k, so the inner loop is
+//   an FMA of x against the widened raw values (and / shift, int32 -> fp32), d is applied once
+//   per group and vector of accumulators, and o against per-group sums of x computed once per
+//   call (llama.cpp's q4_1 dot product splits the same way, ggml-cpu quants.c
+//   ``ggml_vec_dot_q4_1_q8_1``; unlike it, x is never quantized here).
+//
+// SIMD path, chosen at compile time from -march=native's macros: AVX-512F (16 fp32 lanes),
+// AVX2 + FMA + F16C (8 lanes), or portable scalar code; ``neuronfx::quant_isa()`` names it.
+// Defining NFX_QUANT_AVX2 or NFX_QUANT_SCALAR forces a narrower path (to test it on a wider CPU).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__F16C__) && !defined(NFX_QUANT_AVX2) && !defined(NFX_QUANT_SCALAR)
+#define NFX_Q_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(NFX_QUANT_SCALAR)
+#define NFX_Q_AVX2 1
+#endif
+#if defined(NFX_Q_AVX512) || defined(NFX_Q_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Format : int64_t { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4 };
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(NFX_Q_AVX512) || defined(NFX_Q_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+inline float to_f(float v) { return v; }
+inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// ---- ISA: W fp32 lanes; nibbles() widens W bytes to their low and high nibbles, s8() W int8;
+// kRegs: accumulators a tile keeps in registers (MT * NT). AVX-512 adds the 4-bit lookup table ----
+
+#if defined(NFX_Q_AVX512)
+struct Isa {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kRegs = 8;  // of 32 zmm (the split path keeps as many per-group partial sums)
+  static constexpr const char* kName = "avx512";
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static __m256 fold(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  // out[i] = sum of v[i], i < 4: halves folded, then a transposing reduction (hadd).
+  static void hsum4(const V* v, float* out) {
+    const __m256 ab = _mm256_hadd_ps(fold(v[0]), fold(v[1])), cd = _mm256_hadd_ps(fold(v[2]), fold(v[3]));
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lane i of each 128-bit half: part of sum i
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+  static void nibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+  static V s8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  // The 16 values a group's nibbles stand for, i * d + o for i in [0, 16): one lane each.
+  static V table(float d, float o) {
+    const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(o));
+  }
+  static V table8(float d) {  // Q4_0: (i - 8) * d
+    return _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_ps(d));
+  }
+  // The fp16 pairs at p + i * stride, i < n -> fp32 at out[2i], out[2i + 1]: four pairs per
+  // conversion. Converting a tile's GGUF block headers ahead of its blocks leaves one FMA per
+  // block for the table; converting and broadcasting d and m inside the block loop cost 37% of
+  // a one-row Q4_1 product in cache (a gather instead was slower still on Zen 4).
+  static void fp16_pairs(const uint8_t* p, int64_t stride, int64_t n, float* out) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      int32_t h[4];
+      for (int c = 0; c < 4; ++c) std::memcpy(h + c, p + (i + c) * stride, 4);
+      _mm256_storeu_ps(out + 2 * i, _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3])));
+    }
+    for (; i < n; ++i) {
+      int32_t h;
+      std::memcpy(&h, p + i * stride, 4);
+      _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * i), _mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+    }
+  }
+  // 16 bytes -> the table's values for their low and high nibbles (vpermps reads the low 4 bits
+  // of each index lane, so the low nibble needs no mask).
+  static void lookup(const uint8_t* p, V t, V& lo, V& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_permutexvar_ps(v, t);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+  }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+};
+#elif defined(NFX_Q_AVX2)
+struct Isa {
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kRegs = 4;  // of 16 ymm
+  static constexpr const char* kName = "avx2";
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void hsum4(const V* v, float* out) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+  static void nibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  static V s8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+};
+#else
+struct Isa {
+  using V = float;
+  static constexpr int W = 1;
+  static constexpr int kRegs = 8;
+  static constexpr const char* kName = "scalar";
+  static V zero() { return 0.f; }
+  static V load(const float* p) { return *p; }
+  static V set1(float a) { return a; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
+  static float hsum(V v) { return v; }
+  static void hsum4(const V* v, float* out) { std::copy(v, v + 4, out); }
+  static void nibbles(const uint8_t* p, V& lo, V& hi) {
+    lo = static_cast<float>(p[0] & 0x0F);
+    hi = static_cast<float>(p[0] >> 4);
+  }
+  static V s8(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(p[0])); }
+  static void prefetch(const void*) {}
+};
+#endif
+using V = Isa::V;
+constexpr int W = Isa::W;
+
+// out[i] = the sum of the lanes of v[i] for i < C, four at a time (a tile's rows are short, so
+// the horizontal sums are a visible share of the work).
+template <int C>
+inline void reduce(const V* v, float* out) {
+  int i = 0;
+  for (; i + 4 <= C; i += 4) Isa::hsum4(v + i, out + i);
+  for (; i < C; ++i) out[i] = Isa::hsum(v[i]);
+}
+
+// ---- layouts: where group b of row n keeps its quantized values, scale and offset ----------
+// kNibbles: 4-bit values, byte j of a group = element j (low nibble) and j + g/2 (high nibble);
+// otherwise int8 values. kOffset: the group has an offset term (needs per-group sums of x).
+
+// kG: the group size when known at compile time (32, 64, 128: the chunk loops unroll), else 0.
+template <typename S, int kG>
+struct Int4Layout {
+  static constexpr bool kNibbles = true, kOffset = true;
+  const uint8_t* data;
+  const S* scale;
+  const S* offset;
+  int64_t row_bytes, groups, g;
+  int64_t group() const { return kG ? kG : g; }
+  const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
+  const uint8_t* values(const uint8_t* r, int64_t b) const { return r + b * (group() / 2); }
+  float d(int64_t n, const uint8_t*, int64_t b) const { return to_f(scale[n * groups + b]); }
+  float off(int64_t n, const uint8_t*, int64_t b) const { return to_f(offset[n * groups + b]); }
+#if defined(NFX_Q_AVX512)
+  void headers(const uint8_t*, int64_t, float*) const {}  // scales and offsets are read in place
+  V table(int64_t n, const uint8_t* r, int64_t b, const float*) const { return Isa::table(d(n, r, b), off(n, r, b)); }
+#endif
+};
+
+// GGUF blocks of 32 (ggml-common.h block_q4_0 / block_q4_1 / block_q8_0): fp16 d [, fp16 m], values.
+template <int kBytes, int kHeader, bool kNib, bool kOff>
+struct GgufLayout {
+  static constexpr bool kNibbles = kNib, kOffset = kOff;
+  const uint8_t* data;
+  int64_t row_bytes;
+  int64_t group() const { return 32; }
+  const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
+  const uint8_t* values(const uint8_t* r, int64_t b) const { return r + b * kBytes + kHeader; }
+  float d(int64_t, const uint8_t* r, int64_t b) const { return half_at(r + b * kBytes); }
+  float off(int64_t, const uint8_t* r, int64_t b) const {
+    // Q4_1: m; Q4_0: w = (q - 8) d, so the offset is -8 d.
+    return kHeader == 4 ? half_at(r + b * kBytes + 2) : -8.f * half_at(r + b * kBytes);
+  }
+#if defined(NFX_Q_AVX512)
+  // A row's block headers as fp32: hdr[2b] = d, hdr[2b + 1] = m (Q4_1; Q4_0: the first two
+  // value bytes, unused).
+  void headers(const uint8_t* r, int64_t groups, float* hdr) const { Isa::fp16_pairs(r, kBytes, groups, hdr); }
+  V table(int64_t, const uint8_t*, int64_t b, const float* hdr) const {
+    return kHeader == 4 ? Isa::table(hdr[2 * b], hdr[2 * b + 1]) : Isa::table8(hdr[2 * b]);
+  }
+#endif
+};
+using Q4_0Layout = GgufLayout<18, 2, true, true>;
+using Q4_1Layout = GgufLayout<20, 4, true, true>;
+using Q8_0Layout = GgufLayout<34, 2, false, false>;
+
+// x as the kernel reads it: fp32 rows of kp (K padded with zeros to whole groups) and, for
+// layouts with offsets, the sum of each group of each row.
+struct Xs {
+  const float* x;
+  const float* sums;
+  int64_t kp, groups;
+  float* hdr;  // per task: room for 8 rows of 2 * groups fp32 block headers
+};
+
+// MT rows of x against NT weight rows starting at n: res[m * NT + j] = sum over groups of
+// d * (x . q) + off * xsum. Grouped layouts (everything but int8).
+template <typename L, int MT, int NT>
+inline void group_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, float* res) {
+  const int64_t g = lay.group(), half = g / 2;
+  const uint8_t* r[NT];
+  for (int j = 0; j < NT; ++j) r[j] = lay.row(n + j);
+  V tot[MT][NT];
+  float corr[MT][NT] = {};
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) tot[m][j] = Isa::zero();
+  for (int64_t b = 0; b < xs.groups; ++b) {
+    const float* xb = xs.x + b * g;
+    V acc[MT][NT];
+    // The same bytes two tiles ahead, into L2: a tile's rows are short (a few hundred bytes), too
+    // short for the hardware stream prefetcher to ramp up. On the AMD EPYC (Zen 4) this was
+    // measured on, T1 (L2) beat T0 (L1) by 1.1x (4-bit) to 1.7x (8-bit) at one row, and no
+    // prefetch was slowest. Prefetches never fault, so running past the last row is harmless.
+    for (int j = 0; j < NT; ++j) Isa::prefetch(lay.values(r[j], b) + pf_rows * lay.row_bytes);
+    if constexpr (L::kNibbles) {
+      for (int j = 0; j < NT; ++j) {
+        V lo, hi;
+        Isa::nibbles(lay.values(r[j], b), lo, hi);
+        for (int m = 0; m < MT; ++m)
+          acc[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + half), hi, Isa::mul(Isa::load(xb + m * xs.kp), lo));
+      }
+      for (int64_t c = W; c < half; c += W)
+        for (int j = 0; j < NT; ++j) {
+          V lo, hi;
+          Isa::nibbles(lay.values(r[j], b) + c, lo, hi);
+          for (int m = 0; m < MT; ++m) {
+            acc[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + c), lo, acc[m][j]);
+            acc[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + half + c), hi, acc[m][j]);
+          }
+        }
+    } else {
+      for (int j = 0; j < NT; ++j) {
+        const V q = Isa::s8(lay.values(r[j], b));
+        for (int m = 0; m < MT; ++m) acc[m][j] = Isa::mul(Isa::load(xb + m * xs.kp), q);
+      }
+      for (int64_t c = W; c < g; c += W)
+        for (int j = 0; j < NT; ++j) {
+          const V q = Isa::s8(lay.values(r[j], b) + c);
+          for (int m = 0; m < MT; ++m) acc[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + c), q, acc[m][j]);
+        }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const V d = Isa::set1(lay.d(n + j, r[j], b));
+      for (int m = 0; m < MT; ++m) tot[m][j] = Isa::fma(acc[m][j], d, tot[m][j]);
+      if constexpr (L::kOffset) {
+        const float o = lay.off(n + j, r[j], b);
+        for (int m = 0; m < MT; ++m) corr[m][j] += o * xs.sums[m * xs.groups + b];
+      }
+    }
+  }
+  reduce<MT * NT>(&tot[0][0], res);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) res[m * NT + j] += corr[m][j];
+}
+
+#if defined(NFX_Q_AVX512)
+// 4-bit layouts where a 16-lane permute serves as lookup table (AVX-512): each group's nibbles
+// are dequantized in registers (q * d + o, one FMA per group for the table) and the products
+// are fp32 FMAs of x against those weights, as small_gemm; no per-group sums of x.
+template <typename L, int MT, int NT>
+inline void table_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, float* res) {
+  const int64_t g = lay.group(), half = g / 2;
+  const uint8_t* r[NT];
+  for (int j = 0; j < NT; ++j) r[j] = lay.row(n + j);
+  const int64_t hdr_stride = 2 * xs.groups;
+  for (int j = 0; j < NT; ++j) lay.headers(r[j], xs.groups, xs.hdr + j * hdr_stride);
+  V tot[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) tot[m][j] = Isa::zero();
+  for (int64_t b = 0; b < xs.groups; ++b) {
+    const float* xb = xs.x + b * g;
+    for (int j = 0; j < NT; ++j) Isa::prefetch(lay.values(r[j], b) + pf_rows * lay.row_bytes);
+    for (int j = 0; j < NT; ++j) {
+      const V t = lay.table(n + j, r[j], b, xs.hdr + j * hdr_stride);
+      for (int64_t c = 0; c < half; c += W) {
+        V lo, hi;
+        Isa::lookup(lay.values(r[j], b) + c, t, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+          tot[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + c), lo, tot[m][j]);
+          tot[m][j] = Isa::fma(Isa::load(xb + m * xs.kp + half + c), hi, tot[m][j]);
+        }
+      }
+    }
+  }
+  reduce<MT * NT>(&tot[0][0], res);
+}
+#endif
+
+// int8 per output channel: one scale per row, no groups; K need not be a multiple of W.
+template <typename S>
+struct Int8Layout {
+  const int8_t* data;
+  const S* scale;
+  int64_t k;
+};
+
+template <typename S, int MT, int NT>
+inline void int8_tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, int64_t pf_rows, float* res) {
+  const int64_t K = lay.k, KW = K / W * W;
+  const uint8_t* r[NT];
+  for (int j = 0; j < NT; ++j) r[j] = reinterpret_cast<const uint8_t*>(lay.data + (n + j) * K);
+  V acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = Isa::zero();
+  for (int64_t k = 0; k < KW; k += W) {
+    if (k % 64 == 0)
+      for (int j = 0; j < NT; ++j) Isa::prefetch(r[j] + k + pf_rows * K);
+    for (int j = 0; j < NT; ++j) {
+      const V q = Isa::s8(r[j] + k);
+      for (int m = 0; m < MT; ++m) acc[m][j] = Isa::fma(Isa::load(xs.x + m * xs.kp + k), q, acc[m][j]);
+    }
+  }
+  reduce<MT * NT>(&acc[0][0], res);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      float a = res[m * NT + j];
+      for (int64_t k = KW; k < K; ++k) a += xs.x[m * xs.kp + k] * static_cast<float>(static_cast<int8_t>(r[j][k]));
+      res[m * NT + j] = a * to_f(lay.scale[n + j]);
+    }
+}
+
+template <int MT, int NT, typename S>
+inline void tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, float* res) { int8_tile<S, MT, NT>(lay, xs, n, 2 * NT, res); }
+template <int MT, int NT, typename L>
+inline void tile(const L& lay, const Xs& xs, int64_t n, float* res) {
+#if defined(NFX_Q_AVX512)
+  if constexpr (L::kNibbles) {
+    table_tile<L, MT, NT>(lay, xs, n, 2 * NT, res);
+    return;
+  }
+#endif
+  group_tile<L, MT, NT>(lay, xs, n, 2 * NT, res);
+}
+
+// Where results go: out (M, N) in x's dtype, plus the bias.
+struct Out {
+  void* ptr;
+  bool bf16;
+  int64_t n_cols;
+  const float* bias;
+  void put(int64_t m0, int64_t n, int mt, int nt, const float* res) const {
+    for (int m = 0; m < mt; ++m)
+      for (int j = 0; j < nt; ++j) {
+        const float v = res[m * nt + j] + (bias ? bias[n + j] : 0.f);
+        const int64_t i = (m0 + m) * n_cols + n + j;
+        if (bf16) static_cast<c10::BFloat16*>(ptr)[i] = c10::BFloat16(v);
+        else static_cast<float*>(ptr)[i] = v;
+      }
+  }
+};
+
+template <int MT, int NT, typename L>
+inline void tile_rows(const L& lay, const Xs& xs, int64_t m0, int64_t n, const Out& out) {
+  float res[MT * NT];
+  const Xs sub{xs.x + m0 * xs.kp, xs.sums ? xs.sums + m0 * xs.groups : nullptr, xs.kp, xs.groups, xs.hdr};
+  tile<MT, NT>(lay, sub, n, res);
+  out.put(m0, n, MT, NT, res);
+}
+
+// All M rows of x against weight rows [n, n + NT): chunks of MT rows with MT * NT accumulators
+// in registers; the chunks after the first read the tile's weight rows from L1.
+template <int NT, typename L>
+inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out& out) {
+  int64_t m = 0;
+  if constexpr (8 * NT <= Isa::kRegs)
+    for (; m + 8 <= M; m += 8) tile_rows<8, NT>(lay, xs, m, n, out);
+  if constexpr (4 * NT <= Isa::kRegs)
+    for (; m + 4 <= M; m += 4) tile_rows<4, NT>(lay, xs, m, n, out);
+  if constexpr (2 * NT <= Isa::kRegs)
+    for (; m + 2 <= M; m += 2) tile_rows<2, NT>(lay, xs, m, n, out);
+  for (; m < M; ++m) tile_rows<1, NT>(lay, xs, m, n, out);
+}
+
+// Output columns [n0, n1): tiles of NT weight rows, NT from the largest chunk of x rows
+// (MT * NT = kRegs: one row of x meets 8 weight rows at a time on AVX-512, independent FMA
+// chains for the pipelines and fewer tile ends).
+template <typename L>
+void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, const Out& out) {
+  const int64_t mt = std::min<int64_t>(M >= 8 ? 8 : M >= 4 ? 4 : M >= 2 ? 2 : 1, Isa::kRegs);
+  const int64_t nt = Isa::kRegs / mt;
+  int64_t n = n0;
+  if constexpr (Isa::kRegs >= 8)
+    if (nt == 8)
+      for (; n + 8 <= n1; n += 8) all_rows<8>(lay, xs, M, n, out);
+  if (nt >= 4)
+    for (; n + 4 <= n1; n += 4) all_rows<4>(lay, xs, M, n, out);
+  if (nt >= 2)
+    for (; n + 2 <= n1; n += 2) all_rows<2>(lay, xs, M, n, out);
+  for (; n < n1; ++n) all_rows<1>(lay, xs, M, n, out);
+}
+
+// Grain: at least 64 output rows per task, so the 192-row K/V projections split in two (as small_gemm).
+constexpr int64_t GRAIN = 64;
+
+template <typename L>
+void launch(const L& lay, const Xs& xs, int64_t M, int64_t N, const Out& out) {
+  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
+    std::vector<float> hdr(8 * 2 * xs.groups);
+    Xs task = xs;
+    task.hdr = hdr.data();
+    run_rows(lay, task, M, n0, n1, out);
+  });
+}
+
+// x (M, K) -> fp32 (M, kp) zero-padded, then (when sums) the sum of each group of g.
+template <typename X>
+void widen(const X* src, int64_t M, int64_t K, int64_t kp, int64_t g, bool sums, float* dst) {
+  const int64_t groups = kp / g;
+  float* s = dst + M * kp;
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = dst + m * kp;
+    for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(src[m * K + k]);
+    for (int64_t k = K; k < kp; ++k) row[k] = 0.f;
+    if (!sums) continue;
+    for (int64_t b = 0; b < groups; ++b) {
+      float a = 0.f;
+      for (int64_t k = 0; k < g; ++k) a += row[b * g + k];
+      s[m * groups + b] = a;
+    }
+  }
+}
+
+const at::Tensor& need(const c10::optional<at::Tensor>& t, const char* what, int64_t format) {
+  TORCH_CHECK(t.has_value(), "quant_gemm: format ", format, " needs ", what);
+  TORCH_CHECK(t->is_contiguous() && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+              "quant_gemm: ", what, " must be a contiguous float32 or bfloat16 tensor, got ", t->scalar_type());
+  return *t;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quant_gemm: x must have a non-empty last dim");
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous(), "quant_gemm: data must be a contiguous 2-D tensor");
+  const int64_t K = x.size(-1), N = data.size(0), M = x.numel() / K;
+  int64_t g = 32, groups = 0;
+  switch (format) {
+    case kInt8:
+      TORCH_CHECK(data.scalar_type() == at::kChar && data.size(1) == K, "quant_gemm: int8 data must be int8 (N, ", K, "), got ",
+                  data.scalar_type(), " ", data.sizes());
+      TORCH_CHECK(need(scale, "scale", format).numel() == N, "quant_gemm: int8 scale must have ", N, " values");
+      g = 1, groups = 0;  // per channel: no groups, no sums
+      break;
+    case kInt4: {
+      TORCH_CHECK(data.scalar_type() == at::kByte, "quant_gemm: int4 data must be uint8");
+      const auto& s = need(scale, "scale", format);
+      const auto& o = need(offset, "offset", format);
+      groups = s.dim() == 2 ? s.size(1) : 0;
+      TORCH_CHECK(groups > 0 && s.size(0) == N && o.sizes() == s.sizes() && o.scalar_type() == s.scalar_type(),
+                  "quant_gemm: int4 scale and offset must be (N, groups) of one dtype, got ", s.sizes(), " and ", o.sizes());
+      TORCH_CHECK(2 * data.size(1) % groups == 0, "quant_gemm: int4 data has ", data.size(1), " bytes per row, not whole groups of ", groups);
+      g = 2 * data.size(1) / groups;
+      TORCH_CHECK(g % 32 == 0, "quant_gemm: int4 group size must be a multiple of 32, got ", g);
+      TORCH_CHECK(K <= groups * g && K > (groups - 1) * g, "quant_gemm: x has ", K, " features, int4 weight holds ", groups, " groups of ", g);
+      break;
+    }
+    case kQ4_0:
+    case kQ4_1:
+    case kQ8_0: {
+      const int64_t bytes = format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : 34;
+      TORCH_CHECK(data.scalar_type() == at::kByte, "quant_gemm: GGUF blocks must be uint8");
+      TORCH_CHECK(K % 32 == 0 && data.size(1) == K / 32 * bytes, "quant_gemm: x has ", K, " features, blocks hold ", data.size(1) / bytes * 32);
+      groups = K / 32;
+      break;
+    }
+    default: TORCH_CHECK(false, "quant_gemm: unknown format ", format);
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto out = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return out;
+  const int64_t kp = format == kInt8 ? K : groups * g;
+#if defined(NFX_Q_AVX512)
+  const bool sums = false;  // the 4-bit formats dequantize through the lookup table
+#else
+  const bool sums = format == kInt4 || format == kQ4_0 || format == kQ4_1;
+#endif
+  std::vector<float> buf(M * kp + (sums ? M * groups : 0));
+  auto xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, buf.data());
+  else widen(xc.data_ptr<c10::BFloat16>(), M, K, kp, g, sums, buf.data());
+  const Xs xs{buf.data(), sums ? buf.data() + M * kp : nullptr, kp, groups, nullptr};
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "quant_gemm: bias has ", bias->numel(), " values, weight has ", N, " rows");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const Out o{out.data_ptr(), x.scalar_type() == at::kBFloat16, N, bias.has_value() ? bias32.data_ptr<float>() : nullptr};
+  const uint8_t* d = static_cast<const uint8_t*>(data.data_ptr());
+  const int64_t rb = data.size(1) * data.element_size();
+  switch (format) {
+    case kInt8:
+      if (scale->scalar_type() == at::kFloat) launch(Int8Layout<float>{data.data_ptr<int8_t>(), scale->data_ptr<float>(), K}, xs, M, N, o);
+      else launch(Int8Layout<c10::BFloat16>{data.data_ptr<int8_t>(), scale->data_ptr<c10::BFloat16>(), K}, xs, M, N, o);
+      break;
+    case kInt4:
+      if (scale->scalar_type() == at::kFloat) {
+        const float* s = scale->data_ptr<float>();
+        const float* f = offset->data_ptr<float>();
+        if (g == 32) launch(Int4Layout<float, 32>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else if (g == 64) launch(Int4Layout<float, 64>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else if (g == 128) launch(Int4Layout<float, 128>{d, s, f, rb, groups, g}, xs, M, N, o);
+        else launch(Int4Layout<float, 0>{d, s, f, rb, groups, g}, xs, M, N, o);
+      } else {
+        launch(Int4Layout<c10::BFloat16, 0>{d, scale->data_ptr<c10::BFloat16>(), offset->data_ptr<c10::BFloat16>(), rb, groups, g}, xs, M, N, o);
+      }
+      break;
+    case kQ4_0: launch(Q4_0Layout{d, rb}, xs, M, N, o); break;
+    case kQ4_1: launch(Q4_1Layout{d, rb}, xs, M, N, o); break;
+    default: launch(Q8_0Layout{d, rb}, xs, M, N, o); break;
+  }
+  return out;
+}
+
+std::string quant_isa() { return Isa::kName; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
+  m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias) -> Tensor");
+  m.def("quant_isa() -> str", &quant_isa);
+}
+TORCH_LIBRARY_IMPL(neuronfx, CPU, m) { m.impl("quant_gemm", &quant_gemm); }

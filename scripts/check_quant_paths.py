@@ -1,0 +1,73 @@
+"""Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do.
+
+Usage: .venv/bin/python scripts/check_quant_paths.py   (about 2 min: two extra builds)
+
+The kernel picks its path at compile time (AVX-512, AVX2 + FMA + F16C, scalar), so a machine
+only ever runs one of them; this builds the AVX2 and scalar paths here (``-DNFX_QUANT_AVX2`` /
+``-DNFX_QUANT_SCALAR``), each under its own op namespace (``-Dneuronfx=...`` renames the
+``TORCH_LIBRARY`` namespace, the only place the token appears in the file), and runs every
+format of tests/test_quant.py against the float64 reference with the tests' tolerance.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from test_quant import FORMATS, _tolerance  # noqa: E402
+
+from neuronfx.graphs import kernels  # noqa: E402
+from neuronfx.graphs import quant as Q  # noqa: E402
+
+SOURCE = ROOT / "neuronfx" / "graphs" / "csrc" / "quant_gemm.cpp"
+PATHS = {"avx2": "-DNFX_QUANT_AVX2", "scalar": "-DNFX_QUANT_SCALAR"}
+
+
+def check(ns: str) -> dict[torch.dtype, float]:
+    """Worst error / tolerance per x dtype over every format, rows 1-8 and 11, with and without bias."""
+    op = getattr(torch.ops, ns)
+    worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    for name, make in FORMATS.items():
+        k = {"int8": 197, "int8-bf16-scale": 197, "q4_0": 224, "q4_1": 224, "q8_0": 224}.get(name, 200)
+        g = torch.Generator().manual_seed(k)
+        q = make(torch.randn(67, k, generator=g))
+        w = Q.dequantize(q, k)
+        scale = q.scale if isinstance(q, (Q.Int8Weight, Q.Int4Weight)) else None
+        offset = q.offset if isinstance(q, Q.Int4Weight) else None
+        fmt = kernels.QUANT_FORMAT_IDS[Q.FORMAT_NAMES[type(q)]]
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+                x = torch.randn(rows, k, generator=g).to(dtype)
+                for bias in (None, torch.randn(67, generator=g)):
+                    out = op.quant_gemm(x, q.data, scale, offset, fmt, bias)
+                    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+                    worst[dtype] = max(worst[dtype], ((out.double() - ref).abs() / _tolerance(x, q, w, ref, k)).max().item())
+    return worst
+
+
+def main() -> None:
+    failed = False
+    with tempfile.TemporaryDirectory() as build:
+        for path, flag in PATHS.items():
+            ns = f"nfx_check_{path}"
+            (Path(build) / path).mkdir()
+            load(name=ns, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp", flag, f"-Dneuronfx={ns}"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(Path(build) / path), verbose=False)
+            isa = getattr(torch.ops, ns).quant_isa()
+            worst = check(ns)
+            ok = isa == path and max(worst.values()) <= 1
+            failed |= not ok
+            print(f"{path}: compiled path {isa}; worst error / tolerance: fp32 x {worst[torch.float32]:.3f}, "
+                  f"bf16 x {worst[torch.bfloat16]:.3f} (its output rounding alone reaches ~0.98) -> {'ok' if ok else 'FAIL'}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

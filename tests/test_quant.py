@@ -1,0 +1,220 @@
+"""Quantized weight formats (graphs/quant.py) and the quantized product kernel
+(``kernels.quant_gemm``, csrc/quant_gemm.cpp): quantizers against their error bound, the torch
+dequantization against the ``gguf`` package (an independent implementation of ggml's blocks),
+and the kernel against float64 products of the dequantized weights at odd sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from neuronfx.graphs import quant as Q
+from neuronfx.graphs.kernels import quant_gemm, quant_isa, small_gemm_available
+
+GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
+U32 = 2.0**-24
+"""fp32 unit roundoff."""
+
+
+def gguf_blocks(w: torch.Tensor, cls: type) -> Q.QuantizedWeight:
+    """w (N, K) float -> GGUF blocks made by the gguf package (ggml's reference quantizers)."""
+    return cls(torch.from_numpy(quants.quantize(w.numpy(), GGUF_TYPES[cls])))
+
+
+def test_quantize_int8_error_bound_and_zero_row() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 75, generator=g) * torch.tensor([1, 10, 0.01, 0, 3, 1])[:, None]  # row 3 is all zero
+    q = Q.quantize_int8(w)
+    assert q.data.dtype == torch.int8 and q.data.shape == (6, 75) and q.scale.dtype == torch.float32 and q.scale.shape == (6,)
+    assert q.scale[3] == 0 and not q.data[3].any()
+    torch.testing.assert_close(q.scale, w.abs().amax(1) / 127)
+    err = (w - Q.dequantize(q, 75)).abs()
+    # round-to-nearest: |w/s - q| <= 1/2; the division and the product each round once in fp32.
+    assert (err <= q.scale[:, None] / 2 + 4 * U32 * w.abs()).all()
+    assert (q.data.abs() == 127).sum(1)[[0, 1, 2, 4, 5]].min() >= 1  # the absmax hits the grid end
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_quantize_int4_error_bound_padding_and_constant_groups(group: int) -> None:
+    g = torch.Generator().manual_seed(group)
+    k = 200  # not a multiple of any group: the last group is zero-padded
+    w = torch.randn(5, k, generator=g)
+    w[1, :group] = 0.375  # a constant group: scale 0, exact
+    q = Q.quantize_int4(w, group)
+    groups = -(-k // group)
+    assert q.data.shape == (5, groups * group // 2) and q.data.dtype == torch.uint8
+    assert q.scale.shape == q.offset.shape == (5, groups) and q.scale.dtype == q.offset.dtype == torch.float32
+    assert q.scale[1, 0] == 0 and q.offset[1, 0] == 0.375
+    deq = Q.dequantize(q, k)
+    assert deq.shape == (5, k) and deq[1, :group].eq(0.375).all()
+    scale = q.scale.repeat_interleave(group, 1)[:, :k]
+    assert ((w - deq).abs() <= scale / 2 + 4 * U32 * w.abs().clamp(min=1)).all()
+    # the padding holds zeros (q for 0 in the last group)
+    full = Q.dequantize(q, groups * group)
+    assert full[:, k:].abs().max() <= q.scale[:, -1:].max() / 2 + 1e-6
+
+
+def test_int4_nibble_order_is_gguf_q4_1() -> None:
+    """An int4 weight of group 32 with fp16-exact scales, rewritten byte for byte as Q4_1 blocks
+    (fp16 d, fp16 m, the same 16 bytes), dequantizes identically through the gguf package: the
+    nibble order within a group is ggml's."""
+    g = torch.Generator().manual_seed(1)
+    q = Q.quantize_int4(torch.randn(3, 64, generator=g), 32)
+    d, m = q.scale.half(), q.offset.half()
+    blocks = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), q.data.view(3, 2, 16)], dim=-1)
+    ref = quants.dequantize(blocks.reshape(3, 40).numpy(), GGMLQuantizationType.Q4_1)
+    ours = Q.dequantize(Q.Int4Weight(q.data, d.float(), m.float()), 64)
+    np.testing.assert_array_equal(ours.numpy(), ref)
+
+
+@pytest.mark.parametrize("cls", list(GGUF_TYPES))
+def test_gguf_dequantize_matches_gguf_package(cls: type) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(7, 96, generator=g) * 3
+    q = gguf_blocks(w, cls)
+    assert q.data.shape == (7, 3 * Q.GGUF_BLOCK_BYTES[Q.FORMAT_NAMES[cls]]) and q.data.dtype == torch.uint8
+    ref = quants.dequantize(q.data.numpy(), GGUF_TYPES[cls])
+    np.testing.assert_array_equal(Q.dequantize(q, 96).numpy(), ref)  # the same fp32 operations: exact
+
+
+def all_formats(w: torch.Tensor) -> list[Q.QuantizedWeight]:
+    out = [Q.quantize_int8(w), Q.quantize_int4(w, 32)]
+    return out + [gguf_blocks(w, cls) for cls in GGUF_TYPES] if w.shape[1] % 32 == 0 else out
+
+
+def test_gather_rows_and_weight_bytes() -> None:
+    w = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[4, 0, 8], [4, 4, 1]])
+    for q in all_formats(w):
+        rows = Q.gather_rows(q, ids)
+        assert type(rows) is type(q) and rows.data.shape[:2] == (2, 3)
+        assert torch.equal(Q.dequantize(rows, 64), Q.dequantize(q, 64)[ids])
+    assert Q.weight_bytes(Q.quantize_int4(w, 32)) == 9 * 32 + 2 * 9 * 2 * 4  # nibbles + fp32 scale and offset
+    assert Q.weight_bytes(Q.quantize_int8(w)) == 9 * 64 + 9 * 4
+    assert Q.weight_bytes(gguf_blocks(w, Q.Q4_1Blocks)) == 9 * 2 * 20
+
+
+def test_reference_linear() -> None:
+    g = torch.Generator().manual_seed(4)
+    w, x, b = torch.randn(5, 64, generator=g), torch.randn(2, 3, 64, generator=g).bfloat16(), torch.randn(5, generator=g)
+    q = Q.quantize_int4(w, 32)
+    out = Q.reference_linear(x, q, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 5)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), Q.dequantize(q, 64), b).bfloat16(), rtol=0, atol=0)
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    if not small_gemm_available():
+        pytest.fail("the neuronfx kernels did not build on this machine (see the warning above)")
+
+
+def _isa_from_cpu() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    if {"avx512f", "f16c"} <= set(flags):
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "scalar"
+
+
+def test_quant_isa_matches_this_cpu(kernel: None) -> None:
+    assert quant_isa() == _isa_from_cpu()
+
+
+def _offsets(q: Q.QuantizedWeight, k: int) -> torch.Tensor:
+    """Each weight's group offset o (int4 / Q4_1: the offset, Q4_0: -8 d, int8 / Q8_0: 0): the
+    weights of the same format with every quantized value set to 0."""
+    if isinstance(q, Q.Int8Weight):
+        return torch.zeros(q.data.shape)
+    if isinstance(q, Q.Int4Weight):
+        return Q.dequantize(Q.Int4Weight(torch.zeros_like(q.data), q.scale, q.offset), k)
+    fmt = Q.FORMAT_NAMES[type(q)]
+    blocks = q.data.view(q.data.shape[0], -1, Q.GGUF_BLOCK_BYTES[fmt]).clone()
+    blocks[..., 4 if fmt == "q4_1" else 2:] = 0
+    return Q.dequantize(type(q)(blocks.view(q.data.shape)), k)
+
+
+def _tolerance(x: torch.Tensor, q: Q.QuantizedWeight, w: torch.Tensor, ref: torch.Tensor, k: int) -> torch.Tensor:
+    """What fp32 accumulation in another order may change. An output sums k products; each
+    rounding is within u = 2**-24 of a partial sum, and rounding errors of a sum in any order
+    add up like a random walk, so 4 * sqrt(k) * u * sum_k |products| is a generous bound (the
+    deterministic worst case is k * u; measured errors stay below 1/10 of this one). The
+    products are |x_k| (|w_k - o_k| + |o_k|): two of the kernel's paths split each group's sum
+    into d * sum x q + o * sum x, whose terms are these. A bf16 output adds one rounding to 8
+    significant bits: exactly at most 2**-8 relative, which the largest errors nearly reach.
+    Measured: fp32 errors at most 1/14 of the tolerance on all three SIMD paths; weights off by
+    a bf16 rounding (a scale read wrong) exceed it 15-150x (fp32 x) and 3-26x (bf16 x)."""
+    o = _offsets(q, k)
+    mag = x.double().abs() @ ((w - o).abs() + o.abs()).double().T
+    rounding = 2.0**-8 if x.dtype == torch.bfloat16 else U32
+    return 4 * k**0.5 * U32 * mag + rounding * ref.abs()
+
+
+FORMATS = {
+    "int8": lambda w: Q.quantize_int8(w),
+    "int8-bf16-scale": lambda w: Q.Int8Weight(Q.quantize_int8(w).data, Q.quantize_int8(w).scale.bfloat16()),
+    "int4-g32": lambda w: Q.quantize_int4(w, 32),
+    "int4-g64": lambda w: Q.quantize_int4(w, 64),
+    "int4-g128": lambda w: Q.quantize_int4(w, 128),
+    "int4-g96-bf16": lambda w: Q.Int4Weight(*(t if t.dtype == torch.uint8 else t.bfloat16() for t in Q.quantize_int4(w, 96))),
+    "q4_0": lambda w: gguf_blocks(w, Q.Q4_0Blocks),
+    "q4_1": lambda w: gguf_blocks(w, Q.Q4_1Blocks),
+    "q8_0": lambda w: gguf_blocks(w, Q.Q8_0Blocks),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_quant_gemm_matches_float64(kernel: None, fmt: str, xdtype: torch.dtype) -> None:
+    # N = 67 leaves tails after the 8-, 4- and 2-row tiles; K = 197 / 200 are not multiples of the
+    # 16-lane loop (int8) or of any group (int4, padded); GGUF rows are whole blocks (K = 224).
+    # Rows 1-8 cover every x-row chunking, 11 (as (1, 11, K)) chunks of 8 plus a tail.
+    k = {"int8": 197, "int8-bf16-scale": 197, "q4_0": 224, "q4_1": 224, "q8_0": 224}.get(fmt, 200)
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(67, k, generator=g)
+    q = FORMATS[fmt](w)
+    wq = Q.dequantize(q, k)
+    bias = torch.randn(67, generator=g)
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+        x = torch.randn(1, rows, k, generator=g).to(xdtype)
+        for b in (None, bias):
+            out = quant_gemm(x, q, b)
+            assert out.shape == (1, rows, 67) and out.dtype == xdtype
+            ref = x[0].double() @ wq.double().T + (0 if b is None else b.double())
+            err = (out[0].double() - ref).abs()
+            assert (err <= _tolerance(x[0], q, wq, ref, k)).all(), (rows, b is None, err.max().item())
+
+
+def test_quant_gemm_rejects_mismatched_shapes(kernel: None) -> None:
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="x has 32 features"):
+        quant_gemm(torch.randn(1, 32), Q.quantize_int4(w, 32))
+    with pytest.raises(RuntimeError, match="int8 data must be int8"):
+        quant_gemm(torch.randn(1, 32), Q.quantize_int8(w))
+    with pytest.raises(RuntimeError, match="x has 96 features, blocks hold 64"):
+        quant_gemm(torch.randn(1, 96), gguf_blocks(w, Q.Q8_0Blocks))
+    with pytest.raises(RuntimeError, match="bias has 3 values"):
+        quant_gemm(torch.randn(1, 64), Q.quantize_int8(w), torch.randn(3))
+
+
+def test_quant_ops_trace_with_fullgraph(kernel: None) -> None:
+    """The kernel (through its fake impl) and the torch dequantization (uint8 slicing and fp16
+    views) trace with fullgraph=True; aot_eager runs dynamo and the fake-tensor trace inductor
+    starts from, without its code generation."""
+    g = torch.Generator().manual_seed(5)
+    q = gguf_blocks(torch.randn(40, 64, generator=g), Q.Q4_1Blocks)
+    ids, x = torch.tensor([[3, 39]]), torch.randn(1, 2, 64, generator=g)
+
+    def fn(q: Q.Q4_1Blocks, ids: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quant_gemm(x, q), Q.dequantize(Q.gather_rows(q, ids), 64)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
+    for a, b in zip(compiled(q, ids, x), fn(q, ids, x), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
