@@ -305,9 +305,11 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
         )
 
 
-def _inference(args: argparse.Namespace) -> InferenceConfig:
-    """The plan options given on the command line over InferenceConfig's defaults."""
-    return InferenceConfig(**{name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None})
+def _inference(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:
+    """The plan options given on the command line over ``defaults`` (a command's own, e.g.
+    serve's batch size) over InferenceConfig's defaults."""
+    given = {name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None}
+    return InferenceConfig(**((defaults or {}) | given))
 
 
 def saved_runtime(model: str | None) -> Path | None:
@@ -340,14 +342,67 @@ def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
     return inference
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+@attrs.frozen(kw_only=True, eq=False)
+class LoadedRuntime:
+    """What :func:`load_runtime` built: the runtime, its tokenizer, the model it came from and
+    how long loading and compiling took (seconds)."""
+
+    runtime: neuronfx.Runtime
+    tokenizer: object  # transformers tokenizer
+    model: str  # the checkpoint path or saved runtime given (the default model's path when none)
+    load_s: float
+    compile_s: float
+
+
+def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
+    """(saved runtime directory or None, inference config) of a command with the plan options:
+    a saved runtime's own plan (explicit options must agree), else the options over
+    ``defaults`` over InferenceConfig's. Also checks the backend and the weight source, so a
+    bad option fails before anything loads."""
+    saved = saved_runtime(args.model)
+    inference = _saved_inference(args, saved) if saved is not None else _inference(args, defaults)
+    check_backend(inference.backend)
+    if saved is None:
+        from neuronfx.checkpoints import default_model_path
+
+        neuronfx.api.check_weight_source(inference, args.model or default_model_path())
+    return saved, inference
+
+
+def load_runtime(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, progress: bool) -> LoadedRuntime:
+    """Load a saved runtime, or load ``args.model`` (default: the embedded SmolLM2) and compile
+    it (through the compile cache) for ``inference``; ``progress`` shows tqdm bars."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
+    model_path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    if saved is not None:
+        runtime = neuronfx.load(saved)
+        tokenizer = load_saved_tokenizer(saved)
+        return LoadedRuntime(runtime=runtime, tokenizer=tokenizer, model=str(model_path), load_s=time.perf_counter() - t0,
+                             compile_s=0.0)
+    with tqdm(total=2, desc="load", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str("weights")
+        ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                               gguf_blocks=inference.weight_format == "gguf")
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = load_tokenizer(model_path)
+        bar.update()
+    load_s = time.perf_counter() - t0
+    plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
+    t0 = time.perf_counter()
+    runtime = neuronfx.compile(plan, ckpt.state_dict, progress=progress)
+    # ckpt goes out of scope here: under tensor parallelism only this rank's shard stays resident
+    return LoadedRuntime(runtime=runtime, tokenizer=tokenizer, model=str(model_path), load_s=load_s,
+                         compile_s=time.perf_counter() - t0)
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
     # Options are checked before the (slow) load so a typo fails at once.
     check_cli_flags(args)
-    saved = saved_runtime(args.model)
-    inference = _saved_inference(args, saved) if saved is not None else _inference(args)
+    saved, inference = plan_inference(args)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -356,31 +411,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     )
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
-    check_backend(inference.backend)
-    model_path = args.model or default_model_path()
-    if saved is None:
-        neuronfx.api.check_weight_source(inference, model_path)
-    if saved is not None:
-        t0 = time.perf_counter()
-        runtime = neuronfx.load(saved)
-        tokenizer = load_saved_tokenizer(saved)
-        load_s, compile_s = time.perf_counter() - t0, 0.0
-    else:
-        t0 = time.perf_counter()
-        with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
-            bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
-                                   gguf_blocks=inference.weight_format == "gguf")
-            bar.update()
-            bar.set_postfix_str("tokenizer")
-            tokenizer = load_tokenizer(model_path)
-            bar.update()
-        load_s = time.perf_counter() - t0
-        plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
-        t0 = time.perf_counter()
-        runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
-        compile_s = time.perf_counter() - t0
-        del ckpt  # under tensor parallelism only this rank's shard stays resident
+    loaded = load_runtime(args, saved, inference, progress=not args.json)
+    runtime, tokenizer = loaded.runtime, loaded.tokenizer
     if args.draft_model:
         runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
@@ -407,9 +439,9 @@ def run_generate(args: argparse.Namespace) -> dict:
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "decode_tok_s": (result.num_generated - len(prompts)) / result.decode_s if result.decode_s > 0 else None,
-        "load_s": load_s,
-        "compile_s": compile_s,
-        "model": str(model_path),
+        "load_s": loaded.load_s,
+        "compile_s": loaded.compile_s,
+        "model": loaded.model,
         "backend": inference.backend,
         "dtype": inference.dtype,
     }
