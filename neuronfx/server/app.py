@@ -77,8 +77,8 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
         _check_model(body.model, model_name)
         p.check_unsupported(body)
         prompts = _completion_prompts(body, served)
-        requests = [_engine_request(body, ids, k, served, body.logprobs, body.max_tokens or p.COMPLETION_MAX_TOKENS, "prompt")
-                    for k, ids in enumerate(prompts)]
+        max_tokens = p.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        requests = [_engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt") for k, ids in enumerate(prompts)]
         job = _Job(engine=engine, served=served, model=model_name, kind="text_completion", id=p.new_id("cmpl"),
                    requests=requests, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    token_ids_as_text=body.return_tokens_as_token_ids)
