@@ -325,6 +325,7 @@ class ServerProcess:
     host: str
     port: int
     log: Path
+    loading: list = attrs.field(factory=list)  # (path, status, body) of /health and /v1/models while the model loaded
 
     @property
     def url(self) -> str:
@@ -343,8 +344,9 @@ def free_port() -> int:
 
 def start_server(args: Sequence[str], log: Path, timeout: float = 120.0) -> ServerProcess:
     """Start ``neuronfx serve ARGS`` (this interpreter, repo root as cwd, one intra-op thread) on a
-    free loopback port and wait until GET /health answers 200. Fails with the server's log when
-    it exits or is not ready within ``timeout`` seconds."""
+    free loopback port and wait until GET /health answers 200; the first answers of /health and
+    /v1/models while it was loading are kept in ``loading``. Fails with the server's log when it
+    exits or is not ready within ``timeout`` seconds."""
     port = free_port()
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log.open("w") as out:
@@ -356,8 +358,11 @@ def start_server(args: Sequence[str], log: Path, timeout: float = 120.0) -> Serv
         if proc.poll() is not None:
             raise AssertionError(f"neuronfx serve exited with {proc.returncode}:\n{server.output()}")
         try:
-            if http_request(server, "GET", "/health")[0] == 200:
+            status, _, body = http_request(server, "GET", "/health")
+            if status == 200:
                 return server
+            if not server.loading:
+                server.loading.extend([("/health", status, body), ("/v1/models", *http_request(server, "GET", "/v1/models")[::2])])
         except OSError:  # not listening yet
             pass
         time.sleep(0.1)

@@ -348,14 +348,17 @@ class _Job:
             return Response(status_code=499)  # nobody reads it
         choices = collect.result()
         _raise_ended(choices)
-        if self.kind == "chat.completion":
-            body = [p.chat_choice(k, c.text, p.chat_logprobs(c.logprobs, self._decode) if self.requests[k].sampling.logprobs is not None
-                                  else None, c.finish_reason, c.stop_reason) for k, c in enumerate(choices)]
-        else:
-            body = [p.completion_choice(k, c.text, p.completion_logprobs(c.logprobs, self._decode, 0)
-                                        if self.requests[k].sampling.logprobs is not None else None, c.finish_reason, c.stop_reason)
-                    for k, c in enumerate(choices)]
+        body = [self._choice(k, c) for k, c in enumerate(choices)]
         return JSONResponse(p.response_body(self.kind, self.id, self.created, self.model, body, self._usage(choices)))
+
+    def _choice(self, k: int, choice: _Choice) -> dict:
+        """Choice ``k`` of the whole response, with its logprobs when the request asked."""
+        wants = self.requests[k].sampling.logprobs is not None
+        if self.kind == "chat.completion":
+            logprobs = p.chat_logprobs(choice.logprobs, self._decode) if wants else None
+            return p.chat_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+        logprobs = p.completion_logprobs(choice.logprobs, self._decode, 0) if wants else None
+        return p.completion_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
 
     async def _chunks(self, sink: Sink, ids: list[int]) -> AsyncIterator[str]:
         """The SSE stream: a chunk per text delta (chat: a first one with the role), the last
