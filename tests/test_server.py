@@ -240,15 +240,15 @@ LOAD_PROMPTS = ["Hello", "The capital of France is", "Once upon a time there was
 
 
 def test_load_64_requests_16_concurrent(server, client, reference):
-    """64 greedy requests (half streamed) from 16 threads: each gets its solo answer; /metrics
-    counted every request and token; resident memory stays within 10%."""
+    """64 greedy requests (half streamed) from 16 threads, 8 bad ones among them: each good one
+    gets its solo answer, each bad one its 400; /metrics counted every good request and token;
+    resident memory stays within 10%."""
     jobs = [(LOAD_PROMPTS[i % 8], 4 + 2 * (i % 8), i % 2 == 1) for i in range(64)]
     solo = {(p, n): reference.solo(reference.ids(p), n) for p, n, _ in jobs[:8]}
     client.completions.create(model=NAME, prompt="warm up", max_tokens=2)
     rss_before, before = rss_bytes(server.proc.pid), server_metrics(server)
 
-    def run(job: tuple[str, int, bool]) -> tuple[str, int, int]:
-        prompt, n, stream = job
+    def good(prompt: str, n: int, stream: bool) -> tuple[str, int, int]:
         if not stream:
             out = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, **GREEDY)
             return out.choices[0].text, out.usage.prompt_tokens, out.usage.completion_tokens
@@ -256,8 +256,18 @@ def test_load_64_requests_16_concurrent(server, client, reference):
                                                 stream_options={"include_usage": True}, **GREEDY))
         return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens
 
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(run, jobs))
+    def bad(prompt: str) -> object:  # temperature -1: a row that would poison its batch were it admitted
+        try:
+            client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=-1)
+        except openai.BadRequestError as exc:
+            return exc.body["param"]
+        return "served"
+
+    with ThreadPoolExecutor(16) as pool:  # one bad request after every 8 good ones, while they run
+        futures = [(pool.submit(good, *job), pool.submit(bad, job[0]) if i % 8 == 7 else None) for i, job in enumerate(jobs)]
+        results = [f.result() for f, _ in futures]
+        bad_futures = [b for _, b in futures if b is not None]
+    assert [f.result() for f in bad_futures] == ["temperature"] * 8
     for (prompt, n, _), (text, prompt_tokens, completion_tokens) in zip(jobs, results, strict=True):
         assert text == solo[prompt, n].texts[0], (prompt, n)
         assert (prompt_tokens, completion_tokens) == (len(reference.ids(prompt)), len(solo[prompt, n].token_ids[0]))
@@ -484,7 +494,6 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    t0 = time.perf_counter()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     with contextlib.suppress(ConnectionRefusedError):  # the port is closed already: no new request either
@@ -495,5 +504,4 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     # the interpreter's own teardown (torch and friends) takes 1-6 s on a busy machine after serve returns
     assert server.proc.wait(SHUTDOWN_TIMEOUT + 20) == 0
-    assert time.perf_counter() - t0 < SHUTDOWN_TIMEOUT + 20
     assert "stopped" in server.output() and "Traceback" not in server.output()
