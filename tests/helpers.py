@@ -1,4 +1,5 @@
-"""Shared builders for runtime tests: tiny random HF models, their runtimes, and step drivers.
+"""Shared builders for runtime tests: tiny random HF models, their runtimes, step drivers, a tiny
+GGUF writer, and a ``neuronfx serve`` subprocess with plain-HTTP helpers.
 
 Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 """
@@ -6,8 +7,17 @@ Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import copy
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import attrs
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -300,3 +310,112 @@ def _gguf_metadata(writer: object, cfg: object) -> None:
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(GGUF_CHAT_TEMPLATE)
+
+
+# --- a `neuronfx serve` subprocess ---------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@attrs.frozen(eq=False)
+class ServerProcess:
+    """A ``python -m neuronfx serve`` subprocess on a loopback port, its output in ``log``."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log: Path
+    loading: list = attrs.field(factory=list)  # (path, status, body) of /health and /v1/models while the model loaded
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: Sequence[str], log: Path, timeout: float = 120.0) -> ServerProcess:
+    """Start ``neuronfx serve ARGS`` (this interpreter, repo root as cwd, one intra-op thread) on a
+    free loopback port and wait until GET /health answers 200; the first answers of /health and
+    /v1/models while it was loading are kept in ``loading``. Fails with the server's log when it
+    exits or is not ready within ``timeout`` seconds."""
+    port = free_port()
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "neuronfx", "serve", *args, "--port", str(port)], cwd=REPO_ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc=proc, host="127.0.0.1", port=port, log=log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"neuronfx serve exited with {proc.returncode}:\n{server.output()}")
+        try:
+            status, _, body = http_request(server, "GET", "/health")
+            if status == 200:
+                return server
+            if not server.loading:
+                server.loading.extend([("/health", status, body), ("/v1/models", *http_request(server, "GET", "/v1/models")[::2])])
+        except OSError:  # not listening yet
+            pass
+        time.sleep(0.1)
+    stop_server(server)
+    raise AssertionError(f"neuronfx serve was not ready after {timeout} s:\n{server.output()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def http_request(server: ServerProcess, method: str, path: str, body: bytes | dict | None = None,
+                 timeout: float = 60.0) -> tuple[int, dict[str, str], object]:
+    """(status, headers, JSON body or text) of one plain HTTP request; a dict body is sent as JSON."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data is not None else {})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        try:
+            payload = json.loads(raw)
+        except json.JSONDecodeError:
+            payload = raw
+        return resp.status, dict(resp.getheaders()), payload
+    finally:
+        conn.close()
+
+
+def server_metrics(server: ServerProcess) -> dict[str, float]:
+    """The server's /metrics samples by name, labels appended as ``name{key="value"}``
+    (prometheus-client's own parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, text = http_request(server, "GET", "/metrics")
+    assert status == 200, text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (VmRSS from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")

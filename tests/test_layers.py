@@ -1,6 +1,6 @@
 """The layers import one way and no module imports itself back through others.
 
-config <- graphs <- runtime <- (checkpoints, gguf_file, artifacts, cache) <- api <- (cli, bench, accuracy, the package).
+config <- graphs <- runtime <- (checkpoints, gguf_file, artifacts, cache) <- api <- (cli, bench, accuracy, server, the package).
 Every import counts, lazy ones inside functions included; ``errors``, ``memory`` and ``version``
 are leaves anyone may import.
 """
@@ -18,7 +18,7 @@ RANKS = {
     "neuronfx.version": 0, "neuronfx.errors": 0, "neuronfx.memory": 0,
     "neuronfx.config": 1, "neuronfx.graphs": 2, "neuronfx.runtime": 3,
     "neuronfx.checkpoints": 4, "neuronfx.gguf_file": 4, "neuronfx.artifacts": 4, "neuronfx.cache": 4, "neuronfx.parallel": 4,
-    "neuronfx.api": 5, "neuronfx.cli": 6, "neuronfx.bench": 6, "neuronfx.accuracy": 6, "neuronfx": 6,
+    "neuronfx.api": 5, "neuronfx.cli": 6, "neuronfx.server": 6, "neuronfx.bench": 6, "neuronfx.accuracy": 6, "neuronfx": 6,
 }
 
 

@@ -1,0 +1,293 @@
+"""The serving engine: one thread owns the runtime, the state and the scheduler queue.
+
+HTTP handlers never touch them. A handler validates its request (against the immutable runtime's
+plan), then calls :meth:`Engine.submit` with a :class:`Sink` (an asyncio queue on its own event
+loop) and reads ``(choice, TokenEvent)`` pairs from it; :meth:`Engine.abort` drops requests
+whose client went away. Both only put a command in the engine's inbox (a thread-safe queue).
+
+The engine thread first builds the runtime (load or compile: minutes for a big model, so the
+HTTP server is already up and answers 503 meanwhile), then loops: drain the inbox (blocking on
+it only when nothing runs), run one :func:`neuronfx.runtime.scheduler.step`, and hand each token
+event to its request's sink with ``loop.call_soon_threadsafe``, which never waits for a client.
+
+Admission is bounded: at most ``batch_size`` requests run and ``max_waiting`` wait; a submit
+beyond that raises :class:`EngineOverloaded` at once and queues nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue as queue_lib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from neuronfx.errors import InputError
+from neuronfx.runtime.runtime import Runtime, init_state
+from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, abort, step, submit
+from neuronfx.runtime.state import State
+from neuronfx.server.metrics import Metrics
+
+logger = logging.getLogger("neuronfx.server")
+
+RETRY_AFTER_S = 1
+"""Retry-After (seconds) of a 503 for a full waiting queue: about the time a few requests take
+to finish and free their slots."""
+
+
+class EngineUnavailable(Exception):
+    """The engine takes no request now (a 503)."""
+
+
+class EngineNotReady(EngineUnavailable):
+    """The runtime is still loading or compiling."""
+
+
+class EngineStopping(EngineUnavailable):
+    """The server is shutting down (or the engine failed)."""
+
+
+class EngineOverloaded(EngineUnavailable):
+    """Every slot is taken and ``max_waiting`` requests already wait."""
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Served:
+    """What the engine serves: a runtime and its tokenizer (transformers)."""
+
+    runtime: Runtime
+    tokenizer: Any
+
+
+@attrs.frozen(eq=False)
+class Sink:
+    """Where one HTTP request receives its events: an asyncio queue on the handler's event loop.
+    Items are ``(choice, TokenEvent)``; an aborted request ends with finish_reason "abort", one
+    lost to an engine failure with "error" (token_id None)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: tuple[int, TokenEvent]) -> None:
+        """Hand ``item`` to the handler's loop (thread-safe, never blocks)."""
+        with contextlib.suppress(RuntimeError):  # the event loop closed: the server is gone, nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@attrs.frozen
+class _Submit:
+    ids: tuple[int, ...]
+    requests: tuple[Request, ...]
+    sink: Sink
+    arrival: float  # time.perf_counter() at submit
+
+
+@attrs.frozen
+class _Abort:
+    ids: tuple[int, ...]
+
+
+@attrs.frozen
+class _Stop:
+    pass
+
+
+@attrs.define
+class _Live:
+    """The engine thread's record of one accepted request (mutable; only that thread uses it)."""
+
+    sink: Sink
+    choice: int  # index of the request among its HTTP request's prompts
+    prompt_len: int
+    arrival: float
+    started: bool = False  # its prefill ran
+    last: float = 0.0  # time of its last token
+
+
+class Engine:
+    """Runs requests through the scheduler in its own thread (see the module doc).
+
+    ``build`` returns the :class:`Served` runtime and tokenizer (called in the engine thread);
+    ``on_failure`` is called there when ``build`` raises (the server should exit). Raises
+    InputError for a negative ``max_waiting``.
+    """
+
+    def __init__(self, build: Callable[[], Served], *, max_waiting: int, metrics: Metrics,
+                 on_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+            raise InputError(f"max_waiting={max_waiting!r} must be an int >= 0 (requests waiting for a slot).")
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.failure: BaseException | None = None  # what build raised
+        self._build, self._on_failure = build, on_failure
+        self._inbox: queue_lib.SimpleQueue = queue_lib.SimpleQueue()
+        self._lock = threading.Lock()  # guards the fields below, shared by handlers and the engine thread
+        self._served: Served | None = None
+        self._accepting = True
+        self._in_flight = 0  # accepted, not finished
+        self._next_id = 0
+        # owned by the engine thread alone
+        self._live: dict[int, _Live] = {}
+        self._thread = threading.Thread(target=self._run, name="neuronfx-engine", daemon=True)
+        for reason in ("stop", "length", "abort", "error"):
+            metrics.requests.labels(reason)  # listed at 0 from the start
+
+    # --- called from handlers (any thread) ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def served(self) -> Served | None:
+        """The runtime and tokenizer once built, else None."""
+        return self._served
+
+    @property
+    def ready(self) -> bool:
+        """Built, running and accepting requests."""
+        with self._lock:
+            return self._served is not None and self._accepting and self._thread.is_alive()
+
+    def submit(self, requests: Sequence[Request], sink: Sink) -> list[int]:
+        """Queue ``requests`` (validated already: ``scheduler.check_request``) for one HTTP
+        request, all or none; their events go to ``sink`` as ``(position in requests, event)``.
+        Returns their engine ids. Raises EngineNotReady, EngineStopping or EngineOverloaded
+        (nothing queued)."""
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopping("the server is shutting down; it takes no new request.")
+            if self._served is None:
+                raise EngineNotReady("the model is still loading or compiling; retry when GET /health answers 200.")
+            slots = self._served.runtime.plan.inference.batch_size
+            if self._in_flight + len(requests) > slots + self.max_waiting:
+                self.metrics.rejected.inc()
+                raise EngineOverloaded(f"the server is busy: all {slots} slots are taken and {self.max_waiting} requests wait "
+                                       f"(--max-waiting); retry in {RETRY_AFTER_S} s.")
+            ids = tuple(range(self._next_id, self._next_id + len(requests)))
+            self._next_id += len(requests)
+            self._in_flight += len(requests)
+            self._inbox.put(_Submit(ids=ids, requests=tuple(requests), sink=sink, arrival=time.perf_counter()))
+        return list(ids)
+
+    def abort(self, ids: Sequence[int]) -> None:
+        """Drop requests ``ids`` (a client went away): a waiting one leaves the queue, a running
+        one frees its slot at the next step. Finished ids are ignored."""
+        self._inbox.put(_Abort(ids=tuple(ids)))
+
+    def begin_stop(self) -> None:
+        """Take no new request (submit raises EngineStopping); in-flight ones run on."""
+        with self._lock:
+            self._accepting = False
+
+    def stop(self, timeout: float) -> None:
+        """Stop: abort what still runs or waits (finish_reason "abort"), end the engine thread
+        (waiting at most ``timeout`` seconds for it)."""
+        self.begin_stop()
+        self._inbox.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            served = self._build()
+        except BaseException as exc:  # the server cannot serve: report it and let it exit
+            self.failure = exc
+            with self._lock:
+                self._accepting = False
+            self._on_failure(exc)
+            return
+        runtime = served.runtime
+        eos = frozenset(runtime.plan.model.eos_token_ids)
+        state, queue = init_state(runtime), Queue()
+        self.metrics.slots.set(state.num_slots)
+        with self._lock:
+            self._served = served
+        logger.info("ready: %d slots, max_context_length %d, sequence_length %d, backend %s", state.num_slots,
+                    runtime.plan.inference.max_context_length, runtime.plan.inference.sequence_length, runtime.plan.inference.backend)
+        while True:
+            for command in self._commands(block=queue.idle):
+                if isinstance(command, _Stop):
+                    for index in list(self._live):
+                        state, queue = abort(runtime, state, queue, index)
+                        self._finish(index, _ended(index, "abort"))
+                    return
+                state, queue = self._apply(command, runtime, state, queue)
+            events: list[TokenEvent] = []
+            if not queue.idle:
+                try:
+                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer)
+                except Exception:  # a bug, not bad input (requests were checked): fail these requests, serve on
+                    logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
+                    for index in list(self._live):
+                        self._finish(index, _ended(index, "error"))
+                    state, queue = init_state(runtime), Queue()
+            self._gauges(state, queue)  # before the events go out: a client that has its answer sees its slot free
+            self._route(events)
+
+    def _commands(self, block: bool) -> list[object]:
+        """Every command in the inbox; waits for one first when ``block`` (nothing to run)."""
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue_lib.Empty:
+                return commands
+
+    def _apply(self, command: object, runtime: Runtime, state: State, queue: Queue) -> tuple[State, Queue]:
+        """Queue a submit's requests or abort requests; returns the new (state, queue)."""
+        if isinstance(command, _Submit):
+            for choice, (index, request) in enumerate(zip(command.ids, command.requests)):
+                queue = submit(queue, index, request)
+                self._live[index] = _Live(sink=command.sink, choice=choice, prompt_len=len(request.prompt), arrival=command.arrival)
+        elif isinstance(command, _Abort):
+            for index in command.ids:
+                if index in self._live:  # else it finished already
+                    state, queue = abort(runtime, state, queue, index)
+                    self._finish(index, _ended(index, "abort"))
+        return state, queue
+
+    def _route(self, events: Sequence[TokenEvent]) -> None:
+        """Count each event in the metrics and hand it to its request's sink."""
+        m = self.metrics
+        for event in events:
+            live, now = self._live[event.index], time.perf_counter()
+            if not live.started:
+                live.started = True
+                m.prompt_tokens.inc(live.prompt_len)
+                m.ttft.observe(now - live.arrival)
+            elif event.token_id is not None:
+                m.itl.observe(now - live.last)
+            if event.token_id is not None:
+                m.generation_tokens.inc()
+                live.last = now
+            if event.finish_reason is None:
+                live.sink.put((live.choice, event))
+            else:
+                self._finish(event.index, event)
+
+    def _finish(self, index: int, event: TokenEvent) -> None:
+        """Retire request ``index`` with its last event: counts first, so that a client that sees
+        its answer also sees its slot and the metrics freed."""
+        live = self._live.pop(index)
+        with self._lock:
+            self._in_flight -= 1
+        self.metrics.requests.labels(event.finish_reason).inc()
+        self.metrics.e2e.observe(time.perf_counter() - live.arrival)
+        live.sink.put((live.choice, event))
+
+    def _gauges(self, state: State, queue: Queue) -> None:
+        self.metrics.running.set(len(queue.running))
+        self.metrics.waiting.set(len(queue.waiting))
+        self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
+
+
+def _ended(index: int, reason: str) -> TokenEvent:
+    """The last event of a request that ends without a token: "abort" or "error"."""
+    return TokenEvent(index=index, token_id=None, text="", logprobs=None, finish_reason=reason, stop_reason=None)

@@ -1,0 +1,315 @@
+"""OpenAI's request and response shapes, as OpenAI's API and vLLM's OpenAI server define them.
+
+Requests are pydantic models with strict types (no "0.5" for a float, no ``true`` for an int)
+and unknown fields rejected, as OpenAI rejects them ("Unrecognized request argument"); vLLM's
+sampling extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output) and return_tokens_as_token_ids are accepted in the body. OpenAI fields neuronfx does not implement
+(n > 1, echo, suffix, best_of > 1, logit_bias, tools, response_format other than text) are
+accepted only at their neutral value and otherwise answered with a 400 naming the field.
+
+Ranges are not checked here: :func:`sampling_params` builds a :class:`neuronfx.SamplingParams`,
+whose named checks raise the 400s. Responses are plain dicts (what is serialized).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from neuronfx.config.sampling import SamplingParams
+from neuronfx.errors import SamplingParamsError
+from neuronfx.runtime.steps import Logprobs
+
+DEFAULT_TEMPERATURE = 1.0
+"""Temperature of a request that gives none: OpenAI's and vLLM's 1.0 (not neuronfx's greedy 0)."""
+
+COMPLETION_MAX_TOKENS = 16
+"""max_tokens of a /v1/completions request that gives none (OpenAI's and vLLM's default)."""
+
+
+class ApiError(Exception):
+    """An error answered with ``status`` and OpenAI's error JSON (:func:`error_body`)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class _Forbid(BaseModel):
+    """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Forbid):
+    include_usage: StrictBool = False  # one last chunk with the usage (and "usage": null on the others)
+
+
+class GenerationRequest(_Forbid):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: StrictStr | None = None  # None: the served model (vLLM); another name is a 404
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None  # None: DEFAULT_TEMPERATURE
+    top_p: StrictFloat = 1.0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    n: StrictInt = 1
+    user: StrictStr | None = None  # an end-user id: accepted and ignored (as vLLM)
+    logit_bias: dict[str, StrictFloat] | None = None  # not supported: only empty
+    # vLLM's extras
+    top_k: StrictInt = 0
+    min_p: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>" instead of their text
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions: one choice per prompt (a list of prompts gives several choices)."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # top-N logprobs per token
+    echo: StrictBool = False  # not supported: only false
+    suffix: StrictStr | None = None  # not supported: only null
+    best_of: StrictInt | None = None  # not supported: only 1
+
+
+class TextPart(_Forbid):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Forbid):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions: ``messages`` through the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None  # OpenAI's newer name of max_tokens; wins when both are given
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None  # needs logprobs: true
+    tools: list[dict[str, Any]] | None = None  # not supported: only empty
+    tool_choice: StrictStr | None = None  # not supported: only "none"
+    response_format: dict[str, Any] | None = None  # not supported: only {"type": "text"}
+
+
+class TokenizeRequest(_Forbid):
+    """POST /tokenize (vLLM): ``prompt`` text, or ``messages`` through the chat template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (vLLM)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Forbid):
+    """POST /detokenize (vLLM): token ids back to text."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+FIELD_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "messages": 'a list of {"role": "system"|"developer"|"user"|"assistant"|"tool", "content": text or a list of '
+                '{"type": "text", "text": ...} parts} (images and audio are not supported)',
+    "content": 'text or a list of {"type": "text", "text": ...} parts (images and audio are not supported)',
+}
+"""What a union-typed field accepts: its 400 names this instead of one error per union member."""
+
+
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors for a request body (FastAPI's 422 made a 400): the
+    first error, named by its field path; a union field's several member errors become one line
+    saying what the field accepts (FIELD_SHAPES)."""
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}.", None
+    path = loc[1:] if loc and loc[0] == "body" else loc
+    if not path:
+        return f"the request body must be a JSON object ({first['msg']}; got {first.get('input')!r:.60}).", None
+    param = path[0]
+    if first["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {'.'.join(path)}.", ".".join(path)
+    if first["type"] == "missing":
+        return f"{'.'.join(path)} is required.", ".".join(path)
+    where = ".".join(p for p in path if not _is_union_tag(p))
+    shape = next((FIELD_SHAPES[p] for p in reversed(path) if p in FIELD_SHAPES), None)
+    if shape is not None and any(_is_union_tag(p) for p in path):
+        return f"{where} must be {shape}; got {first.get('input')!r:.80}.", param
+    return f"{where}: {first['msg']} (got {first.get('input')!r:.80}).", param
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names a union member in an error location by its type: "str", "list[int]", ...
+    return part in ("str", "int", "float", "bool") or "[" in part
+
+
+# --- requests -> neuronfx -------------------------------------------------------------------------
+
+
+def check_unsupported(req: GenerationRequest) -> None:
+    """ApiError 400 naming the first field set to something neuronfx does not implement."""
+    if req.n != 1:
+        raise ApiError(400, f"n={req.n}: neuronfx returns one choice per prompt, so n must be 1; send the request n times "
+                            "(with different seeds to sample different answers).", param="n", code="unsupported_value")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by neuronfx; drop it.", param="logit_bias", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise ApiError(400, "echo is not supported by neuronfx; drop it (the prompt is yours already).", param="echo",
+                           code="unsupported_parameter")
+        if req.suffix is not None:
+            raise ApiError(400, "suffix (insertion) is not supported by neuronfx; drop it.", param="suffix", code="unsupported_parameter")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, f"best_of={req.best_of}: neuronfx returns one completion per prompt, so best_of must be 1.",
+                           param="best_of", code="unsupported_value")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise ApiError(400, "tools (function calling) are not supported by neuronfx; drop them.", param="tools",
+                           code="unsupported_parameter")
+        if req.tool_choice not in (None, "none"):
+            raise ApiError(400, f"tool_choice={req.tool_choice!r}: tools are not supported, so only 'none' is accepted.",
+                           param="tool_choice", code="unsupported_value")
+        if req.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, f"response_format={req.response_format!r:.60}: only {{'type': 'text'}} is supported (no JSON "
+                                "mode or schema).", param="response_format", code="unsupported_value")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, f"top_logprobs={req.top_logprobs} needs logprobs: true.", param="top_logprobs")
+
+
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+
+
+def sampling_params(req: GenerationRequest, logprobs: int | None, max_tokens: int) -> SamplingParams:
+    """The request's :class:`SamplingParams` (vLLM's defaults: temperature 1 unless given);
+    ApiError 400 with the named check's message (and the field as ``param``) when a value is out
+    of range."""
+    try:
+        return SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature, top_k=req.top_k, top_p=req.top_p,
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, min_tokens=req.min_tokens, max_tokens=max_tokens,
+            stop=() if req.stop is None else req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except SamplingParamsError as exc:
+        raise ApiError(400, str(exc), param=sampling_param_name(req, exc)) from exc
+
+
+def sampling_param_name(req: GenerationRequest, exc: SamplingParamsError) -> str | None:
+    """The request field a SamplingParamsError names (its message starts with
+    ``SamplingParams.<field>=``): chat's logprobs width is ``top_logprobs``."""
+    found = _SAMPLING_FIELD.search(str(exc))
+    if found is None:
+        return None
+    name = found.group(1)
+    if name == "logprobs" and isinstance(req, ChatCompletionRequest):
+        return "top_logprobs"
+    if name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return name
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template reads them: text parts joined by newlines (vLLM)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        out.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name is not None else {}))
+    return out
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    """A response id: ``cmpl-...`` or ``chatcmpl-...`` and 32 hex digits."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str], offset: int) -> dict:
+    """The legacy completions logprobs object for ``entries`` (one per token): token strings,
+    their logprobs, the top-N as {token string: logprob} and each token's text offset from
+    ``offset`` (characters)."""
+    tokens = [decode(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str]) -> dict:
+    """Chat's logprobs object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs)]}
+                        for e in entries]}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def response_body(kind: str, id: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+    """A whole response (``kind`` "text_completion" or "chat.completion") or a streamed chunk
+    ("chat.completion.chunk"; completions chunks are "text_completion" too)."""
+    return {"id": id, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}

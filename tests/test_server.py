@@ -1,0 +1,507 @@
+"""``neuronfx serve`` as a real subprocess on a loopback port (one per module), driven with the
+official openai client and plain HTTP: greedy output token-identical to ``neuronfx generate``,
+seeded sampling reproducible, usage exact, stop strings, logprobs, a load test against solo
+runs and /metrics, bad input answered with OpenAI's error JSON (and the server serving on), a
+client disconnecting mid-stream, a flood past --max-waiting, and SIGTERM ending in exit 0.
+
+The model: a tiny random llama (hidden 64, 2 layers) whose vocabulary is SmolLM2's, saved with
+SmolLM2's real tokenizer (from the embedded GGUF), so text, the chat template and stop strings
+behave as with a real model; eager backend, 4 slots, prompts up to 64 tokens, 128 per slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+import openai
+import pytest
+from helpers import ServerProcess, http_request, rss_bytes, server_metrics, start_server, stop_server, tiny_hf_model
+
+import neuronfx
+from neuronfx import InferenceConfig, Request, SamplingParams, make_plan
+from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+from neuronfx.cli import main
+from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Served, Sink
+from neuronfx.server.metrics import make_metrics
+
+PLAN = ["--backend", "eager", "--batch-size", "4", "--max-context-length", "64", "--sequence-length", "128"]
+MAX_WAITING = 12  # with 4 slots: 16 requests in the server at most
+SHUTDOWN_TIMEOUT = 5
+NAME = "tiny"
+GREEDY = {"temperature": 0.0}
+IDS = {"return_tokens_as_token_ids": True}  # logprobs name tokens "token_id:<id>": exact ids to compare
+PROMPT = "The capital of France is"
+QUESTION = "Write a haiku about the sea."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory."""
+    path = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    tokenizer = load_tokenizer(default_model_path())
+    tiny_hf_model("llama", seed=11, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory) -> ServerProcess:
+    server = start_server([str(model_dir), *PLAN, "--served-model-name", NAME, "--max-waiting", str(MAX_WAITING),
+                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)], tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@attrs.frozen(eq=False)
+class Reference:
+    """The same model and plan in this process: what ``neuronfx generate`` gives for a prompt alone."""
+
+    runtime: neuronfx.Runtime
+    tokenizer: object
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def chat_ids(self, question: str) -> list[int]:
+        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                       tokenize=True, return_dict=True)["input_ids"])
+
+    def solo(self, ids: list[int], max_tokens: int, **sampling: object) -> neuronfx.GenerateResult:
+        result, _ = neuronfx.generate(self.runtime, neuronfx.init_state(self.runtime), [ids], max_new_tokens=max_tokens,
+                                      sampling=SamplingParams(**sampling), tokenizer=self.tokenizer)
+        return result
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Reference:
+    ckpt = load_checkpoint(model_dir)
+    inference = InferenceConfig(batch_size=4, max_context_length=64, sequence_length=128, backend="eager")
+    runtime = neuronfx.compile(make_plan(ckpt.config, inference), ckpt.state_dict, progress=False)
+    return Reference(runtime=runtime, tokenizer=load_tokenizer(model_dir))
+
+
+def token_ids(names: list[str]) -> list[int]:
+    """Token ids from logprobs token names "token_id:<id>"."""
+    return [int(n.removeprefix("token_id:")) for n in names]
+
+
+def sse_events(resp: http.client.HTTPResponse) -> list[object]:
+    """Read an SSE response to its end: the JSON of each ``data:`` line, "[DONE]" as is."""
+    events = []
+    for line in resp:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+def test_health_models_tokenize_detokenize(server, client, reference):
+    """503 while loading (the server listened before the model was ready), then 200; the log
+    says what it compiled and when it was ready."""
+    loading = _err("the model is still loading or compiling; retry when GET /health answers 200.", type="server_error",
+                   code="model_not_ready")
+    assert server.loading == [("/health", 503, loading), ("/v1/models", 503, loading)]
+    assert "compiling its graphs (eager, float32, 4 slots, max_context_length 64, sequence_length 128)" in server.output()
+    assert "ready: 4 slots" in server.output()
+    assert http_request(server, "GET", "/health")[::2] == (200, {"status": "ok"})
+    models = client.models.list().data
+    assert [(m.id, m.owned_by, m.max_model_len) for m in models] == [(NAME, "neuronfx", 128)]
+    ids = reference.ids(PROMPT)
+    status, _, body = http_request(server, "POST", "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 128, "tokens": ids,
+                                      "token_strs": reference.tokenizer.convert_ids_to_tokens(ids)}
+    chat = reference.chat_ids(QUESTION)
+    status, _, body = http_request(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": QUESTION}]})
+    assert status == 200 and body["tokens"] == chat
+    status, _, body = http_request(server, "POST", "/detokenize", {"tokens": ids})
+    assert status == 200 and body == {"prompt": PROMPT}
+
+
+def test_chat_greedy_equals_neuronfx_generate(model_dir, client, capsys):
+    """The same chat message through `neuronfx generate --chat` and the server (whole and
+    streamed): the same tokens, text, usage and finish_reason."""
+    assert main(["generate", "--model", str(model_dir), "--chat", QUESTION, "--max-new-tokens", "16", *PLAN, "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, logprobs=True, extra_body=IDS, **GREEDY)
+    choice = whole.choices[0]
+    assert token_ids([t.token for t in choice.logprobs.content]) == expected["token_ids"]
+    assert choice.message.content == expected["text"] and choice.message.role == "assistant"
+    assert choice.finish_reason == expected["finish_reason"] == "length"
+    prompt_len = len(load_tokenizer(model_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                   return_dict=True)["input_ids"])
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (prompt_len, 16, prompt_len + 16)
+    assert whole.id.startswith("chatcmpl-") and whole.model == NAME and whole.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == prompt_len
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_greedy_logprobs_and_several_prompts(client, reference):
+    ids = reference.ids(PROMPT)
+    expected = reference.solo(ids, 12)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=12, logprobs=3, extra_body=IDS, **GREEDY)
+    choice = out.choices[0]
+    assert choice.text == expected.texts[0] and choice.finish_reason == "length"
+    assert token_ids(choice.logprobs.tokens) == list(expected.token_ids[0])
+    assert [len(top) for top in choice.logprobs.top_logprobs] == [3] * 12
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 12)
+    # token ids as the prompt, and two prompts in one request: one choice each, each its solo answer
+    other = "Once upon a time"
+    two = client.completions.create(model=NAME, prompt=[ids, reference.ids(other)], max_tokens=6, **GREEDY)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [reference.solo(ids, 6).texts[0], reference.solo(reference.ids(other), 6).texts[0]]
+    assert two.usage.prompt_tokens == len(ids) + len(reference.ids(other)) and two.usage.completion_tokens == 12
+
+
+def test_logprobs_equal_the_library(client, reference):
+    ids = reference.ids(PROMPT)
+    expected = reference.solo(ids, 5, logprobs=2)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, logprobs=2, extra_body=IDS, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs[0]], abs=1e-5)
+    assert [list(top) for top in lp.top_logprobs] == [[f"token_id:{i}" for i in e.top_ids] for e in expected.logprobs[0]]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTION}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, extra_body=IDS, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+
+
+def test_default_max_tokens_and_streamed_choices(client, reference):
+    """max_tokens defaults: 16 for a completion, the slot's room for a chat (vLLM's); several
+    prompts streamed: each choice's chunks make its solo answer."""
+    out = client.completions.create(model=NAME, prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY)
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=NAME, messages=HI, extra_body={"ignore_eos": True}, **GREEDY)
+    assert chat.usage.completion_tokens == 128 - chat.usage.prompt_tokens and chat.choices[0].finish_reason == "length"
+    prompts = ["Once upon a time", PROMPT]
+    texts = ["", ""]
+    for chunk in client.completions.create(model=NAME, prompt=prompts, max_tokens=7, stream=True, **GREEDY):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [reference.solo(reference.ids(p), 7).texts[0] for p in prompts]
+
+
+def test_seeded_sampling_is_reproducible(client, reference):
+    """temperature 1 (the server's default) with a seed: the library's tokens for that seed,
+    twice, and other tokens for another seed."""
+    ids = reference.ids(PROMPT)
+    expected = reference.solo(ids, 10, temperature=1.0, seed=7)
+
+    def sample(seed: int) -> list[int]:
+        out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, seed=seed, logprobs=0, extra_body=IDS)
+        return token_ids(out.choices[0].logprobs.tokens)
+
+    first = sample(7)
+    assert first == list(expected.token_ids[0]) == sample(7)
+    assert sample(8) != first
+
+
+def test_stop_string_honoured_whole_and_streamed(client, reference):
+    ids = reference.ids(PROMPT)
+    text = reference.solo(ids, 24).texts[0]
+    stop = next(w for w in text.split()[2:] if w.isascii() and w.isalpha() and len(w) >= 3)
+    expected = reference.solo(ids, 24, stop=(stop,))
+    assert expected.texts[0] == text[: text.index(stop)] and expected.finish_reasons[0] == "stop"
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, stop=[stop, "\u00a7never\u00a7"], **GREEDY)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == (expected.texts[0], "stop", stop)
+    assert out.usage.completion_tokens == len(expected.token_ids[0]) < 24
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected.texts[0] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+LOAD_PROMPTS = ["Hello", "The capital of France is", "Once upon a time there was a", "1, 2, 3, 4,",
+                "def fibonacci(n):", "The quick brown fox jumps over", "Paris is", "In 1492, Columbus"]
+
+
+def test_load_64_requests_16_concurrent(server, client, reference):
+    """64 greedy requests (half streamed) from 16 threads, 8 bad ones among them: each good one
+    gets its solo answer, each bad one its 400; /metrics counted every good request and token;
+    resident memory stays within 10%."""
+    jobs = [(LOAD_PROMPTS[i % 8], 4 + 2 * (i % 8), i % 2 == 1) for i in range(64)]
+    solo = {(p, n): reference.solo(reference.ids(p), n) for p, n, _ in jobs[:8]}
+    client.completions.create(model=NAME, prompt="warm up", max_tokens=2)
+    rss_before, before = rss_bytes(server.proc.pid), server_metrics(server)
+
+    def good(prompt: str, n: int, stream: bool) -> tuple[str, int, int]:
+        if not stream:
+            out = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, **GREEDY)
+            return out.choices[0].text, out.usage.prompt_tokens, out.usage.completion_tokens
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=n, stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens
+
+    def bad(prompt: str) -> object:  # temperature -1: a row that would poison its batch were it admitted
+        try:
+            client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=-1)
+        except openai.BadRequestError as exc:
+            return exc.body["param"]
+        return "served"
+
+    with ThreadPoolExecutor(16) as pool:  # one bad request after every 8 good ones, while they run
+        futures = [(pool.submit(good, *job), pool.submit(bad, job[0]) if i % 8 == 7 else None) for i, job in enumerate(jobs)]
+        results = [f.result() for f, _ in futures]
+        bad_futures = [b for _, b in futures if b is not None]
+    assert [f.result() for f in bad_futures] == ["temperature"] * 8
+    for (prompt, n, _), (text, prompt_tokens, completion_tokens) in zip(jobs, results, strict=True):
+        assert text == solo[prompt, n].texts[0], (prompt, n)
+        assert (prompt_tokens, completion_tokens) == (len(reference.ids(prompt)), len(solo[prompt, n].token_ids[0]))
+    after = server_metrics(server)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    finished = sum(delta(f'neuronfx_requests_total{{finish_reason="{r}"}}') for r in ("stop", "length", "abort", "error"))
+    assert finished == 64 and delta('neuronfx_requests_total{finish_reason="abort"}') == 0
+    assert delta("neuronfx_prompt_tokens_total") == sum(r[1] for r in results)
+    assert delta("neuronfx_generation_tokens_total") == sum(r[2] for r in results)
+    assert delta("neuronfx_time_to_first_token_seconds_count") == delta("neuronfx_e2e_request_latency_seconds_count") == 64
+    assert delta("neuronfx_inter_token_latency_seconds_count") == sum(r[2] for r in results) - 64
+    assert (after["neuronfx_requests_running"], after["neuronfx_requests_waiting"], after["neuronfx_kv_slots_used"]) == (0, 0, 0)
+    assert after["neuronfx_kv_slots"] == 4 and delta("neuronfx_requests_rejected_total") == 0
+    rss_after = rss_bytes(server.proc.pid)
+    assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _err(message: str, param: str | None = None, code: str | None = None, type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+BAD_INPUT = {
+    "bad JSON": (C, b'{"prompt": "hi",', 400, _err("the request body is not valid JSON: Expecting property name enclosed in double quotes.")),
+    "body not an object": (C, b"[1, 2]", 400, _err("the request body must be a JSON object (Input should be a valid dictionary or "
+                                                   "object to extract fields from; got [1, 2]).")),
+    "prompt missing": (C, {"max_tokens": 2}, 400, _err("prompt is required.", "prompt")),
+    "prompt a number": (C, {"prompt": 5}, 400, _err("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                                    "lists of token ids; got 5.", "prompt")),
+    "prompt ids mixed with text": (C, {"prompt": [1, "a"]}, 400, _err(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids; got [1, 'a'].", "prompt")),
+    "prompt empty list": (C, {"prompt": []}, 400, _err("prompt is an empty list; give a string, a list of strings or token ids.",
+                                                       "prompt")),
+    "prompt empty text": (C, {"prompt": ""}, 400, _err("prompt of row 0 is empty; every prompt needs at least one token.", "prompt")),
+    "token id outside the vocabulary": (C, {"prompt": [5, 49152]}, 400, _err(
+        "token id 49152 is outside the vocabulary [0, 49152); check the tokenizer matches the model.", "prompt")),
+    "temperature a string": (C, {"prompt": "hi", "temperature": "0.5"}, 400, _err(
+        "temperature: Input should be a valid number (got '0.5').", "temperature")),
+    "temperature negative": (C, {"prompt": "hi", "temperature": -1}, 400, _err(
+        "SamplingParams.temperature=-1.0 must be a finite number >= 0 (<= 1e-5 means greedy).", "temperature")),
+    "top_p zero": (C, {"prompt": "hi", "top_p": 0}, 400, _err("SamplingParams.top_p=0.0 must be in (0, 1]; 1 disables it.", "top_p")),
+    "top_p above one": (C, {"prompt": "hi", "top_p": 1.5}, 400, _err("SamplingParams.top_p=1.5 must be in (0, 1]; 1 disables it.",
+                                                                     "top_p")),
+    "presence_penalty out of range": (C, {"prompt": "hi", "presence_penalty": 3}, 400, _err(
+        "SamplingParams.presence_penalty=3.0 must be a finite number in [-2, 2] (vLLM's range); 0 disables it.", "presence_penalty")),
+    "top_k above the plan": (C, {"prompt": "hi", "top_k": 1000}, 400, _err(
+        "SamplingParams.top_k=1000 is > max_topk=256 compiled into the graphs; lower top_k or recompile with a larger max_topk.",
+        "top_k")),
+    "max_tokens a bool": (C, {"prompt": "hi", "max_tokens": True}, 400, _err("max_tokens: Input should be a valid integer (got True).",
+                                                                             "max_tokens")),
+    "max_tokens zero": (C, {"prompt": "hi", "max_tokens": 0}, 400, _err(
+        "SamplingParams.max_tokens=0 must be None (until sequence_length) or an int >= 1.", "max_tokens")),
+    "seed negative": (C, {"prompt": "hi", "seed": -1}, 400, _err(
+        "SamplingParams.seed=-1 must be None or an int in [0, 9223372036854775807].", "seed")),
+    "min_tokens over max_tokens": (C, {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, _err(
+        "SamplingParams.min_tokens=9 must be <= max_tokens=4; lower min_tokens or raise max_tokens.", "min_tokens")),
+    "logprobs over the plan": (C, {"prompt": "hi", "logprobs": 21}, 400, _err(
+        "SamplingParams.logprobs=21 is > max_logprobs=20 compiled into the graphs; ask for fewer or recompile with a larger "
+        "max_logprobs.", "logprobs")),
+    "stop_token_ids outside the vocabulary": (C, {"prompt": "hi", "stop_token_ids": [49152]}, 400, _err(
+        "SamplingParams.stop_token_ids=(49152,) must be a tuple/list of ints >= 0 and < vocab_size=49152.", "stop_token_ids")),
+    "stop a number": (C, {"prompt": "hi", "stop": 7}, 400, _err("stop must be a string or a list of strings; got 7.", "stop")),
+    "unknown field": (C, {"prompt": "hi", "best_of_all": 3}, 400, _err("Unrecognized request argument supplied: best_of_all.",
+                                                                       "best_of_all")),
+    "n above one": (C, {"prompt": "hi", "n": 2}, 400, _err(
+        "n=2: neuronfx returns one choice per prompt, so n must be 1; send the request n times (with different seeds to sample "
+        "different answers).", "n", "unsupported_value")),
+    "echo": (C, {"prompt": "hi", "echo": True}, 400, _err("echo is not supported by neuronfx; drop it (the prompt is yours already).",
+                                                          "echo", "unsupported_parameter")),
+    "stream_options without stream": (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, _err(
+        "stream_options is only allowed with stream: true.", "stream_options")),
+    "unknown model": (C, {"prompt": "hi", "model": "gpt-4o"}, 404, _err(
+        "The model `gpt-4o` does not exist; this server serves `tiny` (GET /v1/models).", "model", "model_not_found")),
+    "prompt longer than max_context_length": (C, {"prompt": [7] * 65}, 400, _err(
+        "prompt of row 0 has 65 tokens > max_context_length=64; shorten it or compile with a larger max_context_length.",
+        "prompt", "context_length_exceeded")),
+    "prompt + max_tokens beyond sequence_length": (C, {"prompt": [7] * 60, "max_tokens": 69}, 400, _err(
+        "prompt 0 has 60 tokens + max tokens 69 = 129 > sequence_length=128; lower max_new_tokens/max_tokens or compile with a "
+        "larger sequence_length.", "max_tokens", "context_length_exceeded")),
+    "messages empty": (CHAT, {"messages": []}, 400, _err("messages is empty; give at least one message.", "messages")),
+    "messages missing": (CHAT, {"model": "tiny"}, 400, _err("messages is required.", "messages")),
+    "message role unknown": (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, _err(
+        "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' (got 'robot').", "messages")),
+    "message with an image": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                              400, _err("messages.0.content must be text or a list of {\"type\": \"text\", \"text\": ...} parts "
+                                        "(images and audio are not supported); got [{'type': 'image_url', 'image_url': {'url': "
+                                        "'x'}}].", "messages")),
+    "chat messages longer than max_context_length": (CHAT, {"messages": [{"role": "user", "content": "hi " * 70}]}, 400, _err(
+        "prompt of row 0 has 101 tokens > max_context_length=64; shorten it or compile with a larger max_context_length.",
+        "messages", "context_length_exceeded")),
+    "top_logprobs without logprobs": (CHAT, {"messages": HI, "top_logprobs": 2}, 400, _err("top_logprobs=2 needs logprobs: true.",
+                                                                                           "top_logprobs")),
+    "chat logprobs an int": (CHAT, {"messages": HI, "logprobs": 3}, 400, _err("logprobs: Input should be a valid boolean (got 3).",
+                                                                              "logprobs")),
+    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, _err(
+        "tools (function calling) are not supported by neuronfx; drop them.", "tools", "unsupported_parameter")),
+    "unknown path": ("/v1/embeddings", {"input": "hi"}, 404, _err("Invalid URL (POST /v1/embeddings): no such endpoint; see /docs.",
+                                                                  code="unknown_url")),
+    "detokenize outside the vocabulary": ("/detokenize", {"tokens": [1, -3]}, 400, _err(
+        "token id -3 is outside the vocabulary [0, 49152); check the tokenizer matches the model.", "tokens")),
+    "tokenize neither prompt nor messages": ("/tokenize", {}, 400, _err("give exactly one of prompt (text) and messages (a chat).",
+                                                                        "prompt")),
+}
+
+
+def assert_serves(client) -> None:
+    """A good request right after: the server is unharmed."""
+    out = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, **GREEDY)
+    assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=list(BAD_INPUT))
+def test_bad_input_gets_the_documented_error(server, client, case):
+    path, body, status, error = BAD_INPUT[case]
+    got_status, headers, got = http_request(server, "POST", path, body)
+    assert (got_status, got) == (status, error)
+    assert headers["content-type"] == "application/json"
+    assert_serves(client)
+
+
+def test_wrong_method_and_the_openai_client_errors(server, client):
+    assert http_request(server, "GET", C)[::2] == (405, _err("Method not allowed (GET /v1/completions); see /docs.",
+                                                             code="method_not_allowed"))
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=NAME, prompt="hi", temperature=-0.5)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=HI)
+    assert_serves(client)
+
+
+def test_disconnect_frees_the_slot_and_a_flood_gets_503(server, client):
+    """16 streams fill the 4 slots and the 12 waiting places; the 17th request gets 503 with
+    Retry-After at once. Every client then disconnects (one mid-stream): every request is
+    aborted, every slot freed (/metrics), and the server serves on."""
+    before = server_metrics(server)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True, **GREEDY})
+    conns, resps = [], []
+    for _ in range(4 + MAX_WAITING):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        conn.request("POST", C, body=body, headers={"Content-Type": "application/json"})
+        resps.append(conn.getresponse())
+        conns.append(conn)
+    assert [r.status for r in resps] == [200] * 16
+    first = resps[0].readline().decode()  # mid-stream: the first request has its first chunk
+    assert first.startswith("data: ") and json.loads(first.removeprefix("data: "))["choices"][0]["finish_reason"] is None
+    t0 = time.perf_counter()
+    status, headers, error = http_request(server, "POST", C, {"prompt": "Hello", "max_tokens": 1})
+    assert time.perf_counter() - t0 < 2  # at once, not after a wait
+    assert (status, headers["retry-after"]) == (503, "1")
+    assert error == _err("the server is busy: all 4 slots are taken and 12 requests wait (--max-waiting); retry in 1 s.",
+                         type="server_error", code="overloaded")
+    for resp, conn in zip(resps, conns):
+        resp.close()
+        conn.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = server_metrics(server)
+        if after['neuronfx_requests_total{finish_reason="abort"}'] - before['neuronfx_requests_total{finish_reason="abort"}'] == 16:
+            break
+        time.sleep(0.05)
+    assert after['neuronfx_requests_total{finish_reason="abort"}'] - before['neuronfx_requests_total{finish_reason="abort"}'] == 16
+    assert after['neuronfx_requests_total{finish_reason="length"}'] == before['neuronfx_requests_total{finish_reason="length"}']
+    assert (after["neuronfx_requests_running"], after["neuronfx_requests_waiting"], after["neuronfx_kv_slots_used"]) == (0, 0, 0)
+    assert after["neuronfx_requests_rejected_total"] - before["neuronfx_requests_rejected_total"] == 1
+    assert_serves(client)
+
+
+def test_serve_rejects_bad_options_at_once(capsys):
+    for args, error in ((["--max-waiting", "-1"], "InputError: --max-waiting=-1 must be >= 0"),
+                        (["--port", "70000"], "InputError: --port=70000 must be in [0, 65535]"),
+                        (["--tp-degree", "2"], "InputError: --tp-degree=2: serve runs in one process"),
+                        (["/a", "--model", "/b"], "InputError: MODEL '/a' and --model '/b' differ"),
+                        (["--backend", "neuron"], "BackendUnavailableError"),
+                        (["/nonexistent/model.gguf"], "CheckpointError")):
+        t0 = time.perf_counter()
+        assert main(["serve", *args]) == 2, args
+        assert time.perf_counter() - t0 < 5 and f"error: {error}" in capsys.readouterr().err
+
+
+def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
+    """The engine in this process: a full engine refuses at once (nothing queued); stop()
+    aborts the running request (finish_reason "abort") and refuses later submits."""
+
+    async def scenario() -> None:
+        metrics = make_metrics()
+        engine = Engine(lambda: Served(runtime=reference.runtime, tokenizer=reference.tokenizer), max_waiting=0, metrics=metrics)
+        engine.start()
+        while engine.served is None:
+            await asyncio.sleep(0.01)
+        long = Request(prompt=(1, 2, 3), sampling=SamplingParams(ignore_eos=True, max_tokens=120), max_tokens=120)
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        engine.submit([long], sink)
+        assert (await sink.queue.get())[1].finish_reason is None  # running
+        with pytest.raises(EngineOverloaded):
+            engine.submit([long] * 4, Sink(asyncio.get_running_loop(), asyncio.Queue()))  # 1 + 4 > 4 slots + 0 waiting
+        engine.stop(timeout=10)
+        while (event := (await sink.queue.get())[1]).finish_reason is None:
+            pass
+        assert event.finish_reason == "abort" and event.token_id is None
+        assert metrics.requests.labels("abort")._value.get() == 1 and metrics.rejected._value.get() == 1
+        with pytest.raises(EngineStopping):
+            engine.submit([long], sink)
+
+    asyncio.run(scenario())
+
+
+# --- last: the module's server stops -------------------------------------------------------------
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
+    """SIGTERM while a request streams: /health turns 503 (or the port closes) at once, the
+    stream still runs to its end, and the process exits 0."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST", C, body=json.dumps({"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True,
+                                             "stream_options": {"include_usage": True}, **GREEDY}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with contextlib.suppress(ConnectionRefusedError):  # the port is closed already: no new request either
+        assert http_request(server, "GET", "/health", timeout=5)[0] == 503
+    events = sse_events(resp)
+    conn.close()
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    # the interpreter's own teardown (torch and friends) takes 1-6 s on a busy machine after serve returns
+    assert server.proc.wait(SHUTDOWN_TIMEOUT + 20) == 0
+    assert "stopped" in server.output() and "Traceback" not in server.output()
