@@ -185,6 +185,62 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "parallel, per-rank memory, share of a decode step in collectives")
 
 
+def _bench_serving_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-serving", help="load OpenAI-compatible servers (neuronfx serve, llama.cpp's, vLLM's) with the openai client: "
+        "output tok/s, TTFT and ITL percentiles",
+        description="Send the same streamed /v1/completions workload to each --server in turn (greedy, full lengths: "
+        "max_tokens = min_tokens and ignore_eos) with --concurrency requests in flight, and print one row per server: "
+        "output tok/s, TTFT and inter-token latency p50/p90/p99, mean TPOT (vLLM's benchmark_serving definitions). "
+        "Needs the openai package (pip install 'neuronfx[bench]').")
+    p.add_argument("--server", action="append", required=True, metavar="[LABEL=]URL",
+                   help="server base URL, e.g. http://127.0.0.1:8000 (or LABEL=URL for the row's name); repeat for one row each")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at a time (default 8)")
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt tokens, drawn uniformly (default 32 512)")
+    p.add_argument("--gen-lens", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="generated tokens per request, drawn uniformly (default 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws (same seed, same requests)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="HF directory or .gguf whose tokenizer sizes the prompts (default: the SmolLM2 GGUF)")
+    p.add_argument("--text-file", default=None, metavar="FILE",
+                   help="UTF-8 text the prompts are cut from (default: public-domain passages shipped with neuronfx)")
+    p.add_argument("--model-name", default=None, help="the requests' model field (default: the server's first /v1/models id)")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="send only max_tokens (no min_tokens / ignore_eos): requests may stop at eos")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def bench_serving_command(args: argparse.Namespace) -> dict:
+    """``neuronfx bench-serving --server URL ...``: build the workload (checked first), run it
+    against each server; returns the JSON-able rows and workload summary."""
+    from neuronfx.bench_serving import check_range, default_text, format_table, import_openai, make_workload, parse_server, run_benchmark
+    from neuronfx.checkpoints import default_model_path, load_tokenizer
+
+    import_openai()  # missing: say so before the tokenizer is read
+    prompt_range, gen_range = check_range("prompt-lens", args.prompt_lens, 1), check_range("gen-lens", args.gen_lens, 1)
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise InputError(f"--num-requests={args.num_requests} and --concurrency={args.concurrency} must be >= 1.")
+    for spec in args.server:
+        parse_server(spec)
+    try:
+        text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else default_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--text-file {args.text_file!r} cannot be read as UTF-8 text: {exc}.") from exc
+    tokenizer = load_tokenizer(args.tokenizer or default_model_path())
+    workload = make_workload(tokenizer, text, args.num_requests, prompt_range, gen_range, args.seed)
+    log = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr))
+    results = run_benchmark(args.server, workload, args.concurrency, model=args.model_name, ignore_eos=not args.no_ignore_eos,
+                            timeout_s=args.timeout, log=log)
+    if not args.json:
+        print("\n".join(format_table(results)))
+    return {"num_requests": args.num_requests, "concurrency": args.concurrency, "prompt_lens": list(prompt_range),
+            "gen_lens": list(gen_range), "seed": args.seed, "prompt_tokens": sum(r.prompt_len for r in workload),
+            "requested_output_tokens": sum(r.max_tokens for r in workload), "results": [attrs.asdict(r) for r in results]}
+
+
 def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check-accuracy", help="compare with transformers (fp32) on the same weights: greedy tokens, teacher-forced logits "
@@ -215,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _cache_parser(sub)
     _bench_parser(sub)
+    _bench_serving_parser(sub)
     _check_accuracy_parser(sub)
     _chat_parser(sub)
     return parser
@@ -686,6 +743,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _launch_ranks(argv, tp)
         if args.command == "bench":
             data = bench_command(args)
+            if args.json:
+                print(json.dumps(data))
+            return 0
+        if args.command == "bench-serving":
+            data = bench_serving_command(args)
             if args.json:
                 print(json.dumps(data))
             return 0

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_hf_model, tiny_runtime
+from helpers import smollm2_vocab_model, tiny_runtime
 
 import neuronfx
 from neuronfx import SamplingParams
@@ -27,16 +27,10 @@ SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """(directory, HF model, tokenizer): a tiny random llama with SmolLM2's 49152-token
-    vocabulary and eos, saved with SmolLM2's tokenizer and chat template."""
-    from neuronfx.checkpoints import default_model_path, load_tokenizer
-
-    tokenizer = load_tokenizer(default_model_path())
-    hf = tiny_hf_model("llama", seed=7, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, max_position_embeddings=128)
-    hf.generation_config.eos_token_id = tokenizer.eos_token_id
+    """(directory, HF model, tokenizer): a tiny random llama with SmolLM2's vocabulary and eos,
+    saved with SmolLM2's tokenizer and chat template."""
     path = tmp_path_factory.mktemp("chat")
-    hf.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    hf, tokenizer = smollm2_vocab_model(path)
     return path, hf, tokenizer
 
 
