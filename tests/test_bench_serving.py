@@ -171,7 +171,8 @@ def test_client_against_neuronfx_serve(tiny_dir, served, capsys):
     assert result.output_tokens == sum(r.max_tokens for r in work) and result.prompt_tokens == sum(r.prompt_len for r in work)
     assert all(t.usage_reported and t.output_tokens == r.max_tokens for t, r in zip(timings, work))
     assert all(0 < ttft(t) < t.done - t.sent and len(inter_token_latencies(t)) == len(t.chunks) - 1 for t in timings)
-    runtime = tiny_runtime(hf, "eager", batch_size=4, max_context_length=64, sequence_length=128, output_logits=False)
+    runtime = tiny_runtime(hf, "eager", batch_size=4, max_context_length=64, sequence_length=128, prefill_buckets=None,
+                           decode_buckets=None, output_logits=False)  # the served plan
     ids = [tok(r.prompt)["input_ids"] for r in work]
     sampling = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in work]
     expected, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), ids, sampling=sampling, tokenizer=tok)
