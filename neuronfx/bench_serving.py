@@ -164,7 +164,7 @@ def _ms(seconds: float) -> str:
 
 def default_text() -> str:
     """The default prompt text: public-domain English passages shipped with neuronfx."""
-    return resources.files("neuronfx").joinpath("data", DEFAULT_TEXT).read_text(encoding="utf-8")
+    return resources.files("neuronfx").joinpath("data").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")  # one name a call: Python 3.10
 
 
 def check_range(name: str, bounds: Sequence[int], low: int) -> tuple[int, int]:
