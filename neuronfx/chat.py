@@ -172,11 +172,13 @@ def _one_turn(runtime: Runtime, state: State, tokenizer: Any, messages: Sequence
 
     try:
         turn, state = stream_reply(runtime, state, tokenizer, ids, options, write)
-    except NeuronfxError as exc:  # raised before any state change: the state is intact
+    # Either way the schedule may have stopped mid-way (a step error, Ctrl-C), its state consumed or
+    # its slot live: go on with a fresh state (the conversation is all the next turn needs).
+    except NeuronfxError as exc:
         out.write("\n")
-        err.write(f"[{type(exc).__name__}: {exc}]\n")
-        return None, state
-    except KeyboardInterrupt:  # the schedule stopped mid-way: its slot stays live, so start a fresh state
+        err.write(f"[{type(exc).__name__}: {exc}; the reply was not kept]\n")
+        return None, neuronfx.init_state(runtime, seed=seed)
+    except KeyboardInterrupt:
         out.write("\n")
         err.write("[interrupted; the reply was not kept]\n")
         return None, neuronfx.init_state(runtime, seed=seed)

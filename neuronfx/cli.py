@@ -33,6 +33,7 @@ from neuronfx.errors import (
     CheckpointError,
     InputError,
     NeuronfxError,
+    SamplingParamsError,
     SequenceLengthExceededError,
     TensorParallelError,
 )
@@ -508,6 +509,9 @@ def check_request_options(args: argparse.Namespace, inference: InferenceConfig) 
     sampling = sampling_from_args(args)
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
+    if sampling.min_tokens > args.max_new_tokens:
+        raise SamplingParamsError(f"--min-tokens={sampling.min_tokens} is > --max-new-tokens={args.max_new_tokens}; lower "
+                                  "--min-tokens or raise --max-new-tokens.")
     return sampling
 
 

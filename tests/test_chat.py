@@ -104,6 +104,41 @@ def test_system_message_and_no_room_for_the_reply(chat_model, runtime):
                                                "<|im_start|>assistant\n")
 
 
+class InterruptOnce(io.StringIO):
+    """stdout whose first reply text raises KeyboardInterrupt (Ctrl-C while a reply streams)."""
+
+    interrupted = False
+
+    def write(self, text: str) -> int:
+        if text not in ("> ", "\n") and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_interrupted_reply_and_failing_turn_leave_the_session_usable(chat_model, runtime):
+    """Ctrl-C during a reply: the reply and its message are dropped, the next turn runs on a
+    fresh state and sees a conversation without them; a turn whose request fails says why."""
+    _, _, tok = chat_model
+    out, err, pending = InterruptOnce(), io.StringIO(), ["first", "hello"]
+
+    def read_line(prompt: str) -> str | None:
+        out.write(prompt)
+        return pending.pop(0) if pending else None
+
+    turns = chat_loop(runtime, tok, ChatOptions(sampling=SamplingParams(), max_new_tokens=NEW), read_line, out, err)
+    assert "[interrupted; the reply was not kept]\n" in err.getvalue()
+    (turn,) = turns
+    assert turn.prompt_ids == tuple(conversation_ids(tok, [{"role": "user", "content": "hello"}]))
+    assert turn.token_ids == greedy(runtime, list(turn.prompt_ids))
+    # min_tokens over the reply's budget: every turn's request fails, says why, the session goes on
+    bad = ChatOptions(sampling=SamplingParams(min_tokens=NEW + 1), max_new_tokens=NEW)
+    pending, err = ["one", "two"], io.StringIO()
+    turns = chat_loop(runtime, tok, bad, lambda prompt: pending.pop(0) if pending else None, io.StringIO(), err)
+    assert turns == [] and not pending and err.getvalue().count(f"[SamplingParamsError: SamplingParams.min_tokens={NEW + 1} of prompt 0 is > "
+                                                f"its token budget {NEW}") == 2
+
+
 def test_cli_piped_stdin(chat_model, runtime, monkeypatch, capsys):
     """``neuronfx chat DIR`` with piped stdin: only "> " prompts and the streamed replies on
     stdout, /help, unknown commands, end of input exits 0."""
@@ -124,6 +159,7 @@ def test_cli_piped_stdin(chat_model, runtime, monkeypatch, capsys):
     (["--tp-degree", "2"], "InputError: chat runs in one process"),
     (["--temperature", "-1"], "SamplingParamsError"),
     (["--max-new-tokens", "600"], "SequenceLengthExceededError"),
+    (["--min-tokens", "9", "--max-new-tokens", "8"], "SamplingParamsError: --min-tokens=9 is > --max-new-tokens=8"),
 ])
 def test_cli_rejects_bad_options_before_loading(chat_model, capsys, args, error):
     assert main(["chat", *[str(chat_model[0]) if a == "MODEL" else a for a in args]]) == 2
