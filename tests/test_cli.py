@@ -26,6 +26,7 @@ from neuronfx.cli import main
         (["--presence-penalty", "3"], "SamplingParamsError"),
         (["--repetition-penalty", "0"], "SamplingParamsError"),
         (["--min-tokens", "-1"], "SamplingParamsError"),
+        (["--min-tokens", "65"], "SamplingParamsError"),  # > --max-new-tokens 64
         (["--backend", "neuron"], "BackendUnavailableError"),
         (["--max-context-length", "1024"], "ConfigError"),
         (["--batch-size", "0"], "ConfigError"),

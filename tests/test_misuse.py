@@ -13,9 +13,11 @@ Plan: batch_size 4 (slots 0-3, scratch slot 4), prefill buckets (8, 16, 32), dec
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
+import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -32,6 +34,8 @@ from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Confi
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
 from neuronfx.accuracy import check_accuracy, reference_model
+from neuronfx.bench_serving import ServingRequest, bench_server, check_range, make_workload, parse_server
+from neuronfx.chat import ChatOptions, chat_loop
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
@@ -191,6 +195,13 @@ def decode_full_slot(c):
 def all_slots_live(c):
     _, state = neuronfx.prefill_step(c.rt, neuronfx.init_state(c.rt), P([0, 1, 2, 3], [[1], [2], [3], [4]]))
     return neuronfx.generate(c.rt, state, [[5, 6]], max_new_tokens=2)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def word_tokenizer():
@@ -658,6 +669,21 @@ CASES: dict[str, Case] = {
                                    ("index 0", "already queued", "its own index")),
     "abort-unknown-request": Case(InputError, "`abort` of index 9, never submitted",
                                   lambda c: abort(c.rt, c.state, Queue(), 9), ("index 9", "neither waiting nor running")),
+    # --- front ends -----------------------------------------------------------------------------
+    "chat-without-template": Case(InputError, "`chat_loop` with a tokenizer that has no chat template",
+                                  lambda c: chat_loop(c.rt, c.extras["tokenizer"], ChatOptions(sampling=GREEDY, max_new_tokens=2),
+                                                      lambda prompt: None, io.StringIO(), io.StringIO()),
+                                  ("tokenizer.chat_template", "generate --prompt")),
+    "bench-serving-bad-url": Case(InputError, "`--server localhost:8000` (no scheme)",
+                                  lambda c: parse_server("localhost:8000"), ("'localhost:8000'", "http://", "http://127.0.0.1:8000")),
+    "bench-serving-bad-range": Case(InputError, "`--prompt-lens 64 32` (MIN > MAX)",
+                                    lambda c: check_range("prompt-lens", [64, 32], 1), ("[64, 32]", "1 <= MIN <= MAX")),
+    "bench-serving-empty-text": Case(InputError, "a workload cut from an empty text",
+                                     lambda c: make_workload(c.extras["tokenizer"], "", 2, (4, 8), (2, 4)), ("no tokens", "--text-file")),
+    "bench-serving-unreachable": Case(InputError, "`bench_server` of a loopback port nothing listens on",
+                                      lambda c: bench_server(f"http://127.0.0.1:{closed_port()}", [ServingRequest(prompt="w1", prompt_len=1,
+                                                                                                           max_tokens=2)], 1),
+                                      ("cannot reach the server at http://127.0.0.1:", "start it", "--server")),
 }
 
 

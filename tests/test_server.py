@@ -23,11 +23,12 @@ from pathlib import Path
 import attrs
 import openai
 import pytest
-from helpers import ServerProcess, http_request, rss_bytes, server_metrics, start_server, stop_server, tiny_hf_model
+from helpers import ServerProcess, http_request, rss_bytes, server_metrics, smollm2_vocab_model, start_server, stop_server
 
 import neuronfx
 from neuronfx import InferenceConfig, Request, SamplingParams, make_plan
-from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+from neuronfx.bench_serving import bench_server, default_text, inter_token_latencies, make_workload, ttft
+from neuronfx.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.cli import main
 from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Served, Sink
 from neuronfx.server.metrics import make_metrics
@@ -46,10 +47,7 @@ QUESTION = "Write a haiku about the sea."
 def model_dir(tmp_path_factory) -> Path:
     """The tiny llama with SmolLM2's vocabulary and tokenizer, saved as an HF directory."""
     path = tmp_path_factory.mktemp("tiny-smollm2-vocab")
-    tokenizer = load_tokenizer(default_model_path())
-    tiny_hf_model("llama", seed=11, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    smollm2_vocab_model(path, seed=11)
     return path
 
 
@@ -393,6 +391,32 @@ def test_bad_input_gets_the_documented_error(server, client, case):
     assert (got_status, got) == (status, error)
     assert headers["content-type"] == "application/json"
     assert_serves(client)
+
+
+def test_bench_serving_client(model_dir, server, reference, capsys):
+    """6 requests, 3 concurrent: every one completes with exactly its length (ignore_eos and
+    min_tokens honoured, counted from usage), its streamed text is the greedy text neuronfx
+    generates for the same prompt, TTFT and ITLs come from real chunk times; the CLI's JSON
+    says the same."""
+    tok = reference.tokenizer
+    work = make_workload(tok, default_text(), 6, (8, 32), (4, 8), seed=3)
+    result, timings = bench_server(server.url, work, concurrency=3)
+    assert (result.completed, result.failed, result.short) == (6, 0, 0)
+    assert result.output_tokens == sum(r.max_tokens for r in work) and result.prompt_tokens == sum(r.prompt_len for r in work)
+    assert all(t.usage_reported and t.output_tokens == r.max_tokens for t, r in zip(timings, work))
+    assert all(0 < ttft(t) < t.done - t.sent and len(inter_token_latencies(t)) == len(t.chunks) - 1 for t in timings)
+    runtime = reference.runtime  # the served plan
+    ids = [tok(r.prompt)["input_ids"] for r in work]
+    sampling = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in work]
+    expected, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), ids, sampling=sampling, tokenizer=tok)
+    assert [t.text for t in timings] == list(expected.texts)
+
+    assert main(["bench-serving", "--server", f"tiny={server.url}", "--tokenizer", str(model_dir), "--num-requests", "6", "--concurrency",
+                 "3", "--prompt-lens", "8", "32", "--gen-lens", "4", "8", "--seed", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (row,) = data["results"]
+    assert (row["server"], row["completed"], row["output_tokens"]) == ("tiny", 6, result.output_tokens)
+    assert data["requested_output_tokens"] == result.output_tokens
 
 
 def test_wrong_method_and_the_openai_client_errors(server, client):
