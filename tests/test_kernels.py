@@ -4,6 +4,8 @@ bundle inside compiled graphs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -199,3 +201,18 @@ def test_compiled_decode_layer_uses_fused_kernels() -> None:
     torch.testing.assert_close(fn(lw, h, cos, sin), layer(lw, h, cos, sin, REFERENCE_OPS), rtol=1e-5, atol=1e-5)
     ops = _ops_run(fn, lw, h, cos, sin)
     assert {"neuronfx::small_gemm_multi", "neuronfx::small_glu"} <= ops, sorted(ops)
+
+
+def test_build_lock_clears_a_killed_builds_baton(tmp_path, monkeypatch):
+    """A process killed mid-build leaves torch's ``lock`` file (a FileBaton, no owner): under
+    neuronfx's OS lock it is removed, so the next build does not wait on it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from neuronfx.graphs.kernels import build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    baton = Path(_get_build_directory("neuronfx_kernels_test", verbose=False)) / "lock"
+    baton.touch()
+    with build_lock("neuronfx_kernels_test"):
+        assert not baton.exists()
+        assert (baton.parent / "neuronfx.lock").exists()

@@ -18,13 +18,16 @@ a build failure (no C++ compiler) warns once and falls back to ``F.linear``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import filelock
 import torch
 
 from neuronfx.graphs.quant import FORMAT_NAMES, Int4Weight, Int8Weight, QuantizedWeight
@@ -53,6 +56,21 @@ def library_name() -> str:
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold an OS file lock (``filelock``, released by the OS when the holder dies) on the build
+    directory of extension ``name`` while torch builds or loads it. torch's own lock is a plain
+    file (``FileBaton``) that a process killed mid-build leaves behind, and every later build
+    then waits on it forever; under our lock no other neuronfx process is building, so such a
+    file is stale and is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(name, verbose=False))
+    with filelock.FileLock(str(directory / "neuronfx.lock")):
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def small_gemm_available() -> bool:
     """Build (first call on a machine) and load the kernel library; False, with one warning,
@@ -62,8 +80,9 @@ def small_gemm_available() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        with build_lock(library_name()):
+            load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
         return False
