@@ -87,11 +87,11 @@ def check_against_tp1(got: dict, want: dict, label: str) -> None:
         torch.testing.assert_close(row_got, row_want, atol=ATOL, rtol=0, msg=label)
 
 
-@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("tp", [2, 3])
 def test_tiny_models_match_tp1_eager(tp: int, references: dict) -> None:
-    # tp=4 runs 4 processes on this 2-core machine: sequence parallel only there (its prefill
-    # covers the vocabulary-parallel embedding, reduce-scatter and gathers; tp 2 and 3 run both)
-    modes = (True,) if tp == 4 else (False, True)
+    # tp=3 (uneven splits): sequence parallel only, for the test-time budget (its prefill covers
+    # the vocabulary-parallel embedding, reduce-scatter and gathers; tp 2 runs both modes)
+    modes = (True,) if tp == 3 else (False, True)
     cases = [(name, "eager", tp, sp) for name in MODELS if name != "llama-deep" and (tp == 2 or name not in TP2_ONLY)
              for sp in modes]
     if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1
