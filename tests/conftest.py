@@ -14,6 +14,12 @@ import os
 import tempfile
 import time
 
+# One intra-op thread per process unless the caller says otherwise: `make test` runs one xdist
+# worker per core, and torch's default (a thread per core in every worker and subprocess)
+# oversubscribes the cores, whose OpenMP threads then spin waiting on each other. Set before
+# torch is imported, which sizes its thread pool from it; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import attrs
 import pytest
 import torch
@@ -70,11 +76,12 @@ def inductor_qwen2():
 
 @pytest.fixture(scope="session")
 def inductor_speculative():
-    """(transformers model, inductor runtime) of a tiny llama4 (MoE; a chunked RoPE layer and a
-    NoPE layer, so the compiled layer group picks RoPE table, mask and flag by index) with
-    speculate graphs (k = 4) and self-draft graphs (1 layer), one bucket per phase (prefill 32,
-    decode 64), batch 4: 4 graphs. Llama's own math runs on inductor in the SmolLM2 tests."""
-    hf = tiny_hf_model("llama4_text", seed=6)
+    """(transformers model, inductor runtime) of a tiny llama4 (a dense chunked-RoPE layer and a
+    MoE NoPE layer, the 128E model's alternation: the compiled layer group picks RoPE table,
+    mask, flag and MLP kind by index) with speculate graphs (k = 4) and self-draft graphs
+    (1 layer), one bucket per phase (prefill 32, decode 64), batch 4: 4 graphs. Llama's own math
+    runs on inductor in the SmolLM2 tests."""
+    hf = tiny_hf_model("llama4_text", seed=6, interleave_moe_layer_step=2, intermediate_size_mlp=96)
     return hf, tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,))
 
 

@@ -57,7 +57,7 @@ def chat_args(model: Path) -> list[str]:
     return ["--model", str(model), *[a for q in QUESTIONS for a in ("--chat", q)], "--max-new-tokens", str(GEN), *PLAN_ARGS, "--json"]
 
 
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2])  # tp=3 (uneven splits) runs on tiny models: test_tensor_parallel.py
 def test_cli_tp_matches_tp1(tp, smollm2_dir, tp1_tokens):
     run = subprocess.run(cli(*chat_args(smollm2_dir), "--tp-degree", str(tp)), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

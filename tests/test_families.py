@@ -2,7 +2,13 @@
 layers), llama4 text (MoE, chunked and NoPE layers) and granite (its scalars, with every bias). Each loads through ``load_checkpoint``
 with its config and weights intact, generates through the CLI exactly transformers' greedy
 tokens, and runs in bf16 within the bound the bf16 tests use. Logits and greedy tokens per
-backend are in test_models.py (``EAGER`` and the shared compiled runtimes)."""
+backend are in test_models.py (``EAGER`` and the shared compiled runtimes).
+
+Inductor for the families whose compiled coverage is not elsewhere is in their own files (phi3,
+gemma3, qwen3_moe) or in the session fixtures (qwen2; llama4 with dense and MoE layers
+alternating: conftest.py; llama: SmolLM2). Compared on eager only, for the test-time budget:
+mixtral (its sparse MoE block is qwen3_moe's), granite (four scalar multiplications on llama's
+layer) and smollm3 (NoPE by a per-layer index, as llama4's; sliding windows, as gemma3's)."""
 
 from __future__ import annotations
 
@@ -75,32 +81,3 @@ def test_attention_biases_match_transformers(model_type):
         for i in range(4):
             ref = hf_last_logits(hf, prompt + tokens[0][:i])
             torch.testing.assert_close(logits[0][i], ref, atol=1e-4, rtol=0)
-
-
-# Inductor for the families whose compiled coverage is not elsewhere (llama: SmolLM2; qwen2,
-# llama4: conftest; phi3, gemma3, qwen3_moe: their files): one runtime each, batch 2, one bucket
-# per phase (2 graphs), so the compiled layer group runs each family's own layer. Compared on
-# eager only, for the test-time budget: mixtral (its sparse MoE block is qwen3_moe's, compiled in
-# test_moe.py), granite (four scalar multiplications on llama's layer) and smollm3 (NoPE by a
-# per-layer index, as llama4's layers here; sliding windows, as gemma3's).
-COMPILED = {  # the 128E model's pattern: dense and MoE layers alternate (period 2: one dense, one MoE layer)
-            "llama4-dense": ("llama4_text", {"interleave_moe_layer_step": 2, "intermediate_size_mlp": 96, "num_hidden_layers": 2})}
-
-
-@pytest.fixture(scope="module", params=COMPILED)
-def compiled(request):
-    model_type, overrides = COMPILED[request.param]
-    hf = tiny_hf_model(model_type, seed=24, **overrides)
-    return hf, tiny_runtime(hf, "inductor", batch_size=2, prefill_buckets=(32,), decode_buckets=(64,))
-
-
-def test_inductor_logits_and_greedy_tokens_match_transformers(compiled):
-    hf, rt = compiled
-    prompts = [random_prompt(17, seed=31), random_prompt(9, seed=32)]  # ragged, past the window of 6
-    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], prompts, 3)
-    for row, prompt in enumerate(prompts):
-        for i in range(3):
-            torch.testing.assert_close(logits[row][i], hf_last_logits(hf, prompt + tokens[row][:i]), atol=1e-4, rtol=0)
-    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=24, eos_token_ids=[])
-    for prompt, got in zip(prompts, result.token_ids, strict=True):
-        assert list(got) == hf_greedy(hf, prompt, 24)
