@@ -49,30 +49,8 @@ XDIST_GROUPS = {
 }
 
 
-LONGEST_FIRST = ("shared-compiled", "smollm2", "test_tensor_parallel.py", "test_cache.py", "test_speculate.py",
-                 "test_quantized.py", "test_moe.py", "test_phi3_rope.py", "test_gemma3.py", "test_soak.py")
-"""Work units handed out first, longest first (measured, 2-core machine: 380 s down to 45 s):
-with the rest, in collection order, filling in behind them, the two workers finish within a
-short file of each other (by xdist's default order, by test count, the longest unit could start
-last)."""
-
-
-def _work_unit(path: str) -> str:
-    return XDIST_GROUPS.get(os.path.basename(path), os.path.basename(path))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The units of :data:`LONGEST_FIRST` first (a stable sort: each file stays in one piece)."""
-    def rank(item: pytest.Item) -> int:
-        unit = _work_unit(item.nodeid.split("::", 1)[0])
-        return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's per-file scheduling with the files of XDIST_GROUPS sharing a work unit, handed out
-    in collection order (see :data:`LONGEST_FIRST`)."""
+    """xdist's per-file scheduling with the files of XDIST_GROUPS sharing a work unit."""
     from xdist.scheduler import LoadFileScheduling
 
     class SharedFixtureScheduling(LoadFileScheduling):
@@ -80,7 +58,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             path = nodeid.split("::", 1)[0]
             return XDIST_GROUPS.get(os.path.basename(path), path)
 
-    config.option.loadscopereorder = False
     return SharedFixtureScheduling(config, log)
 
 
