@@ -1,6 +1,6 @@
-"""``neuronfx bench-serving``: the statistics on exact timestamps, the workload, option errors,
-and the client against a real ``neuronfx serve`` subprocess (a tiny llama with SmolLM2's
-tokenizer, eager) through the official openai client."""
+"""``neuronfx bench-serving``: the statistics on exact timestamps, the workload, option errors
+and an unreachable server. The client against a real ``neuronfx serve`` runs in
+test_server.py (``test_bench_serving_client``), on that module's server."""
 
 from __future__ import annotations
 
