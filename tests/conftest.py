@@ -4,8 +4,8 @@ shares, and the real SmolLM2 model, loaded once per session.
 
 ``HYPOTHESIS_PROFILE=ci`` (default) keeps property tests quick; ``HYPOTHESIS_PROFILE=dev`` runs
 many more examples when working on a planner. The compile cache is a fresh temporary directory
-per session (a run is always cold and never touches ``~/.cache/neuronfx``) unless
-``NEURONFX_TEST_CACHE_DIR`` names one to reuse.
+per session, shared by its xdist workers (a run is always cold and never touches
+``~/.cache/neuronfx``) unless ``NEURONFX_TEST_CACHE_DIR`` names one to reuse.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ settings.register_profile("ci", max_examples=50, deadline=None)
 settings.register_profile("dev", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-os.environ["NEURONFX_CACHE_DIR"] = os.environ.get("NEURONFX_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="neuronfx-test-cache-")
+# Set in the controlling process before xdist starts its workers, which inherit it: the workers
+# share one cache, and its kernel store (a tiny model's second plan reuses the first one's kernels).
+os.environ.setdefault("NEURONFX_TEST_CACHE_DIR", tempfile.mkdtemp(prefix="neuronfx-test-cache-"))
+os.environ["NEURONFX_CACHE_DIR"] = os.environ["NEURONFX_TEST_CACHE_DIR"]
 # No compile worker processes (graphs/compile_workers.py) unless a test asks: the xdist workers
 # keep the cores busy already, and a compile worker's start-up would only add to the suite.
 os.environ.setdefault("NEURONFX_COMPILE_WORKERS", "0")

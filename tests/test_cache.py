@@ -281,3 +281,53 @@ def test_progress_says_compiled_then_loaded(hf, tmp_path, capsys):
     assert f"loaded {len(plan.graphs)} compiled graphs from the compile cache" in err and "compile (eager)" not in err
     neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
     assert capsys.readouterr().err == ""
+
+
+def test_kernel_store_is_keyed_by_model_shape(hf):
+    """Plans of one model shape share a kernel store whatever their buckets, batch or family;
+    another hidden size gets another."""
+    root = Path("/nowhere")
+    base = cache.kernel_store(root, tiny_plan(hf, "inductor", **SMALL))
+    assert base.parent == root / cache.KERNELS
+    assert cache.kernel_store(root, tiny_plan(hf, "inductor", batch_size=1, prefill_buckets=(16, 32), decode_buckets=(64,))) == base
+    assert cache.kernel_store(root, tiny_plan(tiny_hf_model("qwen2"), "inductor", **SMALL)) == base
+    assert cache.kernel_store(root, tiny_plan(tiny_hf_model("llama", hidden_size=32), "inductor", **SMALL)) != base
+
+
+def test_inductor_build_starts_from_the_kernel_store_and_adds_to_it(hf, tmp_path, monkeypatch):
+    """A build's private directory starts as a copy of the store (lock, bytecode and half-written
+    files left out); what the build compiled is added to the store, files already there are left
+    as they are. The compiler is replaced by a fake that writes one new kernel file."""
+    from neuronfx.graphs import backends, compile_workers
+
+    store = tmp_path / "store"
+    (store / "ab").mkdir(parents=True)
+    (store / "ab" / "old.so").write_bytes(b"old kernel")
+    (store / "ab" / "old.so.lock").write_bytes(b"")
+    (store / "ab" / ".tmp-9-1-half.so").write_bytes(b"half")
+    seen = {}
+
+    def fake_build(plan, weights, directory, builder, bar):
+        seen["files"] = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+        (directory / "ab").mkdir(exist_ok=True)
+        (directory / "ab" / "old.so").write_bytes(b"rewritten")  # the store's copy must not change
+        (directory / "cd").mkdir()
+        (directory / "cd" / "new.so").write_bytes(b"new kernel")
+        return {}, {}
+
+    monkeypatch.setattr(compile_workers, "build", fake_build)
+    built = backends._inductor_build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=store)
+    assert seen["files"] == ["ab/old.so"]
+    assert (store / "ab" / "old.so").read_bytes() == b"old kernel"
+    assert (store / "cd" / "new.so").read_bytes() == b"new kernel"
+    assert not list(store.rglob(".tmp-*new*"))
+    shutil.rmtree(built.compiled_dir)
+    backends._inductor_build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=tmp_path / "absent")
+    assert (tmp_path / "absent" / "cd" / "new.so").read_bytes() == b"new kernel"  # a first build creates the store
+
+
+def test_clear_all_removes_the_kernel_store(tmp_path):
+    (tmp_path / cache.KERNELS / "x").mkdir(parents=True)
+    (tmp_path / cache.KERNELS / "x" / "k.so").write_bytes(b"k")
+    assert cache.clear(None, tmp_path) == [cache.KERNELS]
+    assert not (tmp_path / cache.KERNELS).exists()

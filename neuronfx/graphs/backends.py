@@ -60,7 +60,9 @@ class Backend:
 
     - ``check()``: raise BackendUnavailableError when its optional dependencies are missing
       (cheap; call before loading weights).
-    - ``build(plan, weights, progress) -> Built``: compile every graph of ``plan``.
+    - ``build(plan, weights, progress, kernels) -> Built``: compile every graph of ``plan``;
+      ``kernels`` (a directory or None): the compile cache's kernel store, which a backend with
+      compiled kernels starts from and adds the kernels it compiled to (inductor).
     - ``save(plan, graphs, compiled_dir, out) -> [relative file names]``: write the graph files
       a saved runtime or a compile-cache entry holds (none for eager).
     - ``load(plan, weights, src) -> Built``: the graphs from what ``save`` wrote in ``src``
@@ -116,7 +118,7 @@ def _eager_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> 
     return build_module(plan, spec, REFERENCE_OPS)
 
 
-def _eager_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+def _eager_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
     graphs, seconds = build_each(plan, weights, _eager_graph, progress)
     return Built(graphs=graphs, seconds=seconds)
 
@@ -152,7 +154,7 @@ def _export_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) ->
     return ExportedGraph(program=program, module=program.module())
 
 
-def _export_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+def _export_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
     graphs, seconds = build_each(plan, weights, _export_graph, progress)
     return Built(graphs=graphs, seconds=seconds)
 
@@ -184,11 +186,13 @@ EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, sa
 # --- inductor -----------------------------------------------------------------------------------
 
 
-def _inductor_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+def _inductor_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
     inductor.wait_warm_up()
-    directory = inductor.private_dir()
+    directory = inductor.private_dir(kernels if kernels is not None and kernels.is_dir() else None)
     builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
     graphs, seconds = compile_workers.build(plan, weights, directory, builder, functools.partial(_bar, plan, progress))
+    if kernels is not None:
+        inductor.publish_kernels(directory, kernels)
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 
@@ -228,7 +232,7 @@ def _neuron_check() -> None:
         ) from exc
 
 
-def _neuron_build(plan: Plan, weights: Weights, progress: bool) -> Built:
+def _neuron_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
     _neuron_check()
     raise BackendUnavailableError("backend='neuron' tracing is not implemented yet; use 'eager', 'export' or 'inductor'.")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import tempfile
 import threading
@@ -204,11 +205,40 @@ def wait_warm_up() -> None:
 
 def private_dir(source: Path | None = None) -> Path:
     """A new private inductor cache directory (a copy of ``source`` when given): inductor writes
-    into its cache while it works, so shared copies (artifacts, cache entries) stay read-only."""
+    into its cache while it works, so shared copies (artifacts, cache entries, the kernel store)
+    stay read-only."""
     target = Path(tempfile.mkdtemp(prefix="neuronfx-inductor-"))
     if source is not None:
-        shutil.copytree(source, target, dirs_exist_ok=True)
+        shutil.copytree(source, target, dirs_exist_ok=True,
+                        ignore=lambda _d, found: [n for n in found if _skipped(n)])
     return target
+
+
+def _skipped(name: str) -> bool:
+    """Inductor's lock files and bytecode, and the store's files being written."""
+    return name.endswith(_SKIPPED_SUFFIXES) or name == "__pycache__" or name.startswith(".tmp-")
+
+
+def publish_kernels(directory: Path, store: Path) -> int:
+    """Copy the files of a runtime's private ``directory`` that ``store`` lacks into it (the
+    kernel store of the compile cache: later builds start from a copy of it, so a kernel
+    compiled once is not compiled again; inductor names its files by a hash of their source, so
+    a file of one name is the same file in every build). Each file is written to a temp name and
+    renamed: readers see it whole or not at all. Returns the number of files added."""
+    added = 0
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if not path.is_file() or any(_skipped(part) for part in rel.parts):
+            continue
+        target = store / rel
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{target.name}")
+        shutil.copy2(path, tmp)
+        os.replace(tmp, target)
+        added += 1
+    return added
 
 
 def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,

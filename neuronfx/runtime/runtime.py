@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 
 import attrs
 
@@ -66,9 +67,10 @@ class _DirOwner:
     """Lives as long as some runtime refers to its compiled directory."""
 
 
-def build_graphs(plan: Plan, weights: Weights, progress: bool = True) -> Built:
-    """Build every graph of ``plan`` with its backend (no cache)."""
-    return get_backend(plan.inference.backend).build(plan, weights, progress)
+def build_graphs(plan: Plan, weights: Weights, progress: bool = True, kernels: Path | None = None) -> Built:
+    """Build every graph of ``plan`` with its backend, starting from the kernel store
+    ``kernels`` (a directory, see ``neuronfx.cache.kernel_store``) when given."""
+    return get_backend(plan.inference.backend).build(plan, weights, progress, kernels)
 
 
 def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
