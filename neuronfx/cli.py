@@ -39,6 +39,7 @@ from neuronfx.errors import (
     TensorParallelError,
 )
 from neuronfx.graphs.backends import check_backend, prepare_backend
+from neuronfx.graphs.device import check_device
 from neuronfx.graphs.weights import dequantized_state_dict
 from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
@@ -119,7 +120,8 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
-    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (no other device yet; default cpu)")
+    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: the current GPU; cuda:N: GPU N; "
+                   "CUDA takes --backend eager or inductor and float weights; default cpu)")
     p.add_argument("--speculation-length", type=int, metavar="K",
                    help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
     p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
@@ -480,10 +482,11 @@ class LoadedRuntime:
 def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
     """(saved runtime directory or None, inference config) of a command with the plan options:
     a saved runtime's own plan (explicit options must agree), else the options over
-    ``defaults`` over InferenceConfig's. Also checks the backend and the weight source, so a
+    ``defaults`` over InferenceConfig's. Also checks the device, the backend and the weight source, so a
     bad option fails before anything loads."""
     saved = saved_runtime(args.model)
     inference = _saved_inference(args, saved) if saved is not None else _inference(args, defaults)
+    check_device(inference)
     check_backend(inference.backend)
     if saved is None:
         from neuronfx.checkpoints import default_model_path
@@ -622,6 +625,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     from neuronfx.checkpoints import load_checkpoint, load_tokenizer
 
     inference = _inference(args)
+    check_device(inference)
     check_backend(inference.backend)
     neuronfx.api.check_weight_source(inference, args.model)
     prepare_backend(inference.backend)  # overlaps the load below
@@ -655,6 +659,7 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
         raise InputError(f"check-accuracy runs in one process; --tp-degree={inference.tp_degree} is not supported (call "
                          "neuronfx.accuracy.check_accuracy on every rank instead).")
     check_cli_limits(args, inference)
+    check_device(inference)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
     neuronfx.api.check_weight_source(inference, model_path)

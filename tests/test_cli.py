@@ -33,7 +33,8 @@ from neuronfx.cli import main
         (["--top-p", "0"], "SamplingParamsError"),
         (["--top-k", "100000"], "SamplingParamsError"),
         (["--model", "/nonexistent/model.gguf"], "CheckpointError"),
-        (["--device", "cuda"], "ConfigError"),
+        (["--device", "cuda:99"], "ConfigError"),  # no such GPU, here or on a lent one
+        (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
     ],
