@@ -94,9 +94,14 @@ def to_device(tree: object, device: torch.device | str) -> object:
 
 
 def to_host(outputs: Mapping[str, object]) -> dict[str, object]:
-    """A graph's outputs (name -> tensor) on the host: the step's one wait for the device (it
-    reads the sampled tokens). CPU tensors are returned as they are."""
-    return {k: v.cpu() if isinstance(v, Tensor) else v for k, v in outputs.items()}
+    """A graph's outputs (name -> tensor) on the host. From a CUDA device: every copy started
+    without waiting (into pinned memory), then one wait for the stream, the step's only one (it
+    reads the sampled tokens). CPU outputs are returned as they are."""
+    if not any(isinstance(v, Tensor) and v.device.type == "cuda" for v in outputs.values()):
+        return dict(outputs)
+    host = {k: v.to("cpu", non_blocking=True) if isinstance(v, Tensor) else v for k, v in outputs.items()}
+    torch.cuda.current_stream().synchronize()
+    return host
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
