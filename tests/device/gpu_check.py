@@ -135,10 +135,22 @@ def hf_run(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], n: int, de
     return tokens, [clock.times[0] - t0, clock.times[-1] - clock.times[0]]
 
 
-def median_timing(run: Callable[[], list[float]], repeats: int) -> tuple[float, float]:
-    """(median TTFT s, median decode s) of ``repeats`` calls of ``run``."""
-    runs = [run() for _ in range(repeats)]
+def median_timing(runs: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(median TTFT s, median decode s) of timed runs ([TTFT s, decode s] each)."""
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def time_neuronfx(runtime: neuronfx.Runtime, prompts: Sequence[Sequence[int]], gen: int, device: str,
+                  repeats: int) -> tuple[float, float]:
+    """One warm-up run, then ``repeats`` timed runs on the same state (its slots released after
+    each: the KV cache stays the one the CUDA graphs were captured for)."""
+    state = neuronfx.init_state(runtime)
+    _, _, state, _ = neuronfx_run(runtime, state, prompts, gen, device)  # warm-up, and the capture for this state's KV
+    runs = []
+    for _ in range(repeats):
+        _, timing, state, _ = neuronfx_run(runtime, state, prompts, gen, device)
+        runs.append(timing)
+    return median_timing(runs)
 
 
 # --- stages -----------------------------------------------------------------------------------------
@@ -199,19 +211,11 @@ def bench_stage(shape: dict, device: str, backends: Sequence[str], batches: Sequ
                 t0 = time.perf_counter()
                 runtime = compile_neuronfx(hf, state_dict, device, backend, dtype, b, prompt_len, prompt_len + gen, logits=False)
                 compile_s = time.perf_counter() - t0
-                state = neuronfx.init_state(runtime)
-                _, _, state, _ = neuronfx_run(runtime, state, prompts, gen, device)  # warm-up (and the capture for this state's KV)
-
-                def run() -> list[float]:
-                    nonlocal state
-                    _, timing, state, _ = neuronfx_run(runtime, state, prompts, gen, device)
-                    return timing
-
-                ttft, decode = median_timing(run, repeats)
+                ttft, decode = time_neuronfx(runtime, prompts, gen, device, repeats)
                 add_row(report, f"neuronfx {backend}" + (" (CUDA graphs)" if backend == "inductor" and device != "cpu" else ""),
                         dtype, b, ttft, decode, gen, compile_s)
-                del runtime, state
-            except Exception:  # noqa: BLE001 - report and go on: the table shows what ran
+                del runtime
+            except Exception:  # report and go on: the table shows what ran
                 report["errors"].append(f"neuronfx {backend} batch {b}: {traceback.format_exc()}")
                 log(f"neuronfx {backend} batch {b} FAILED:\n{traceback.format_exc()}")
         model = copy.deepcopy(hf).to(device=device, dtype=torch_dtype)
@@ -225,11 +229,11 @@ def bench_stage(shape: dict, device: str, backends: Sequence[str], batches: Sequ
                 for _ in range(2):  # warm-up: compile and capture (prefill and decode shapes)
                     hf_run(model, prompts, gen, device, static=static)
                 compile_s = time.perf_counter() - t0
-                ttft, decode = median_timing(lambda: hf_run(model, prompts, gen, device, static=static)[1], repeats)
+                ttft, decode = median_timing([hf_run(model, prompts, gen, device, static=static)[1] for _ in range(repeats)])
                 add_row(report, name, dtype, b, ttft, decode, gen, compile_s if compiled else None)
                 if undo is not None:
                     undo()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 report["errors"].append(f"{name} batch {b}: {traceback.format_exc()}")
                 log(f"{name} batch {b} FAILED:\n{traceback.format_exc()}")
         del model
@@ -289,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "greedy" in stages:
         try:
             greedy_stage(shape, device, backends, 32 if device == "cuda" else 8, report)
-        except Exception:  # noqa: BLE001
+        except Exception:
             report["errors"].append(f"greedy: {traceback.format_exc()}")
             log(f"greedy FAILED:\n{traceback.format_exc()}")
     if "bench" in stages:
