@@ -6,8 +6,9 @@ KV cache and each graph's step inputs are on that device; the host keeps the boo
 the steps build on the host from Python lists. A step builds its input record on the host and
 :func:`to_device` moves it in one non-blocking copy per tensor (pinned host memory, so the copy
 does not wait for the GPU: vLLM's ``InputBatch`` does the same with its pinned CPU buffers); the
-graph runs under :func:`device_scope`, so a tensor the model math makes without naming a device
-(RoPE's ``arange``) is made there and not copied in; :func:`to_host` brings the outputs back,
+graph runs under :func:`device_scope` (its GPU current) and makes every tensor of its own on its
+inputs' device (RoPE's tables too: nothing is copied in from the host during a step or a CUDA
+graph capture); :func:`to_host` brings the outputs back,
 the one synchronisation of a step (it reads the sampled tokens). On the CPU every helper is the
 identity: the CPU path does exactly what it did before devices existed.
 """
@@ -15,7 +16,7 @@ identity: the CPU path does exactly what it did before devices existed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -60,18 +61,13 @@ def check_device(inference: InferenceConfig) -> None:
 
 
 def device_scope(plan: Plan) -> contextlib.AbstractContextManager:
-    """The context a graph of ``plan`` is traced, captured and run in: on CUDA, ``plan``'s
-    device as torch's default device (tensors the model math creates without a device are made
-    there, with no host copy inside a step or a CUDA graph capture); on the CPU nothing."""
+    """The context a graph of ``plan`` is traced, captured and run in: on CUDA, ``plan``'s GPU
+    as torch's current CUDA device (streams, CUDA graphs and memory pools are per device); on the
+    CPU nothing. The graph code names the device of every tensor it makes (``device=x.device``),
+    so no host tensor is copied in inside a step or a capture."""
     if plan.inference.device == "cpu":
         return contextlib.nullcontext()
-    return _cuda_scope(plan_device(plan))
-
-
-@contextlib.contextmanager
-def _cuda_scope(device: torch.device) -> Iterator[None]:
-    with torch.cuda.device(device), torch.device(device):
-        yield
+    return torch.cuda.device(plan_device(plan))
 
 
 def to_device(tree: object, device: torch.device | str) -> object:
