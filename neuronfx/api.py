@@ -81,7 +81,8 @@ def compile(
     check_device(plan.inference)  # a CUDA device this machine lacks: before anything loads
     backend = get_backend(plan.inference.backend)
     backend.check()  # before the (slow) checkpoint read
-    backend.prepare()  # overlaps it
+    if plan.inference.device == "cpu":  # the CPU kernels and compiler probes; CUDA needs none of them
+        backend.prepare()  # overlaps it
     root = resolve_cache(cache, plan.inference.backend)
     tp = plan.inference.tp_degree
     plan = plan_for_rank(plan, init_tensor_parallel(tp))

@@ -164,6 +164,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
+    p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)}: where neuronfx and the compared transformers model run "
+                   "(plain batches only; default cpu)")
     p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
                         "runs the same .gguf --model on the same prompts and thread count")
@@ -336,6 +338,10 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    if args.device != "cpu" and (args.speculate or args.serving or args.tp_degree or args.compare == "llama.cpp"):
+        raise InputError(f"--device {args.device} is measured on plain batches only (not --serving, --speculate, --tp-degree or "
+                         "--compare llama.cpp); drop it or those options.")
+    check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format))  # before the read
     model_path = args.model or default_model_path()
     llama_cpp_gguf = _llama_cpp_model(args, model_path)
     log = (lambda line: None) if args.json else print
@@ -367,7 +373,7 @@ def bench_command(args: argparse.Namespace) -> dict:
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
                      reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
-                     weight_format=args.weight_format, weight_group_size=args.weight_group_size)
+                     weight_format=args.weight_format, weight_group_size=args.weight_group_size, device=args.device)
     if not args.json:
         for row in data["bandwidth"]:
             print(format_bandwidth(row))

@@ -52,6 +52,17 @@ def test_bench_rejects_bad_sizes(capsys):
     assert "gen-lens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, error, names", [
+    (["--device", "cuda:99"], "ConfigError", "device='cuda:99'"),  # no such GPU, here or on a lent one
+    (["--device", "cuda", "--weight-format", "int8"], "ConfigError", "weight_format='int8'"),
+    (["--device", "cuda", "--serving"], "InputError", "plain batches only"),
+])
+def test_bench_device_checked_before_loading(args, error, names, capsys):
+    assert main(["bench", "--model", "/nonexistent", *args]) == 2  # the checkpoint would be a CheckpointError
+    err = capsys.readouterr().err
+    assert f"error: {error}:" in err and names in err
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny llama directory with a word-level tokenizer: token i is the word "w{i}"."""

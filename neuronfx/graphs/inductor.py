@@ -284,7 +284,8 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (inductor's cache directory must hold its kernels, or they
     are compiled again from the saved source)."""
-    small_gemm_available()  # compiled code may call neuronfx's custom ops: register them first
+    if plan.inference.device == "cpu":  # CUDA graphs call no neuronfx kernel
+        small_gemm_available()  # compiled code may call neuronfx's custom ops: register them first
     fns = []
     for name in part_files(spec):
         with open(src / name, "rb") as f:
