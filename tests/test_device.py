@@ -115,6 +115,41 @@ def test_cpu_placement_is_the_identity():
         assert torch.zeros(1).device.type == "cpu"
 
 
+def test_cuda_plans_bind_torch_ops_not_the_cpu_kernels():
+    from neuronfx.graphs.ops import REFERENCE_OPS, compiled_ops
+
+    ops = compiled_ops("bfloat16", "cuda:1")
+    assert (ops.linear, ops.projections, ops.glu, ops.attention, ops.cached_attention) == (
+        REFERENCE_OPS.linear, REFERENCE_OPS.projections, REFERENCE_OPS.glu, REFERENCE_OPS.attention, REFERENCE_OPS.cached_attention)
+
+
+def test_cuda_graphs_only_for_single_rank_cuda_plans(monkeypatch):
+    from neuronfx.graphs.cuda_graphs import uses_cuda_graphs
+
+    monkeypatch.delenv("NEURONFX_CUDA_GRAPHS", raising=False)
+    cuda = make_plan(tiny_model(), InferenceConfig(device="cuda"))
+    assert uses_cuda_graphs(cuda)
+    assert not uses_cuda_graphs(make_plan(tiny_model(), InferenceConfig()))
+    assert not uses_cuda_graphs(make_plan(tiny_model(), InferenceConfig(device="cuda", tp_degree=2, backend="eager")))
+    monkeypatch.setenv("NEURONFX_CUDA_GRAPHS", "0")
+    assert not uses_cuda_graphs(cuda)
+    monkeypatch.setenv("NEURONFX_CUDA_GRAPHS", "yes")
+    with pytest.raises(ConfigError, match="NEURONFX_CUDA_GRAPHS='yes'"):
+        uses_cuda_graphs(cuda)
+
+
+def test_a_capture_is_keyed_by_every_kv_tensor_and_the_weights():
+    from neuronfx.graphs.cuda_graphs import kv_key
+    from neuronfx.graphs.inputs import empty_kv
+
+    plan = make_plan(tiny_model(), InferenceConfig(batch_size=1, max_context_length=8, sequence_length=16))
+    weights, kv = {"embed": torch.zeros(1)}, empty_kv(plan)
+    assert kv_key(weights, kv) == kv_key(weights, kv)
+    other = (kv[0], LayerKV(kv[1].k, torch.zeros_like(kv[1].v)))  # one V tensor replaced
+    assert kv_key(weights, other) != kv_key(weights, kv)
+    assert kv_key(dict(weights), kv) != kv_key(weights, kv)
+
+
 # --- tiny models on each device against transformers --------------------------------------------
 
 
