@@ -224,7 +224,9 @@ def bench_stage(shape: dict, device: str, backends: Sequence[str], batches: Sequ
     hf = hf_model(shape)
     torch_dtype = getattr(torch, dtype)
     state_dict = {k: v.to(torch_dtype) for k, v in hf.state_dict().items()}
-    for engine, variant, b in bench_tasks(backends, batches, compile_reference):
+    tasks = bench_tasks(backends, batches, compile_reference)
+    while tasks:
+        engine, variant, b = tasks.pop(0)
         if time.perf_counter() > deadline:
             report["skipped"].append(f"{engine} {variant} batch {b} (time budget)")
             log(f"skipped {engine} {variant} batch {b}: over the time budget")
@@ -238,15 +240,24 @@ def bench_stage(shape: dict, device: str, backends: Sequence[str], batches: Sequ
         except Exception:  # report and go on: the table shows what ran
             report["errors"].append(f"{engine} {variant} batch {b}: {traceback.format_exc()}")
             log(f"{engine} {variant} batch {b} FAILED:\n{traceback.format_exc()}")
+            if (engine, variant) == ("neuronfx", "inductor") and device != "cpu":
+                tasks.insert(0, ("neuronfx", "inductor-nographs", b))  # capture or compile? the same without CUDA graphs
 
 
 def bench_neuronfx(hf: LlamaForCausalLM, state_dict: dict, device: str, backend: str, dtype: str, b: int,
                    prompts: list[list[int]], gen: int, repeats: int, report: dict) -> None:
-    t0 = time.perf_counter()
-    runtime = compile_neuronfx(hf, state_dict, device, backend, dtype, b, len(prompts[0]), len(prompts[0]) + gen, logits=False)
-    compile_s = time.perf_counter() - t0
+    if backend == "inductor-nographs":  # the compiled graphs as plain calls (cuda_graphs.ENV_VAR)
+        os.environ["NEURONFX_CUDA_GRAPHS"] = "0"
+    try:
+        t0 = time.perf_counter()
+        runtime = compile_neuronfx(hf, state_dict, device, backend.removesuffix("-nographs"), dtype, b, len(prompts[0]),
+                                   len(prompts[0]) + gen, logits=False)
+        compile_s = time.perf_counter() - t0
+    finally:
+        os.environ.pop("NEURONFX_CUDA_GRAPHS", None)
     ttft, decode = time_neuronfx(runtime, prompts, gen, device, repeats)
-    name = f"neuronfx {backend}" + (" (CUDA graphs)" if backend == "inductor" and device != "cpu" else "")
+    suffix = {"inductor": " (CUDA graphs)" if device != "cpu" else "", "inductor-nographs": " (no CUDA graphs)"}.get(backend, "")
+    name = f"neuronfx {backend.removesuffix('-nographs')}{suffix}"
     add_row(report, name, dtype, b, ttft, decode, gen, compile_s)
 
 
