@@ -120,7 +120,7 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
-    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: the current GPU; cuda:N: GPU N; "
+    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: GPU 0, or GPU r for tensor-parallel rank r; cuda:N: GPU N; "
                    "CUDA takes --backend eager or inductor and float weights; default cpu)")
     p.add_argument("--speculation-length", type=int, metavar="K",
                    help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")

@@ -18,7 +18,7 @@ WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 """int4 group sizes (weights sharing one scale and offset along the input dim)."""
 DEVICES = ("cpu", "cuda", "cuda:N")
-"""Devices a plan may run on: the CPU, the current CUDA device, or CUDA device N (torch's names)."""
+"""Devices a plan may run on: the CPU, "cuda" (GPU 0; GPU r for tensor-parallel rank r) or GPU N (torch's names)."""
 CUDA_BACKENDS = ("eager", "inductor")
 """Backends that run on a CUDA device (inductor replays its graphs as CUDA graphs there)."""
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]*))?")
@@ -32,8 +32,8 @@ def is_cuda(device: str) -> bool:
 def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, str) or not _DEVICE_PATTERN.fullmatch(value):
         raise ConfigError(
-            f"InferenceConfig.device={value!r} is not a device neuronfx runs on; pass 'cpu', 'cuda' (the current "
-            "CUDA device) or 'cuda:N' (CUDA device N, e.g. 'cuda:0')."
+            f"InferenceConfig.device={value!r} is not a device neuronfx runs on; pass 'cpu', 'cuda' (GPU 0, or GPU r "
+            "for tensor-parallel rank r) or 'cuda:N' (GPU N, e.g. 'cuda:1')."
         )
 
 
@@ -109,8 +109,8 @@ class InferenceConfig:
       LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
     - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
-    - ``device``: where weights, KV cache and step inputs live: "cpu" (default), "cuda" (the
-      current CUDA device; rank r of a tensor-parallel plan takes cuda:r) or "cuda:N". CUDA plans
+    - ``device``: where weights, KV cache and step inputs live: "cpu" (default), "cuda" (cuda:0;
+      rank r of a tensor-parallel plan takes cuda:r) or "cuda:N" (one rank only). CUDA plans
       run the eager or inductor backend (inductor replays each graph as a CUDA graph) with float
       weights; whether the device exists is checked when the runtime is compiled or loaded
       (``graphs/device.py``), not here (a plan is a pure value, written anywhere).
