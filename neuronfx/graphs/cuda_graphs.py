@@ -92,16 +92,17 @@ class CapturedGraph:
         also warms up lazy initialisation: cuBLAS handles, Triton's first launches), then
         capture it for ``kv``. Re-running a step writes the same K/V at the same positions, so
         the capture (which records, and runs nothing) leaves the cache as the plain call did."""
-        static = [t.clone() for t in leaves(inputs)]
-        record = from_leaves(self.spec.record, static)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), device_scope(self.plan), torch.cuda.stream(side):
-            result = _copied(self.graph(weights, kv, record))
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), device_scope(self.plan), torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.graph(weights, kv, record)
+        with torch.no_grad(), device_scope(self.plan):  # streams, graph and pool of the plan's GPU
+            static = [t.clone() for t in leaves(inputs)]
+            record = from_leaves(self.spec.record, static)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                result = _copied(self.graph(weights, kv, record))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.graph(weights, kv, record)
         self.cuda_graph, self.static, self.outputs, self.key = graph, static, outputs, kv_key(weights, kv)
         return result
 
