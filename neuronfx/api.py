@@ -21,6 +21,7 @@ from neuronfx.config.quantization import quantized_formats
 from neuronfx.config.serialization import unstructure
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
+from neuronfx.graphs.device import check_device, plan_device, to_device
 from neuronfx.graphs.quant import BLOCK_TYPES
 from neuronfx.graphs.weights import convert_hf_state_dict, weights_fingerprint
 from neuronfx.memory import trim_heap
@@ -65,7 +66,8 @@ def compile(
     that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
     plan loads its graphs instead of compiling them; the cache holds graph files only, never
     weights: the runtime always runs on ``state_dict``. Raises ConfigError when no weights are
-    given or ``cache`` is not one of those, CheckpointError for missing/extra/mis-shaped
+    given, ``cache`` is not one of those or the plan's CUDA device is not on this machine (before
+    anything loads), CheckpointError for missing/extra/mis-shaped
     tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
 
     Tensor parallel (``plan.inference.tp_degree`` > 1): call it on every rank (under torchrun
@@ -76,9 +78,11 @@ def compile(
     ConfigError when this process is not one of ``tp_degree`` ranks, TensorParallelError when
     the ranks disagree.
     """
+    check_device(plan.inference)  # a CUDA device this machine lacks: before anything loads
     backend = get_backend(plan.inference.backend)
     backend.check()  # before the (slow) checkpoint read
-    backend.prepare()  # overlaps it
+    if plan.inference.device == "cpu":  # the CPU kernels and compiler probes; CUDA needs none of them
+        backend.prepare()  # overlaps it
     root = resolve_cache(cache, plan.inference.backend)
     tp = plan.inference.tp_degree
     plan = plan_for_rank(plan, init_tensor_parallel(tp))
@@ -93,6 +97,7 @@ def compile(
         check_agreement("weights", weights_fingerprint(state_dict))
     weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard,
                                     quantized_formats(plan.inference), plan.inference.weight_group_size)
+    weights = to_device(weights, plan_device(plan))
     del state_dict  # a checkpoint read here: only this rank's shard stays resident
     trim_heap()
     runtime = compile_graphs(plan, weights, root, progress)

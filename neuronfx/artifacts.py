@@ -36,6 +36,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
+from neuronfx.graphs.device import check_device, plan_device, to_device
 from neuronfx.graphs.quant import QUANTIZED_TYPES
 from neuronfx.graphs.weights import nest
 from neuronfx.parallel import init_tensor_parallel
@@ -305,15 +306,17 @@ def load(source: str | os.PathLike) -> Runtime:
     :func:`resolve`). Every file is verified before anything runs; raises ArtifactError
     (missing/corrupt file, a malformed manifest, other versions, source or machine, repo not
     found), ConfigError (a plan.json that does not structure, e.g. an unknown key; a
-    tensor-parallel runtime loaded outside ``tp_degree`` ranks: it is not resharded) or
+    tensor-parallel runtime loaded outside ``tp_degree`` ranks: it is not resharded; a CUDA
+    device this machine lacks) or
     InputError (``source`` not a path or repo id)."""
     src = rank_dir(resolve(source))
     manifest = read_manifest(src)
     if WEIGHTS not in manifest["files"]:
         raise ArtifactError(f"{src / MANIFEST} lists no sha256 for {WEIGHTS}; it is a compile-cache entry or damaged: re-save the runtime.")
     plan = read_plan(src, manifest)
+    check_device(plan.inference)  # before the weights are read
     flat = unflatten_weights(load_file(str(src / WEIGHTS)), manifest["aliases"], manifest["quantized"])
-    weights = nest(flat, plan.model.num_hidden_layers)
+    weights = to_device(nest(flat, plan.model.num_hidden_layers), plan_device(plan))
     return build_runtime(plan, weights, get_backend(plan.inference.backend).load(plan, weights, src))
 
 

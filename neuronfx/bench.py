@@ -101,10 +101,12 @@ def time_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> tup
     stamps: list[float] = []
 
     def stamp(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:  # the logits are ready when the device is done, not when the call returns
+            torch.cuda.synchronize(scores.device)
         stamps.append(time.perf_counter())
         return scores
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(
@@ -114,14 +116,15 @@ def time_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> tup
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def transformers_model(checkpoint: Any, dtype: str) -> Any:
-    """The transformers model of ``checkpoint`` with the same weights (the reference engine)."""
+def transformers_model(checkpoint: Any, dtype: str, device: str = "cpu") -> Any:
+    """The transformers model of ``checkpoint`` with the same weights (the reference engine), on
+    ``device``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(checkpoint.hf_config, dtype=getattr(torch, dtype))
     model.load_state_dict(checkpoint.state_dict, strict=False)  # tied lm_head may be absent
     model.tie_weights()
-    return model.eval()
+    return model.to(device).eval()
 
 
 def rss_bytes() -> int:
@@ -134,12 +137,13 @@ def rss_bytes() -> int:
 
 
 def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
-               weight_format: str = "float", weight_group_size: int = 32) -> Any:
+               weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu") -> Any:
     """The plan a bench case compiles: the default capacities, raised to fit the case."""
     seq = max(512, prompt_len + gen_len)
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
         sequence_length=seq, dtype=dtype, backend=backend, weight_format=weight_format, weight_group_size=weight_group_size,
+        device=device,
     )  # static batches: only the full batch size is compiled
     return make_plan(checkpoint.config, inference)
 
@@ -147,7 +151,7 @@ def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, promp
 def run_bench(
     checkpoint: Any, backend: str, dtype: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int],
     gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
-    compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32,
+    compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
     ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...],
@@ -160,7 +164,8 @@ def run_bench(
     (:func:`decode_weight_bytes`) over TPOT, against this machine's read bandwidth measured
     once at the start (:func:`read_bandwidth`). ``weight_format`` / ``weight_group_size``: the
     plans' (a "gguf" plan needs ``checkpoint`` read with ``gguf_blocks=True``); the results
-    name the dtype "dtype/weight_format" for a quantized plan."""
+    name the dtype "dtype/weight_format" for a quantized plan. ``device``: the plans' and the
+    transformers model's (the read bandwidth and RSS figures stay the host's)."""
     lib = import_llama_cpp() if compare_llama_cpp else None  # fail before compiling anything
     threads = torch.get_num_threads()
     bandwidth = read_bandwidth()
@@ -171,7 +176,7 @@ def run_bench(
     results, compiles, memory, step_bytes = [], [], [], {}
     vocab = checkpoint.config.vocab_size
     for b in batch_sizes:
-        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size)
+        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device)
         gc.collect()
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
@@ -192,7 +197,7 @@ def run_bench(
     if compare_transformers:
         # Built after the neuronfx runs so it does not count in their resident memory.
         ref_dtype = reference_dtype or dtype
-        reference = transformers_model(checkpoint, ref_dtype)
+        reference = transformers_model(checkpoint, ref_dtype, device)
         for b in batch_sizes:
             time_transformers(reference, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
             for p in prompt_lens:

@@ -39,6 +39,7 @@ from neuronfx.errors import (
     TensorParallelError,
 )
 from neuronfx.graphs.backends import check_backend, prepare_backend
+from neuronfx.graphs.device import check_device
 from neuronfx.graphs.weights import dequantized_state_dict
 from neuronfx.parallel import under_launcher
 from neuronfx.runtime.generate import collect
@@ -119,7 +120,8 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
-    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (no other device yet; default cpu)")
+    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: GPU 0, or GPU r for tensor-parallel rank r; cuda:N: GPU N; "
+                   "CUDA takes --backend eager or inductor and float weights; default cpu)")
     p.add_argument("--speculation-length", type=int, metavar="K",
                    help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
     p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
@@ -162,6 +164,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
     p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
+    p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)}: where neuronfx and the compared transformers model run "
+                   "(plain batches only; default cpu)")
     p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
                         "runs the same .gguf --model on the same prompts and thread count")
@@ -334,6 +338,10 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    if args.device != "cpu" and (args.speculate or args.serving or args.tp_degree or args.compare == "llama.cpp"):
+        raise InputError(f"--device {args.device} is measured on plain batches only (not --serving, --speculate, --tp-degree or "
+                         "--compare llama.cpp); drop it or those options.")
+    check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format))  # before the read
     model_path = args.model or default_model_path()
     llama_cpp_gguf = _llama_cpp_model(args, model_path)
     log = (lambda line: None) if args.json else print
@@ -365,7 +373,7 @@ def bench_command(args: argparse.Namespace) -> dict:
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
                      reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
-                     weight_format=args.weight_format, weight_group_size=args.weight_group_size)
+                     weight_format=args.weight_format, weight_group_size=args.weight_group_size, device=args.device)
     if not args.json:
         for row in data["bandwidth"]:
             print(format_bandwidth(row))
@@ -480,10 +488,11 @@ class LoadedRuntime:
 def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
     """(saved runtime directory or None, inference config) of a command with the plan options:
     a saved runtime's own plan (explicit options must agree), else the options over
-    ``defaults`` over InferenceConfig's. Also checks the backend and the weight source, so a
+    ``defaults`` over InferenceConfig's. Also checks the device, the backend and the weight source, so a
     bad option fails before anything loads."""
     saved = saved_runtime(args.model)
     inference = _saved_inference(args, saved) if saved is not None else _inference(args, defaults)
+    check_device(inference)
     check_backend(inference.backend)
     if saved is None:
         from neuronfx.checkpoints import default_model_path
@@ -622,6 +631,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     from neuronfx.checkpoints import load_checkpoint, load_tokenizer
 
     inference = _inference(args)
+    check_device(inference)
     check_backend(inference.backend)
     neuronfx.api.check_weight_source(inference, args.model)
     prepare_backend(inference.backend)  # overlaps the load below
@@ -655,6 +665,7 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
         raise InputError(f"check-accuracy runs in one process; --tp-degree={inference.tp_degree} is not supported (call "
                          "neuronfx.accuracy.check_accuracy on every rank instead).")
     check_cli_limits(args, inference)
+    check_device(inference)
     check_backend(inference.backend)
     model_path = args.model or default_model_path()
     neuronfx.api.check_weight_source(inference, model_path)

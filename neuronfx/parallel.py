@@ -6,7 +6,9 @@ step functions and the scheduler then run unchanged on every rank (each computes
 tokens: logits are gathered and the random numbers are the same). Ranks come from torchrun
 (``torchrun --nproc-per-node N``; several machines with ``--nnodes``) or, on one machine, from
 :func:`launch`, which starts them with torch's elastic launcher. The transport is
-torch.distributed's gloo backend on CPU.
+torch.distributed's gloo backend on CPU; where torch sees CUDA, the process group also has
+nccl, which carries the collectives of CUDA tensors (rank r on GPU r of one machine), while
+gloo keeps the CPU ones (:func:`process_group_backend`).
 
 Faults: the launcher stops every rank as soon as one exits abnormally and :func:`launch`
 raises :class:`TensorParallelError` naming it; a rank blocked in a collective whose peer is
@@ -32,6 +34,16 @@ from neuronfx.errors import ConfigError, TensorParallelError
 DEFAULT_TIMEOUT_S = 60
 TIMEOUT_ENV = "NEURONFX_TP_TIMEOUT"
 BACKEND = "gloo"
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def process_group_backend() -> str:
+    """The process group's backend: gloo alone on a machine without CUDA; else gloo for CPU
+    tensors and nccl for CUDA tensors (torch.distributed picks by each collective's tensors),
+    so CPU plans, CUDA plans and the CPU-side agreement checks all run in one group."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return CUDA_BACKEND
+    return BACKEND
 
 
 def timeout_s() -> float:
@@ -53,7 +65,8 @@ def under_launcher() -> bool:
 
 
 def init_tensor_parallel(tp_degree: int) -> int:
-    """Join the default process group of ``tp_degree`` ranks (gloo, timeout :func:`timeout_s`)
+    """Join the default process group of ``tp_degree`` ranks (:func:`process_group_backend`,
+    timeout :func:`timeout_s`; with CUDA, this process's current GPU is its local rank's)
     when this process was launched as a rank and has not joined yet; returns this rank (0 for
     tp_degree 1, which never joins). Raises ConfigError when ``tp_degree`` > 1 and this process was not started
     as one of ``tp_degree`` ranks."""
@@ -65,7 +78,10 @@ def init_tensor_parallel(tp_degree: int) -> int:
                 f"tp_degree={tp_degree} needs {tp_degree} processes: run under `torchrun --nproc-per-node {tp_degree}` "
                 f"or through neuronfx.launch(fn, tp_degree={tp_degree}) (the CLI starts them itself)."
             )
-        dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=timeout_s()))
+        backend = process_group_backend()
+        if backend == CUDA_BACKEND:  # nccl: one GPU per rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s()))
     if dist.get_world_size() != tp_degree:
         raise ConfigError(
             f"tp_degree={tp_degree} but {dist.get_world_size()} processes were started; start {tp_degree} "

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import pytest
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -114,6 +115,17 @@ TINY_INFERENCE = dict(
     prefill_buckets=(8, 16, 32), decode_buckets=(16, 32, 64), output_logits=True,
 )
 GREEDY = SamplingParams()
+
+
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+"""Marks a test (or a param) that runs on a CUDA device only: skipped, for that reason alone,
+where torch sees none (CI has no GPU; tests/device/run_on_gpu.sh runs them on a lent one)."""
+
+
+def devices() -> list:
+    """The devices a device-parametrized test runs on, as pytest params: "cpu" always, "cuda"
+    marked :data:`NEEDS_CUDA`."""
+    return ["cpu", pytest.param("cuda", marks=NEEDS_CUDA, id="cuda")]
 
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides: object) -> PreTrainedModel:

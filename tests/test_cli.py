@@ -33,7 +33,8 @@ from neuronfx.cli import main
         (["--top-p", "0"], "SamplingParamsError"),
         (["--top-k", "100000"], "SamplingParamsError"),
         (["--model", "/nonexistent/model.gguf"], "CheckpointError"),
-        (["--device", "cuda"], "ConfigError"),
+        (["--device", "cuda:99"], "ConfigError"),  # no such GPU, here or on a lent one
+        (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
     ],
@@ -49,6 +50,17 @@ def test_generate_rejects_bad_options_before_loading(args, error, capsys):
 def test_bench_rejects_bad_sizes(capsys):
     assert main(["bench", "--gen-lens", "1", "--model", "/nonexistent"]) == 2
     assert "gen-lens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, error, names", [
+    (["--device", "cuda:99"], "ConfigError", "device='cuda:99'"),  # no such GPU, here or on a lent one
+    (["--device", "cuda", "--weight-format", "int8"], "ConfigError", "weight_format='int8'"),
+    (["--device", "cuda", "--serving"], "InputError", "plain batches only"),
+])
+def test_bench_device_checked_before_loading(args, error, names, capsys):
+    assert main(["bench", "--model", "/nonexistent", *args]) == 2  # the checkpoint would be a CheckpointError
+    err = capsys.readouterr().err
+    assert f"error: {error}:" in err and names in err
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
@@ -15,15 +17,23 @@ WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
 """Weight formats a plan may store its linear weights in (``config/quantization.py``)."""
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 """int4 group sizes (weights sharing one scale and offset along the input dim)."""
-DEVICES = ("cpu",)
-"""Devices a plan may run on. CPU only: no code path places tensors on an accelerator yet."""
+DEVICES = ("cpu", "cuda", "cuda:N")
+"""Devices a plan may run on: the CPU, "cuda" (GPU 0; GPU r for tensor-parallel rank r) or GPU N (torch's names)."""
+CUDA_BACKENDS = ("eager", "inductor")
+"""Backends that run on a CUDA device (inductor replays its graphs as CUDA graphs there)."""
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]*))?")
+
+
+def is_cuda(device: str) -> bool:
+    """Whether ``device`` (a valid ``InferenceConfig.device``) names a CUDA device."""
+    return device.startswith("cuda")
 
 
 def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
-    if value not in DEVICES:
+    if not isinstance(value, str) or not _DEVICE_PATTERN.fullmatch(value):
         raise ConfigError(
-            f"InferenceConfig.device={value!r} is not supported: neuronfx runs on the CPU only (no CUDA or other "
-            "device support yet); pass device='cpu'."
+            f"InferenceConfig.device={value!r} is not a device neuronfx runs on; pass 'cpu', 'cuda' (GPU 0, or GPU r "
+            "for tensor-parallel rank r) or 'cuda:N' (GPU N, e.g. 'cuda:1')."
         )
 
 
@@ -99,8 +109,11 @@ class InferenceConfig:
       LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
     - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
-    - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
-      value is a ConfigError).
+    - ``device``: where weights, KV cache and step inputs live: "cpu" (default), "cuda" (cuda:0;
+      rank r of a tensor-parallel plan takes cuda:r) or "cuda:N" (one rank only). CUDA plans
+      run the eager or inductor backend (inductor replays each graph as a CUDA graph) with float
+      weights; whether the device exists is checked when the runtime is compiled or loaded
+      (``graphs/device.py``), not here (a plan is a pure value, written anywhere).
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
@@ -156,8 +169,31 @@ class InferenceConfig:
                 f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
                 "the neuron backend takes weight_format='float'."
             )
+        self._check_cuda()
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
+            )
+
+    def _check_cuda(self) -> None:
+        """What a CUDA device rules out: the export and neuron backends, quantized weights (their
+        kernels are CPU code), and one device index for several tensor-parallel ranks."""
+        if not is_cuda(self.device):
+            return
+        if self.backend not in CUDA_BACKENDS:
+            raise ConfigError(
+                f"device={self.device!r} with backend={self.backend!r}: CUDA plans run the backends {CUDA_BACKENDS} "
+                "(inductor replays CUDA graphs); pick one of them, or device='cpu'."
+            )
+        if self.weight_format != "float":
+            raise ConfigError(
+                f"device={self.device!r} with weight_format={self.weight_format!r}: the quantized weight formats run "
+                "neuronfx's CPU kernels only; use weight_format='float' (with dtype='bfloat16' for half the bytes) "
+                "on CUDA, or device='cpu'."
+            )
+        if self.tp_degree > 1 and self.device != "cuda":
+            raise ConfigError(
+                f"device={self.device!r} with tp_degree={self.tp_degree}: tensor-parallel ranks take one GPU each "
+                "(rank r on cuda:r); pass device='cuda'."
             )

@@ -11,6 +11,8 @@ of output tensors. :data:`BACKENDS` is the one table keyed by backend name; noth
   weights are inputs, so all programs share one copy. Saved as ``graphs/*.pt2``.
 - inductor: ``torch.compile`` (inductor) of each part of a phase with the CPU kernel ops,
   precompiled so it saves and loads without re-tracing (``graphs/inductor.py``); the default.
+  On CUDA: torch ops and Triton kernels, each graph captured as a CUDA graph
+  (``graphs/cuda_graphs.py``).
 - neuron: needs torch-neuronx / neuronx-distributed (optional extra ``neuron``), imported lazily.
 """
 
@@ -28,7 +30,7 @@ from tqdm.auto import tqdm
 from neuronfx.config.inputs import leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import BackendUnavailableError, ConfigError
-from neuronfx.graphs import compile_workers, inductor
+from neuronfx.graphs import compile_workers, cuda_graphs, inductor
 from neuronfx.graphs.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.inputs import KVCache, empty_kv, example_inputs
 from neuronfx.graphs.layers import Weights
@@ -190,6 +192,8 @@ def _inductor_build(plan: Plan, weights: Weights, progress: bool, kernels: Path 
     inductor.wait_warm_up()
     directory = inductor.private_dir(kernels if kernels is not None and kernels.is_dir() else None)
     builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
+    if cuda_graphs.uses_cuda_graphs(plan):
+        builder = cuda_graphs.capturing(builder)  # capture each graph as it is built, under the bar
     graphs, seconds = compile_workers.build(plan, weights, directory, builder, functools.partial(_bar, plan, progress))
     if kernels is not None:
         inductor.publish_kernels(directory, kernels)
@@ -204,14 +208,16 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
         t0 = time.perf_counter()
         graphs[spec.key] = inductor.in_dir(directory, inductor.load_graph, plan, spec, src)
         seconds[spec.key] = time.perf_counter() - t0
+    if cuda_graphs.uses_cuda_graphs(plan):
+        graphs = cuda_graphs.capture_all(plan, graphs, weights)
     return Built(graphs=graphs, seconds=seconds, compiled_dir=str(directory))
 
 
 def _inductor_choices(plan: Plan) -> dict[str, object]:
     """The 16-bit prefill path of a 16-bit plan (:func:`neuronfx.graphs.ops.cpu_kernel_ops`),
-    measured once per machine (graphs/gemm_choice.py)."""
+    measured once per machine (graphs/gemm_choice.py); nothing on CUDA (no CPU kernel is bound)."""
     dtype = plan.inference.dtype
-    return {} if dtype == "float32" else {"widen_16bit": widen_16bit_prefill(dtype)}
+    return {} if dtype == "float32" or plan.inference.device != "cpu" else {"widen_16bit": widen_16bit_prefill(dtype)}
 
 
 INDUCTOR = Backend(name="inductor", check=compile_workers.check_env, build=_inductor_build, save=inductor.save,

@@ -63,8 +63,10 @@ def num_workers(plan: Plan, num_units: int) -> int:
     """Worker processes for a plan of ``num_units`` units: ``$NEURONFX_COMPILE_WORKERS`` when
     set, else one per idle core (:func:`idle_cores`), never more than ``num_units - 1`` (a unit
     each, one stays here); none under tensor parallelism (the ranks are processes already, and
-    their graphs call collectives of this rank's process group)."""
-    if plan.tp_degree > 1:
+    their graphs call collectives of this rank's process group) nor on CUDA (a worker would
+    need its own CUDA context and a copy of the weights on the GPU; inductor compiles the Triton
+    kernels in its own pool of processes)."""
+    if plan.tp_degree > 1 or plan.inference.device != "cpu":
         return 0
     wanted = configured_workers()
     return max(0, min(idle_cores() if wanted is None else wanted, num_units - 1))

@@ -18,7 +18,9 @@ per (phase, batch, bucket)), prefill traces fewer layers per call than decode
 (:data:`PREFILL_LAYER_GROUP`), the one-off compiler runs (kernel library, vector-ISA probes,
 precompiled header) start during the checkpoint load (:func:`start_warm_up`), and idle cores
 compile whole (phase, batch) units in worker processes (``graphs/compile_workers.py``). Weights and KV cache stay inputs (KV mutated in
-place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.cpu_kernel_ops`.
+place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.compiled_ops`
+(the CPU kernels on a CPU, torch ops and Triton on CUDA, where ``graphs/cuda_graphs.py``
+captures each built graph as a CUDA graph).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from neuronfx.config.attention import layer_period
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import ArtifactError
+from neuronfx.graphs.cuda_graphs import unwrap
+from neuronfx.graphs.device import device_scope
 from neuronfx.graphs.inputs import KVCache, example_inputs
 from neuronfx.graphs.kernels import small_gemm_available
 from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.ops import cpu_kernel_ops
+from neuronfx.graphs.ops import compiled_ops
 from neuronfx.graphs.phases import (
     GraphModule,
     PhaseParts,
@@ -248,8 +252,9 @@ def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
     :class:`SharedCompile` of the graphs built so far for this plan, which this graph reuses
     and extends (None: a new one, nothing shared)."""
     wrap = _wrapper(plan, spec, {} if shared is None else shared)
-    graph = build_module(plan, spec, cpu_kernel_ops(plan.inference.dtype), group_size=phase_group_size(plan, spec.phase), wrap=wrap)
-    with torch.no_grad():
+    ops = compiled_ops(plan.inference.dtype, plan.inference.device)
+    graph = build_module(plan, spec, ops, group_size=phase_group_size(plan, spec.phase), wrap=wrap)
+    with torch.no_grad(), device_scope(plan):
         graph(weights, kv, example_inputs(plan, spec))
     return graph
 
@@ -267,6 +272,7 @@ def part_files(spec: GraphSpec) -> list[str]:
 
 def _parts(graph: object) -> tuple[PrecompiledPart, ...]:
     """The compiled parts of a graph this backend built; ArtifactError for any other graph."""
+    graph = unwrap(graph)  # a CUDA-graph capture saves the compiled graph it replays
     if not isinstance(graph, GraphModule) or not isinstance(graph.parts.prologue, PrecompiledPart):
         raise ArtifactError("this inductor runtime was not built by neuronfx.compile (no precompiled parts); compile it with neuronfx.compile.")
     return graph.parts.prologue, graph.parts.layers, graph.parts.epilogue
@@ -308,7 +314,8 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (inductor's cache directory must hold its kernels, or they
     are compiled again from the saved source)."""
-    small_gemm_available()  # compiled code may call neuronfx's custom ops: register them first
+    if plan.inference.device == "cpu":  # CUDA graphs call no neuronfx kernel
+        small_gemm_available()  # compiled code may call neuronfx's custom ops: register them first
     fns = []
     for name in part_files(spec):
         with open(src / name, "rb") as f:

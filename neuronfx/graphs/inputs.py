@@ -14,6 +14,7 @@ from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.inputs import SamplerInputs, from_leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.config.sampling import SamplingParams, pack_sampling
+from neuronfx.graphs.device import plan_device
 
 
 class LayerKV(NamedTuple):
@@ -29,22 +30,25 @@ KVCache = tuple[LayerKV, ...]
 
 
 def empty_kv(plan: Plan) -> KVCache:
-    """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes)."""
+    """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device."""
     def zeros() -> torch.Tensor:
-        return torch.zeros(plan.kv.shape, dtype=torch_dtype(plan.kv.dtype))
+        return torch.zeros(plan.kv.shape, dtype=torch_dtype(plan.kv.dtype), device=plan_device(plan))
 
     return tuple(LayerKV(zeros(), zeros()) for _ in range(plan.kv.num_layers))
 
 
 def example_inputs(plan: Plan, spec: GraphSpec) -> object:
     """Trace inputs of ``spec``'s graph as its phase's record: zeros from the spec's shapes and
-    dtypes, except ``prompt_lens`` (1: a prompt has a token) and greedy sampling rows."""
+    dtypes, except ``prompt_lens`` (1: a prompt has a token) and greedy sampling rows; on the
+    plan's device."""
+    device = plan_device(plan)
     tensors = []
     for t in spec.inputs:
         if t.name == "sampling_params":
-            tensors.append(torch.tensor(pack_sampling([SamplingParams()] * t.shape[0], plan.topk_width), dtype=torch.float32))
+            tensors.append(torch.tensor(pack_sampling([SamplingParams()] * t.shape[0], plan.topk_width), dtype=torch.float32,
+                                        device=device))
         else:
-            tensors.append(torch.full(t.shape, int(t.name == "prompt_lens"), dtype=torch_dtype(t.dtype)))
+            tensors.append(torch.full(t.shape, int(t.name == "prompt_lens"), dtype=torch_dtype(t.dtype), device=device))
     return from_leaves(spec.record, tensors)
 
 

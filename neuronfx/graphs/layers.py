@@ -47,9 +47,10 @@ def final_norm(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor, float]
     return unit_offset_rms_norm if cfg.norm_unit_offset else rms_norm
 
 
-def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    """1 / theta^(2i / dim), float32 [dim // 2] (Su et al. 2021, RoFormer)."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def default_inv_freq(theta: float, dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """1 / theta^(2i / dim), float32 [dim // 2] (Su et al. 2021, RoFormer), made on ``device``
+    (the graph's: a CPU constant copied in would be a host copy inside a CUDA graph)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
 
 
 def _llama3_inv_freq(inv: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
@@ -67,7 +68,7 @@ def _llama3_inv_freq(inv: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
+def _yarn_inv_freq(theta: float, dim: int, rs: RopeScaling, device: torch.device | None = None) -> torch.Tensor:
     """YaRN (Peng et al. 2023) as transformers' ``_compute_yarn_parameters``: original
     frequencies for dims that turn more than ``beta_fast`` times in
     ``original_max_position_embeddings``, interpolated (/ factor) below ``beta_slow``, a linear
@@ -82,19 +83,19 @@ def _yarn_inv_freq(theta: float, dim: int, rs: RopeScaling) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers: prevent a singular ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     extrapolation = 1 - ramp  # weight of the original frequency
     return (1.0 / (rs.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def _longrope_inv_freq(theta: float, dim: int, factors: tuple[float, ...]) -> torch.Tensor:
+def _longrope_inv_freq(theta: float, dim: int, factors: tuple[float, ...], device: torch.device | None = None) -> torch.Tensor:
     """LongRoPE (Ding et al. 2024): per-frequency rescale factors, transformers'
     ``_compute_longrope_parameters``."""
     # One full() per value, not torch.tensor(factors): torch.export cannot unlift a tensor
     # constant created inside a graph (RuntimeError "references nonexistent attribute lifted_tensor_0").
-    ext = torch.stack([torch.full((), f, dtype=torch.float32) for f in factors])
-    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    ext = torch.stack([torch.full((), f, dtype=torch.float32, device=device) for f in factors])
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
@@ -117,17 +118,17 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return mscale(rs.factor)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
     """Inverse RoPE frequencies, float32 [rotary_dim // 2], of a sequence no longer than the
     model's original length: "linear" divides by ``factor``, "llama3" and "yarn" rescale per
     frequency (see their helpers); "longrope" gives its short table and "dynamic" the unscaled
-    one (their tables depend on the sequence length: :func:`rope_tables`)."""
+    one (their tables depend on the sequence length: :func:`rope_tables`); made on ``device``."""
     dim, theta, rs = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling
     if rs is not None and rs.rope_type == "yarn":
-        return _yarn_inv_freq(theta, dim, rs)
+        return _yarn_inv_freq(theta, dim, rs, device)
     if rs is not None and rs.rope_type == "longrope":
-        return _longrope_inv_freq(theta, dim, rs.short_factor)
-    inv = default_inv_freq(theta, dim)
+        return _longrope_inv_freq(theta, dim, rs.short_factor, device)
+    inv = default_inv_freq(theta, dim, device)
     if rs is None or rs.rope_type == "dynamic":
         return inv
     if rs.rope_type == "linear":
@@ -160,8 +161,8 @@ def row_inv_freq(cfg: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
     rs = cfg.rope_scaling
     if rs is not None and rs.rope_type == "longrope":
         dim = cfg.rotary_dim
-        short = _longrope_inv_freq(cfg.rope_theta, dim, rs.short_factor).to(seq_lens.device)
-        long = _longrope_inv_freq(cfg.rope_theta, dim, rs.long_factor).to(seq_lens.device)
+        short = _longrope_inv_freq(cfg.rope_theta, dim, rs.short_factor, seq_lens.device)
+        long = _longrope_inv_freq(cfg.rope_theta, dim, rs.long_factor, seq_lens.device)
         return torch.where((seq_lens > rs.original_max_position_embeddings)[:, None], long, short)  # (B, D/2)
     if rs is not None and rs.rope_type == "dynamic":
         dim, m = cfg.rotary_dim, cfg.max_position_embeddings
@@ -169,7 +170,7 @@ def row_inv_freq(cfg: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
         base = cfg.rope_theta * ((rs.factor * length / m) - (rs.factor - 1)) ** (dim / (dim - 2))  # (B,) float32
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_lens.device).float() / dim
         return 1.0 / (base[:, None] ** exponents[None, :])
-    return rope_inv_freq(cfg).to(seq_lens.device)[None]
+    return rope_inv_freq(cfg, seq_lens.device)[None]
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,

@@ -3,8 +3,8 @@
 Model math (``layers.py``, the family files, ``phases.py``) never asks whether it is being
 compiled or on which CPU it runs: it calls ``ops.linear``, ``ops.attention`` and so on, and the
 backend hands it a bundle. :data:`REFERENCE_OPS` is plain torch (eager and export, the
-reference every test compares with); :func:`cpu_kernel_ops` is what the inductor backend binds
-on a CPU: neuronfx's ``small_gemm`` kernels for products of few rows (decode), fp32 products
+reference every test compares with, and what the inductor backend binds on CUDA, see
+:func:`compiled_ops`); :func:`cpu_kernel_ops` is what the inductor backend binds on a CPU: neuronfx's ``small_gemm`` kernels for products of few rows (decode), fp32 products
 where the CPU has no native 16-bit GEMM, and decode attention written as fp32 reductions that
 inductor fuses. Each kernel op is tested against its reference op (tests/test_kernels.py).
 """
@@ -223,6 +223,17 @@ def cpu_kernel_ops(dtype: str) -> Ops:
         attention=sdpa_fp32 if widen else sdpa,
         cached_attention=fused_cached_attention,
     )
+
+
+def compiled_ops(dtype: str, device: str) -> Ops:
+    """The ops the inductor backend binds for a plan of ``dtype`` on ``device`` (an
+    ``InferenceConfig.device``): :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
+    (F.linear is cuBLAS, SDPA picks a fused attention kernel), around which inductor generates
+    Triton kernels for the norms, RoPE, masks and sampler. The ``small_gemm`` kernels are CPU
+    code and are never bound on CUDA."""
+    if device == "cpu":
+        return cpu_kernel_ops(dtype)
+    return attrs.evolve(REFERENCE_OPS, name="cuda(torch+triton)")
 
 
 # --- tensor parallel ------------------------------------------------------------------------------

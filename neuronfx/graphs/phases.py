@@ -52,7 +52,7 @@ def _lookup(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor) -> Tensor:
     local = input_ids - plan.shard.vocab_start
     mine = (local >= 0) & (local < plan.shard.vocab_size)
     rows = embed[local.clamp(0, plan.shard.vocab_size - 1)]
-    return ops.parallel_out(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
+    return ops.parallel_out(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device)))
 
 
 def _embed(plan: Plan, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor,
@@ -83,7 +83,7 @@ def _rope_tables(plan: Plan, position_ids: Tensor, seq_lens: Tensor, dtype: torc
         if kind == ROPE_GLOBAL:
             tables.append(rope_tables(model, position_ids, seq_lens, dtype))
         elif kind == ROPE_LOCAL:
-            inv_freq = default_inv_freq(model.sliding_rope_theta, model.rotary_dim).to(position_ids.device)
+            inv_freq = default_inv_freq(model.sliding_rope_theta, model.rotary_dim, position_ids.device)
             tables.append(rope_cos_sin(position_ids, inv_freq, dtype))
         else:
             cos = _temperature(model, position_ids, dtype) if model.attn_temperature_tuning else torch.ones(

@@ -13,6 +13,7 @@ import torch
 from neuronfx.config.inputs import SamplerInputs, check_inputs
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import InputError
+from neuronfx.graphs.device import device_scope, plan_device, to_device, to_host
 from neuronfx.graphs.inputs import KVCache
 from neuronfx.runtime.runtime import Runtime
 
@@ -124,7 +125,9 @@ def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int,
     its GraphSpec. Raises InputError for a graph the plan does not have, ``inputs`` that are not
     the phase's record, or a tensor whose shape, dtype or layout does not match (naming the
     field). Token ids, slots and positions are the caller's to check (the steps validate them
-    before they build the record)."""
+    before they build the record). ``inputs`` are host tensors: on a CUDA plan they are copied
+    to its device without waiting (``graphs/device.py``) and the outputs come back to the host,
+    the step's one wait for the device; on the CPU nothing moves."""
     try:
         spec = runtime.plan.graph(phase, bsz, bucket)
     except KeyError:
@@ -133,5 +136,6 @@ def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int,
     if not isinstance(inputs, spec.record):
         raise InputError(f"{phase} graph inputs are a {type(inputs).__name__}; build a {spec.record.__name__} from its GraphSpec.")
     check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
-    with torch.no_grad():  # inference only; compiled graphs are specialised for no-grad
-        return runtime.graphs[spec.key](runtime.weights, kv, inputs)
+    plan = runtime.plan
+    with torch.no_grad(), device_scope(plan):  # inference only; compiled graphs are specialised for no-grad
+        return to_host(runtime.graphs[spec.key](runtime.weights, kv, to_device(inputs, plan_device(plan))))

@@ -29,10 +29,12 @@ class State:
     """Per-request mutable facts of a runtime, as a value.
 
     - ``kv``: the KV cache, one ``LayerKV(k, v)`` per layer, each
-      [num_slots, num_kv_heads, sequence_length, head_dim] in the plan's dtype; the last slot is scratch.
-    - ``output_counts``: [batch_size, vocab] int32, how often each token was sampled by the
-      request in each slot (presence/frequency/repetition penalties).
-    - ``prompt_mask``: [batch_size, vocab] bool, tokens of each slot's prompt (repetition penalty).
+      [num_slots, num_kv_heads, sequence_length, head_dim] in the plan's dtype, on the plan's
+      device; the last slot is scratch.
+    - ``output_counts``: [batch_size, vocab] int32 on the host, how often each token was sampled
+      by the request in each slot (presence/frequency/repetition penalties).
+    - ``prompt_mask``: [batch_size, vocab] bool on the host, tokens of each slot's prompt
+      (repetition penalty). Both go to the device with each step's inputs.
     - ``cache_lens``: tokens held per request slot, [batch_size] host ints.
     - ``generated``: tokens sampled so far per request slot, [batch_size] host ints (a seeded
       request's n-th draw depends only on its seed and n).
