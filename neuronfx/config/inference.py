@@ -64,6 +64,32 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         )
 
 
+def _check_prefix_caching(inf: InferenceConfig) -> None:
+    """The prefix-cache options fit the plan: a cached prefix is continued by the chunked-prefill
+    (prefill at an offset) graphs, whose chunks cover whole blocks."""
+    b = inf.prefix_block_size
+    if not inf.enable_prefix_caching:
+        return
+    if b >= inf.max_context_length:
+        raise ConfigError(
+            f"prefix_block_size={b} >= max_context_length={inf.max_context_length}: no prompt could reuse a block (one "
+            "token is always left to prefill); lower prefix_block_size (vLLM uses 16)."
+        )
+    chunk = getattr(inf, "prefill_chunk_size", None)
+    if chunk is None:
+        raise ConfigError(
+            "enable_prefix_caching=True needs prefill_chunk_size: the rest of a prompt after a cached prefix is prefilled "
+            "from that offset by the chunked-prefill graphs; set prefill_chunk_size (e.g. 128, a multiple of "
+            f"prefix_block_size={b})."
+        )
+    if chunk % b:
+        raise ConfigError(
+            f"prefix_block_size={b} does not divide prefill_chunk_size={chunk}: a chunk must end on a block boundary "
+            f"so that a prompt's cached and prefilled parts meet at whole blocks; pick a divisor of {chunk} (e.g. 16) "
+            "or a chunk size that is a multiple of it."
+        )
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class InferenceConfig:
     """Static options of a compiled runtime (the scope of NxD's ``NeuronConfig`` neuronfx covers).
@@ -101,6 +127,15 @@ class InferenceConfig:
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
     - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
       value is a ConfigError).
+    - ``enable_prefix_caching``: reuse the KV of prompt prefixes already computed (vLLM's
+      automatic prefix caching): full ``prefix_block_size``-token blocks of prompts are kept in
+      a pool of ``max_prefix_blocks`` blocks (``runtime/prefix_store.py``); a new prompt starting
+      with cached blocks gets them copied into its slot and only the rest is prefilled from that
+      offset (the chunked-prefill graphs: needs ``prefill_chunk_size``).
+    - ``prefix_block_size``: tokens per cached block (vLLM's ``block_size``, default 16); must
+      divide ``prefill_chunk_size``.
+    - ``max_prefix_blocks``: the cache's memory bound, blocks (bytes: ``runtime.prefix_pool.pool_nbytes``);
+      None derives ``batch_size * max_context_length // prefix_block_size`` (every slot's longest prompt).
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
@@ -126,6 +161,9 @@ class InferenceConfig:
     weight_group_size: int = attrs.field(default=32, validator=_group_size)
     quantize_lm_head: bool = attrs.field(default=True, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
+    enable_prefix_caching: bool = attrs.field(default=False, validator=boolean)
+    prefix_block_size: int = attrs.field(default=16, validator=positive_int)
+    max_prefix_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:
@@ -156,6 +194,7 @@ class InferenceConfig:
                 f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
                 "the neuron backend takes weight_format='float'."
             )
+        _check_prefix_caching(self)
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "

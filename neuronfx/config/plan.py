@@ -130,6 +130,23 @@ def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, specu
     return input_specs(PHASE_INPUTS[phase], dims)
 
 
+def check_prefix_rope(model: ModelConfig, inference: InferenceConfig) -> None:
+    """Raise ConfigError when prefix caching meets a RoPE whose tables depend on the prompt's
+    length (dynamic NTK past ``max_position_embeddings``, longrope past
+    ``original_max_position_embeddings``) and a prompt may be that long: the K of a cached
+    prefix would then be rotated for another prompt's length than the one reusing it."""
+    rs = model.rope_scaling
+    if not inference.enable_prefix_caching or rs is None or rs.rope_type not in ("dynamic", "longrope"):
+        return
+    limit = model.max_position_embeddings if rs.rope_type == "dynamic" else rs.original_max_position_embeddings
+    if inference.max_context_length > limit:
+        raise ConfigError(
+            f"enable_prefix_caching=True with rope_type={rs.rope_type!r} and max_context_length={inference.max_context_length} "
+            f"> {limit}: this RoPE rotates a prompt by its length past {limit} tokens, so a cached prefix would not match "
+            f"another prompt's; lower max_context_length to {limit} or compile without enable_prefix_caching."
+        )
+
+
 def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None, rank: int = 0) -> Plan:
     """Derive the plan of tensor-parallel rank ``rank``. Raises ConfigError when it cannot be
     split over ``tp_degree`` ranks (``config.sharding.check_tp``) or ``draft_layers`` is not
@@ -142,6 +159,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
             f"draft_layers={inference.draft_layers} must be < num_hidden_layers={model.num_hidden_layers} "
             "(the draft is the target's first layers)."
         )
+    check_prefix_rope(model, inference)
     prefill, decode = bucket_plan(inference)
     batches = batch_bucket_plan(inference)
     phases = [("prefill", prefill), ("decode", decode)]

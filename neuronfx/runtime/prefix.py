@@ -1,0 +1,128 @@
+"""Prefix caching over the step API: look a new request's prompt up, copy its cached blocks into
+the request's slot, and after the prompt's prefill put its new full blocks in the cache.
+
+A scheduler (``runtime/scheduler.py``) calls :func:`load_prefix` on admission: a slot with a hit
+becomes live holding the hit tokens (cache_len = p, generated 0), and the chunked-prefill step
+continues it from p; a miss leaves its slot free for an ordinary prefill from 0. Once a prompt is
+wholly prefilled, :func:`store_prefix` inserts its full blocks (evicting least recently used
+unused blocks to stay within the pool) and drops the references the lookup took. A request
+aborted in between gives them back with :func:`drop_prefix`.
+
+Every function validates before it changes anything and consumes its input state (the pool and
+the KV cache are updated in place), like the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from neuronfx.errors import InputError
+from neuronfx.runtime import prefix_store
+from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
+from neuronfx.runtime.prefix_store import Match, PrefixStats
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.state import State, advance
+from neuronfx.runtime.steps import check_prompts, check_slots
+
+
+def check_prefix(runtime: Runtime, state: State) -> None:
+    """Raise what ``check_state`` raises, and InputError when the state holds no prefix cache
+    (the plan was compiled without ``enable_prefix_caching``)."""
+    check_state(runtime, state)
+    if state.prefix is None:
+        raise InputError("this runtime does not cache prefixes; compile it with InferenceConfig(enable_prefix_caching=True, "
+                         "prefill_chunk_size=C).")
+
+
+def _check_rows(seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], matches: Sequence[Match] | None = None) -> None:
+    if not isinstance(seq_ids, (list, tuple)) or not isinstance(prompts, (list, tuple)) or len(seq_ids) != len(prompts):
+        raise InputError(f"give one prompt per slot: {len(seq_ids)} seq_ids, {len(prompts)} prompts (lists).")
+    if matches is not None and len(matches) != len(seq_ids):
+        raise InputError(f"give one Match per slot: {len(seq_ids)} seq_ids, {len(matches)} matches.")
+
+
+def load_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                ) -> tuple[tuple[Match, ...], State]:
+    """Look each prompt up and copy its cached leading blocks (at most ``len - 1`` tokens' worth)
+    into its free slot ``seq_ids[r]``. A slot with a hit of p tokens becomes live with
+    ``cache_len = p``, ``generated = 0``, its prompt mask the p tokens and its output counts
+    zero; a miss leaves the slot free. Each Match holds references on its blocks until
+    :func:`store_prefix` or :func:`drop_prefix`. Returns (matches, new state).
+
+    Raises (before any change) InputError (no prefix cache, row counts differ), SlotError (slot
+    out of range, duplicate or live), EmptyPromptError, PromptTooLongError, TokenOutOfVocabError,
+    StateConsumedError / StateMismatchError."""
+    check_prefix(runtime, state)
+    _check_rows(seq_ids, prompts)
+    check_slots(state, seq_ids, live=False)
+    check_prompts(runtime, prompts)
+    store, matches = state.prefix.store, []
+    for prompt in prompts:
+        store, hit = prefix_store.match(store, prompt, runtime.prefix_key)
+        matches.append(hit)
+    cache_lens, live = list(state.cache_lens), list(state.live)
+    hits = [(s, p, m) for s, p, m in zip(seq_ids, prompts, matches) if m.num_blocks]
+    for s, _, m in hits:
+        cache_lens[s], live[s] = m.num_tokens, True
+    new = advance(state, cache_lens=tuple(cache_lens), generated=state.generated, live=tuple(live), rng_key=state.rng_key,
+                  prefix=attrs.evolve(state.prefix, store=store))
+    for s, p, m in hits:  # after the lease is revoked: an interrupt leaves the old state consumed, never half-updated
+        copy_to_slot(new.kv, new.prefix.pool, s, m.blocks)
+        new.prompt_mask[s] = False
+        new.prompt_mask[s, torch.tensor(list(p[: m.num_tokens]), dtype=torch.long)] = True
+        new.output_counts[s] = 0
+    return tuple(matches), new
+
+
+def store_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                 matches: Sequence[Match]) -> State:
+    """After ``prompts`` were prefilled into live slots ``seq_ids`` (their cache holds at least
+    the prompt), cache their full blocks (new ones are copied from the slot into the pool,
+    evicting least recently used unused blocks when it is full) and drop the references of
+    ``matches`` (what :func:`load_prefix` returned for them). Returns the new state.
+
+    Raises (before any change) InputError (no prefix cache, counts differ, a slot holding fewer
+    tokens than its prompt, a match that is not this prompt's), SlotError (slot out of range,
+    duplicate or free), StateConsumedError / StateMismatchError."""
+    check_prefix(runtime, state)
+    _check_rows(seq_ids, prompts, matches)
+    check_slots(state, seq_ids, live=True)
+    b = state.prefix.store.block_size
+    for s, p, m in zip(seq_ids, prompts, matches):
+        if state.cache_lens[s] < len(p):
+            raise InputError(f"slot {s} holds {state.cache_lens[s]} tokens < its prompt's {len(p)}; store a prompt "
+                             "once it is prefilled.")
+        if not isinstance(m, Match) or len(m.hashes) != len(p) // b:
+            raise InputError(f"slot {s}: pass the Match load_prefix returned for this prompt.")
+    store = state.prefix.store
+    for m in matches:
+        store = prefix_store.release(store, m.hashes[: m.num_blocks])
+    placed = []
+    for p, m in zip(prompts, matches):
+        store, placements = prefix_store.insert(store, p, m.hashes, runtime.prefix_key)
+        placed.append(placements)
+    new = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
+                  prefix=attrs.evolve(state.prefix, store=store))
+    for s, placements in zip(seq_ids, placed):
+        copy_to_pool(new.kv, new.prefix.pool, s, placements)
+    return new
+
+
+def drop_prefix(runtime: Runtime, state: State, matches: Sequence[Match]) -> State:
+    """Drop the references of ``matches`` without caching anything (a request aborted before
+    its prompt was prefilled). Raises InputError (no prefix cache, a reference not held)."""
+    check_prefix(runtime, state)
+    store = state.prefix.store
+    for m in matches:
+        store = prefix_store.release(store, m.hashes[: m.num_blocks])
+    return advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
+                   prefix=attrs.evolve(state.prefix, store=store))
+
+
+def prefix_stats(state: State) -> PrefixStats | None:
+    """The prefix cache's counters (tokens queried and hit, blocks evicted and inserted), or
+    None when the state has no prefix cache."""
+    return None if state.prefix is None else state.prefix.store.stats
