@@ -103,7 +103,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size")
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size",
+                "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -131,6 +132,12 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                    help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
     p.add_argument("--weight-group-size", type=int, metavar="G",
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
+    p.add_argument("--enable-prefix-caching", action="store_const", const=True,
+                   help="reuse the KV of cached prompt prefixes (full blocks; needs --prefill-chunk-size)")
+    p.add_argument("--prefix-block-size", type=int, metavar="B",
+                   help=f"tokens per cached prefix block; divides --prefill-chunk-size (default {defaults.prefix_block_size})")
+    p.add_argument("--max-prefix-blocks", type=int, metavar="N",
+                   help="prefix-cache memory bound, blocks (default: batch size x max context length / block size)")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,6 +28,8 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError
+from neuronfx.runtime.prefix import prefix_stats
+from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
 from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, abort, step, submit
 from neuronfx.runtime.state import State
@@ -133,6 +135,7 @@ class Engine:
         self._next_id = 0
         # owned by the engine thread alone
         self._live: dict[int, _Live] = {}
+        self._prefix_seen = PrefixStats()  # the state's prefix-cache counters already added to the metrics
         self._thread = threading.Thread(target=self._run, name="neuronfx-engine", daemon=True)
         for reason in ("stop", "length", "abort", "error"):
             metrics.requests.labels(reason)  # listed at 0 from the start
@@ -228,6 +231,7 @@ class Engine:
                     for index in list(self._live):
                         self._finish(index, _ended(index, "error"))
                     state, queue = init_state(runtime), Queue()
+                    self._prefix_seen = PrefixStats()
             self._gauges(state, queue)  # before the events go out: a client that has its answer sees its slot free
             self._route(events)
 
@@ -286,6 +290,13 @@ class Engine:
         self.metrics.running.set(len(queue.running))
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
+        stats = prefix_stats(state)
+        if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
+            seen, m = self._prefix_seen, self.metrics
+            m.prefix_queries.inc(stats.queries - seen.queries)
+            m.prefix_hits.inc(stats.hits - seen.hits)
+            m.prefix_evictions.inc(stats.evictions - seen.evictions)
+            self._prefix_seen = stats
 
 
 def _ended(index: int, reason: str) -> TokenEvent:
