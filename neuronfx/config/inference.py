@@ -35,6 +35,21 @@ def _group_size(inst: object, attribute: attrs.Attribute, value: object) -> None
         )
 
 
+def _chunk_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(
+            f"InferenceConfig.prefill_chunk_size={value!r} must be None (prefill whole prompts) or an int >= 1 "
+            "(tokens per chunk); pass e.g. 128."
+        )
+
+
+def prefill_limit(inference: InferenceConfig) -> int:
+    """Longest prompt one prefill graph takes, tokens: ``max_context_length``, or
+    ``prefill_chunk_size`` when that is smaller (longer prompts are prefilled in chunks)."""
+    chunk = inference.prefill_chunk_size
+    return inference.max_context_length if chunk is None else min(chunk, inference.max_context_length)
+
+
 def _buckets(value: object) -> object:
     """None, or a list/tuple of bucket sizes as a tuple; anything else is left for the check."""
     return tuple(value) if isinstance(value, (list, tuple, range)) else value
@@ -75,7 +90,7 @@ def _check_prefix_caching(inf: InferenceConfig) -> None:
             f"prefix_block_size={b} >= max_context_length={inf.max_context_length}: no prompt could reuse a block (one "
             "token is always left to prefill); lower prefix_block_size (vLLM uses 16)."
         )
-    chunk = getattr(inf, "prefill_chunk_size", None)
+    chunk = inf.prefill_chunk_size
     if chunk is None:
         raise ConfigError(
             "enable_prefix_caching=True needs prefill_chunk_size: the rest of a prompt after a cached prefix is prefilled "
@@ -99,7 +114,8 @@ class InferenceConfig:
     - ``batch_buckets``: compiled batch sizes (rows per graph), strictly increasing and ending at
       ``batch_size``; a step over n rows runs in the smallest one >= n. Derived when None:
       1, 2, 4, ... below ``batch_size``, then ``batch_size`` (only ``batch_size`` without bucketing).
-    - ``max_context_length``: longest prompt, tokens (largest prefill bucket).
+    - ``max_context_length``: longest prompt, tokens (largest prefill bucket unless
+      ``prefill_chunk_size`` is smaller).
     - ``sequence_length``: KV-cache length per slot, tokens (prompt + generated).
     - ``enable_bucketing``: derive power-of-two bucket ladders; otherwise one bucket per phase.
     - ``prefill_buckets`` / ``decode_buckets``: explicit ladders (tokens), override derivation.
@@ -125,6 +141,12 @@ class InferenceConfig:
       LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
     - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
+    - ``prefill_chunk_size``: C >= 1 prefills a prompt longer than C in chunks of at most C
+      tokens ("chunk" graphs: C new tokens per row against the slot's cache, one per batch bucket
+      and decode bucket >= C); the prefill buckets then stop at C (:func:`prefill_limit`), so
+      ``max_context_length`` may reach ``sequence_length`` without a prefill graph that long.
+      None (default): whole prompts, one prefill pass. Not with speculation (a draft's cache
+      would have to follow every chunk).
     - ``device``: where weights, KV cache and step inputs live; only "cpu" for now (any other
       value is a ConfigError).
     - ``enable_prefix_caching``: reuse the KV of prompt prefixes already computed (vLLM's
@@ -161,6 +183,7 @@ class InferenceConfig:
     weight_group_size: int = attrs.field(default=32, validator=_group_size)
     quantize_lm_head: bool = attrs.field(default=True, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
+    prefill_chunk_size: int | None = attrs.field(default=None, validator=_chunk_size)
     enable_prefix_caching: bool = attrs.field(default=False, validator=boolean)
     prefix_block_size: int = attrs.field(default=16, validator=positive_int)
     max_prefix_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
@@ -172,7 +195,9 @@ class InferenceConfig:
                 "a prompt must fit in the KV cache: lower max_context_length or raise sequence_length."
             )
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
-        _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
+        self._check_chunking()
+        limit_field = "max_context_length" if self.prefill_chunk_size is None else "min(prefill_chunk_size, max_context_length)"
+        _check_bucket_list("prefill_buckets", self.prefill_buckets, limit_field, prefill_limit(self))
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
         if self.speculation_length == 1 or self.speculation_length >= self.sequence_length:
             raise ConfigError(
@@ -199,4 +224,21 @@ class InferenceConfig:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
+            )
+
+    def _check_chunking(self) -> None:
+        """ConfigError for a ``prefill_chunk_size`` no prompt would be chunked with, or one combined
+        with an option chunked prefill does not support."""
+        chunk = self.prefill_chunk_size
+        if chunk is None:
+            return
+        if chunk > self.max_context_length:
+            raise ConfigError(
+                f"prefill_chunk_size={chunk} > max_context_length={self.max_context_length}: no prompt would be chunked "
+                f"and the chunk graphs would be larger than any prompt; lower prefill_chunk_size or drop it."
+            )
+        if self.speculation_length:
+            raise ConfigError(
+                f"prefill_chunk_size={chunk} with speculation_length={self.speculation_length}: chunked prefill does not "
+                "drive a draft (a draft model's cache would have to follow every chunk); drop one of them."
             )

@@ -45,6 +45,7 @@ from neuronfx.graphs.phases import (
     GraphModule,
     PhaseParts,
     build_module,
+    chunk_layers,
     decode_epilogue,
     decode_layers,
     draft_epilogue,
@@ -78,10 +79,11 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int 
 
 
 def phase_group_size(plan: Plan, phase: str) -> int:
-    """Layers per compiled call of ``phase``'s graphs (:data:`PREFILL_LAYER_GROUP` for prefill,
+    """Layers per compiled call of ``phase``'s graphs (:data:`PREFILL_LAYER_GROUP` for prefill
+    and chunk, whose calls are long enough that their overhead does not count,
     :data:`MAX_LAYER_GROUP` at most for the others)."""
     n = phase_num_layers(plan, phase)
-    limit = PREFILL_LAYER_GROUP if phase == "prefill" else MAX_LAYER_GROUP
+    limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk") else MAX_LAYER_GROUP
     return layer_group_size(n, limit, period=layer_period(plan.model, n))
 
 
@@ -89,6 +91,7 @@ BUCKET_DIMS: dict[Callable, tuple[tuple[int, int], ...]] = {
     prefill_layers: ((2, 1), (3, 3), (4, 3), (6, 3), (6, 4)),  # h (B, T, hidden), cos/sin (R, B, 1, T, D), mask (M, B, 1, T, T)
     prefill_epilogue: ((2, 1),),  # h (B, T, hidden)
     decode_layers: ((7, 4),),  # mask (M, B, 1, T, S)
+    chunk_layers: ((8, 4),),  # mask (M, B, 1, T, S); T is the chunk size in every chunk graph
     decode_epilogue: (),
     speculate_epilogue: (),
     draft_epilogue: (),
