@@ -1,7 +1,10 @@
 """Prefix caching over the step API: look a new request's prompt up, copy its cached blocks into
 the request's slot, and after the prompt's prefill put its new full blocks in the cache.
 
-A scheduler (``runtime/scheduler.py``) calls :func:`load_prefix` on admission: a slot with a hit
+:func:`prefill_cached` is all of it as one step with :func:`neuronfx.prefill_step`'s signature
+(the reference scheduler runs it instead of ``prefill_step`` when the plan caches prefixes).
+Its parts, for a scheduler that interleaves chunks with decode steps: :func:`load_prefix` on
+admission: a slot with a hit
 becomes live holding the hit tokens (cache_len = p, generated 0), and the chunked-prefill step
 continues it from p; a miss leaves its slot free for an ordinary prefill from 0. Once a prompt is
 wholly prefilled, :func:`store_prefix` inserts its full blocks (evicting least recently used
@@ -21,11 +24,21 @@ import torch
 
 from neuronfx.errors import InputError
 from neuronfx.runtime import prefix_store
+from neuronfx.runtime.chunked import ChunkBatch, chunk_step
 from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
 from neuronfx.runtime.prefix_store import Match, PrefixStats
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State, advance
-from neuronfx.runtime.steps import check_prompts, check_slots
+from neuronfx.runtime.steps import (
+    PrefillBatch,
+    StepOutput,
+    check_batch,
+    check_params,
+    check_prompts,
+    check_rows,
+    check_slots,
+    prefill_step,
+)
 
 
 def check_prefix(runtime: Runtime, state: State) -> None:
@@ -126,3 +139,62 @@ def prefix_stats(state: State) -> PrefixStats | None:
     """The prefix cache's counters (tokens queried and hit, blocks evicted and inserted), or
     None when the state has no prefix cache."""
     return None if state.prefix is None else state.prefix.store.stats
+
+
+def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
+    """:func:`neuronfx.prefill_step` reusing cached prefixes: prefill ``batch.prompts`` into free
+    slots ``batch.seq_ids`` and return each row's first token.
+
+    Each prompt is looked up (:func:`load_prefix`); rows with a hit, and prompts longer than the
+    largest prefill bucket, are prefilled from their offset by ``chunk_step`` in chunks of at most
+    ``prefill_chunk_size`` tokens (all such rows together, one chunk each per step); the other rows
+    by one ``prefill_step``, as without prefix caching. Then every prompt's full blocks are cached
+    (:func:`store_prefix`). The output's rows are the batch's; ``bucket`` and ``batch_size`` are
+    those of the last graph run. Prompts may be as long as ``max_context_length``.
+
+    Raises (before any change) what :func:`prefill_step` raises (InputError, BatchTooLargeError,
+    SlotError, EmptyPromptError, PromptTooLongError, TokenOutOfVocabError, SamplingParamsError,
+    StateConsumedError / StateMismatchError), and InputError when the runtime caches no prefixes.
+    """
+    check_prefix(runtime, state)
+    check_batch(batch, PrefillBatch)
+    check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
+    check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
+    check_slots(state, batch.seq_ids, live=False)
+    check_prompts(runtime, batch.prompts)
+    check_params(runtime, batch.sampling)
+
+    slots, prompts, n = list(batch.seq_ids), list(batch.prompts), len(batch.seq_ids)
+    matches, state = load_prefix(runtime, state, slots, prompts)
+    whole = [r for r in range(n) if not matches[r].num_blocks and len(prompts[r]) <= runtime.plan.prefill_buckets[-1]]
+    rows: dict[int, tuple] = {}  # row -> (token, logits, logprobs, finite)
+    last = None
+    if whole:
+        sub = PrefillBatch(seq_ids=[slots[r] for r in whole], prompts=[prompts[r] for r in whole],
+                           sampling=[batch.sampling[r] for r in whole])
+        last, state = prefill_step(runtime, state, sub)
+        for i, r in enumerate(whole):
+            rows[r] = _row(last, i)
+    done = {r: m.num_tokens for r, m in enumerate(matches) if r not in rows}  # row -> prompt tokens in its slot
+    size = runtime.plan.inference.prefill_chunk_size
+    while any(done[r] < len(prompts[r]) for r in done):
+        todo = [r for r in done if done[r] < len(prompts[r])]
+        chunks = [prompts[r][done[r]:done[r] + size] for r in todo]
+        final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(todo, chunks)]
+        cb = ChunkBatch(seq_ids=[slots[r] for r in todo], chunks=chunks, sampling=[batch.sampling[r] for r in todo], final=final)
+        last, state = chunk_step(runtime, state, cb)
+        for i, (r, c) in enumerate(zip(todo, chunks)):
+            done[r] += len(c)
+            if final[i]:
+                rows[r] = _row(last, i)
+    state = store_prefix(runtime, state, slots, prompts, matches)
+    ordered = [rows[r] for r in range(n)]
+    logits = None if last.logits is None else torch.stack([row[1] for row in ordered])
+    return StepOutput(tokens=tuple(row[0] for row in ordered), new_tokens=tuple((row[0],) for row in ordered), logits=logits,
+                      logprobs=tuple(row[2] for row in ordered), bucket=last.bucket, batch_size=last.batch_size,
+                      finite=tuple(row[3] for row in ordered), num_drafted=(0,) * n), state
+
+
+def _row(out: StepOutput, i: int) -> tuple:
+    """(token, logits [vocab] or None, logprobs, finite) of row ``i`` of ``out``."""
+    return (out.tokens[i], None if out.logits is None else out.logits[i], out.logprobs[i], out.finite[i])

@@ -2,7 +2,9 @@
 
 Read it as a template for your own. Each iteration of :func:`schedule`:
 
-1. admit: while requests wait and slots are free, prefill the oldest waiting ones (one step);
+1. admit: while requests wait and slots are free, prefill the oldest waiting ones (one step;
+   with ``enable_prefix_caching``, :func:`neuronfx.runtime.prefix.prefill_cached`: cached
+   prefixes are copied in and the rest prefilled from there);
 2. decode: every running request advances (one step, padded to a batch bucket): by one token
    with ``decode_step``, or, when the runtime can speculate, by 1 to k tokens with
    ``speculate_step`` (rows with no room left for k more tokens take a ``decode_step``); a
@@ -33,6 +35,7 @@ import attrs
 from neuronfx.config.families import FAMILIES
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import InputError, SequenceLengthExceededError
+from neuronfx.runtime.prefix import prefill_cached
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
 from neuronfx.runtime.state import State
@@ -218,7 +221,8 @@ def step(
         t0 = time.perf_counter()
         batch = PrefillBatch(seq_ids=[r.slot for r in admitted], prompts=[r.request.prompt for r in admitted],
                              sampling=[r.request.sampling for r in admitted])
-        out, state = prefill_step(runtime, state, batch)
+        prefill = prefill_cached if runtime.plan.inference.enable_prefix_caching else prefill_step
+        out, state = prefill(runtime, state, batch)
         queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0)
         state, queue = _finish_step(runtime, state, queue, admitted, out, tokenizer, eos_token_ids, events, speculative, first=True)
     running, queue = list(queue.running), attrs.evolve(queue, running=())
