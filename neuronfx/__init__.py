@@ -18,6 +18,7 @@ from neuronfx.runtime import (
     GenerateResult,
     Logprobs,
     PrefillBatch,
+    PrefixStats,
     Request,
     Runtime,
     SpeculateBatch,
@@ -29,7 +30,9 @@ from neuronfx.runtime import (
     decode_step,
     generate,
     init_state,
+    prefill_cached,
     prefill_step,
+    prefix_stats,
     release,
     schedule,
     speculate_step,
@@ -40,7 +43,7 @@ from neuronfx.version import __version__
 
 __all__ = [
     "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
-    "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
-    "__version__", "chunk_step", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_step",
-    "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
+    "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
+    "__version__", "chunk_step", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
+    "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

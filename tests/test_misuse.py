@@ -54,6 +54,7 @@ from neuronfx.errors import (
     TokenOutOfVocabError,
     UnsupportedModelError,
 )
+from neuronfx.runtime.prefix import load_prefix
 from neuronfx.runtime.scheduler import Queue, abort, submit
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
@@ -314,6 +315,27 @@ CASES: dict[str, Case] = {
     "config-speculation-length-whole-cache": Case(ConfigError, "`speculation_length=64` with `sequence_length=64` (no room after a prompt)",
                                                   lambda c: inference(speculation_length=64),
                                                   ("speculation_length=64", "[2, sequence_length - 1 = 63]")),
+    "config-prefix-caching-without-chunks": Case(ConfigError, "`enable_prefix_caching=True` without `prefill_chunk_size`",
+                                                 lambda c: inference(enable_prefix_caching=True),
+                                                 ("enable_prefix_caching=True", "needs prefill_chunk_size", "set prefill_chunk_size")),
+    "config-prefix-block-not-dividing-chunk": Case(ConfigError, "`prefix_block_size=6` with `prefill_chunk_size=16`",
+                                                   lambda c: inference(enable_prefix_caching=True, prefill_chunk_size=16,
+                                                                       prefix_block_size=6),
+                                                   ("prefix_block_size=6", "prefill_chunk_size=16", "pick a divisor of 16")),
+    "config-prefix-block-whole-context": Case(ConfigError, "`prefix_block_size=32` with `max_context_length=32`",
+                                              lambda c: inference(enable_prefix_caching=True, prefill_chunk_size=32,
+                                                                  prefix_block_size=32),
+                                              ("prefix_block_size=32", "max_context_length=32", "lower prefix_block_size")),
+    "config-prefix-blocks-zero": Case(ConfigError, "`max_prefix_blocks=0`",
+                                      lambda c: inference(max_prefix_blocks=0), ("max_prefix_blocks=0", ">= 1")),
+    "plan-prefix-caching-length-dependent-rope": Case(
+        ConfigError, "`enable_prefix_caching=True`, dynamic RoPE past `max_position_embeddings=16`, `max_context_length=32`",
+        lambda c: make_plan(model_config(max_position_embeddings=16, rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0)),
+                            inference(enable_prefix_caching=True, prefill_chunk_size=8, prefix_block_size=4)),
+        ("rope_type='dynamic'", "max_context_length=32 > 16", "lower max_context_length to 16")),
+    "prefix-load-without-cache": Case(InputError, "`load_prefix` on a runtime compiled without prefix caching",
+                                      lambda c: load_prefix(c.rt, c.state, [1], [[1, 2]]),
+                                      ("does not cache prefixes", "enable_prefix_caching=True")),
     "config-buckets-not-a-list": Case(ConfigError, "`InferenceConfig(prefill_buckets=16)`",
                                       lambda c: inference(prefill_buckets=16), ("prefill_buckets=16", "list of bucket sizes", "e.g. [16]")),
     "config-json-unknown-key": Case(ConfigError, "JSON config with an unknown key `bogus`",

@@ -3,6 +3,8 @@ and generate. Compiling (which reads checkpoints and the compile cache) is ``neu
 
 from neuronfx.runtime.chunked import ChunkBatch, chunk_step
 from neuronfx.runtime.generate import GenerateResult, generate, stream_generate
+from neuronfx.runtime.prefix import prefill_cached, prefix_stats
+from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state, with_draft
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
@@ -16,6 +18,7 @@ __all__ = [
     "GenerateResult",
     "Logprobs",
     "PrefillBatch",
+    "PrefixStats",
     "Request",
     "Runtime",
     "SpeculateBatch",
@@ -27,7 +30,9 @@ __all__ = [
     "decode_step",
     "generate",
     "init_state",
+    "prefill_cached",
     "prefill_step",
+    "prefix_stats",
     "release",
     "schedule",
     "speculate_step",
