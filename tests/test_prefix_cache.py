@@ -219,3 +219,22 @@ def test_load_and_store_check_their_inputs(rt_on, rt_off) -> None:
         store_prefix(rt_on, state, [2], [BASE[:9]], matches)
     with pytest.raises(InputError, match="does not cache prefixes"):
         prefill_cached(rt_off, neuronfx.init_state(rt_off), PrefillBatch(seq_ids=[0], prompts=[[1]], sampling=[GREEDY]))
+
+
+def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
+    """The engine adds each step's growth of the state's counters to /metrics (vLLM-like names)."""
+    from neuronfx.server.engine import Engine
+    from neuronfx.server.metrics import make_metrics
+
+    rt = _bounded(hf, 3)
+    metrics = make_metrics()
+    engine = Engine(lambda: None, max_waiting=0, metrics=metrics)
+    state = neuronfx.init_state(rt)
+    for prompt in (BASE[:13], BASE[:13], tail(9, 30)):
+        _, state = run(rt, state, [prompt])
+        engine._gauges(state, Queue())
+    text = metrics.render().decode()
+    stats = prefix_stats(state)
+    assert (stats.queries, stats.hits, stats.evictions) == (35, 12, 2)
+    for name, value in (("queries", 35), ("hits", 12), ("evictions", 2)):
+        assert f"neuronfx_prefix_cache_{name}_total {value:.1f}" in text
