@@ -82,7 +82,7 @@ def copy_to_slot(kv: KVCache, pool: KVCache, slot: int, blocks: Sequence[int]) -
         for dst, src in ((layer.k, cached.k), (layer.v, cached.v)):
             n, heads, b, d = len(blocks), src.shape[1], src.shape[2], src.shape[3]
             x = src.index_select(0, idx)  # (n, n_kv_heads, B, head_dim)
-            dst[slot, :, : n * b] = x.permute(1, 0, 2, 3).reshape(heads, n * b, d)  # (n_kv_heads, n*B, head_dim)
+            dst[slot, :, : n * b].view(heads, n, b, d).copy_(x.permute(1, 0, 2, 3))  # one gather, one strided copy
 
 
 def copy_to_pool(kv: KVCache, pool: KVCache, slot: int, placements: Sequence[tuple[int, int]]) -> None:
