@@ -103,7 +103,7 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size",
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "prefill_chunk_size",
                 "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
@@ -128,6 +128,9 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
     p.add_argument("--sequence-parallel", action="store_const", const=True,
                    help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
+    p.add_argument("--prefill-chunk-size", type=int, metavar="C",
+                   help="prefill prompts longer than C tokens in chunks of C (prefill graphs stop at C, so --max-context-length "
+                        "may reach --sequence-length; a long prompt no longer stalls running requests; default: whole prompts)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS,
                    help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
     p.add_argument("--weight-group-size", type=int, metavar="G",

@@ -258,3 +258,63 @@ def test_long_prompt_fills_max_context_length():
                                            rng_key=state.rng_key)
     with pytest.raises(PromptTooLongError, match="max_context_length=32"):
         chunk_step(rt, state, ChunkBatch(seq_ids=[0], chunks=[[1] * 5], sampling=[GREEDY], final=[True]))
+
+
+# --- the scheduler ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 7, 32])
+def test_generate_with_chunks_equals_unchunked(size):
+    """generate() chunks the prompts longer than the chunk size (prefills the others): the same
+    greedy tokens as whole-prompt prefill, for more prompts than slots."""
+    ref, rt = runtimes(size)
+    prompts = [random_prompt(n, seed=n) for n in (30, 3, 17, 9, 25, 32)]
+    want, _ = neuronfx.generate(ref, neuronfx.init_state(ref), prompts, max_new_tokens=5)
+    got, state = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=5)
+    assert got.token_ids == want.token_ids and not any(state.live)
+
+
+@pytest.mark.parametrize(("budget", "chunk_lens"), [(None, [7, 7, 7, 7, 2]), (5, [3] * 10)])
+def test_long_prompt_admitted_while_others_decode(budget, chunk_lens):
+    """Two requests decode; a 30-token prompt arrives. Each iteration both running requests get
+    a token and the prompt advances one chunk (budget 11 = chunk 7 + 4 slots: chunks of 7; budget
+    5 with 2 decoding: chunks of 3), then it runs too; everyone's tokens equal a solo run."""
+    ref, rt = runtimes(7)
+    from neuronfx.runtime.scheduler import Queue, Request, step, submit
+
+    short = [random_prompt(5, seed=1), random_prompt(6, seed=2)]  # both fit the prefill bucket (7)
+    long = random_prompt(30, seed=3)
+    solo = [neuronfx.generate(ref, neuronfx.init_state(ref), [p], max_new_tokens=16)[0].token_ids[0] for p in short + [long]]
+    state, queue, eos, tokens = neuronfx.init_state(rt), Queue(), frozenset(), {0: [], 1: [], 2: []}
+    for i, p in enumerate(short):
+        queue = submit(queue, i, Request(prompt=tuple(p), sampling=GREEDY, max_tokens=16))
+    events, state, queue = step(rt, state, queue, eos, max_num_batched_tokens=budget)
+    queue = submit(queue, 2, Request(prompt=tuple(long), sampling=GREEDY, max_tokens=16))
+    seen = []
+    while not queue.idle:
+        for e in events:
+            tokens[e.index].append(e.token_id)
+        computed = queue.prefilling[0].computed if queue.prefilling else None
+        events, state, queue = step(rt, state, queue, eos, max_num_batched_tokens=budget)
+        if queue.prefilling or (computed is not None and not tokens[2]):
+            seen.append((queue.prefilling[0].computed if queue.prefilling else 30) - (computed or 0))
+            assert sorted(e.index for e in events if e.index != 2) == [0, 1]  # the running ones decode every iteration
+            assert len([e for e in events if e.index == 2]) == (0 if queue.prefilling else 2)  # first token, then decoded
+    for e in events:
+        tokens[e.index].append(e.token_id)
+    assert seen == chunk_lens
+    assert [tuple(tokens[i]) for i in range(3)] == list(solo)
+
+
+def test_budget_and_config_errors():
+    _, rt = runtimes(7)
+    from neuronfx.runtime.scheduler import Queue, step
+
+    for bad in (0, 1.5, True):
+        with pytest.raises(InputError, match="max_num_batched_tokens"):
+            step(rt, neuronfx.init_state(rt), Queue(), frozenset(), max_num_batched_tokens=bad)
+    for bad, match in (({"prefill_chunk_size": 0}, ">= 1"), ({"prefill_chunk_size": 33}, "> max_context_length"),
+                       ({"prefill_chunk_size": 8, "speculation_length": 3}, "speculation"),
+                       ({"prefill_chunk_size": 8, "prefill_buckets": (8, 16)}, "prefill_chunk_size")):
+        with pytest.raises(ConfigError, match=match):
+            InferenceConfig(max_context_length=32, sequence_length=64, **bad)

@@ -196,7 +196,7 @@ class InferenceConfig:
             )
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
         self._check_chunking()
-        limit_field = "max_context_length" if self.prefill_chunk_size is None else "min(prefill_chunk_size, max_context_length)"
+        limit_field = "max_context_length" if self.prefill_chunk_size is None else "prefill_chunk_size"  # <= max_context_length
         _check_bucket_list("prefill_buckets", self.prefill_buckets, limit_field, prefill_limit(self))
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
         if self.speculation_length == 1 or self.speculation_length >= self.sequence_length:

@@ -149,7 +149,7 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
     largest prefill bucket, are prefilled from their offset by ``chunk_step`` in chunks of at most
     ``prefill_chunk_size`` tokens (all such rows together, one chunk each per step); the other rows
     by one ``prefill_step``, as without prefix caching. Then every prompt's full blocks are cached
-    (:func:`store_prefix`). The output's rows are the batch's; ``bucket`` and ``batch_size`` are
+    (:func:`store_prefix`), except a row whose logits were NaN/inf. The output's rows are the batch's; ``bucket`` and ``batch_size`` are
     those of the last graph run. Prompts may be as long as ``max_context_length``.
 
     Raises (before any change) what :func:`prefill_step` raises (InputError, BatchTooLargeError,
@@ -187,8 +187,11 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
             done[r] += len(c)
             if final[i]:
                 rows[r] = _row(last, i)
-    state = store_prefix(runtime, state, slots, prompts, matches)
     ordered = [rows[r] for r in range(n)]
+    ok = [r for r in range(n) if ordered[r][3]]  # a row whose logits were NaN/inf caches nothing
+    state = store_prefix(runtime, state, [slots[r] for r in ok], [prompts[r] for r in ok], [matches[r] for r in ok])
+    if len(ok) < n:
+        state = drop_prefix(runtime, state, [matches[r] for r in range(n) if r not in ok])
     logits = None if last.logits is None else torch.stack([row[1] for row in ordered])
     return StepOutput(tokens=tuple(row[0] for row in ordered), new_tokens=tuple((row[0],) for row in ordered), logits=logits,
                       logprobs=tuple(row[2] for row in ordered), bucket=last.bucket, batch_size=last.batch_size,

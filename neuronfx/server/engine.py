@@ -287,7 +287,7 @@ class Engine:
         live.sink.put((live.choice, event))
 
     def _gauges(self, state: State, queue: Queue) -> None:
-        self.metrics.running.set(len(queue.running))
+        self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
         stats = prefix_stats(state)
