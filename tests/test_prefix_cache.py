@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 from helpers import GREEDY, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import neuronfx
@@ -149,6 +149,7 @@ prompt_parts = st.lists(st.tuples(st.sampled_from([0, 4, 6, 9, 12, 17]), st.inte
 
 
 @settings(max_examples=8, deadline=None)
+@example(parts=[(12, 1, 4)], bound=None, aborts=[3, 4], max_tokens=4)  # aborts a chunked request once it decodes
 @given(parts=prompt_parts, bound=st.sampled_from([3, None]), aborts=st.lists(st.integers(0, 5), max_size=2),
        max_tokens=st.integers(1, 4))
 def test_random_submit_step_abort_against_solo_runs(rt_on, rt_off, hf, parts, bound, aborts, max_tokens) -> None:
@@ -238,3 +239,17 @@ def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
     assert (stats.queries, stats.hits, stats.evictions) == (35, 12, 2)
     for name, value in (("queries", 35), ("hits", 12), ("evictions", 2)):
         assert f"neuronfx_prefix_cache_{name}_total {value:.1f}" in text
+
+
+def test_cli_plan_options() -> None:
+    import argparse
+
+    from neuronfx import cli
+
+    p = argparse.ArgumentParser()
+    cli._plan_options(p)
+    args = p.parse_args(["--enable-prefix-caching", "--prefill-chunk-size", "32", "--prefix-block-size", "8",
+                         "--max-prefix-blocks", "100"])
+    inf = cli._inference(args)
+    assert (inf.enable_prefix_caching, inf.prefill_chunk_size, inf.prefix_block_size, inf.max_prefix_blocks) == (True, 32, 8, 100)
+    assert not cli._inference(p.parse_args([])).enable_prefix_caching

@@ -181,7 +181,8 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
         todo = [r for r in done if done[r] < len(prompts[r])]
         chunks = [prompts[r][done[r]:done[r] + size] for r in todo]
         final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(todo, chunks)]
-        cb = ChunkBatch(seq_ids=[slots[r] for r in todo], chunks=chunks, sampling=[batch.sampling[r] for r in todo], final=final)
+        cb = ChunkBatch(seq_ids=[slots[r] for r in todo], chunks=chunks, sampling=[batch.sampling[r] for r in todo], final=final,
+                        prompt_lens=[len(prompts[r]) for r in todo])
         last, state = chunk_step(runtime, state, cb)
         for i, (r, c) in enumerate(zip(todo, chunks)):
             done[r] += len(c)

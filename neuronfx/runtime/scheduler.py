@@ -340,6 +340,7 @@ def _next_chunk(runtime: Runtime, state: State, queue: Queue, left: int, tokeniz
         done = final and out.finite[0]
         state = (store_prefix(runtime, state, [run.slot], [prompt], [run.prefix]) if done
                  else drop_prefix(runtime, state, [run.prefix]))
+        run = attrs.evolve(run, prefix=None)  # its references are given back: an abort while it decodes has none to drop
     queue = attrs.evolve(queue, prefill_s=queue.prefill_s + time.perf_counter() - t0, prefilling=())
     if final or not out.finite[0]:  # its first token, or NaN/inf logits: the request ends with "error"
         return _finish_step(runtime, state, queue, [run], out, tokenizer, eos, events, False, first=True)
