@@ -29,6 +29,7 @@ import attrs
 
 from neuronfx.errors import InputError
 from neuronfx.runtime.prefix import prefix_stats
+from neuronfx.runtime.prefix_pool import pool_nbytes
 from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
 from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, abort, step, submit
@@ -214,6 +215,9 @@ class Engine:
             self._served = served
         logger.info("ready: %d slots, max_context_length %d, sequence_length %d, backend %s", state.num_slots,
                     runtime.plan.inference.max_context_length, runtime.plan.inference.sequence_length, runtime.plan.inference.backend)
+        if state.prefix is not None:
+            logger.info("prefix caching: %d blocks of %d tokens (%.0f MiB)", state.prefix.store.num_blocks,
+                        state.prefix.store.block_size, pool_nbytes(runtime.plan) / 2**20)
         while True:
             for command in self._commands(block=queue.idle):
                 if isinstance(command, _Stop):
