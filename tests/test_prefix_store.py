@@ -171,15 +171,15 @@ def test_copies_equal_elementwise_loops() -> None:
     slots, heads, seq, d, b, nblk = 3, 2, 12, 4, 3, 5
     kv = tuple(LayerKV(torch.randn(slots, heads, seq, d, generator=g), torch.randn(slots, heads, seq, d, generator=g)) for _ in range(2))
     pool = tuple(LayerKV(torch.randn(nblk, heads, b, d, generator=g), torch.randn(nblk, heads, b, d, generator=g)) for _ in range(2))
-    want_pool = [[t.clone() for t in layer] for layer in pool]
-    placements = [(0, 4), (2, 1), (3, 0)]
-    for layer, want in zip(kv, want_pool):
-        for src, dst in zip(layer, want):
-            for j, blk in placements:
-                for i in range(b):
-                    dst[blk, :, i] = src[1, :, j * b + i]
-    copy_to_pool(kv, pool, 1, placements)
-    assert all(torch.equal(t, w) for layer, want in zip(pool, want_pool) for t, w in zip(layer, want))
+    for placements in ([(0, 4), (2, 1), (3, 0)], [(1, 2), (2, 3)]):  # a gather, then contiguous blocks (a slice)
+        want_pool = [[t.clone() for t in layer] for layer in pool]
+        for layer, want in zip(kv, want_pool):
+            for src, dst in zip(layer, want):
+                for j, blk in placements:
+                    for i in range(b):
+                        dst[blk, :, i] = src[1, :, j * b + i]
+        copy_to_pool(kv, pool, 1, placements)
+        assert all(torch.equal(t, w) for layer, want in zip(pool, want_pool) for t, w in zip(layer, want))
 
     want_kv = [[t.clone() for t in layer] for layer in kv]
     blocks = [0, 4, 1]

@@ -90,14 +90,17 @@ def copy_to_pool(kv: KVCache, pool: KVCache, slot: int, placements: Sequence[tup
     ``slot`` to pool block ``block``, every layer, K and V (in place)."""
     if not placements:
         return
-    b = pool[0].k.shape[2]
+    b, n = pool[0].k.shape[2], len(placements)
     blocks = torch.tensor([blk for _, blk in placements], dtype=torch.long)
+    first = placements[0][0]
+    contiguous = [j for j, _ in placements] == list(range(first, first + n))  # the usual case: a prompt's new blocks
     positions = torch.cat([torch.arange(j * b, (j + 1) * b) for j, _ in placements])  # [n*B]
     for layer, cached in zip(kv, pool):
         for src, dst in ((layer.k, cached.k), (layer.v, cached.v)):
             heads, d = src.shape[1], src.shape[3]
-            x = src[slot].index_select(1, positions)  # (n_kv_heads, n*B, head_dim)
-            dst.index_copy_(0, blocks, x.reshape(heads, len(placements), b, d).permute(1, 0, 2, 3))
+            # (n_kv_heads, n*B, head_dim): a view when contiguous, else a gather
+            x = src[slot, :, first * b:(first + n) * b] if contiguous else src[slot].index_select(1, positions)
+            dst.index_copy_(0, blocks, x.reshape(heads, n, b, d).permute(1, 0, 2, 3))
 
 
 def _digest_into(h: Any, value: Any) -> None:
