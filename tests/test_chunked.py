@@ -135,10 +135,20 @@ def _hf():
 
 
 @functools.cache
+def reference():
+    """The unchunked eager runtime of the tiny llama, logits out (compiled once: a compile's heap
+    trim costs about a second in a test process)."""
+    return tiny_runtime(_hf())
+
+
+@functools.cache
+def chunked(size: int):
+    return tiny_runtime(_hf(), prefill_chunk_size=size, prefill_buckets=None)
+
+
 def runtimes(size: int):
     """(unchunked reference, chunked) eager runtimes of one tiny llama, logits out."""
-    hf = _hf()
-    return tiny_runtime(hf), tiny_runtime(hf, prefill_chunk_size=size, prefill_buckets=None)
+    return reference(), chunked(size)
 
 
 def chunked_prefill(rt, state, slots, prompts, size, sampling=GREEDY):
