@@ -135,10 +135,20 @@ def _hf():
 
 
 @functools.cache
+def reference():
+    """The unchunked eager runtime of the tiny llama, logits out (compiled once: a compile's heap
+    trim costs about a second in a test process)."""
+    return tiny_runtime(_hf())
+
+
+@functools.cache
+def chunked(size: int):
+    return tiny_runtime(_hf(), prefill_chunk_size=size, prefill_buckets=None)
+
+
 def runtimes(size: int):
     """(unchunked reference, chunked) eager runtimes of one tiny llama, logits out."""
-    hf = _hf()
-    return tiny_runtime(hf), tiny_runtime(hf, prefill_chunk_size=size, prefill_buckets=None)
+    return reference(), chunked(size)
 
 
 def chunked_prefill(rt, state, slots, prompts, size, sampling=GREEDY):
@@ -318,3 +328,29 @@ def test_budget_and_config_errors():
                        ({"prefill_chunk_size": 8, "prefill_buckets": (8, 16)}, "prefill_chunk_size")):
         with pytest.raises(ConfigError, match=match):
             InferenceConfig(max_context_length=32, sequence_length=64, **bad)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gemma3_text"])
+def test_chunks_of_longrope_and_sliding_models_equal_unchunked(model_type):
+    """phi3 (longrope, switch at 20 tokens): a 30-token prompt rotates with the long factors in
+    every chunk when each chunk carries the whole prompt length (without it the first chunks, 7
+    and 14 tokens long, would rotate with the short ones); gemma3 (sliding window 5 < chunk 7,
+    soft-capped logits). Logits within 1e-5 of one unchunked prefill."""
+    hf = tiny_hf_model(model_type, seed=2)
+    ref, rt = tiny_runtime(hf), tiny_runtime(hf, prefill_chunk_size=7, prefill_buckets=None)
+    prompt = [t % 250 for t in random_prompt(30, seed=4)]
+    want, _ = prefill_step(ref, neuronfx.init_state(ref), PrefillBatch(seq_ids=[0], prompts=[prompt], sampling=[GREEDY]))
+
+    def chunked_logits(prompt_lens):
+        state = neuronfx.init_state(rt)
+        for start in range(0, 30, 7):
+            final = start + 7 >= 30
+            batch = ChunkBatch(seq_ids=[0], chunks=[prompt[start:start + 7]], sampling=[GREEDY], final=[final],
+                               prompt_lens=prompt_lens)
+            out, state = chunk_step(rt, state, batch)
+        return out
+
+    out = chunked_logits([30])
+    assert out.tokens == want.tokens and torch.allclose(out.logits, want.logits, atol=1e-5, rtol=0)
+    if model_type == "phi3":
+        assert not torch.allclose(chunked_logits(None).logits, want.logits, atol=1e-3, rtol=0)

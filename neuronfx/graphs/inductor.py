@@ -101,6 +101,12 @@ bucket-sized dimension of their arguments, compiled as a dynamic size. Prologues
 per bucket (they build the bucket's masks from its length). Under tensor parallelism every part
 is compiled per bucket (sequence-parallel prefill writes ``bucket`` positions of a padded T)."""
 
+BACKED_PARTS = (chunk_layers,)
+"""Parts whose one bucket dim is compiled backed (duck-sized), not unbacked: the chunk layers
+call SDPA on the slot's window, and SDPA guards on its key length (``Eq(S, 0)``), which an
+unbacked size cannot answer. The cost: the bucket equal to the KV length gets a version of its
+own (see :class:`SharedCompile`)."""
+
 
 def _aot_compile(fn: Callable, args: tuple) -> Callable:
     return torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
@@ -112,8 +118,9 @@ class SharedCompile:
     the bucket dims ``dims`` dynamic). One version is the rule; more appear where a shape
     guard splits the buckets, e.g. a product switching to ``small_gemm`` at 8 rows or less."""
 
-    def __init__(self, dims: tuple[tuple[int, int], ...]):
+    def __init__(self, dims: tuple[tuple[int, int], ...], backed: bool = False):
         self.dims = dims
+        self.backed = backed  # mark even a single dim backed (BACKED_PARTS)
         self.versions: list = []
 
     def compiled_for(self, fn: Callable, args: tuple) -> Callable:
@@ -126,7 +133,8 @@ class SharedCompile:
         # and mask) must stay one symbol, which only backed (duck-sized) dims are. Either way a
         # hint, not a demand: a dim the trace must specialise stays static, and the guards send
         # the other buckets to a version of their own.
-        mark = torch._dynamo.decorators.mark_unbacked if len(self.dims) == 1 else torch._dynamo.maybe_mark_dynamic
+        unbacked = len(self.dims) == 1 and not self.backed
+        mark = torch._dynamo.decorators.mark_unbacked if unbacked else torch._dynamo.maybe_mark_dynamic
         for index, dim in self.dims:
             mark(args[index], dim)
         self.versions.append(_aot_compile(fn, args))
@@ -157,7 +165,7 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
         dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
         if dims is None:
             return PrecompiledPart(fn)
-        return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims)))
+        return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims, fn.func in BACKED_PARTS)))
 
     return wrap
 
