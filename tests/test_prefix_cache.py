@@ -63,7 +63,7 @@ _SOLO: dict = {}
 def solo(rt_off, prompt, n=5):
     """Greedy tokens of ``prompt`` alone on a fresh state without prefix caching, by the steps
     themselves: chunks of 8 from position 0, then decode steps (memoised)."""
-    key = (tuple(prompt), n)
+    key = (id(rt_off), tuple(prompt), n)
     if key not in _SOLO:
         state = neuronfx.init_state(rt_off)
         for start in range(0, len(prompt), 8):
@@ -75,8 +75,8 @@ def solo(rt_off, prompt, n=5):
             out, state = neuronfx.decode_step(rt_off, state, neuronfx.DecodeBatch(seq_ids=[0], input_ids=[tokens[-1]],
                                                                                    sampling=[GREEDY]))
             tokens.append(out.tokens[0])
-        _SOLO[key] = tokens
-    return _SOLO[key]
+        _SOLO[key] = (rt_off, tokens)  # the runtime kept alive: its id is not reused
+    return _SOLO[key][1]
 
 
 def test_tokens_identical_for_shared_prefixes(hf, rt_on, rt_off) -> None:
@@ -253,3 +253,16 @@ def test_cli_plan_options() -> None:
     inf = cli._inference(args)
     assert (inf.enable_prefix_caching, inf.prefill_chunk_size, inf.prefix_block_size, inf.max_prefix_blocks) == (True, 32, 8, 100)
     assert not cli._inference(p.parse_args([])).enable_prefix_caching
+
+
+def test_sliding_window_model_reuses_prefixes_exactly() -> None:
+    """Gemma 3 (a 5-token sliding window on one layer, its own RoPE base): a slot continued after
+    a copied prefix masks and rotates as one prefilled whole."""
+    g = tiny_hf_model("gemma3_text")
+    on, off = tiny_runtime(g, **PC), tiny_runtime(g, **(PC | {"enable_prefix_caching": False}))
+    state = neuronfx.init_state(on)
+    _, state = run(on, state, [BASE[:13]])
+    prompts = [BASE[:12] + tail(9, 60), BASE[:7] + tail(2, 61)]
+    tokens, state = run(on, state, prompts)
+    assert prefix_stats(state).hits == 12 + 4
+    assert tokens == [solo(off, p) for p in prompts]
