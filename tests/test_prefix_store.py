@@ -66,7 +66,7 @@ class Naive:
         for j, h in enumerate(hashes):
             if h not in self.entries:
                 if not self.free:
-                    victims = [v for v in self.lru if self.refs[v] == 0 and v not in hashes[:j + 1]]
+                    victims = [v for v in self.lru if self.refs[v] == 0 and v not in hashes]
                     if not victims:
                         break
                     self.free.add(self.entries.pop(victims[0])[0])

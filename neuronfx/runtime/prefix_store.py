@@ -185,26 +185,22 @@ def release(store: PrefixStore, hashes: Sequence[Hash]) -> PrefixStore:
     return attrs.evolve(store, entries=_frozen(entries))
 
 
-def _victim(entries: Mapping[Hash, Entry], keep: set[Hash]) -> Hash | None:
-    """The least recently used entry nobody uses and not in ``keep``, or None."""
-    best = None
-    for h, e in entries.items():
-        if e.refs == 0 and h not in keep and (best is None or e.last_use < entries[best].last_use):
-            best = h
-    return best
+def _eviction_order(entries: Mapping[Hash, Entry], keep: set[Hash]) -> list[Hash]:
+    """Entries nobody uses and not in ``keep``, most recently used first (pop() takes the least)."""
+    return [h for _, h in sorted(((e.last_use, h) for h, e in entries.items() if e.refs == 0 and h not in keep), reverse=True)]
 
 
 def insert(store: PrefixStore, prompt: Sequence[int], hashes: Sequence[Hash], extra_key: bytes,
            ) -> tuple[PrefixStore, tuple[tuple[int, int], ...]]:
     """Cache the full blocks of ``prompt`` (``hashes``: its :func:`block_hashes`) after its
     prefill. Blocks already cached are touched; each new one takes a free pool block, else the
-    least recently used unused block is evicted (never one of this chain). Stops at the first
+    least recently used unused block is evicted (never one of this prompt's). Stops at the first
     block that finds no room (its children would be unreachable). Returns (new store, placements
     ``(j, pool block)``): copy the slot's tokens ``[j * block_size, (j + 1) * block_size)`` into
     that pool block."""
     b = store.block_size
     entries, free, stats = dict(store.entries), list(store.free), store.stats
-    parent, stored, placed = root_hash(extra_key), [], []
+    parent, stored, placed, victims = root_hash(extra_key), [], [], None
     for j, h in enumerate(hashes):
         tokens = tuple(prompt[j * b:(j + 1) * b])
         e = entries.get(h)
@@ -212,10 +208,11 @@ def insert(store: PrefixStore, prompt: Sequence[int], hashes: Sequence[Hash], ex
             break  # a sha256 collision: keep the cached block, cache nothing past it
         if e is None:
             if not free:
-                victim = _victim(entries, set(hashes[:j + 1]))
-                if victim is None:
+                if victims is None:  # sorted once per insert: evicting changes no other entry's last use
+                    victims = _eviction_order(entries, set(hashes))
+                if not victims:
                     break
-                free.append(entries.pop(victim).block)
+                free.append(entries.pop(victims.pop()).block)
                 stats = attrs.evolve(stats, evictions=stats.evictions + 1)
             block = free.pop(0)
             entries[h] = Entry(block=block, parent=parent, tokens=tokens, refs=0, last_use=0)
