@@ -138,9 +138,9 @@ def test_eviction_under_a_small_bound_keeps_tokens_exact(hf, rt_off) -> None:
     prompts = [(BASE[:13], 0, 0), (tail(9, 30), 0, 2), (BASE[:6] + tail(3, 31), 4, 3), (tail(9, 30), 4, 4), (BASE[:9], 4, 5)]
     hits = 0
     for p, hit, evictions in prompts:
-        tokens, state = run(rt, state, [p])
+        tokens, state = run(rt, state, [p], n=1)  # one token each: only prompt blocks are cached
         hits += hit
-        assert tokens[0] == solo(rt_off, p)
+        assert tokens[0] == solo(rt_off, p, 1)
         assert state.prefix.store.num_cached == 3 and (prefix_stats(state).hits, prefix_stats(state).evictions) == (hits, evictions)
 
 
@@ -232,7 +232,7 @@ def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
     engine = Engine(lambda: None, max_waiting=0, metrics=metrics)
     state = neuronfx.init_state(rt)
     for prompt in (BASE[:13], BASE[:13], tail(9, 30)):
-        _, state = run(rt, state, [prompt])
+        _, state = run(rt, state, [prompt], n=1)
         engine._gauges(state, Queue())
     text = metrics.render().decode()
     stats = prefix_stats(state)
@@ -266,3 +266,17 @@ def test_sliding_window_model_reuses_prefixes_exactly() -> None:
     tokens, state = run(on, state, prompts)
     assert prefix_stats(state).hits == 12 + 4
     assert tokens == [solo(off, p) for p in prompts]
+
+
+def test_next_turn_reuses_the_answer(rt_on, rt_off) -> None:
+    """A finished request's generated tokens are cached with its prompt: the next turn (prompt,
+    answer, new message) reuses every full block its slot held, and its tokens are a solo run's."""
+    prompt = BASE[:10]
+    state = neuronfx.init_state(rt_on)
+    (answer,), state = run(rt_on, state, [prompt], n=9)
+    held = len(prompt) + len(answer) - 1  # the last token was sampled, never written
+    turn = prompt + answer + tail(3, 80)
+    before = prefix_stats(state).hits
+    tokens, state = run(rt_on, state, [turn])
+    assert prefix_stats(state).hits - before == held // 4 * 4 == 16
+    assert tokens[0] == solo(rt_off, turn)

@@ -202,3 +202,23 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
 def _row(out: StepOutput, i: int) -> tuple:
     """(token, logits [vocab] or None, logprobs, finite) of row ``i`` of ``out``."""
     return (out.tokens[i], None if out.logits is None else out.logits[i], out.logprobs[i], out.finite[i])
+
+
+def outputs_reusable(runtime: Runtime) -> bool:
+    """Whether a finished request's generated tokens may be cached too (:func:`cache_sequences`):
+    prefix caching is on and the model's RoPE does not depend on the sequence length (dynamic
+    NTK and longrope rotate by it: decoded keys past their threshold are not what a prefill of
+    the same tokens would compute)."""
+    rs = runtime.plan.model.rope_scaling
+    return runtime.plan.inference.enable_prefix_caching and (rs is None or rs.rope_type not in ("dynamic", "longrope"))
+
+
+def cache_sequences(runtime: Runtime, state: State, seq_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> State:
+    """Cache the full blocks of each live slot's ``sequences[r]`` (the tokens its cache holds, in
+    order: prompt, then generated ones), e.g. when its request finishes, so that the next turn of
+    a conversation (this prompt, this answer, a new message) reuses the answer's KV too, as vLLM
+    caches decoded blocks. Raises what :func:`store_prefix` raises."""
+    check_prefix(runtime, state)
+    b = state.prefix.store.block_size
+    matches = [Match(hashes=prefix_store.block_hashes(seq, b, runtime.prefix_key), blocks=(), block_size=b) for seq in sequences]
+    return store_prefix(runtime, state, seq_ids, sequences, matches)

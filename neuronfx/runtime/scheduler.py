@@ -39,7 +39,9 @@ chunk step from its offset for each hit), and a prompt chunked alone starts its 
 hit (:func:`~neuronfx.runtime.prefix.load_prefix` when it takes its slot,
 :func:`~neuronfx.runtime.prefix.store_prefix` after its last chunk; an abort in between gives
 its references back with :func:`~neuronfx.runtime.prefix.drop_prefix`). Every prompt's full
-blocks are cached once it is prefilled.
+blocks are cached once it is prefilled, and a finished request's (prompt and generated tokens)
+before its slot is released (:func:`~neuronfx.runtime.prefix.cache_sequences`, unless the
+model's RoPE depends on the length), so a conversation's next turn reuses the answer too.
 
 It never looks inside tensors; it only calls ``prefill_step``, ``chunk_step``, ``decode_step``,
 ``speculate_step`` and ``release`` and yields one :class:`TokenEvent` per generated token, then a
@@ -59,7 +61,7 @@ from neuronfx.config.families import FAMILIES
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import InputError, SequenceLengthExceededError
 from neuronfx.runtime.chunked import ChunkBatch, chunk_step
-from neuronfx.runtime.prefix import drop_prefix, load_prefix, prefill_cached, store_prefix
+from neuronfx.runtime.prefix import cache_sequences, drop_prefix, load_prefix, outputs_reusable, prefill_cached, store_prefix
 from neuronfx.runtime.prefix_store import Match
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
@@ -387,7 +389,7 @@ def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progre
                  eos: frozenset[int], events: list[TokenEvent], speculative: bool, first: bool = False) -> tuple[State, Queue]:
     """Record one step's new tokens for ``rows``, each through the stop rule in order (tokens
     past a stop are dropped); finished rows release their slots, the others run on."""
-    keep, done = [], []
+    keep, done, cached = [], [], []
     for r, run in enumerate(rows):
         if not first:  # accepted: what the verifier accepted, tokens a stop drops afterwards included
             accepted = len(out.new_tokens[r]) - 1 if out.num_drafted[r] else 0
@@ -399,6 +401,11 @@ def _finish_step(runtime: Runtime, state: State, queue: Queue, rows: list[Progre
             row_events = [TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)]
         events += row_events
         (done if row_events[-1].finish_reason is not None else keep).append(run)
+        if row_events[-1].finish_reason not in (None, "error") and outputs_reusable(runtime):
+            cached.append(run)
+    if cached:  # prefix caching: what their slots hold (prompt and generated tokens but the last) for the next turn
+        sequences = [(r.request.prompt + r.tokens)[: state.cache_lens[r.slot]] for r in cached]
+        state = cache_sequences(runtime, state, [r.slot for r in cached], sequences)
     if done:
         state = release(runtime, state, [r.slot for r in done])
     return state, attrs.evolve(queue, running=queue.running + tuple(keep))
