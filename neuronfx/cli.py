@@ -300,6 +300,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted (default 10)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="with --prefill-chunk-size: tokens one scheduler iteration processes (decode tokens plus one prompt "
+                        "chunk; default: the chunk size + the batch size)")
     _plan_options(p, batch_size=SERVE_BATCH_SIZE)
 
 
@@ -705,6 +708,8 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InputError(f"--port={args.port} must be in [0, 65535].")
     if args.max_waiting < 0:
         raise InputError(f"--max-waiting={args.max_waiting} must be >= 0 (requests waiting for a slot).")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise InputError(f"--max-num-batched-tokens={args.max_num_batched_tokens} must be >= 1 (tokens per scheduler iteration).")
     if not args.shutdown_timeout >= 0:
         raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
@@ -723,7 +728,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
     return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
+                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def chat_command(args: argparse.Namespace) -> int:

@@ -323,6 +323,11 @@ def test_budget_and_config_errors():
     for bad in (0, 1.5, True):
         with pytest.raises(InputError, match="max_num_batched_tokens"):
             step(rt, neuronfx.init_state(rt), Queue(), frozenset(), max_num_batched_tokens=bad)
+    from neuronfx.server.engine import Engine
+    from neuronfx.server.metrics import make_metrics
+
+    with pytest.raises(InputError, match="max_num_batched_tokens=0"):
+        Engine(lambda: None, max_waiting=1, metrics=make_metrics(), max_num_batched_tokens=0)
     for bad, match in (({"prefill_chunk_size": 0}, ">= 1"), ({"prefill_chunk_size": 33}, "> max_context_length"),
                        ({"prefill_chunk_size": 8, "speculation_length": 3}, "speculation"),
                        ({"prefill_chunk_size": 8, "prefill_buckets": (8, 16)}, "prefill_chunk_size")):

@@ -116,14 +116,20 @@ class Engine:
     """Runs requests through the scheduler in its own thread (see the module doc).
 
     ``build`` returns the :class:`Served` runtime and tokenizer (called in the engine thread);
-    ``on_failure`` is called there when ``build`` raises (the server should exit). Raises
-    InputError for a negative ``max_waiting``.
+    ``on_failure`` is called there when ``build`` raises (the server should exit).
+    ``max_num_batched_tokens``: the scheduler's token budget per iteration under chunked prefill
+    (None: derived). Raises InputError for a negative ``max_waiting`` or a budget that is not
+    None or an int >= 1.
     """
 
     def __init__(self, build: Callable[[], Served], *, max_waiting: int, metrics: Metrics,
-                 on_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
+                 on_failure: Callable[[BaseException], None] = lambda exc: None, max_num_batched_tokens: int | None = None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise InputError(f"max_waiting={max_waiting!r} must be an int >= 0 (requests waiting for a slot).")
+        budget = max_num_batched_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise InputError(f"max_num_batched_tokens={budget!r} must be None (derived) or an int >= 1 (tokens per scheduler iteration).")
+        self.max_num_batched_tokens = budget
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.failure: BaseException | None = None  # what build raised
@@ -229,7 +235,8 @@ class Engine:
             events: list[TokenEvent] = []
             if not queue.idle:
                 try:
-                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer)
+                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
+                                                max_num_batched_tokens=self.max_num_batched_tokens)
                 except Exception:  # a bug, not bad input (requests were checked): fail these requests, serve on
                     logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
                     for index in list(self._live):
