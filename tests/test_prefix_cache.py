@@ -218,6 +218,8 @@ def test_load_and_store_check_their_inputs(rt_on, rt_off) -> None:
     assert state.prompt_mask[2].nonzero().flatten().tolist() == sorted(set(BASE[:8]))
     with pytest.raises(InputError, match="holds 8 tokens < its prompt's 9"):
         store_prefix(rt_on, state, [2], [BASE[:9]], matches)
+    with pytest.raises(InputError, match="pass the Match load_prefix returned for this prompt"):
+        store_prefix(rt_on, state, [2], [tail(8, 90)], matches)  # another prompt of 2 blocks
     with pytest.raises(InputError, match="does not cache prefixes"):
         prefill_cached(rt_off, neuronfx.init_state(rt_off), PrefillBatch(seq_ids=[0], prompts=[[1]], sampling=[GREEDY]))
 

@@ -4,9 +4,9 @@ the request's slot, and after the prompt's prefill put its new full blocks in th
 :func:`prefill_cached` is all of it as one step with :func:`neuronfx.prefill_step`'s signature
 (the reference scheduler runs it instead of ``prefill_step`` when the plan caches prefixes).
 Its parts, for a scheduler that interleaves chunks with decode steps: :func:`load_prefix` on
-admission: a slot with a hit
-becomes live holding the hit tokens (cache_len = p, generated 0), and the chunked-prefill step
-continues it from p; a miss leaves its slot free for an ordinary prefill from 0. Once a prompt is
+admission (a slot with a hit becomes live holding the hit tokens: cache_len = p, generated 0,
+and ``chunk_step`` continues it from p; a miss leaves its slot free for an ordinary prefill from
+0). Once a prompt is
 wholly prefilled, :func:`store_prefix` inserts its full blocks (evicting least recently used
 unused blocks to stay within the pool) and drops the references the lookup took. A request
 aborted in between gives them back with :func:`drop_prefix`.
@@ -51,8 +51,11 @@ def check_prefix(runtime: Runtime, state: State) -> None:
 
 
 def _check_rows(seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], matches: Sequence[Match] | None = None) -> None:
-    if not isinstance(seq_ids, (list, tuple)) or not isinstance(prompts, (list, tuple)) or len(seq_ids) != len(prompts):
-        raise InputError(f"give one prompt per slot: {len(seq_ids)} seq_ids, {len(prompts)} prompts (lists).")
+    for name, value in (("seq_ids", seq_ids), ("prompts", prompts), ("matches", matches)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise InputError(f"{name}={value!r:.60} must be a list with one entry per slot.")
+    if len(seq_ids) != len(prompts):
+        raise InputError(f"give one prompt per slot: {len(seq_ids)} seq_ids, {len(prompts)} prompts.")
     if matches is not None and len(matches) != len(seq_ids):
         raise InputError(f"give one Match per slot: {len(seq_ids)} seq_ids, {len(matches)} matches.")
 
@@ -108,8 +111,8 @@ def store_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts
         if state.cache_lens[s] < len(p):
             raise InputError(f"slot {s} holds {state.cache_lens[s]} tokens < its prompt's {len(p)}; store a prompt "
                              "once it is prefilled.")
-        if not isinstance(m, Match) or len(m.hashes) != len(p) // b:
-            raise InputError(f"slot {s}: pass the Match load_prefix returned for this prompt.")
+        if not isinstance(m, Match) or m.hashes != prefix_store.block_hashes(p, b, runtime.prefix_key):
+            raise InputError(f"slot {s}: pass the Match load_prefix returned for this prompt on this runtime.")
     store = state.prefix.store
     for m in matches:
         store = prefix_store.release(store, m.hashes[: m.num_blocks])
