@@ -12,11 +12,13 @@ from neuronfx import errors
 from neuronfx.api import compile, launch, load, push_to_hub, save
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
 from neuronfx.runtime import (
+    ChunkBatch,
     DecodeBatch,
     Finished,
     GenerateResult,
     Logprobs,
     PrefillBatch,
+    PrefixStats,
     Request,
     Runtime,
     SpeculateBatch,
@@ -24,10 +26,13 @@ from neuronfx.runtime import (
     State,
     StepOutput,
     TokenEvent,
+    chunk_step,
     decode_step,
     generate,
     init_state,
+    prefill_cached,
     prefill_step,
+    prefix_stats,
     release,
     schedule,
     speculate_step,
@@ -37,8 +42,8 @@ from neuronfx.runtime import (
 from neuronfx.version import __version__
 
 __all__ = [
-    "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
-    "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
-    "__version__", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_step",
-    "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
+    "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
+    "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
+    "__version__", "chunk_step", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
+    "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

@@ -104,7 +104,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size")
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "prefill_chunk_size",
+                "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -129,10 +130,19 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
     p.add_argument("--sequence-parallel", action="store_const", const=True,
                    help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
+    p.add_argument("--prefill-chunk-size", type=int, metavar="C",
+                   help="prefill prompts longer than C tokens in chunks of C (prefill graphs stop at C, so --max-context-length "
+                        "may reach --sequence-length; a long prompt no longer stalls running requests; default: whole prompts)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS,
                    help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
     p.add_argument("--weight-group-size", type=int, metavar="G",
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
+    p.add_argument("--enable-prefix-caching", action="store_const", const=True,
+                   help="reuse the KV of cached prompt prefixes (full blocks; needs --prefill-chunk-size)")
+    p.add_argument("--prefix-block-size", type=int, metavar="B",
+                   help=f"tokens per cached prefix block; divides --prefill-chunk-size (default {defaults.prefix_block_size})")
+    p.add_argument("--max-prefix-blocks", type=int, metavar="N",
+                   help="prefix-cache memory bound, blocks (default: batch size x max context length / block size)")
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
@@ -294,6 +304,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are aborted (default 10)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="with --prefill-chunk-size: tokens one scheduler iteration processes (decode tokens plus one prompt "
+                        "chunk; default: the chunk size + the batch size)")
     _plan_options(p, batch_size=SERVE_BATCH_SIZE)
 
 
@@ -706,6 +719,8 @@ def serve_command(args: argparse.Namespace) -> int:
         raise InputError(f"--port={args.port} must be in [0, 65535].")
     if args.max_waiting < 0:
         raise InputError(f"--max-waiting={args.max_waiting} must be >= 0 (requests waiting for a slot).")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise InputError(f"--max-num-batched-tokens={args.max_num_batched_tokens} must be >= 1 (tokens per scheduler iteration).")
     if not args.shutdown_timeout >= 0:
         raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
@@ -724,7 +739,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
     return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
+                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def chat_command(args: argparse.Namespace) -> int:

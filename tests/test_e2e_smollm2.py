@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,23 @@ def test_speculative_greedy_with_every_option_equals_plain(smollm2, smollm2_eage
     for row_a, row_b in zip(spec[2], plain[2], strict=True):
         for a, b in zip(row_a, row_b, strict=True):
             assert a.token_id == b.token_id and a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+
+
+def test_chunked_prefill_of_a_2000_token_prompt_matches_transformers(smollm2):
+    """max_context_length 2048 with prefill_chunk_size 128: no prefill graph over 128 tokens
+    (chunk graphs of 128 tokens attend 128 .. 2048), and a 2000-token prompt (real English text)
+    prefilled in 16 chunks gives transformers' greedy tokens (eager)."""
+    ckpt = smollm2.checkpoint
+    inference = neuronfx.InferenceConfig(batch_size=1, max_context_length=2048, sequence_length=2048, backend="eager",
+                                         prefill_chunk_size=128)
+    rt = neuronfx.compile(neuronfx.make_plan(ckpt.config, inference), ckpt.state_dict, progress=False)
+    assert max(g.bucket for g in rt.plan.graphs if g.phase == "prefill") == 128
+    assert sorted({g.bucket for g in rt.plan.graphs if g.phase == "chunk"}) == [128, 256, 512, 1024, 2048]
+    text = (Path(neuronfx.__file__).parent / "data" / "bench_text.txt").read_text()
+    prompt = smollm2.tokenizer(text * 2)["input_ids"][:2000]
+    assert len(prompt) == 2000
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [prompt], max_new_tokens=4)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = smollm2.reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert list(result.token_ids[0]) == want[0, 2000:].tolist()

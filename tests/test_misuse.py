@@ -54,6 +54,7 @@ from neuronfx.errors import (
     TokenOutOfVocabError,
     UnsupportedModelError,
 )
+from neuronfx.runtime.prefix import load_prefix
 from neuronfx.runtime.scheduler import Queue, abort, submit
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
@@ -276,6 +277,19 @@ def graph_input_of_wrong_shape(c):
     return call_graph(c.rt, c.state.kv, "decode", 1, 16, bad)
 
 
+def chunking_runtime(c):
+    """The tiny runtime with prefill_chunk_size=8 (prefill bucket 8, chunk graphs), built once."""
+    if "chunking" not in c.extras:
+        c.extras["chunking"] = tiny_runtime(c.hf, prefill_chunk_size=8, prefill_buckets=None)
+    return c.extras["chunking"]
+
+
+def chunk(c, chunks, final=None, rt=None):
+    batch = neuronfx.ChunkBatch(seq_ids=[1], chunks=chunks, sampling=[GREEDY], final=final or [True])
+    rt = rt or chunking_runtime(c)
+    return neuronfx.chunk_step(rt, neuronfx.init_state(rt) if rt is not c.rt else c.state, batch)
+
+
 def request(prompt, max_tokens=4, sampling=GREEDY):
     return Request(prompt=tuple(prompt), sampling=sampling, max_tokens=max_tokens)
 
@@ -314,6 +328,27 @@ CASES: dict[str, Case] = {
     "config-speculation-length-whole-cache": Case(ConfigError, "`speculation_length=64` with `sequence_length=64` (no room after a prompt)",
                                                   lambda c: inference(speculation_length=64),
                                                   ("speculation_length=64", "[2, sequence_length - 1 = 63]")),
+    "config-prefix-caching-without-chunks": Case(ConfigError, "`enable_prefix_caching=True` without `prefill_chunk_size`",
+                                                 lambda c: inference(enable_prefix_caching=True),
+                                                 ("enable_prefix_caching=True", "needs prefill_chunk_size", "set prefill_chunk_size")),
+    "config-prefix-block-not-dividing-chunk": Case(ConfigError, "`prefix_block_size=6` with `prefill_chunk_size=16`",
+                                                   lambda c: inference(enable_prefix_caching=True, prefill_chunk_size=16,
+                                                                       prefix_block_size=6),
+                                                   ("prefix_block_size=6", "prefill_chunk_size=16", "pick a divisor of 16")),
+    "config-prefix-block-whole-context": Case(ConfigError, "`prefix_block_size=32` with `max_context_length=32`",
+                                              lambda c: inference(enable_prefix_caching=True, prefill_chunk_size=32,
+                                                                  prefix_block_size=32),
+                                              ("prefix_block_size=32", "max_context_length=32", "lower prefix_block_size")),
+    "config-prefix-blocks-zero": Case(ConfigError, "`max_prefix_blocks=0`",
+                                      lambda c: inference(max_prefix_blocks=0), ("max_prefix_blocks=0", ">= 1")),
+    "plan-prefix-caching-length-dependent-rope": Case(
+        ConfigError, "`enable_prefix_caching=True`, dynamic RoPE past `max_position_embeddings=16`, `max_context_length=32`",
+        lambda c: make_plan(model_config(max_position_embeddings=16, rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0)),
+                            inference(enable_prefix_caching=True, prefill_chunk_size=8, prefix_block_size=4)),
+        ("rope_type='dynamic'", "max_context_length=32 > 16", "lower max_context_length to 16")),
+    "prefix-load-without-cache": Case(InputError, "`load_prefix` on a runtime compiled without prefix caching",
+                                      lambda c: load_prefix(c.rt, c.state, [1], [[1, 2]]),
+                                      ("does not cache prefixes", "enable_prefix_caching=True")),
     "config-buckets-not-a-list": Case(ConfigError, "`InferenceConfig(prefill_buckets=16)`",
                                       lambda c: inference(prefill_buckets=16), ("prefill_buckets=16", "list of bucket sizes", "e.g. [16]")),
     "config-json-unknown-key": Case(ConfigError, "JSON config with an unknown key `bogus`",
@@ -395,6 +430,29 @@ CASES: dict[str, Case] = {
     "plan-tp-above-heads": Case(ConfigError, "`tp_degree=8` for a model with 4 query heads",
                                 lambda c: make_plan(model_config(), inference(tp_degree=8)),
                                 ("tp_degree=8", "num_attention_heads=4", "tp_degree <= 4")),
+    "config-chunk-size-zero": Case(ConfigError, "`InferenceConfig(prefill_chunk_size=0)`",
+                                   lambda c: inference(prefill_chunk_size=0), ("prefill_chunk_size=0", ">= 1", "128")),
+    "config-chunk-size-over-context": Case(ConfigError, "`prefill_chunk_size=64` with `max_context_length=32`",
+                                           lambda c: inference(prefill_chunk_size=64),
+                                           ("prefill_chunk_size=64", "max_context_length=32", "lower prefill_chunk_size")),
+    "config-chunk-with-speculation": Case(ConfigError, "`prefill_chunk_size=8` with `speculation_length=3`",
+                                          lambda c: inference(prefill_chunk_size=8, speculation_length=3),
+                                          ("prefill_chunk_size=8", "speculation_length=3", "draft", "drop one")),
+    "config-prefill-buckets-past-chunk": Case(ConfigError, "`prefill_buckets=(8, 16, 32)` with `prefill_chunk_size=8`",
+                                              lambda c: inference(prefill_chunk_size=8, prefill_buckets=(8, 16, 32)),
+                                              ("bucket 32", "prefill_chunk_size=8", "drop it")),
+    "chunk-without-chunk-graphs": Case(InputError, "`chunk_step` on a runtime compiled without `prefill_chunk_size`",
+                                       lambda c: chunk(c, [[1, 2]], rt=c.rt), ("no chunk graphs", "prefill_chunk_size=C")),
+    "chunk-longer-than-chunk-size": Case(PromptTooLongError, "`chunk_step` with a 9-token chunk, `prefill_chunk_size=8`",
+                                         lambda c: chunk(c, [[1] * 9]), ("9 tokens", "prefill_chunk_size=8", "split it")),
+    "prefill-past-chunk-size": Case(PromptTooLongError, "`prefill_step` of a 9-token prompt with `prefill_chunk_size=8`",
+                                    lambda c: neuronfx.prefill_step(chunking_runtime(c), neuronfx.init_state(chunking_runtime(c)),
+                                                                    P([1], [[1] * 9])),
+                                    ("9 tokens", "largest prefill bucket 8", "chunk_step")),
+    "scheduler-token-budget-zero": Case(InputError, "`schedule(..., max_num_batched_tokens=0)`",
+                                        lambda c: next(neuronfx.schedule(chunking_runtime(c), neuronfx.init_state(chunking_runtime(c)), [], frozenset(),
+                                                                         max_num_batched_tokens=0)),
+                                        ("max_num_batched_tokens=0", "int >= 1")),
     "config-sequence-parallel-without-tp": Case(ConfigError, "`sequence_parallel=True` with `tp_degree=1`",
                                                 lambda c: inference(sequence_parallel=True),
                                                 ("sequence_parallel=True", "tp_degree >= 2")),

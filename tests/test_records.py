@@ -16,22 +16,24 @@ MODEL = ModelConfig(model_type="llama", vocab_size=300, hidden_size=64, num_hidd
                     num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6)
 PLAN = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, sequence_length=64, prefill_buckets=(16, 32),
                                         decode_buckets=(32, 64), speculation_length=3, draft_layers=1, backend="eager"))
+CHUNKED = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, sequence_length=64, decode_buckets=(32, 64),
+                                           prefill_chunk_size=8, backend="eager"))  # chunking excludes speculation
 
 
 def test_every_graph_spec_is_its_phase_record():
-    assert {g.phase for g in PLAN.graphs} == set(PHASE_INPUTS)
-    for g in PLAN.graphs:
+    assert {g.phase for g in PLAN.graphs + CHUNKED.graphs} == set(PHASE_INPUTS)
+    for g in PLAN.graphs + CHUNKED.graphs:
         fields = leaf_fields(g.record)
         assert [t.name for t in g.inputs] == [f.name for f in fields]
         assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
-        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3}[g.phase]
+        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8}[g.phase]
         dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7}
         assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
 
 
 def test_example_inputs_match_their_spec_and_round_trip():
-    for g in PLAN.graphs:
-        record = example_inputs(PLAN, g)
+    for plan, g in [(PLAN, g) for g in PLAN.graphs] + [(CHUNKED, g) for g in CHUNKED.graphs]:
+        record = example_inputs(plan, g)
         assert isinstance(record, g.record)
         tensors = leaves(record)
         assert [(tuple(t.shape), dtype_name(t.dtype)) for t in tensors] == [(t.shape, t.dtype) for t in g.inputs]

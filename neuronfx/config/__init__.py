@@ -1,11 +1,11 @@
 """Frozen configs and the pure functions derived from them (no nn.Module, no device state)."""
 
-from neuronfx.config.buckets import generate_buckets, select_bucket
+from neuronfx.config.buckets import chunk_buckets, generate_buckets, select_bucket
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES
 from neuronfx.config.inference import InferenceConfig
-from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs
-from neuronfx.config.kv import KVAccess, KVLayout, decode_access, prefill_access
-from neuronfx.config.masks import decode_mask, prefill_mask
+from neuronfx.config.inputs import PHASE_INPUTS, ChunkInputs, DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs
+from neuronfx.config.kv import KVAccess, KVLayout, chunk_access, decode_access, prefill_access
+from neuronfx.config.masks import chunk_mask, decode_mask, prefill_mask
 from neuronfx.config.model import ModelConfig, RopeScaling
 from neuronfx.config.plan import GraphSpec, Plan, TensorSpec, make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampling
@@ -15,6 +15,7 @@ __all__ = [
     "FAMILIES",
     "PHASE_INPUTS",
     "SUPPORTED_MODEL_TYPES",
+    "ChunkInputs",
     "DecodeInputs",
     "GraphSpec",
     "InferenceConfig",
@@ -29,6 +30,9 @@ __all__ = [
     "SpeculateInputs",
     "TensorSpec",
     "check_sampling",
+    "chunk_access",
+    "chunk_buckets",
+    "chunk_mask",
     "decode_access",
     "decode_mask",
     "generate_buckets",

@@ -59,3 +59,21 @@ def select_bucket(buckets: Sequence[int], needed: int, what: str = "length") -> 
         f"{what}={needed} exceeds the largest bucket {buckets[-1]}; raise the limit that bounds it "
         "(max_context_length for prompts, sequence_length for the KV cache) and recompile."
     )
+
+
+def chunk_buckets(chunk_size: int, decode_buckets: Sequence[int]) -> tuple[int, ...]:
+    """Attended-length buckets (tokens) of the "chunk" graphs (prefill at an offset): the decode
+    buckets ``>= chunk_size``. Every chunk graph takes T = ``chunk_size`` new tokens per row
+    (a shorter chunk is right-padded), so the graphs of a batch bucket are one per attended
+    length S, and a chunk of n tokens written from position p runs in the smallest S >= p + n
+    (:func:`select_bucket`). Buckets below ``chunk_size`` are left out: only a chunk shorter than
+    the chunk size at the start of a short sequence could use them, and the next bucket up
+    serves it. Returns a strictly increasing tuple ending at ``decode_buckets[-1]``; raises
+    ConfigError when ``chunk_size`` < 1 or is larger than every decode bucket.
+
+    Graph count of the chunk phase: ``len(batch buckets) * len(chunk_buckets(C, decode buckets))``.
+    """
+    if chunk_size < 1 or not decode_buckets or chunk_size > decode_buckets[-1]:
+        raise ConfigError(f"prefill_chunk_size={chunk_size} must be in [1, {decode_buckets[-1] if decode_buckets else 0}] "
+                          "(the largest decode bucket, sequence_length); lower it.")
+    return tuple(b for b in decode_buckets if b >= chunk_size)

@@ -45,6 +45,21 @@ def _group_size(inst: object, attribute: attrs.Attribute, value: object) -> None
         )
 
 
+def _chunk_size(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(
+            f"InferenceConfig.prefill_chunk_size={value!r} must be None (prefill whole prompts) or an int >= 1 "
+            "(tokens per chunk); pass e.g. 128."
+        )
+
+
+def prefill_limit(inference: InferenceConfig) -> int:
+    """Longest prompt one prefill graph takes, tokens: ``max_context_length``, or
+    ``prefill_chunk_size`` when that is smaller (longer prompts are prefilled in chunks)."""
+    chunk = inference.prefill_chunk_size
+    return inference.max_context_length if chunk is None else min(chunk, inference.max_context_length)
+
+
 def _buckets(value: object) -> object:
     """None, or a list/tuple of bucket sizes as a tuple; anything else is left for the check."""
     return tuple(value) if isinstance(value, (list, tuple, range)) else value
@@ -74,6 +89,32 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         )
 
 
+def _check_prefix_caching(inf: InferenceConfig) -> None:
+    """The prefix-cache options fit the plan: a cached prefix is continued by the chunked-prefill
+    (prefill at an offset) graphs, whose chunks cover whole blocks."""
+    b = inf.prefix_block_size
+    if not inf.enable_prefix_caching:
+        return
+    if b >= inf.max_context_length:
+        raise ConfigError(
+            f"prefix_block_size={b} >= max_context_length={inf.max_context_length}: no prompt could reuse a block (one "
+            "token is always left to prefill); lower prefix_block_size (vLLM uses 16)."
+        )
+    chunk = inf.prefill_chunk_size
+    if chunk is None:
+        raise ConfigError(
+            "enable_prefix_caching=True needs prefill_chunk_size: the rest of a prompt after a cached prefix is prefilled "
+            "from that offset by the chunked-prefill graphs; set prefill_chunk_size (e.g. 128, a multiple of "
+            f"prefix_block_size={b})."
+        )
+    if chunk % b:
+        raise ConfigError(
+            f"prefix_block_size={b} does not divide prefill_chunk_size={chunk}: a chunk must end on a block boundary "
+            f"so that a prompt's cached and prefilled parts meet at whole blocks; pick a divisor of {chunk} (e.g. 16) "
+            "or a chunk size that is a multiple of it."
+        )
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class InferenceConfig:
     """Static options of a compiled runtime (the scope of NxD's ``NeuronConfig`` neuronfx covers).
@@ -83,7 +124,8 @@ class InferenceConfig:
     - ``batch_buckets``: compiled batch sizes (rows per graph), strictly increasing and ending at
       ``batch_size``; a step over n rows runs in the smallest one >= n. Derived when None:
       1, 2, 4, ... below ``batch_size``, then ``batch_size`` (only ``batch_size`` without bucketing).
-    - ``max_context_length``: longest prompt, tokens (largest prefill bucket).
+    - ``max_context_length``: longest prompt, tokens (largest prefill bucket unless
+      ``prefill_chunk_size`` is smaller).
     - ``sequence_length``: KV-cache length per slot, tokens (prompt + generated).
     - ``enable_bucketing``: derive power-of-two bucket ladders; otherwise one bucket per phase.
     - ``prefill_buckets`` / ``decode_buckets``: explicit ladders (tokens), override derivation.
@@ -114,6 +156,21 @@ class InferenceConfig:
       run the eager or inductor backend (inductor replays each graph as a CUDA graph) with float
       weights; whether the device exists is checked when the runtime is compiled or loaded
       (``graphs/device.py``), not here (a plan is a pure value, written anywhere).
+    - ``prefill_chunk_size``: C >= 1 prefills a prompt longer than C in chunks of at most C
+      tokens ("chunk" graphs: C new tokens per row against the slot's cache, one per batch bucket
+      and decode bucket >= C); the prefill buckets then stop at C (:func:`prefill_limit`), so
+      ``max_context_length`` may reach ``sequence_length`` without a prefill graph that long.
+      None (default): whole prompts, one prefill pass. Not with speculation (a draft's cache
+      would have to follow every chunk).
+    - ``enable_prefix_caching``: reuse the KV of prompt prefixes already computed (vLLM's
+      automatic prefix caching): full ``prefix_block_size``-token blocks of prompts are kept in
+      a pool of ``max_prefix_blocks`` blocks (``runtime/prefix_store.py``); a new prompt starting
+      with cached blocks gets them copied into its slot and only the rest is prefilled from that
+      offset (the chunked-prefill graphs: needs ``prefill_chunk_size``).
+    - ``prefix_block_size``: tokens per cached block (vLLM's ``block_size``, default 16); must
+      divide ``prefill_chunk_size``.
+    - ``max_prefix_blocks``: the cache's memory bound, blocks (bytes: ``runtime.prefix_pool.pool_nbytes``);
+      None derives ``batch_size * max_context_length // prefix_block_size`` (every slot's longest prompt).
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
@@ -139,6 +196,10 @@ class InferenceConfig:
     weight_group_size: int = attrs.field(default=32, validator=_group_size)
     quantize_lm_head: bool = attrs.field(default=True, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
+    prefill_chunk_size: int | None = attrs.field(default=None, validator=_chunk_size)
+    enable_prefix_caching: bool = attrs.field(default=False, validator=boolean)
+    prefix_block_size: int = attrs.field(default=16, validator=positive_int)
+    max_prefix_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
 
     def __attrs_post_init__(self) -> None:
         if self.max_context_length > self.sequence_length:
@@ -147,7 +208,9 @@ class InferenceConfig:
                 "a prompt must fit in the KV cache: lower max_context_length or raise sequence_length."
             )
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
-        _check_bucket_list("prefill_buckets", self.prefill_buckets, "max_context_length", self.max_context_length)
+        self._check_chunking()
+        limit_field = "max_context_length" if self.prefill_chunk_size is None else "prefill_chunk_size"  # <= max_context_length
+        _check_bucket_list("prefill_buckets", self.prefill_buckets, limit_field, prefill_limit(self))
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
         if self.speculation_length == 1 or self.speculation_length >= self.sequence_length:
             raise ConfigError(
@@ -170,6 +233,7 @@ class InferenceConfig:
                 "the neuron backend takes weight_format='float'."
             )
         self._check_cuda()
+        _check_prefix_caching(self)
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
@@ -196,4 +260,21 @@ class InferenceConfig:
             raise ConfigError(
                 f"device={self.device!r} with tp_degree={self.tp_degree}: tensor-parallel ranks take one GPU each "
                 "(rank r on cuda:r); pass device='cuda'."
+            )
+
+    def _check_chunking(self) -> None:
+        """ConfigError for a ``prefill_chunk_size`` no prompt would be chunked with, or one combined
+        with an option chunked prefill does not support."""
+        chunk = self.prefill_chunk_size
+        if chunk is None:
+            return
+        if chunk > self.max_context_length:
+            raise ConfigError(
+                f"prefill_chunk_size={chunk} > max_context_length={self.max_context_length}: no prompt would be chunked "
+                f"and the chunk graphs would be larger than any prompt; lower prefill_chunk_size or drop it."
+            )
+        if self.speculation_length:
+            raise ConfigError(
+                f"prefill_chunk_size={chunk} with speculation_length={self.speculation_length}: chunked prefill does not "
+                "drive a draft (a draft model's cache would have to follow every chunk); drop one of them."
             )

@@ -10,7 +10,8 @@ the runtime's call (the step functions fill the fields by name) and the docs
 cache (per layer a named K and V, ``neuronfx.graphs.inputs.LayerKV``).
 
 Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (prefill: the
-prompt bucket; decode and draft: 1; speculate: ``speculation_length``), ``V`` vocabulary size,
+prompt bucket; decode and draft: 1; speculate: ``speculation_length``; chunk:
+``prefill_chunk_size``), ``V`` vocabulary size,
 ``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``).
 
 Modelled on vLLM's ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``): a plain record with a
@@ -83,8 +84,24 @@ class SpeculateInputs(NamedTuple):
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
 
 
+class ChunkInputs(NamedTuple):
+    """Chunk (prefill at an offset): each row's next T prompt tokens written at positions
+    [cache_len, cache_len + chunk_len) of its slot, attending the slot's cache plus causal
+    within the chunk, right-padded; pad tokens repeat the row's last real position and write to
+    the scratch slot (``config.kv.chunk_write_slots``). The output is sampled at each row's last
+    real token."""
+
+    input_ids: Annotated[Tensor, "B T", "int32", "the chunk's tokens, right-padded with 0"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "cache_len + t; pads repeat the last real one"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    chunk_lens: Annotated[Tensor, "B", "int32", "real tokens of the chunk, >= 1 (padding rows: 1)"]  # (B,)
+    seq_lens: Annotated[Tensor, "B", "int32", "the row's whole prompt length (length-dependent RoPE)"]  # (B,)
+    sampler: SamplerInputs  # the sampler's inputs, one per row
+
+
 PHASE_INPUTS: dict[str, type] = {
     "prefill": PrefillInputs, "decode": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
+    "chunk": ChunkInputs,
 }
 """The step-input record of each phase."""
 
@@ -171,7 +188,8 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
 def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
     row a tensor in call order: field, shape, dtype, what it holds (the README shows it)."""
-    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length"}
+    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
+              "ChunkInputs": "T = prefill_chunk_size"}
     out = []
     for cls in dict.fromkeys(PHASE_INPUTS.values()):
         phases = ", ".join(p for p, c in PHASE_INPUTS.items() if c is cls)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import torch
 
 from neuronfx.config.dtypes import dtype_bytes
 from neuronfx.errors import BucketOverflowError
@@ -100,3 +101,41 @@ def speculate_access(cache_len: int, k: int, bucket: int) -> KVAccess:
         write=range(cache_len, cache_len + k),
         cache_len_after=cache_len + k,
     )
+
+
+def chunk_access(cache_len: int, chunk_len: int, chunk_size: int, bucket: int) -> KVAccess:
+    """A chunk (prefill at an offset) of ``chunk_len`` real tokens in a graph of ``chunk_size``
+    tokens per row attending ``bucket`` positions, written from the slot's ``cache_len``.
+
+    Writes the row's slot at ``[cache_len, cache_len + chunk_len)`` and nothing else of it: the
+    ``chunk_size - chunk_len`` pad tokens write to the scratch slot (:func:`chunk_write_slots`)
+    at the last real position (:func:`chunk_positions`), which is < ``bucket`` <=
+    sequence_length, so no write lands past the cache or in a slot a request can see. Reads
+    ``[0, bucket)``; the last real token attends ``[0, cache_len + chunk_len)``. Raises
+    BucketOverflowError when ``chunk_len`` is not in [1, chunk_size], ``cache_len`` < 0 or
+    ``cache_len + chunk_len > bucket``.
+    """
+    if not 0 < chunk_len <= chunk_size or cache_len < 0 or cache_len + chunk_len > bucket:
+        raise BucketOverflowError(
+            f"cache_len={cache_len} + chunk_len={chunk_len} does not fit a chunk graph of {chunk_size} tokens attending {bucket}."
+        )
+    end = cache_len + chunk_len
+    return KVAccess(read=range(bucket), attend=range(end), write=range(cache_len, end), cache_len_after=end)
+
+
+def chunk_positions(starts: torch.Tensor, chunk_lens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Positions (B, T = ``chunk_size``) int32 of a chunk graph's tokens: ``starts[b] + t`` for
+    the real tokens (t < ``chunk_lens[b]``), the last real position ``starts[b] + chunk_lens[b]
+    - 1`` for the pads, so a pad's RoPE, mask row and write position stay inside the row's real
+    range (never >= sequence_length). ``starts`` and ``chunk_lens``: (B,) int, lengths >= 1."""
+    t = torch.arange(chunk_size, dtype=torch.int32)
+    return (starts.to(torch.int32)[:, None] + torch.minimum(t[None, :], chunk_lens.to(torch.int32)[:, None] - 1)).contiguous()
+
+
+def chunk_write_slots(seq_ids: torch.Tensor, chunk_lens: torch.Tensor, chunk_size: int, scratch_slot: int) -> torch.Tensor:
+    """Slot each token of a chunk graph writes its K/V to, (B, T = ``chunk_size``) int64: the
+    row's slot ``seq_ids[b]`` for real tokens (t < ``chunk_lens[b]``), the scratch slot for pads,
+    which no request reads. A traced tensor function (no host reads)."""
+    t = torch.arange(chunk_size, device=seq_ids.device)
+    real = t[None, :] < chunk_lens[:, None]  # (B, T)
+    return torch.where(real, seq_ids.long()[:, None], torch.full_like(real, scratch_slot, dtype=torch.long))

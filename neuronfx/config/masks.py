@@ -57,3 +57,17 @@ def decode_mask(position_ids: torch.Tensor, bucket: int, kind: str = "full", siz
     if kind != "full":
         mask = mask & window_mask(pos, idx, kind, size)
     return mask[:, None]  # (B, 1, T, S)
+
+
+def chunk_mask(position_ids: torch.Tensor, bucket: int, kind: str = "full", size: int | None = None) -> torch.Tensor:
+    """Mask of a chunk (prefill at an offset): T new tokens per row at ``position_ids`` [B, T]
+    int32 over a KV window of ``bucket`` positions, returns bool [B, 1, T, bucket].
+
+    Real token t of a row whose chunk starts at p (the slot's cache_len) sits at p + t and sees
+    the cached prefix [0, p) plus the chunk's tokens up to itself: ``j <= p + t`` (and its
+    window), which is :func:`decode_mask`'s rule, since the chunk's K/V are written before
+    attending. Pad tokens (t >= the row's chunk length) repeat the last real position
+    (``config.kv.chunk_positions``), so they see exactly what the last real token sees: no pad
+    query row is empty, and no pad key is visible (pads write to the scratch slot,
+    ``config.kv.chunk_write_slots``)."""
+    return decode_mask(position_ids, bucket, kind, size)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import attrs
 
 from neuronfx.config.attention import AttentionLayout, attention_layout
-from neuronfx.config.buckets import MIN_BUCKET, generate_buckets
-from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.buckets import MIN_BUCKET, chunk_buckets, generate_buckets
+from neuronfx.config.inference import InferenceConfig, prefill_limit
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
 from neuronfx.config.kv import KVLayout
 from neuronfx.config.model import ModelConfig
@@ -15,7 +15,7 @@ from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.config.sharding import RankShard, rank_shard
 from neuronfx.errors import ConfigError
 
-PHASES = ("prefill", "decode", "speculate", "draft")
+PHASES = ("prefill", "decode", "speculate", "draft", "chunk")
 
 __all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "make_plan", "plan_for_rank", "step_inputs"]
 
@@ -26,7 +26,8 @@ class GraphSpec:
     inputs, in call order (the tensors of its phase's record, ``config.inputs.PHASE_INPUTS``).
 
     Prefill: ``bucket`` prompt tokens per row. Decode and draft: 1 token per row attending
-    ``bucket`` KV positions; speculate: k tokens per row. Every graph also takes the shared
+    ``bucket`` KV positions; speculate: k tokens per row; chunk: ``prefill_chunk_size`` tokens per
+    row (prefill at an offset). Every graph also takes the shared
     weights and the KV cache (not listed here).
     """
 
@@ -50,8 +51,9 @@ class GraphSpec:
 class Plan:
     """A frozen value derived from (ModelConfig, InferenceConfig) by :func:`make_plan`.
 
-    ``batch_buckets`` (rows) and ``prefill_buckets`` / ``decode_buckets`` (tokens) are the
-    ladders; ``graphs`` holds one GraphSpec per (phase, batch bucket, length bucket).
+    ``batch_buckets`` (rows) and ``prefill_buckets`` / ``decode_buckets`` / ``chunk_buckets``
+    (tokens; the last: attended lengths of the chunk graphs, empty without ``prefill_chunk_size``)
+    are the ladders; ``graphs`` holds one GraphSpec per (phase, batch bucket, length bucket).
     ``checkpoint`` optionally names where the weights come from (a local HF directory or a
     ``.gguf`` file) so that ``neuronfx.compile(plan)`` can load them itself. ``rank`` is the
     tensor-parallel rank this plan's graphs run on, ``shard`` what that rank holds
@@ -73,6 +75,7 @@ class Plan:
     layout: AttentionLayout
     checkpoint: str | None = None
     rank: int = 0
+    chunk_buckets: tuple[int, ...] = ()
 
     @property
     def tp_degree(self) -> int:
@@ -95,8 +98,9 @@ class Plan:
 
 def bucket_plan(inference: InferenceConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(prefill buckets, decode buckets), tokens. Explicit lists win; else a ladder when
-    ``enable_bucketing``; else one bucket per phase (max_context_length, sequence_length)."""
-    ctx, seq = inference.max_context_length, inference.sequence_length
+    ``enable_bucketing``; else one bucket per phase (max_context_length, sequence_length). With
+    ``prefill_chunk_size`` the prefill ladder stops at it (``inference.prefill_limit``)."""
+    ctx, seq = prefill_limit(inference), inference.sequence_length
     if inference.enable_bucketing:
         prefill = generate_buckets(MIN_BUCKET, ctx)
         decode = generate_buckets(MIN_BUCKET, seq)
@@ -117,17 +121,37 @@ def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
     return (inference.batch_size,)
 
 
-PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length"}
+PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length", "chunk": "prefill_chunk_size"}
 """New tokens per row (the record's ``T``) of each phase."""
 
 
-def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0) -> tuple[TensorSpec, ...]:
+def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0,
+                prefill_chunk_size: int = 0) -> tuple[TensorSpec, ...]:
     """Input specs of one graph, in call order (after weights and KV cache): the tensors of the
     phase's record (``config.inputs``) at B = ``batch_size``, T = new tokens per row (prefill:
-    ``bucket``; decode, draft: 1; speculate: ``speculation_length``), V = ``vocab_size``."""
-    tokens = {"bucket": bucket, "speculation_length": speculation_length}.get(PHASE_TOKENS[phase], 1)
+    ``bucket``; decode, draft: 1; speculate: ``speculation_length``; chunk:
+    ``prefill_chunk_size``), V = ``vocab_size``."""
+    tokens = {"bucket": bucket, "speculation_length": speculation_length,
+              "prefill_chunk_size": prefill_chunk_size}.get(PHASE_TOKENS[phase], 1)
     dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS}
     return input_specs(PHASE_INPUTS[phase], dims)
+
+
+def check_prefix_rope(model: ModelConfig, inference: InferenceConfig) -> None:
+    """Raise ConfigError when prefix caching meets a RoPE whose tables depend on the prompt's
+    length (dynamic NTK past ``max_position_embeddings``, longrope past
+    ``original_max_position_embeddings``) and a prompt may be that long: the K of a cached
+    prefix would then be rotated for another prompt's length than the one reusing it."""
+    rs = model.rope_scaling
+    if not inference.enable_prefix_caching or rs is None or rs.rope_type not in ("dynamic", "longrope"):
+        return
+    limit = model.max_position_embeddings if rs.rope_type == "dynamic" else rs.original_max_position_embeddings
+    if inference.max_context_length > limit:
+        raise ConfigError(
+            f"enable_prefix_caching=True with rope_type={rs.rope_type!r} and max_context_length={inference.max_context_length} "
+            f"> {limit}: this RoPE rotates a prompt by its length past {limit} tokens, so a cached prefix would not match "
+            f"another prompt's; lower max_context_length to {limit} or compile without enable_prefix_caching."
+        )
 
 
 def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | None = None, rank: int = 0) -> Plan:
@@ -142,6 +166,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
             f"draft_layers={inference.draft_layers} must be < num_hidden_layers={model.num_hidden_layers} "
             "(the draft is the target's first layers)."
         )
+    check_prefix_rope(model, inference)
     prefill, decode = bucket_plan(inference)
     batches = batch_bucket_plan(inference)
     phases = [("prefill", prefill), ("decode", decode)]
@@ -149,9 +174,13 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
         phases.append(("speculate", decode))
     if inference.draft_layers:
         phases.append(("draft", decode))
+    chunks = () if inference.prefill_chunk_size is None else chunk_buckets(inference.prefill_chunk_size, decode)
+    if chunks:
+        phases.append(("chunk", chunks))
     graphs = tuple(
         GraphSpec(phase=phase, bucket=k, batch_size=b,
-                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length))
+                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length,
+                                     inference.prefill_chunk_size or 0))
         for phase, ladder in phases
         for b in batches
         for k in ladder
@@ -179,6 +208,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
         layout=attention_layout(model),
         checkpoint=checkpoint,
         rank=rank,
+        chunk_buckets=chunks,
     )
 
 

@@ -50,6 +50,7 @@ from neuronfx.graphs.phases import (
     GraphModule,
     PhaseParts,
     build_module,
+    chunk_layers,
     decode_epilogue,
     decode_layers,
     draft_epilogue,
@@ -83,10 +84,11 @@ def layer_group_size(num_layers: int, limit: int = MAX_LAYER_GROUP, period: int 
 
 
 def phase_group_size(plan: Plan, phase: str) -> int:
-    """Layers per compiled call of ``phase``'s graphs (:data:`PREFILL_LAYER_GROUP` for prefill,
+    """Layers per compiled call of ``phase``'s graphs (:data:`PREFILL_LAYER_GROUP` for prefill
+    and chunk, whose calls are long enough that their overhead does not count,
     :data:`MAX_LAYER_GROUP` at most for the others)."""
     n = phase_num_layers(plan, phase)
-    limit = PREFILL_LAYER_GROUP if phase == "prefill" else MAX_LAYER_GROUP
+    limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk") else MAX_LAYER_GROUP
     return layer_group_size(n, limit, period=layer_period(plan.model, n))
 
 
@@ -94,6 +96,7 @@ BUCKET_DIMS: dict[Callable, tuple[tuple[int, int], ...]] = {
     prefill_layers: ((2, 1), (3, 3), (4, 3), (6, 3), (6, 4)),  # h (B, T, hidden), cos/sin (R, B, 1, T, D), mask (M, B, 1, T, T)
     prefill_epilogue: ((2, 1),),  # h (B, T, hidden)
     decode_layers: ((7, 4),),  # mask (M, B, 1, T, S)
+    chunk_layers: ((8, 4),),  # mask (M, B, 1, T, S); T is the chunk size in every chunk graph
     decode_epilogue: (),
     speculate_epilogue: (),
     draft_epilogue: (),
@@ -102,6 +105,12 @@ BUCKET_DIMS: dict[Callable, tuple[tuple[int, int], ...]] = {
 bucket-sized dimension of their arguments, compiled as a dynamic size. Prologues are compiled
 per bucket (they build the bucket's masks from its length). Under tensor parallelism every part
 is compiled per bucket (sequence-parallel prefill writes ``bucket`` positions of a padded T)."""
+
+BACKED_PARTS = (chunk_layers,)
+"""Parts whose one bucket dim is compiled backed (duck-sized), not unbacked: the chunk layers
+call SDPA on the slot's window, and SDPA guards on its key length (``Eq(S, 0)``), which an
+unbacked size cannot answer. The cost: the bucket equal to the KV length gets a version of its
+own (see :class:`SharedCompile`)."""
 
 
 def _aot_compile(fn: Callable, args: tuple) -> Callable:
@@ -114,8 +123,9 @@ class SharedCompile:
     the bucket dims ``dims`` dynamic). One version is the rule; more appear where a shape
     guard splits the buckets, e.g. a product switching to ``small_gemm`` at 8 rows or less."""
 
-    def __init__(self, dims: tuple[tuple[int, int], ...]):
+    def __init__(self, dims: tuple[tuple[int, int], ...], backed: bool = False):
         self.dims = dims
+        self.backed = backed  # mark even a single dim backed (BACKED_PARTS)
         self.versions: list = []
 
     def compiled_for(self, fn: Callable, args: tuple) -> Callable:
@@ -128,7 +138,8 @@ class SharedCompile:
         # and mask) must stay one symbol, which only backed (duck-sized) dims are. Either way a
         # hint, not a demand: a dim the trace must specialise stays static, and the guards send
         # the other buckets to a version of their own.
-        mark = torch._dynamo.decorators.mark_unbacked if len(self.dims) == 1 else torch._dynamo.maybe_mark_dynamic
+        unbacked = len(self.dims) == 1 and not self.backed
+        mark = torch._dynamo.decorators.mark_unbacked if unbacked else torch._dynamo.maybe_mark_dynamic
         for index, dim in self.dims:
             mark(args[index], dim)
         self.versions.append(_aot_compile(fn, args))
@@ -159,7 +170,7 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
         dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
         if dims is None:
             return PrecompiledPart(fn)
-        return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims)))
+        return PrecompiledPart(fn, shared=shared.setdefault((spec.phase, spec.batch_size, fn.func), SharedCompile(dims, fn.func in BACKED_PARTS)))
 
     return wrap
 

@@ -37,10 +37,13 @@ def empty_kv(plan: Plan) -> KVCache:
     return tuple(LayerKV(zeros(), zeros()) for _ in range(plan.kv.num_layers))
 
 
+_LENGTHS = ("prompt_lens", "chunk_lens", "seq_lens")
+
+
 def example_inputs(plan: Plan, spec: GraphSpec) -> object:
     """Trace inputs of ``spec``'s graph as its phase's record: zeros from the spec's shapes and
-    dtypes, except ``prompt_lens`` (1: a prompt has a token) and greedy sampling rows; on the
-    plan's device."""
+    dtypes, except the lengths (1: a prompt or chunk has a token) and greedy sampling rows; on
+    the plan's device."""
     device = plan_device(plan)
     tensors = []
     for t in spec.inputs:
@@ -48,7 +51,7 @@ def example_inputs(plan: Plan, spec: GraphSpec) -> object:
             tensors.append(torch.tensor(pack_sampling([SamplingParams()] * t.shape[0], plan.topk_width), dtype=torch.float32,
                                         device=device))
         else:
-            tensors.append(torch.full(t.shape, int(t.name == "prompt_lens"), dtype=torch_dtype(t.dtype), device=device))
+            tensors.append(torch.full(t.shape, int(t.name in _LENGTHS), dtype=torch_dtype(t.dtype), device=device))
     return from_leaves(spec.record, tensors)
 
 

@@ -5,8 +5,9 @@ the ops bundle the backend chose (no phase branches, no ``.item()``, no shape sn
 asking whether they are compiled): a prologue (embedding, RoPE tables, mask), a group of
 consecutive decoder layers (run once per group with those layers' weights and K/V) and an
 epilogue (final norm, LM head, sampling). Phases: prefill (right-padded prompts), decode
-(1 token per row), speculate (k tokens per row, logits out) and draft (decode through the first
-``draft_layers`` layers). Backends compose them into a graph; the ``inductor`` backend compiles
+(1 token per row), speculate (k tokens per row, logits out), draft (decode through the first
+``draft_layers`` layers) and chunk (prefill at an offset: ``prefill_chunk_size`` tokens per row
+against the slot's cache). Backends compose them into a graph; the ``inductor`` backend compiles
 the prologue once per (phase, batch, bucket) and, on one process, the layer group and the
 epilogue once per (phase, batch) for all its buckets (they read the bucket from their inputs'
 shapes), and reuses the compiled group for every group of layers. Parts take tensors (lists
@@ -24,8 +25,9 @@ import torch
 
 from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL
 from neuronfx.config.dtypes import torch_dtype
-from neuronfx.config.inputs import DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
-from neuronfx.config.masks import decode_mask, prefill_mask
+from neuronfx.config.inputs import ChunkInputs, DecodeInputs, PrefillInputs, SamplerInputs, SpeculateInputs, from_leaves, leaves
+from neuronfx.config.kv import chunk_write_slots
+from neuronfx.config.masks import chunk_mask, decode_mask, prefill_mask
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs import quant
@@ -257,6 +259,49 @@ def draft_epilogue(plan: Plan, bucket: int, ops: Ops, norm: Tensor, lm_head: Ten
     return sample(logits, SamplerInputs(*sampler), plan.topk_width, 0) | {"logits": logits}
 
 
+# --- chunk: prefill at an offset, T = prefill_chunk_size tokens per row ----------------------
+
+
+def chunk_prologue(plan: Plan, bucket: int, ops: Ops, embed: Tensor, input_ids: Tensor, position_ids: Tensor, seq_ids: Tensor,
+                   chunk_lens: Tensor, seq_lens: Tensor) -> tuple[Tensor, ...]:
+    """ids/positions (B, T), seq_ids / chunk_lens / seq_lens (B,) -> h (B, T, hidden), RoPE
+    cos/sin (R, B, 1, T, D) for rows whose whole prompt holds ``seq_lens`` tokens (prefill picks
+    its length-dependent RoPE table from the prompt length too), the masks (M, B, 1, T, S)
+    (``config.masks.chunk_mask``) and the slot each token writes (B, T) int64: the row's for real
+    tokens, the scratch slot for pads (``config.kv.chunk_write_slots``)."""
+    h, cos, sin = _embed(plan, ops, embed, input_ids, position_ids, seq_lens)
+    writes = chunk_write_slots(seq_ids, chunk_lens, input_ids.shape[1], plan.kv.scratch_slot)
+    return h, cos, sin, _masks(plan, chunk_mask, position_ids, bucket), writes
+
+
+def chunk_layers(plan: Plan, bucket: int, ops: Ops, layer: DecoderLayer, lws: list[LayerWeights], kv: KVPairs, h: Tensor,
+                 cos: Tensor, sin: Tensor, seq_ids: Tensor, write_slots: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+    """``len(lws)`` consecutive layers. Each writes the K/V of the chunk's tokens at position_ids
+    (B, T) into ``write_slots`` (B, T) (real tokens: the row's slot; pads: the scratch slot,
+    ``config.kv.chunk_access``), then attends the row's slot over [0, bucket) masked to
+    ``j <= position``: the window is copied out, positions no token attends are zeroed (a
+    masked NaN still poisons SDPA) and ``ops.attention`` (SDPA) runs on it, which at T = a
+    chunk's hundreds of tokens beats the decode kernel's per-element reductions. The bucket is
+    read from the mask's shape (S), so one compiled group with a dynamic S serves every chunk
+    bucket (``graphs/inductor.py``)."""
+    pos = position_ids.long()  # (B, T)
+    n = mask.shape[-1]
+    for lw, (k_cache, v_cache) in zip(lws, kv):
+        layer_cos, layer_sin, layer_mask = _layer_inputs(plan, lw, cos, sin, mask)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
+                   mask: Tensor = layer_mask) -> Tensor:
+            k_cache[write_slots, :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
+            v_cache[write_slots, :, pos] = v.transpose(1, 2)
+            hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no token of the row
+            keys = k_cache[:, :, :n][seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+            values = v_cache[:, :, :n][seq_ids].masked_fill(hidden, 0.0)
+            return ops.attention(q, keys, values, mask)
+
+        h = layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
+    return h
+
+
 # --- composition ------------------------------------------------------------------------------
 
 
@@ -276,6 +321,7 @@ PART_FUNCTIONS = {
     "decode": (decode_prologue, decode_layers, decode_epilogue),
     "speculate": (decode_prologue, decode_layers, speculate_epilogue),
     "draft": (decode_prologue, decode_layers, draft_epilogue),
+    "chunk": (chunk_prologue, chunk_layers, prefill_epilogue),  # output at each row's last real token, as prefill
 }
 
 
@@ -337,7 +383,16 @@ def run_speculate(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, i
     return parts.epilogue(w["norm"], w["lm_head"], h)
 
 
-RUNNERS = {"prefill": run_prefill, "decode": run_decode, "speculate": run_speculate, "draft": run_decode}
+def run_chunk(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: ChunkInputs) -> dict[str, Tensor]:
+    """A chunk graph: T tokens per row at an offset, sampled at each row's last real token."""
+    h, cos, sin, mask, writes = parts.prologue(w["embed"], inputs.input_ids, inputs.position_ids, inputs.seq_ids,
+                                               inputs.chunk_lens, inputs.seq_lens)
+    for lws, group_kv in _groups(parts, w, kv, num_layers):
+        h = parts.layers(lws, group_kv, h, cos, sin, inputs.seq_ids, writes, inputs.position_ids, mask)
+    return parts.epilogue(w["norm"], w["lm_head"], h, inputs.chunk_lens, *leaves(inputs.sampler))
+
+
+RUNNERS = {"prefill": run_prefill, "decode": run_decode, "speculate": run_speculate, "draft": run_decode, "chunk": run_chunk}
 
 
 class GraphModule(torch.nn.Module):

@@ -1,7 +1,10 @@
 """Explicit state and dispatch: the runtime, init_state, step functions, the reference scheduler
 and generate. Compiling (which reads checkpoints and the compile cache) is ``neuronfx.api``."""
 
+from neuronfx.runtime.chunked import ChunkBatch, chunk_step
 from neuronfx.runtime.generate import GenerateResult, generate, stream_generate
+from neuronfx.runtime.prefix import prefill_cached, prefix_stats
+from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state, with_draft
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
@@ -9,7 +12,30 @@ from neuronfx.runtime.state import State
 from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, StepOutput, decode_step, prefill_step, release
 
 __all__ = [
-    "DecodeBatch", "Finished", "GenerateResult", "Logprobs", "PrefillBatch", "Request", "Runtime", "SpeculateBatch",
-    "SpeculationStats", "State", "StepOutput", "TokenEvent", "decode_step", "generate", "init_state", "prefill_step",
-    "release", "schedule", "speculate_step", "stream_generate", "with_draft",
+    "ChunkBatch",
+    "DecodeBatch",
+    "Finished",
+    "GenerateResult",
+    "Logprobs",
+    "PrefillBatch",
+    "PrefixStats",
+    "Request",
+    "Runtime",
+    "SpeculateBatch",
+    "SpeculationStats",
+    "State",
+    "StepOutput",
+    "TokenEvent",
+    "chunk_step",
+    "decode_step",
+    "generate",
+    "init_state",
+    "prefill_cached",
+    "prefill_step",
+    "prefix_stats",
+    "release",
+    "schedule",
+    "speculate_step",
+    "stream_generate",
+    "with_draft",
 ]

@@ -18,6 +18,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
 from neuronfx.graphs.layers import Weights
+from neuronfx.runtime.prefix_pool import identity_key
 from neuronfx.runtime.state import State, check_usable, empty_state
 
 
@@ -33,6 +34,10 @@ class Runtime:
       (inductor: its kernel cache); removed when the runtime is collected; None when none.
     - ``cache_key``: the compile-cache key the graphs came from or went into (None: no cache).
     - ``draft``: a draft runtime for speculative decoding (:func:`with_draft`), else None.
+    - ``prefix_key``: derived, not passed: what prefix-cache hashes start from
+      (``prefix_pool.identity_key``: sha256 of the plan and every weight byte; b"" without
+      prefix caching). Computed whenever a Runtime is made, ``attrs.evolve`` included, so a
+      runtime on other weights never reuses another's cached prefixes.
     """
 
     plan: Plan
@@ -43,6 +48,8 @@ class Runtime:
     cache_key: str | None = None
     draft: Runtime | None = None
     _owner: object = attrs.field(default=None, alias="owner", repr=False)  # removes compiled_dir when the last copy goes
+    prefix_key: bytes = attrs.field(init=False, repr=False,
+                                    default=attrs.Factory(lambda rt: identity_key(rt.plan, rt.weights), takes_self=True))
 
     @property
     def can_speculate(self) -> bool:

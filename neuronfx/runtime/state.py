@@ -15,6 +15,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.sampling import MAX_SEED
 from neuronfx.errors import InputError, StateConsumedError, StateMismatchError
 from neuronfx.graphs.inputs import KVCache, empty_kv
+from neuronfx.runtime.prefix_pool import PrefixCache, empty_prefix_cache
 
 
 @attrs.define
@@ -43,6 +44,8 @@ class State:
     - ``plan_key``: identifies the plan the state was made for.
     - ``draft``: the draft model's state when the runtime has a draft runtime (its slots follow
       this state's: slot s holds the same request in both), else None.
+    - ``prefix``: the prefix cache (its block pool, updated in place like ``kv``, and the
+      store's bookkeeping value) when the plan has ``enable_prefix_caching``, else None.
     """
 
     kv: KVCache
@@ -54,6 +57,7 @@ class State:
     rng_key: int
     plan_key: int
     draft: State | None = None
+    prefix: PrefixCache | None = None
     _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
 
     @property
@@ -93,7 +97,7 @@ def empty_state(plan: Plan, seed: int = 0, draft: State | None = None) -> State:
     return State(
         kv=empty_kv(plan), output_counts=torch.zeros(n, vocab, dtype=torch.int32),
         prompt_mask=torch.zeros(n, vocab, dtype=torch.bool), cache_lens=(0,) * n, generated=(0,) * n,
-        live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft,
+        live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft, prefix=empty_prefix_cache(plan),
     )
 
 
@@ -128,12 +132,13 @@ def check_usable(state: State, plan: Plan, draft_plan: Plan | None = None) -> No
 
 
 def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, ...], live: tuple[bool, ...], rng_key: int,
-            draft: State | None = None) -> State:
+            draft: State | None = None, prefix: PrefixCache | None = None) -> State:
     """Revoke ``state``'s lease; return a new state sharing its tensors (updated in place by the
-    step) with the new host counts (and the new draft state, or the old one when None)."""
+    step) with the new host counts (and the new draft state and prefix cache, or the old ones
+    when None)."""
     state._lease.valid = False
     return State(
         kv=state.kv, output_counts=state.output_counts, prompt_mask=state.prompt_mask, cache_lens=cache_lens,
         generated=generated, live=live, rng_key=rng_key, plan_key=state.plan_key,
-        draft=state.draft if draft is None else draft,
+        draft=state.draft if draft is None else draft, prefix=state.prefix if prefix is None else prefix,
     )

@@ -118,15 +118,20 @@ def check_rows(runtime: Runtime, seq_ids: Sequence[int], other: Sequence[object]
         raise InputError(f"{what} batch has {len(seq_ids)} seq_ids but {len(other)} rows of inputs; give one per row.")
 
 
-def check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
-    """Raise SlotError for a slot that is not an int in [0, batch_size), a duplicate, or one whose
-    liveness is not ``live`` (a prefill needs free slots, decode and speculate live ones)."""
+def check_slot_ids(state: State, seq_ids: Sequence[int]) -> None:
+    """Raise SlotError for a slot that is not an int in [0, batch_size) or a duplicate."""
     n = state.num_slots
     for s in seq_ids:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n:
             raise SlotError(f"seq_id {s!r} is not a slot in [0, {n}); use a slot index below batch_size={n}.")
     if len(set(seq_ids)) != len(seq_ids):
         raise SlotError(f"seq_ids {list(seq_ids)} contain duplicates; each row needs its own slot.")
+
+
+def check_slots(state: State, seq_ids: Sequence[int], live: bool) -> None:
+    """Raise SlotError for a slot that is not an int in [0, batch_size), a duplicate, or one whose
+    liveness is not ``live`` (a prefill needs free slots, decode and speculate live ones)."""
+    check_slot_ids(state, seq_ids)
     for s in seq_ids:
         if state.live[s] != live:
             need = "a live request (prefill it first)" if live else "free (release it first)"
@@ -244,6 +249,13 @@ def check_prefill_batch(runtime: Runtime, state: State, batch: PrefillBatch, wha
     check_rows(runtime, batch.seq_ids, batch.sampling, what)
     check_slots(state, batch.seq_ids, live=live)
     check_prompts(runtime, batch.prompts)
+    limit = runtime.plan.prefill_buckets[-1]
+    for b, prompt in enumerate(batch.prompts):
+        if len(prompt) > limit:  # only with prefill_chunk_size: otherwise the ladder ends at max_context_length
+            raise PromptTooLongError(
+                f"prompt of row {b} has {len(prompt)} tokens > the largest prefill bucket {limit} (prefill_chunk_size); "
+                "prefill it in chunks with neuronfx.chunk_step (generate and the scheduler do)."
+            )
     check_params(runtime, batch.sampling)
 
 

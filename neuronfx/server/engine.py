@@ -28,6 +28,9 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError
+from neuronfx.runtime.prefix import prefix_stats
+from neuronfx.runtime.prefix_pool import pool_nbytes
+from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
 from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, abort, step, submit
 from neuronfx.runtime.state import State
@@ -113,14 +116,20 @@ class Engine:
     """Runs requests through the scheduler in its own thread (see the module doc).
 
     ``build`` returns the :class:`Served` runtime and tokenizer (called in the engine thread);
-    ``on_failure`` is called there when ``build`` raises (the server should exit). Raises
-    InputError for a negative ``max_waiting``.
+    ``on_failure`` is called there when ``build`` raises (the server should exit).
+    ``max_num_batched_tokens``: the scheduler's token budget per iteration under chunked prefill
+    (None: derived). Raises InputError for a negative ``max_waiting`` or a budget that is not
+    None or an int >= 1.
     """
 
     def __init__(self, build: Callable[[], Served], *, max_waiting: int, metrics: Metrics,
-                 on_failure: Callable[[BaseException], None] = lambda exc: None) -> None:
+                 on_failure: Callable[[BaseException], None] = lambda exc: None, max_num_batched_tokens: int | None = None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise InputError(f"max_waiting={max_waiting!r} must be an int >= 0 (requests waiting for a slot).")
+        budget = max_num_batched_tokens
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise InputError(f"max_num_batched_tokens={budget!r} must be None (derived) or an int >= 1 (tokens per scheduler iteration).")
+        self.max_num_batched_tokens = budget
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.failure: BaseException | None = None  # what build raised
@@ -133,6 +142,7 @@ class Engine:
         self._next_id = 0
         # owned by the engine thread alone
         self._live: dict[int, _Live] = {}
+        self._prefix_seen = PrefixStats()  # the state's prefix-cache counters already added to the metrics
         self._thread = threading.Thread(target=self._run, name="neuronfx-engine", daemon=True)
         for reason in ("stop", "length", "abort", "error"):
             metrics.requests.labels(reason)  # listed at 0 from the start
@@ -211,6 +221,9 @@ class Engine:
             self._served = served
         logger.info("ready: %d slots, max_context_length %d, sequence_length %d, backend %s", state.num_slots,
                     runtime.plan.inference.max_context_length, runtime.plan.inference.sequence_length, runtime.plan.inference.backend)
+        if state.prefix is not None:
+            logger.info("prefix caching: %d blocks of %d tokens (%.0f MiB)", state.prefix.store.num_blocks,
+                        state.prefix.store.block_size, pool_nbytes(runtime.plan) / 2**20)
         while True:
             for command in self._commands(block=queue.idle):
                 if isinstance(command, _Stop):
@@ -222,12 +235,14 @@ class Engine:
             events: list[TokenEvent] = []
             if not queue.idle:
                 try:
-                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer)
+                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
+                                                max_num_batched_tokens=self.max_num_batched_tokens)
                 except Exception:  # a bug, not bad input (requests were checked): fail these requests, serve on
                     logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
                     for index in list(self._live):
                         self._finish(index, _ended(index, "error"))
                     state, queue = init_state(runtime), Queue()
+                    self._prefix_seen = PrefixStats()
             self._gauges(state, queue)  # before the events go out: a client that has its answer sees its slot free
             self._route(events)
 
@@ -283,9 +298,16 @@ class Engine:
         live.sink.put((live.choice, event))
 
     def _gauges(self, state: State, queue: Queue) -> None:
-        self.metrics.running.set(len(queue.running))
+        self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
+        stats = prefix_stats(state)
+        if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
+            seen, m = self._prefix_seen, self.metrics
+            m.prefix_queries.inc(stats.queries - seen.queries)
+            m.prefix_hits.inc(stats.hits - seen.hits)
+            m.prefix_evictions.inc(stats.evictions - seen.evictions)
+            self._prefix_seen = stats
 
 
 def _ended(index: int, reason: str) -> TokenEvent:

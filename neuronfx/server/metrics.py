@@ -32,6 +32,9 @@ class Metrics:
     ttft: Histogram  # arrival -> first token, seconds
     itl: Histogram  # between two tokens of a request, seconds
     e2e: Histogram  # arrival -> last token, seconds
+    prefix_queries: Counter  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
+    prefix_hits: Counter  # of them, tokens served from the cache (vLLM's prefix_cache_hits)
+    prefix_evictions: Counter  # cached blocks evicted to make room
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -57,4 +60,10 @@ def make_metrics() -> Metrics:
                       registry=r),
         e2e=Histogram("neuronfx_e2e_request_latency_seconds", "Arrival to last token of a request.", buckets=E2E_BUCKETS,
                       registry=r),
+        prefix_queries=Counter("neuronfx_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                               "(0 without enable_prefix_caching).", registry=r),
+        prefix_hits=Counter("neuronfx_prefix_cache_hits", "Prompt tokens served from the prefix cache (not prefilled).",
+                            registry=r),
+        prefix_evictions=Counter("neuronfx_prefix_cache_evictions", "Prefix-cache blocks evicted (least recently used) "
+                                 "to make room.", registry=r),
     )

@@ -1,0 +1,227 @@
+"""Prefix caching over the step API: look a new request's prompt up, copy its cached blocks into
+the request's slot, and after the prompt's prefill put its new full blocks in the cache.
+
+:func:`prefill_cached` is all of it as one step with :func:`neuronfx.prefill_step`'s signature
+(the reference scheduler runs it instead of ``prefill_step`` when the plan caches prefixes).
+Its parts, for a scheduler that interleaves chunks with decode steps: :func:`load_prefix` on
+admission (a slot with a hit becomes live holding the hit tokens: cache_len = p, generated 0,
+and ``chunk_step`` continues it from p; a miss leaves its slot free for an ordinary prefill from
+0). Once a prompt is
+wholly prefilled, :func:`store_prefix` inserts its full blocks (evicting least recently used
+unused blocks to stay within the pool) and drops the references the lookup took. A request
+aborted in between gives them back with :func:`drop_prefix`.
+
+Every function validates before it changes anything and consumes its input state (the pool and
+the KV cache are updated in place), like the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from neuronfx.errors import InputError
+from neuronfx.runtime import prefix_store
+from neuronfx.runtime.chunked import ChunkBatch, chunk_step
+from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
+from neuronfx.runtime.prefix_store import Match, PrefixStats
+from neuronfx.runtime.runtime import Runtime, check_state
+from neuronfx.runtime.state import State, advance
+from neuronfx.runtime.steps import (
+    PrefillBatch,
+    StepOutput,
+    check_batch,
+    check_params,
+    check_prompts,
+    check_rows,
+    check_slots,
+    prefill_step,
+)
+
+
+def check_prefix(runtime: Runtime, state: State) -> None:
+    """Raise what ``check_state`` raises, and InputError when the state holds no prefix cache
+    (the plan was compiled without ``enable_prefix_caching``)."""
+    check_state(runtime, state)
+    if state.prefix is None:
+        raise InputError("this runtime does not cache prefixes; compile it with InferenceConfig(enable_prefix_caching=True, "
+                         "prefill_chunk_size=C).")
+
+
+def _check_rows(seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], matches: Sequence[Match] | None = None) -> None:
+    for name, value in (("seq_ids", seq_ids), ("prompts", prompts), ("matches", matches)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise InputError(f"{name}={value!r:.60} must be a list with one entry per slot.")
+    if len(seq_ids) != len(prompts):
+        raise InputError(f"give one prompt per slot: {len(seq_ids)} seq_ids, {len(prompts)} prompts.")
+    if matches is not None and len(matches) != len(seq_ids):
+        raise InputError(f"give one Match per slot: {len(seq_ids)} seq_ids, {len(matches)} matches.")
+
+
+def load_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                ) -> tuple[tuple[Match, ...], State]:
+    """Look each prompt up and copy its cached leading blocks (at most ``len - 1`` tokens' worth)
+    into its free slot ``seq_ids[r]``. A slot with a hit of p tokens becomes live with
+    ``cache_len = p``, ``generated = 0``, its prompt mask the p tokens and its output counts
+    zero; a miss leaves the slot free. Each Match holds references on its blocks until
+    :func:`store_prefix` or :func:`drop_prefix`. Returns (matches, new state).
+
+    Raises (before any change) InputError (no prefix cache, row counts differ), SlotError (slot
+    out of range, duplicate or live), EmptyPromptError, PromptTooLongError, TokenOutOfVocabError,
+    StateConsumedError / StateMismatchError."""
+    check_prefix(runtime, state)
+    _check_rows(seq_ids, prompts)
+    check_slots(state, seq_ids, live=False)
+    check_prompts(runtime, prompts)
+    store, matches = state.prefix.store, []
+    for prompt in prompts:
+        store, hit = prefix_store.match(store, prompt, runtime.prefix_key)
+        matches.append(hit)
+    cache_lens, live = list(state.cache_lens), list(state.live)
+    hits = [(s, p, m) for s, p, m in zip(seq_ids, prompts, matches) if m.num_blocks]
+    for s, _, m in hits:
+        cache_lens[s], live[s] = m.num_tokens, True
+    new = advance(state, cache_lens=tuple(cache_lens), generated=state.generated, live=tuple(live), rng_key=state.rng_key,
+                  prefix=attrs.evolve(state.prefix, store=store))
+    for s, p, m in hits:  # after the lease is revoked: an interrupt leaves the old state consumed, never half-updated
+        copy_to_slot(new.kv, new.prefix.pool, s, m.blocks)
+        new.prompt_mask[s] = False
+        new.prompt_mask[s, torch.tensor(list(p[: m.num_tokens]), dtype=torch.long)] = True
+        new.output_counts[s] = 0
+    return tuple(matches), new
+
+
+def store_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+                 matches: Sequence[Match]) -> State:
+    """After ``prompts`` were prefilled into live slots ``seq_ids`` (their cache holds at least
+    the prompt), cache their full blocks (new ones are copied from the slot into the pool,
+    evicting least recently used unused blocks when it is full) and drop the references of
+    ``matches`` (what :func:`load_prefix` returned for them). Returns the new state.
+
+    Raises (before any change) InputError (no prefix cache, counts differ, a slot holding fewer
+    tokens than its prompt, a match that is not this prompt's), SlotError (slot out of range,
+    duplicate or free), StateConsumedError / StateMismatchError."""
+    check_prefix(runtime, state)
+    _check_rows(seq_ids, prompts, matches)
+    check_slots(state, seq_ids, live=True)
+    b = state.prefix.store.block_size
+    for s, p, m in zip(seq_ids, prompts, matches):
+        if state.cache_lens[s] < len(p):
+            raise InputError(f"slot {s} holds {state.cache_lens[s]} tokens < its prompt's {len(p)}; store a prompt "
+                             "once it is prefilled.")
+        if not isinstance(m, Match) or m.hashes != prefix_store.block_hashes(p, b, runtime.prefix_key):
+            raise InputError(f"slot {s}: pass the Match load_prefix returned for this prompt on this runtime.")
+    store = state.prefix.store
+    for m in matches:
+        store = prefix_store.release(store, m.hashes[: m.num_blocks])
+    placed = []
+    for p, m in zip(prompts, matches):
+        store, placements = prefix_store.insert(store, p, m.hashes, runtime.prefix_key)
+        placed.append(placements)
+    new = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
+                  prefix=attrs.evolve(state.prefix, store=store))
+    for s, placements in zip(seq_ids, placed):
+        copy_to_pool(new.kv, new.prefix.pool, s, placements)
+    return new
+
+
+def drop_prefix(runtime: Runtime, state: State, matches: Sequence[Match]) -> State:
+    """Drop the references of ``matches`` without caching anything (a request aborted before
+    its prompt was prefilled). Raises InputError (no prefix cache, a reference not held)."""
+    check_prefix(runtime, state)
+    store = state.prefix.store
+    for m in matches:
+        store = prefix_store.release(store, m.hashes[: m.num_blocks])
+    return advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
+                   prefix=attrs.evolve(state.prefix, store=store))
+
+
+def prefix_stats(state: State) -> PrefixStats | None:
+    """The prefix cache's counters (tokens queried and hit, blocks evicted and inserted), or
+    None when the state has no prefix cache."""
+    return None if state.prefix is None else state.prefix.store.stats
+
+
+def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
+    """:func:`neuronfx.prefill_step` reusing cached prefixes: prefill ``batch.prompts`` into free
+    slots ``batch.seq_ids`` and return each row's first token.
+
+    Each prompt is looked up (:func:`load_prefix`); rows with a hit, and prompts longer than the
+    largest prefill bucket, are prefilled from their offset by ``chunk_step`` in chunks of at most
+    ``prefill_chunk_size`` tokens (all such rows together, one chunk each per step); the other rows
+    by one ``prefill_step``, as without prefix caching. Then every prompt's full blocks are cached
+    (:func:`store_prefix`), except a row whose logits were NaN/inf. The output's rows are the batch's; ``bucket`` and ``batch_size`` are
+    those of the last graph run. Prompts may be as long as ``max_context_length``.
+
+    Raises (before any change) what :func:`prefill_step` raises (InputError, BatchTooLargeError,
+    SlotError, EmptyPromptError, PromptTooLongError, TokenOutOfVocabError, SamplingParamsError,
+    StateConsumedError / StateMismatchError), and InputError when the runtime caches no prefixes.
+    """
+    check_prefix(runtime, state)
+    check_batch(batch, PrefillBatch)
+    check_rows(runtime, batch.seq_ids, batch.prompts, "prefill")
+    check_rows(runtime, batch.seq_ids, batch.sampling, "prefill")
+    check_slots(state, batch.seq_ids, live=False)
+    check_prompts(runtime, batch.prompts)
+    check_params(runtime, batch.sampling)
+
+    slots, prompts, n = list(batch.seq_ids), list(batch.prompts), len(batch.seq_ids)
+    matches, state = load_prefix(runtime, state, slots, prompts)
+    whole = [r for r in range(n) if not matches[r].num_blocks and len(prompts[r]) <= runtime.plan.prefill_buckets[-1]]
+    rows: dict[int, tuple] = {}  # row -> (token, logits, logprobs, finite)
+    last = None
+    if whole:
+        sub = PrefillBatch(seq_ids=[slots[r] for r in whole], prompts=[prompts[r] for r in whole],
+                           sampling=[batch.sampling[r] for r in whole])
+        last, state = prefill_step(runtime, state, sub)
+        for i, r in enumerate(whole):
+            rows[r] = _row(last, i)
+    done = {r: m.num_tokens for r, m in enumerate(matches) if r not in rows}  # row -> prompt tokens in its slot
+    size = runtime.plan.inference.prefill_chunk_size
+    while any(done[r] < len(prompts[r]) for r in done):
+        todo = [r for r in done if done[r] < len(prompts[r])]
+        chunks = [prompts[r][done[r]:done[r] + size] for r in todo]
+        final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(todo, chunks)]
+        cb = ChunkBatch(seq_ids=[slots[r] for r in todo], chunks=chunks, sampling=[batch.sampling[r] for r in todo], final=final,
+                        prompt_lens=[len(prompts[r]) for r in todo])
+        last, state = chunk_step(runtime, state, cb)
+        for i, (r, c) in enumerate(zip(todo, chunks)):
+            done[r] += len(c)
+            if final[i]:
+                rows[r] = _row(last, i)
+    ordered = [rows[r] for r in range(n)]
+    ok = [r for r in range(n) if ordered[r][3]]  # a row whose logits were NaN/inf caches nothing
+    state = store_prefix(runtime, state, [slots[r] for r in ok], [prompts[r] for r in ok], [matches[r] for r in ok])
+    if len(ok) < n:
+        state = drop_prefix(runtime, state, [matches[r] for r in range(n) if r not in ok])
+    logits = None if last.logits is None else torch.stack([row[1] for row in ordered])
+    return StepOutput(tokens=tuple(row[0] for row in ordered), new_tokens=tuple((row[0],) for row in ordered), logits=logits,
+                      logprobs=tuple(row[2] for row in ordered), bucket=last.bucket, batch_size=last.batch_size,
+                      finite=tuple(row[3] for row in ordered), num_drafted=(0,) * n), state
+
+
+def _row(out: StepOutput, i: int) -> tuple:
+    """(token, logits [vocab] or None, logprobs, finite) of row ``i`` of ``out``."""
+    return (out.tokens[i], None if out.logits is None else out.logits[i], out.logprobs[i], out.finite[i])
+
+
+def outputs_reusable(runtime: Runtime) -> bool:
+    """Whether a finished request's generated tokens may be cached too (:func:`cache_sequences`):
+    prefix caching is on and the model's RoPE does not depend on the sequence length (dynamic
+    NTK and longrope rotate by it: decoded keys past their threshold are not what a prefill of
+    the same tokens would compute)."""
+    rs = runtime.plan.model.rope_scaling
+    return runtime.plan.inference.enable_prefix_caching and (rs is None or rs.rope_type not in ("dynamic", "longrope"))
+
+
+def cache_sequences(runtime: Runtime, state: State, seq_ids: Sequence[int], sequences: Sequence[Sequence[int]]) -> State:
+    """Cache the full blocks of each live slot's ``sequences[r]`` (the tokens its cache holds, in
+    order: prompt, then generated ones), e.g. when its request finishes, so that the next turn of
+    a conversation (this prompt, this answer, a new message) reuses the answer's KV too, as vLLM
+    caches decoded blocks. Raises what :func:`store_prefix` raises."""
+    check_prefix(runtime, state)
+    b = state.prefix.store.block_size
+    matches = [Match(hashes=prefix_store.block_hashes(seq, b, runtime.prefix_key), blocks=(), block_size=b) for seq in sequences]
+    return store_prefix(runtime, state, seq_ids, sequences, matches)
