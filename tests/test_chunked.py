@@ -9,7 +9,7 @@ import functools
 import attrs
 import pytest
 import torch
-from helpers import GREEDY, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -268,6 +268,20 @@ def test_long_prompt_fills_max_context_length():
                                            rng_key=state.rng_key)
     with pytest.raises(PromptTooLongError, match="max_context_length=32"):
         chunk_step(rt, state, ChunkBatch(seq_ids=[0], chunks=[[1] * 5], sampling=[GREEDY], final=[True]))
+
+
+def test_2000_token_prompt_with_max_context_length_2048_matches_transformers():
+    """max_context_length 2048 and chunks of 128: no prefill graph over 128 tokens, and a
+    2000-token prompt (16 chunks, the last partial) gives transformers' greedy tokens (the
+    SmolLM2 case, shorter, is in test_e2e_smollm2.py)."""
+    hf = tiny_hf_model("llama", seed=5, max_position_embeddings=2048)
+    rt = tiny_runtime(hf, batch_size=1, max_context_length=2048, sequence_length=2048, prefill_chunk_size=128,
+                      prefill_buckets=None, decode_buckets=None)
+    assert max(rt.plan.prefill_buckets) == 128
+    assert sorted({g.bucket for g in rt.plan.graphs if g.phase == "chunk"}) == [128, 256, 512, 1024, 2048]
+    prompt = random_prompt(2000, seed=11)
+    got, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [prompt], max_new_tokens=4)
+    assert list(got.token_ids[0]) == hf_greedy(hf, prompt, 4)
 
 
 # --- the scheduler ----------------------------------------------------------------------------------
