@@ -43,9 +43,9 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int, max_waiting: int, shutdown_timeout: float,
-          access_log: bool = False) -> int:
+          access_log: bool = False, async_decode: bool = False) -> int:
     """Serve until SIGINT/SIGTERM. ``build`` (run in the engine thread) loads or compiles the
-    runtime. Returns the exit status: 0 after a stop, 2 when ``build`` failed (its error is
+    runtime; ``async_decode``: the engine overlaps decode steps (``runtime/overlap.py``). Returns the exit status: 0 after a stop, 2 when ``build`` failed (its error is
     printed as one line)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     server_box: list[GracefulServer] = []
@@ -54,7 +54,8 @@ def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int,
         logger.error("the runtime could not be built: %s: %s", type(exc).__name__, exc)
         server_box[0].should_exit = True
 
-    engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(), on_failure=on_failure)
+    engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(), on_failure=on_failure,
+                    async_decode=async_decode)
     config = uvicorn.Config(make_app(engine, model_name), host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=access_log, log_level="info", lifespan="on")
     server = GracefulServer(config, engine)

@@ -1,0 +1,314 @@
+"""Overlapped (async) decode: step n+1's graph runs in a worker thread while the host delivers
+step n's tokens (detokenizes, stop-checks and streams them as TokenEvents).
+
+The state stays an explicit value. NxD's async mode keeps ``prior_outputs``, ``prior_seq_ids``
+and ``next_cpu_inputs`` on the model and returns each call the *previous* call's outputs
+(NxDI ``modules/async_execution.py``; the seed's ``async_mode``); here a launched step is a
+:class:`Pending` value:
+
+- :func:`decode_launch` ``(runtime, state, batch) -> Pending`` checks everything
+  :func:`~neuronfx.runtime.steps.decode_step` checks (raising before any change), consumes
+  ``state`` (its lease is revoked: the step in flight owns the KV cache now) and runs the step
+  in a worker thread (torch ops release the GIL, so the host thread runs meanwhile);
+- :func:`defer_release` ``(pending, slots) -> Pending``: slots to free once the step is done
+  (requests that ended, or were aborted, while it ran: "released one step later at most");
+- :func:`decode_finish` ``(pending) -> (StepOutput, State)`` waits for it, frees those slots and
+  consumes ``pending``.
+
+What step n+1 needs from step n: its tokens (the input ids), and the counts the step itself
+updates in the state it returns (cache_lens, generated: the index of each seeded row's draw and
+the min_tokens bias; output_counts: the penalties; the RNG key). Launching from the state step n
+returned gives exactly the inputs a synchronous decode would get, so a row's tokens are the
+synchronous ones (greedy and seeded sampling alike) as long as its batch is the same.
+
+The scheduler side (:func:`overlap_step`, :func:`overlap_schedule`) chains decode steps: when
+step n's tokens come back it launches step n+1 for every running request that step n's token
+does not end *for sure* (eos and stop ids after min_tokens, max_tokens, NaN/inf logits: cheap
+integer checks), then delivers step n's tokens while step n+1 runs. A stop string is only seen
+when the text is decoded, during the overlap: that request has already been launched once more;
+its extra token is dropped (no TokenEvent, not counted) and its slot freed when that step
+returns. Admission (a prefill), a longrope refill and a step with nothing to overlap run
+synchronously through :func:`neuronfx.runtime.scheduler.step`; speculation is refused
+(:func:`check_async`).
+
+What differs from synchronous decode: a request stopped by a stop string rides one extra step
+(its slot is freed, and a waiting request admitted, one step later), so the batch of the other
+rows, and the order of the state's RNG keys, can differ from the synchronous run's. Greedy and
+seeded requests produce the same tokens (a row's result does not depend on its batch); unseeded
+sampling draws from the state's key by row position and is reproducible, but not the same draws
+as the synchronous run's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+
+from neuronfx.errors import ConfigError, InputError, StateConsumedError
+from neuronfx.runtime.runtime import Runtime
+from neuronfx.runtime.scheduler import (
+    Finished,
+    Progress,
+    Queue,
+    Request,
+    TokenEvent,
+    abort,
+    advance_request,
+    rope_switch_refill,
+    step,
+    submit,
+)
+from neuronfx.runtime.state import State, _Lease, advance
+from neuronfx.runtime.steps import DecodeBatch, StepOutput, check_decode, check_params, check_room, decode_step, release
+
+# --- the step API: launch, defer a release, finish -----------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Pending:
+    """A decode step running in a worker thread (:func:`decode_launch`): a State in flight.
+
+    - ``runtime``, ``batch``: what it runs.
+    - ``release``: slots :func:`decode_finish` frees after the step (:func:`defer_release`).
+    - ``live``: [num_slots] which slots the returned state will hold requests in (after ``release``).
+    - ``launched``: ``time.perf_counter()`` at launch.
+    """
+
+    runtime: Runtime
+    batch: DecodeBatch
+    release: tuple[int, ...]
+    live: tuple[bool, ...]
+    launched: float
+    _future: Future = attrs.field(alias="future")  # -> (StepOutput, State) of decode_step
+    _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
+
+    @property
+    def num_slots(self) -> int:
+        """Request slots (as State.num_slots)."""
+        return len(self.live)
+
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        """Slots the returned state will have free, ascending (as State.free_slots)."""
+        return tuple(s for s, on in enumerate(self.live) if not on)
+
+    @property
+    def consumed(self) -> bool:
+        """Whether :func:`decode_finish` or :func:`defer_release` already used this value."""
+        return not self._lease.valid
+
+
+def _check_pending(pending: object) -> None:
+    if not isinstance(pending, Pending):
+        raise InputError(f"pending is a {type(pending).__name__}; pass the Pending returned by decode_launch or defer_release.")
+    if pending.consumed:
+        raise StateConsumedError("this Pending was already finished or replaced (defer_release returns a new one); "
+                                 "use the value that call returned.")
+
+
+def decode_launch(runtime: Runtime, state: State, batch: DecodeBatch) -> Pending:
+    """Start :func:`~neuronfx.runtime.steps.decode_step` ``(runtime, state, batch)`` in a worker
+    thread and return at once. ``state`` is consumed now (using it raises StateConsumedError);
+    :func:`decode_finish` returns the step's output and new state. Raises, before any change,
+    what ``decode_step`` raises for bad input; an error inside the step is raised by
+    ``decode_finish``."""
+    check_decode(runtime, state, batch, DecodeBatch)
+    check_room(state, batch.seq_ids, 1, runtime.plan.inference.sequence_length, "release it or compile with a larger sequence_length.")
+    check_params(runtime, batch.sampling)
+    # Hand the state over: the caller's value is revoked, the worker gets a valid one on the
+    # same tensors (decode_step checks it again, then consumes it).
+    held = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key)
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(decode_step(runtime, held, batch))
+        except BaseException as exc:  # raised again by decode_finish, in the caller's thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="neuronfx-decode", daemon=True).start()
+    return Pending(runtime=runtime, batch=batch, release=(), live=state.live, launched=time.perf_counter(), future=future)
+
+
+def defer_release(pending: Pending, slots: Sequence[int]) -> Pending:
+    """``pending`` with live slots ``slots`` also freed when it finishes (``pending`` is
+    consumed). Raises InputError for a slot that is not live or already queued
+    for release."""
+    _check_pending(pending)
+    slots = tuple(slots)
+    for s in slots:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < pending.num_slots or not pending.live[s]:
+            raise InputError(f"slot {s!r} is not a live slot of this step's state; free slots are {list(pending.free_slots)}.")
+    if len(set(slots)) != len(slots):
+        raise InputError(f"slots {list(slots)} contain duplicates.")
+    pending._lease.valid = False
+    live = tuple(on and s not in slots for s, on in enumerate(pending.live))
+    return attrs.evolve(pending, release=pending.release + slots, live=live, lease=_Lease())
+
+
+def decode_finish(pending: Pending) -> tuple[StepOutput, State]:
+    """Wait for ``pending``'s step; returns its (StepOutput, new State), with the slots of
+    ``pending.release`` freed. ``pending`` is consumed. Raises what the step raised."""
+    _check_pending(pending)
+    pending._lease.valid = False
+    out, state = pending._future.result()
+    if pending.release:
+        state = release(pending.runtime, state, list(pending.release))
+    return out, state
+
+
+Flight = State | Pending
+"""What the overlapped scheduler passes from one iteration to the next: a State, or a Pending
+decode step (the state in flight)."""
+
+
+# --- the scheduler: chain decode steps, deliver while the next one runs ---------------------------
+
+
+def check_async(runtime: Runtime, speculative: bool) -> None:
+    """Raise ConfigError for a runtime or option overlapped decode cannot run: a runtime that
+    speculates (``speculative`` and ``runtime.can_speculate``: the number of tokens a speculate
+    step keeps is only known when it returns) and tensor-parallel plans (the collectives would
+    run in the worker thread; not supported yet)."""
+    if speculative and runtime.can_speculate:
+        raise ConfigError(
+            "async_decode=True with a runtime that speculates: a speculate step's next input is only known when it "
+            "returns, so there is nothing to overlap; pass speculative=False (--no-speculation) or drop async_decode."
+        )
+    if runtime.plan.inference.tp_degree > 1:
+        raise ConfigError(
+            f"async_decode=True with tp_degree={runtime.plan.inference.tp_degree}: overlapped decode runs one process's "
+            "steps in a worker thread and is not supported with tensor-parallel ranks yet; drop async_decode."
+        )
+
+
+def stops_for_sure(request: Request, count: int, token: int, eos: frozenset[int]) -> bool:
+    """Whether the request's ``count``-th token ``token`` ends it whatever its text: eos (unless
+    ignore_eos) or a stop id once ``min_tokens`` are out, or ``max_tokens`` reached; the same
+    conditions as :func:`neuronfx.runtime.scheduler.stop_check` minus stop strings."""
+    sp = request.sampling
+    by_token = count >= sp.min_tokens and ((not sp.ignore_eos and token in eos) or token in sp.stop_token_ids)
+    return by_token or count >= request.max_tokens
+
+
+def _decode_batch(rows: Sequence[Progress], input_ids: Sequence[int]) -> DecodeBatch:
+    return DecodeBatch(seq_ids=[r.slot for r in rows], input_ids=input_ids, sampling=[r.request.sampling for r in rows])
+
+
+def _needs_sync(runtime: Runtime, state: State, queue: Queue) -> bool:
+    """Whether the next iteration must be a synchronous :func:`~neuronfx.runtime.scheduler.step`:
+    a waiting request can be admitted (a prefill), or a running one reaches the longrope switch
+    (a refill)."""
+    switch = rope_switch_refill(runtime)
+    refill = switch is not None and any(state.cache_lens[r.slot] == switch for r in queue.running)
+    return bool(queue.waiting and state.free_slots) or refill
+
+
+def _deliver(queue: Queue, rows: Sequence[Progress | None], out: StepOutput, tokenizer: Any,
+             eos: frozenset[int]) -> tuple[Queue, list[Progress], list[TokenEvent]]:
+    """Step ``out``'s tokens through the stop rule for each row still running (None: a row that
+    ended while the step ran, its token dropped): (queue with the rows updated and the finished
+    ones removed, the finished rows, the events). As the synchronous scheduler's
+    ``_finish_step`` without the release."""
+    updated: dict[int, Progress] = {}
+    done, events = [], []
+    for r, run in enumerate(rows):
+        if run is None:
+            continue
+        run = attrs.evolve(run, passes=run.passes + 1)
+        if out.finite[r]:
+            run, event = advance_request(run, out.tokens[r], None if out.logprobs[r] is None else out.logprobs[r][0], tokenizer, eos)
+        else:  # NaN/inf logits: the token is garbage; report the request, keep the others
+            event = TokenEvent(index=run.index, token_id=None, text="", logprobs=None, finish_reason="error", stop_reason=None)
+        events.append(event)
+        if event.finish_reason is not None:
+            done.append(run)
+        else:
+            updated[run.slot] = run
+    ended = {r.slot for r in done}
+    running = tuple(updated.get(r.slot, r) for r in queue.running if r.slot not in ended)
+    return attrs.evolve(queue, running=running), done, events
+
+
+def overlap_step(runtime: Runtime, flight: Flight, queue: Queue, eos_token_ids: frozenset[int],
+                 tokenizer: Any = None) -> tuple[list[TokenEvent], Flight, Queue]:
+    """One iteration of the overlapped scheduler; returns (events, flight, queue), ``flight``
+    (a State or the Pending of the last iteration) is consumed.
+
+    With a Pending: wait for it; launch the next decode step for every request its tokens do
+    not end for sure (:func:`stops_for_sure`), unless a request can be admitted or refilled;
+    then deliver its tokens (stop rules, text) while the new step runs; requests that ended are
+    freed when that step returns (:func:`defer_release`). Otherwise (or after a synchronous
+    delivery) run a synchronous :func:`~neuronfx.runtime.scheduler.step` when a request can be
+    admitted or refilled, and launch a decode step for the running requests. Never speculates.
+    """
+    events: list[TokenEvent] = []
+    if isinstance(flight, Pending):
+        out, state = decode_finish(flight)
+        by_slot = {r.slot: r for r in queue.running}
+        rows = [by_slot.get(s) for s in flight.batch.seq_ids]  # None: ended while the step ran (freed now)
+        t_decode = time.perf_counter() - flight.launched
+        queue = attrs.evolve(queue, decode_s=queue.decode_s + t_decode)
+        on = [(run, out.tokens[r]) for r, run in enumerate(rows)
+              if run is not None and out.finite[r] and not stops_for_sure(run.request, len(run.tokens) + 1, out.tokens[r], eos_token_ids)]
+        switch = rope_switch_refill(runtime)
+        admit = queue.waiting and (state.free_slots or len(on) < sum(run is not None for run in rows))
+        refill = switch is not None and any(state.cache_lens[run.slot] == switch for run, _ in on)
+        if on and not admit and not refill:
+            pending = decode_launch(runtime, state, _decode_batch([run for run, _ in on], [t for _, t in on]))
+            queue, done, events = _deliver(queue, rows, out, tokenizer, eos_token_ids)
+            if done:
+                pending = defer_release(pending, [run.slot for run in done])
+            return events, pending, queue
+        queue, done, events = _deliver(queue, rows, out, tokenizer, eos_token_ids)
+        flight = release(runtime, state, [run.slot for run in done]) if done else state
+    state = flight
+    if _needs_sync(runtime, state, queue):
+        more, state, queue = step(runtime, state, queue, eos_token_ids, tokenizer, speculative=False)
+        events += more
+    if queue.running and not _needs_sync(runtime, state, queue):
+        return events, decode_launch(runtime, state, _decode_batch(queue.running, [r.tokens[-1] for r in queue.running])), queue
+    return events, state, queue
+
+
+def overlap_abort(runtime: Runtime, flight: Flight, queue: Queue, index: int) -> tuple[Flight, Queue]:
+    """:func:`neuronfx.runtime.scheduler.abort` for the overlapped scheduler: a running request
+    in flight is dropped now and its slot freed when the step returns (its token is never
+    delivered). Raises InputError for an index that is neither waiting nor running."""
+    if isinstance(flight, State) or any(i == index for i, _ in queue.waiting):
+        return abort(runtime, flight, queue, index)
+    for run in queue.running:
+        if run.index == index:
+            flight = defer_release(flight, [run.slot])
+            return flight, attrs.evolve(queue, running=tuple(r for r in queue.running if r.index != index))
+    raise InputError(f"request index {index!r} is neither waiting nor running; nothing to abort.")
+
+
+def busy(flight: Flight, queue: Queue) -> bool:
+    """Whether :func:`overlap_step` has work: requests wait or run, or a step is in flight."""
+    return not queue.idle or isinstance(flight, Pending)
+
+
+def settle(flight: Flight) -> State:
+    """The state of ``flight``: a Pending is waited for and its tokens dropped (call it once the
+    requests it ran ended or were aborted)."""
+    return decode_finish(flight)[1] if isinstance(flight, Pending) else flight
+
+
+def overlap_schedule(runtime: Runtime, state: State, requests: Sequence[Request], eos_token_ids: frozenset[int],
+                     tokenizer: Any = None) -> Iterator[TokenEvent | Finished]:
+    """:func:`neuronfx.runtime.scheduler.schedule` with overlapped decode (:func:`overlap_step`):
+    the events of decode step n are yielded while step n + 1 runs. Requests are assumed
+    validated (and :func:`check_async` passed); ``state`` is consumed."""
+    queue, flight = Queue(), state
+    for i, req in enumerate(requests):
+        queue = submit(queue, i, req)
+    while busy(flight, queue):
+        events, flight, queue = overlap_step(runtime, flight, queue, eos_token_ids, tokenizer)
+        yield from events
+    yield Finished(state=settle(flight), prefill_s=queue.prefill_s, decode_s=queue.decode_s, num_requests=len(requests))
