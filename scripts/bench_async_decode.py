@@ -79,9 +79,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = default_model_path()
     ckpt, tokenizer = load_checkpoint(path), load_tokenizer(path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in QUESTIONS]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]) for q in QUESTIONS]
     inference = neuronfx.InferenceConfig(batch_size=8, batch_buckets=(8,), max_context_length=128,
                                          sequence_length=128 + args.gen_len, backend=args.backend)
     t0 = time.perf_counter()
