@@ -7,6 +7,7 @@ lease rules; the server engine's async loop; bad options.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 
@@ -18,7 +19,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import neuronfx
-from neuronfx import DecodeBatch, PrefillBatch, SamplingParams
+from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
+from neuronfx.cli import check_async_flags
 from neuronfx.errors import ConfigError, InputError, SlotError, StateConsumedError
 from neuronfx.runtime import overlap
 from neuronfx.runtime.generate import collect
@@ -292,3 +294,11 @@ def test_bad_options(rt):
     tp = attrs.evolve(rt, plan=attrs.evolve(rt.plan, inference=attrs.evolve(rt.plan.inference, tp_degree=2)))
     with pytest.raises(ConfigError, match="tp_degree=2"):
         check_async(tp, speculative=False)
+    # the CLI checks the same before anything loads
+    flags = argparse.Namespace(async_decode=True, draft_model=None, no_speculation=False)
+    speculating = InferenceConfig(speculation_length=2, draft_layers=1)
+    with pytest.raises(ConfigError, match="add --no-speculation or drop --async-decode"):
+        check_async_flags(flags, speculating)
+    check_async_flags(argparse.Namespace(async_decode=True, draft_model=None, no_speculation=True), speculating)
+    with pytest.raises(ConfigError, match="--tp-degree=2"):
+        check_async_flags(flags, InferenceConfig(tp_degree=2))
