@@ -12,6 +12,11 @@ or a ``--stream`` caller pays per token: the scheduler detokenizes and stop-chec
 ``neuronfx serve`` does. ITL = time between consecutive TokenEvents of one request, as the
 consumer sees them. Prints ITL p50 / p99 of both modes, their ratio, tok/s, and checks that both
 produced the same tokens.
+
+Both modes are measured after the warm-ups, so the process already holds the decode worker
+thread (``runtime/overlap.py``) and its OpenMP team in both: libgomp spin-waits less once it
+manages more threads than there are CPUs, which on a busy machine changes a step's time a lot,
+for both modes alike once the worker exists (run on a quiet machine; the ratio is the figure).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ and ``next_cpu_inputs`` on the model and returns each call the *previous* call's
 - :func:`decode_launch` ``(runtime, state, batch) -> Pending`` checks everything
   :func:`~neuronfx.runtime.steps.decode_step` checks (raising before any change), consumes
   ``state`` (its lease is revoked: the step in flight owns the KV cache now) and runs the step
-  in a worker thread (torch ops release the GIL, so the host thread runs meanwhile);
+  in a worker thread (one per process; torch ops release the GIL, so the host thread runs
+  meanwhile);
 - :func:`defer_release` ``(pending, slots) -> Pending``: slots to free once the step is done
   (requests that ended, or were aborted, while it ran: "released one step later at most");
 - :func:`decode_finish` ``(pending) -> (StepOutput, State)`` waits for it, frees those slots and
@@ -41,10 +42,9 @@ as the synchronous run's.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -123,16 +123,14 @@ def decode_launch(runtime: Runtime, state: State, batch: DecodeBatch) -> Pending
     # Hand the state over: the caller's value is revoked, the worker gets a valid one on the
     # same tensors (decode_step checks it again, then consumes it).
     held = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key)
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(decode_step(runtime, held, batch))
-        except BaseException as exc:  # raised again by decode_finish, in the caller's thread
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="neuronfx-decode", daemon=True).start()
+    future = _WORKER.submit(decode_step, runtime, held, batch)
     return Pending(runtime=runtime, batch=batch, release=(), live=state.live, launched=time.perf_counter(), future=future)
+
+
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronfx-decode")
+"""The one thread every launched step runs in (started on the first launch, kept for the process;
+shared by all runtimes: steps of two runtimes queue behind each other). One kept thread, not one
+per step: a new thread would start a new OpenMP team for the graph at every step."""
 
 
 def defer_release(pending: Pending, slots: Sequence[int]) -> Pending:
