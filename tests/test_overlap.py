@@ -246,7 +246,8 @@ def test_stops_for_sure_is_stop_check_without_stop_strings():
 
 def test_engine_async_streams_the_sync_tokens_and_aborts(rt, tokenizer):
     """The server engine with async_decode=True: the same events as generate, an abort ends a
-    request at once; with a runtime that speculates it fails at start with a ConfigError."""
+    request at once; with a runtime that speculates it fails at start with a ConfigError (and
+    generate overlaps on it with speculative=False)."""
     prompts = [random_prompt(n, seed=40 + n) for n in (4, 9, 6)]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     want, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, sampling=sampling, tokenizer=tokenizer)
@@ -284,6 +285,10 @@ def test_engine_async_streams_the_sync_tokens_and_aborts(rt, tokenizer):
     engine.start()
     engine._thread.join(30)
     assert isinstance(engine.failure, ConfigError) and failures == [engine.failure]
+    # with speculative=False the same runtime decodes plainly (its draft cache following) and overlaps
+    plain = [neuronfx.generate(spec_rt, neuronfx.init_state(spec_rt), prompts, sampling=sampling, speculative=False,
+                               async_decode=a)[0].token_ids for a in (False, True)]
+    assert plain[0] == plain[1]
 
 
 def test_bad_options(rt):
