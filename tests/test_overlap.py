@@ -33,6 +33,8 @@ from neuronfx.runtime.overlap import (
     defer_release,
     overlap_abort,
     overlap_step,
+    prepare,
+    prepare_next,
     settle,
     stops_for_sure,
 )
@@ -229,6 +231,31 @@ def test_launch_finish_equal_decode_step_and_keep_the_lease_rules(rt):
             out, state = neuronfx.decode_step(rt, state, batch)
         outs.append(out)
     assert outs[0].tokens == outs[1].tokens and torch.equal(outs[0].logits, outs[1].logits)
+
+
+def test_inputs_prepared_during_the_previous_step_are_used_and_exact(rt, monkeypatch):
+    """prepare_next makes the next step's random numbers, min_tokens bias and prompt-mask rows
+    while a step runs; decode_launch uses them when they fit (same rows, counts and key) and
+    the tokens are decode_step's (seeded, unseeded, min_tokens)."""
+    sampling = [SamplingParams(temperature=1.0, seed=3, min_tokens=3), SamplingParams(temperature=0.7)]
+    made = []
+    monkeypatch.setattr(overlap, "prepare", lambda *a: made.append(a[1]) or prepare(*a))
+    runs = []
+    for overlapped in (False, True):
+        out, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt, seed=9),
+                                           PrefillBatch(seq_ids=[0, 2], prompts=[random_prompt(6, 1), random_prompt(9, 2)], sampling=sampling))
+        tokens, pending = [], None
+        for _ in range(4):
+            batch = DecodeBatch(seq_ids=[0, 2], input_ids=out.tokens, sampling=sampling)
+            if overlapped:
+                pending = prepare_next(decode_launch(rt, state, batch, None if pending is None else pending.next), [0, 2], sampling)
+                out, state = decode_finish(pending)
+            else:
+                out, state = neuronfx.decode_step(rt, state, batch)
+            tokens.append(out.tokens)
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+    assert len(made) == 1 + 4  # the first launch made its own; every later one used the prepared inputs
 
 
 def test_stops_for_sure_is_stop_check_without_stop_strings():

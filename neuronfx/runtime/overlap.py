@@ -48,8 +48,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
+import torch
 
+from neuronfx.config.buckets import select_bucket
+from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError, InputError, StateConsumedError
+from neuronfx.runtime.batch import draws, min_tokens_bias, sampler_inputs
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.scheduler import (
     Finished,
@@ -64,9 +68,69 @@ from neuronfx.runtime.scheduler import (
     submit,
 )
 from neuronfx.runtime.state import State, _Lease, advance
-from neuronfx.runtime.steps import DecodeBatch, StepOutput, check_decode, check_params, check_room, decode_step, release
+from neuronfx.runtime.steps import (  # _follow_draft, _one_token_each: decode_step's own tail, shared as is
+    DecodeBatch,
+    StepOutput,
+    _follow_draft,
+    _one_token_each,
+    check_decode,
+    check_params,
+    check_room,
+    one_token,
+    release,
+)
+
+Tensor = torch.Tensor
 
 # --- the step API: launch, defer a release, finish -----------------------------------------------
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Prepared:
+    """The host-side inputs of one decode step that do not depend on the previous step's
+    tokens (the seed's ``next_cpu_inputs``, as a value): made while the previous step runs
+    (:func:`prepare_next`), used by :func:`decode_launch` only when the step it launches has
+    exactly these rows, generated counts and RNG key (then they are what ``decode_step`` would
+    compute: same random numbers, bias and prompt-mask rows)."""
+
+    seq_ids: tuple[int, ...]  # [n] slots
+    sampling: tuple[SamplingParams, ...]  # [n]
+    generated: tuple[int, ...]  # [n] tokens each row has sampled before this step
+    rng_key: int  # the state's key this step draws from
+    bsz: int  # batch bucket
+    rand: Tensor  # [bsz] float32 (batch.draws)
+    next_key: int  # the key of the state this step returns
+    bias: Tensor  # [bsz, vocab] float32 min_tokens bias
+    prompt_mask: Tensor  # [n, vocab] bool, the rows' prompt masks
+
+
+def prepare(runtime: Runtime, seq_ids: Sequence[int], sampling: Sequence[SamplingParams], generated: Sequence[int],
+            rng_key: int, prompt_mask: Tensor) -> Prepared:
+    """The Prepared inputs of a decode step over ``seq_ids`` whose rows have sampled
+    ``generated`` tokens, drawing from ``rng_key``; ``prompt_mask`` is the state's
+    [num_slots, vocab] tensor (prefill writes it; decode steps do not)."""
+    slots, sampling, generated = tuple(seq_ids), tuple(sampling), tuple(generated)
+    bsz = select_bucket(runtime.plan.batch_buckets, len(slots), "batch rows")
+    rand, next_key = draws(rng_key, sampling, generated, bsz)
+    return Prepared(seq_ids=slots, sampling=sampling, generated=generated, rng_key=rng_key, bsz=bsz, rand=rand, next_key=next_key,
+                    bias=min_tokens_bias(runtime, sampling, generated, bsz), prompt_mask=prompt_mask[list(slots)])
+
+
+def _fits(prepared: Prepared | None, state: State, batch: DecodeBatch) -> bool:
+    """Whether ``prepared`` holds the inputs ``decode_step(state, batch)`` would compute."""
+    return (prepared is not None and prepared.seq_ids == batch.seq_ids and prepared.rng_key == state.rng_key
+            and prepared.generated == tuple(state.generated[s] for s in batch.seq_ids) and prepared.sampling == batch.sampling)
+
+
+def _decode_prepared(runtime: Runtime, state: State, batch: DecodeBatch, prep: Prepared) -> tuple[StepOutput, State]:
+    """:func:`~neuronfx.runtime.steps.decode_step` (already checked) with its host-side inputs
+    from ``prep``: only the output counts (updated by the previous step) are gathered here."""
+    slots = list(batch.seq_ids)
+    sampler = sampler_inputs(runtime, batch.sampling, state.output_counts[slots], prep.prompt_mask, prep.bias, prep.rand, prep.bsz)
+    positions = [state.cache_lens[s] for s in slots]
+    out, bsz, bucket = one_token(runtime, state.kv, "decode", slots, batch.input_ids, positions, sampler, len(slots))
+    draft = _follow_draft(runtime, state, slots, batch.input_ids)
+    return _one_token_each(runtime, state, slots, batch.sampling, out, sampler, prep.next_key, draft, bucket, bsz)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -76,6 +140,10 @@ class Pending:
     - ``runtime``, ``batch``: what it runs.
     - ``release``: slots :func:`decode_finish` frees after the step (:func:`defer_release`).
     - ``live``: [num_slots] which slots the returned state will hold requests in (after ``release``).
+    - ``generated``: [num_slots] tokens sampled per slot once the step is done.
+    - ``rng_key``: the RNG key of the state it returns.
+    - ``prompt_mask``: the state's prompt masks (for :func:`prepare_next`).
+    - ``next``: the next step's inputs made while it runs (:func:`prepare_next`), or None.
     - ``launched``: ``time.perf_counter()`` at launch.
     """
 
@@ -83,7 +151,11 @@ class Pending:
     batch: DecodeBatch
     release: tuple[int, ...]
     live: tuple[bool, ...]
+    generated: tuple[int, ...]
+    rng_key: int
+    prompt_mask: Tensor
     launched: float
+    next: Prepared | None = None
     _future: Future = attrs.field(alias="future")  # -> (StepOutput, State) of decode_step
     _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
 
@@ -111,20 +183,28 @@ def _check_pending(pending: object) -> None:
                                  "use the value that call returned.")
 
 
-def decode_launch(runtime: Runtime, state: State, batch: DecodeBatch) -> Pending:
+def decode_launch(runtime: Runtime, state: State, batch: DecodeBatch, prepared: Prepared | None = None) -> Pending:
     """Start :func:`~neuronfx.runtime.steps.decode_step` ``(runtime, state, batch)`` in a worker
     thread and return at once. ``state`` is consumed now (using it raises StateConsumedError);
-    :func:`decode_finish` returns the step's output and new state. Raises, before any change,
-    what ``decode_step`` raises for bad input; an error inside the step is raised by
+    :func:`decode_finish` returns the step's output and new state. ``prepared``: inputs made
+    ahead (:func:`prepare_next`), used when they fit this step, else made now. Raises, before
+    any change, what ``decode_step`` raises for bad input; an error inside the step is raised by
     ``decode_finish``."""
     check_decode(runtime, state, batch, DecodeBatch)
     check_room(state, batch.seq_ids, 1, runtime.plan.inference.sequence_length, "release it or compile with a larger sequence_length.")
     check_params(runtime, batch.sampling)
     # Hand the state over: the caller's value is revoked, the worker gets a valid one on the
     # same tensors (decode_step checks it again, then consumes it).
+    if not _fits(prepared, state, batch):
+        prepared = prepare(runtime, batch.seq_ids, batch.sampling, [state.generated[s] for s in batch.seq_ids], state.rng_key,
+                           state.prompt_mask)
     held = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key)
-    future = _WORKER.submit(decode_step, runtime, held, batch)
-    return Pending(runtime=runtime, batch=batch, release=(), live=state.live, launched=time.perf_counter(), future=future)
+    future = _WORKER.submit(_decode_prepared, runtime, held, batch, prepared)
+    generated = list(state.generated)
+    for s in batch.seq_ids:
+        generated[s] += 1
+    return Pending(runtime=runtime, batch=batch, release=(), live=state.live, generated=tuple(generated), rng_key=prepared.next_key,
+                   prompt_mask=state.prompt_mask, launched=time.perf_counter(), future=future)
 
 
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronfx-decode")
@@ -147,6 +227,17 @@ def defer_release(pending: Pending, slots: Sequence[int]) -> Pending:
     pending._lease.valid = False
     live = tuple(on and s not in slots for s, on in enumerate(pending.live))
     return attrs.evolve(pending, release=pending.release + slots, live=live, lease=_Lease())
+
+
+def prepare_next(pending: Pending, seq_ids: Sequence[int], sampling: Sequence[SamplingParams]) -> Pending:
+    """``pending`` (consumed) with the inputs of a decode step over ``seq_ids`` after it made
+    now (:class:`Prepared`, from the counts and key its state will have), for
+    :func:`decode_launch` to use if the next step has exactly those rows."""
+    _check_pending(pending)
+    prepared = prepare(pending.runtime, seq_ids, sampling, [pending.generated[s] for s in seq_ids], pending.rng_key,
+                       pending.prompt_mask)
+    pending._lease.valid = False
+    return attrs.evolve(pending, next=prepared, lease=_Lease())
 
 
 def decode_finish(pending: Pending) -> tuple[StepOutput, State]:
@@ -258,11 +349,11 @@ def overlap_step(runtime: Runtime, flight: Flight, queue: Queue, eos_token_ids: 
         admit = queue.waiting and (state.free_slots or len(on) < sum(run is not None for run in rows))
         refill = switch is not None and any(state.cache_lens[run.slot] == switch for run, _ in on)
         if on and not admit and not refill:
-            pending = decode_launch(runtime, state, _decode_batch([run for run, _ in on], [t for _, t in on]))
+            pending = decode_launch(runtime, state, _decode_batch([run for run, _ in on], [t for _, t in on]), flight.next)
             queue, done, events = _deliver(queue, rows, out, tokenizer, eos_token_ids)
             if done:
                 pending = defer_release(pending, [run.slot for run in done])
-            return events, pending, queue
+            return events, _prepare_following(pending, queue), queue
         queue, done, events = _deliver(queue, rows, out, tokenizer, eos_token_ids)
         flight = release(runtime, state, [run.slot for run in done]) if done else state
     state = flight
@@ -270,8 +361,19 @@ def overlap_step(runtime: Runtime, flight: Flight, queue: Queue, eos_token_ids: 
         more, state, queue = step(runtime, state, queue, eos_token_ids, tokenizer, speculative=False)
         events += more
     if queue.running and not _needs_sync(runtime, state, queue):
-        return events, decode_launch(runtime, state, _decode_batch(queue.running, [r.tokens[-1] for r in queue.running])), queue
+        pending = decode_launch(runtime, state, _decode_batch(queue.running, [r.tokens[-1] for r in queue.running]))
+        return events, _prepare_following(pending, queue), queue
     return events, state, queue
+
+
+def _prepare_following(pending: Pending, queue: Queue) -> Pending:
+    """``pending`` with the next step's inputs prepared for the running requests whose token
+    from ``pending`` cannot reach max_tokens (the other ends are only known from the tokens: the
+    next launch then makes its own). Runs on the host while ``pending`` runs."""
+    rows = [r for r in queue.running if len(r.tokens) + 1 < r.request.max_tokens]
+    if not rows:
+        return pending
+    return prepare_next(pending, [r.slot for r in rows], [r.request.sampling for r in rows])
 
 
 def overlap_abort(runtime: Runtime, flight: Flight, queue: Queue, index: int) -> tuple[Flight, Queue]:
