@@ -14,7 +14,12 @@ and ``next_cpu_inputs`` on the model and returns each call the *previous* call's
 - :func:`defer_release` ``(pending, slots) -> Pending``: slots to free once the step is done
   (requests that ended, or were aborted, while it ran: "released one step later at most");
 - :func:`decode_finish` ``(pending) -> (StepOutput, State)`` waits for it, frees those slots and
-  consumes ``pending``.
+  consumes ``pending``;
+- :func:`prepare_next` ``(pending, seq_ids, sampling) -> Pending``: while a step runs, the host
+  makes the next step's inputs that do not depend on its tokens (:class:`Prepared`: the random
+  numbers from the key and generated counts the step will leave, the min_tokens bias, the
+  prompt-mask rows); :func:`decode_launch` uses them when they fit, so the worker only gathers
+  the output counts before the graph.
 
 What step n+1 needs from step n: its tokens (the input ids), and the counts the step itself
 updates in the state it returns (cache_lens, generated: the index of each seeded row's draw and
@@ -35,9 +40,10 @@ synchronously through :func:`neuronfx.runtime.scheduler.step`; speculation is re
 What differs from synchronous decode: a request stopped by a stop string rides one extra step
 (its slot is freed, and a waiting request admitted, one step later), so the batch of the other
 rows, and the order of the state's RNG keys, can differ from the synchronous run's. Greedy and
-seeded requests produce the same tokens (a row's result does not depend on its batch); unseeded
-sampling draws from the state's key by row position and is reproducible, but not the same draws
-as the synchronous run's.
+seeded requests produce the same tokens (a row's result does not depend on the other rows of
+its batch, as continuous batching already relies on); unseeded sampling draws from the state's
+key by row position and is reproducible, but not the same draws as the synchronous run's once a
+stop string has ended a request.
 """
 
 from __future__ import annotations
