@@ -133,6 +133,18 @@ def test_async_equals_sync_events_tokens_and_texts(rt, tokenizer, kind, monkeypa
             assert torch.allclose(torch.tensor(a.logprobs.top_logprobs), torch.tensor(b.logprobs.top_logprobs), atol=1e-5)
 
 
+def test_unseeded_sampling_equals_sync_without_stop_strings(rt):
+    """Without stop strings every request leaves the batch at the step it would synchronously,
+    so even unseeded rows (drawn from the state's key by row position) sample the same tokens."""
+    prompts = [random_prompt(n, seed=n) for n in PROMPT_LENS]
+    base = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4 + i) for i in range(len(PROMPT_LENS))]
+    first, _ = neuronfx.generate(rt, neuronfx.init_state(rt, seed=3), prompts, sampling=base, eos_token_ids=NO_EOS)
+    sampling = [attrs.evolve(sp, stop_token_ids=(out[2],)) if i % 2 else sp for i, (sp, out) in enumerate(zip(base, first.token_ids))]
+    runs = [neuronfx.generate(rt, neuronfx.init_state(rt, seed=3), prompts, sampling=sampling, eos_token_ids=NO_EOS,
+                              async_decode=a)[0] for a in (False, True)]
+    assert runs[0].token_ids == runs[1].token_ids and "stop" in runs[0].finish_reasons
+
+
 def test_admission_and_abort_mid_run_match_solo_greedy(hf, rt):
     """The step API under the overlapped scheduler: requests arrive between iterations (some
     while a decode step is in flight), one is aborted while its step is in flight; every other
