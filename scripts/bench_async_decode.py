@@ -11,7 +11,9 @@ or a ``--stream`` caller pays per token: the scheduler detokenizes and stop-chec
 (``advance_request``), and the consumer formats each event as an OpenAI SSE chunk (JSON), as
 ``neuronfx serve`` does. ITL = time between consecutive TokenEvents of one request, as the
 consumer sees them. Prints ITL p50 / p99 of both modes, their ratio, tok/s, and checks that both
-produced the same tokens.
+produced the same tokens; and, per mode, the decode graph's time and the host time between two
+decode graphs (what overlapping takes off the critical path; the graph time shows what the
+host thread's concurrent work costs the graph: CPU cores and the GIL are shared).
 
 Both modes are measured after the warm-ups, so the process already holds the decode worker
 thread (``runtime/overlap.py``) and its OpenMP team in both: libgomp spin-waits less once it
@@ -25,6 +27,7 @@ import argparse
 import json
 import time
 
+import attrs
 import torch
 
 import neuronfx
@@ -51,6 +54,28 @@ def sse_chunk(event: neuronfx.TokenEvent, created: int) -> str:
     body = {"id": f"cmpl-{event.index}", "object": "text_completion", "created": created, "model": "smollm2",
             "choices": [choice]}
     return f"data: {json.dumps(body)}\n\n"
+
+
+def timed(runtime: neuronfx.Runtime, spans: list[tuple[str, float, float]]) -> neuronfx.Runtime:
+    """``runtime`` whose graphs append (phase, start, end) (perf_counter seconds) to ``spans``."""
+
+    def wrap(phase: str, graph: object) -> object:
+        def call(weights: object, kv: object, inputs: object) -> object:
+            t0 = time.perf_counter()
+            out = graph(weights, kv, inputs)
+            spans.append((phase, t0, time.perf_counter()))
+            return out
+        return call
+
+    return attrs.evolve(runtime, graphs={k: wrap(k[0], g) for k, g in runtime.graphs.items()})
+
+
+def host_gaps(spans: list[tuple[str, float, float]]) -> tuple[list[float], list[float]]:
+    """(graph seconds of each decode step, seconds between one decode graph's end and the next
+    one's start when no prefill ran between: the host time async decode takes off the path)."""
+    graph = [end - start for phase, start, end in spans if phase == "decode"]
+    gaps = [b[1] - a[2] for a, b in zip(spans, spans[1:]) if a[0] == b[0] == "decode"]
+    return graph, gaps
 
 
 def run_once(runtime: neuronfx.Runtime, tokenizer: object, prompts: list[list[int]], sampling: SamplingParams,
@@ -90,6 +115,8 @@ def main() -> None:
                                          sequence_length=128 + args.gen_len, backend=args.backend)
     t0 = time.perf_counter()
     runtime = neuronfx.compile(neuronfx.make_plan(ckpt.config, inference), ckpt.state_dict, progress=False)
+    spans: list[tuple[str, float, float]] = []
+    runtime = timed(runtime, spans)
     print(f"SmolLM2-135M-Instruct, {args.backend}, float32, batch 8, {args.threads} threads, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.gen_len} generated each; compiled in "
           f"{time.perf_counter() - t0:.0f} s")
@@ -100,16 +127,20 @@ def main() -> None:
         run_once(runtime, tokenizer, prompts, sampling, mode)
     for _ in range(args.rounds):
         for mode in (False, True):
+            spans.clear()
             itl, tokens, wall = run_once(runtime, tokenizer, prompts, sampling, mode)
-            results[mode].append((itl, wall, sum(map(len, tokens.values()))))
+            results[mode].append((itl, wall, sum(map(len, tokens.values())), *host_gaps(spans)))
             outputs[mode] = tokens
     figures = {}
     for mode, name in ((False, "sync"), (True, "async")):
         itl = [x for r in results[mode] for x in r[0]]
+        graph = [x for r in results[mode] for x in r[3]]
+        gaps = [x for r in results[mode] for x in r[4]]
         tok_s = sum(r[2] for r in results[mode]) / sum(r[1] for r in results[mode])
         figures[mode] = (percentile(itl, 50) * 1e3, percentile(itl, 99) * 1e3, tok_s)
         print(f"{name:>5}: ITL p50 {figures[mode][0]:.2f} ms, p99 {figures[mode][1]:.2f} ms, {tok_s:.1f} tok/s "
-              f"({len(itl)} intervals)")
+              f"({len(itl)} intervals); decode graph p50 {percentile(graph, 50) * 1e3:.2f} ms, host time between "
+              f"decode graphs p50 {percentile(gaps, 50) * 1e3:.2f} ms")
     p50 = figures[True][0] / figures[False][0]
     p99 = figures[True][1] / figures[False][1]
     print(f"async / sync: ITL p50 {p50:.3f} ({(1 - p50) * 100:+.1f}% lower), p99 {p99:.3f}, "
