@@ -32,6 +32,7 @@ from neuronfx.config.serialization import plan_from_json
 from neuronfx.errors import (
     ArtifactError,
     CheckpointError,
+    ConfigError,
     InputError,
     NeuronfxError,
     SamplingParamsError,
@@ -55,6 +56,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _async_option(p)
     _draft_options(p)
     _plan_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -78,6 +80,12 @@ def _sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
     p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
+
+
+def _async_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--async-decode", action="store_true",
+                   help="overlapped decode: run decode step n+1 while step n's tokens are detokenized, stop-checked and "
+                   "streamed (same greedy and seeded tokens; no speculation)")
 
 
 def _draft_options(p: argparse.ArgumentParser) -> None:
@@ -307,6 +315,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="with --prefill-chunk-size: tokens one scheduler iteration processes (decode tokens plus one prompt "
                         "chunk; default: the chunk size + the batch size)")
+    _async_option(p)
     _plan_options(p, batch_size=SERVE_BATCH_SIZE)
 
 
@@ -436,6 +445,20 @@ def check_generate_flags(args: argparse.Namespace) -> None:
     check_cli_flags(args)
     if args.stream and args.json:
         raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
+
+
+def check_async_flags(args: argparse.Namespace, inference: InferenceConfig) -> None:
+    """--async-decode against the plan, before anything loads: ConfigError where
+    ``runtime.overlap.check_async`` would refuse the runtime (it speculates, or tp_degree > 1)."""
+    if not args.async_decode:
+        return
+    drafts = inference.draft_layers > 0 or getattr(args, "draft_model", None) is not None
+    if inference.speculation_length >= 2 and drafts and not getattr(args, "no_speculation", False):
+        raise ConfigError("--async-decode with a runtime that speculates (--speculation-length with --draft-layers or "
+                          "--draft-model): there is nothing to overlap; add --no-speculation or drop --async-decode.")
+    if inference.tp_degree > 1:
+        raise ConfigError(f"--async-decode with --tp-degree={inference.tp_degree}: overlapped decode is not supported with "
+                          "tensor-parallel ranks yet; drop --async-decode.")
 
 
 def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
@@ -581,13 +604,14 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_generate_flags(args)
     saved, inference = plan_inference(args)
     sampling = check_request_options(args, inference)
+    check_async_flags(args, inference)
     loaded = load_runtime(args, saved, inference, progress=not args.json)
     runtime, tokenizer = loaded.runtime, loaded.tokenizer
     runtime = with_draft_model(args, runtime, inference, progress=not args.json)
     prompts = _prompt_ids(tokenizer, args)
     state = neuronfx.init_state(runtime, seed=args.seed)
     events = neuronfx.stream_generate(runtime, state, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                      tokenizer=tokenizer, speculative=not args.no_speculation)
+                                      tokenizer=tokenizer, speculative=not args.no_speculation, async_decode=args.async_decode)
     result, _ = collect(_print_stream(events, len(prompts)) if args.stream else events, with_text=True)
     single = len(prompts) == 1
     one = (lambda xs: xs[0]) if single else list
@@ -727,6 +751,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if inference.tp_degree > 1:
         raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
                          "supported yet (drop --tp-degree).")
+    check_async_flags(args, inference)
     name = args.served_model_name or args.model or Path(default_model_path()).stem
     log = logging.getLogger("neuronfx.server")
 
@@ -740,7 +765,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                  shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
-                 max_num_batched_tokens=args.max_num_batched_tokens)
+                 max_num_batched_tokens=args.max_num_batched_tokens, async_decode=args.async_decode)
 
 
 def chat_command(args: argparse.Namespace) -> int:

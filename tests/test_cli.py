@@ -37,6 +37,7 @@ from neuronfx.cli import main
         (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
+        (["--async-decode", "--speculation-length", "4", "--draft-layers", "1"], "ConfigError"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, error, capsys):
@@ -94,6 +95,9 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     plain = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS)
     spec = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    if draft[0] == "--draft-layers":  # overlapped decode (no speculation): the same tokens
+        overlapped = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--async-decode")
+        assert overlapped["token_ids"] == plain["token_ids"] and overlapped["text"] == plain["text"]
     assert [len(t) for t in spec["token_ids"]] == [12, 12]
     assert plain["speculation"] is None and all(s["emitted"] == 11 for s in spec["speculation"])
     for a, b in zip(spec["logprobs"], plain["logprobs"], strict=True):

@@ -54,6 +54,7 @@ from neuronfx.errors import (
     TokenOutOfVocabError,
     UnsupportedModelError,
 )
+from neuronfx.runtime.overlap import decode_finish, decode_launch
 from neuronfx.runtime.prefix import load_prefix
 from neuronfx.runtime.scheduler import Queue, abort, submit
 
@@ -215,6 +216,26 @@ def word_tokenizer():
 def speculate(c, batch=None, rt=None):
     batch = batch or neuronfx.SpeculateBatch(seq_ids=[0], input_ids=[1], sampling=[GREEDY])
     return neuronfx.speculate_step(rt or c.rt, c.state, batch)
+
+
+def async_with_speculation(c):
+    """generate(async_decode=True) on a runtime that speculates (its own state)."""
+    rt = speculating_runtime(c)
+    return neuronfx.generate(rt, neuronfx.init_state(rt), [[1, 2]], async_decode=True)
+
+
+def async_with_chunks(c):
+    """generate(async_decode=True) on a runtime with chunked prefill (its own state)."""
+    rt = tiny_runtime(c.hf, prefill_chunk_size=8, prefill_buckets=None)
+    return neuronfx.generate(rt, neuronfx.init_state(rt), [[1, 2]], async_decode=True)
+
+
+def finish_twice(c):
+    """decode_finish of one Pending twice (its own state)."""
+    out, state = neuronfx.prefill_step(c.rt, neuronfx.init_state(c.rt), P([1], [[1, 2]]))
+    pending = decode_launch(c.rt, state, D([1], list(out.tokens)))
+    decode_finish(pending)
+    return decode_finish(pending)
 
 
 def speculating_runtime(c, **overrides):
@@ -622,6 +643,16 @@ CASES: dict[str, Case] = {
     "generate-stop-not-tokenizable": Case(SamplingParamsError, "stop string `\"zz\"` that the tokenizer can never produce",
                                           lambda c: gen(c, [[1]], sampling=SP(stop="zz"), tokenizer=c.extras["tokenizer"]),
                                           ("stop='zz'", "cannot be produced", "'w0'", "fix the stop string")),
+    "generate-async-decode-not-bool": Case(InputError, "`generate(..., async_decode=\"yes\")`",
+                                           lambda c: gen(c, [[1, 2]], async_decode="yes"), ("async_decode='yes'", "True or False")),
+    "generate-async-decode-with-speculation": Case(ConfigError, "`generate(..., async_decode=True)` on a runtime that speculates",
+                                                   async_with_speculation, ("async_decode=True", "speculates", "speculative=False")),
+    "generate-async-decode-with-chunked-prefill": Case(ConfigError, "`generate(..., async_decode=True)` on a runtime with `prefill_chunk_size=8`",
+                                                       async_with_chunks, ("async_decode=True", "prefill_chunk_size=8", "drop async_decode")),
+    "overlap-launch-free-slot": Case(SlotError, "`decode_launch` of slot 1, which is free (raised before the state is handed over)",
+                                     lambda c: decode_launch(c.rt, c.state, D([0, 1], [5, 5])), ("slot 1", "free slots are [1, 3]")),
+    "overlap-finish-twice": Case(StateConsumedError, "`decode_finish` of a Pending that was already finished",
+                                 finish_twice, ("already finished", "use the value")),
     "speculate-without-graphs": Case(ConfigError, "`speculate_step` on a runtime compiled without speculation",
                                      speculate, ("speculation_length=k >= 2",)),
     "speculate-without-draft": Case(ConfigError, "`speculate_step` on a runtime with speculate graphs but no draft",

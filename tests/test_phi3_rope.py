@@ -109,6 +109,14 @@ def test_ragged_batch_equals_each_prompt_alone(rt, greedy_refs):
     assert [list(t) for t in result.token_ids] == [greedy_refs[n] for n in lengths]
 
 
+def test_async_decode_refills_at_the_switch(eager, greedy_refs):
+    """Overlapped decode runs the refill at the switch synchronously: the same tokens."""
+    lengths = (24, 5, 17)
+    result, _ = neuronfx.generate(eager, neuronfx.init_state(eager), [prompt(n, n) for n in lengths], max_new_tokens=24,
+                                  eos_token_ids=[], async_decode=True)
+    assert [list(t) for t in result.token_ids] == [greedy_refs[n] for n in lengths]
+
+
 def test_bf16_decode_logits_track_fp32_reference():
     """test_lowp's bound (0.06) on weights rounded to bf16, past the switch (long factors)."""
     hf = tiny_hf_model("phi3", seed=22)

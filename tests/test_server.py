@@ -471,6 +471,8 @@ def test_serve_rejects_bad_options_at_once(capsys):
     for args, error in ((["--max-waiting", "-1"], "InputError: --max-waiting=-1 must be >= 0"),
                         (["--port", "70000"], "InputError: --port=70000 must be in [0, 65535]"),
                         (["--tp-degree", "2"], "InputError: --tp-degree=2: serve runs in one process"),
+                        (["--async-decode", "--speculation-length", "2", "--draft-layers", "1"],
+                         "ConfigError: --async-decode with a runtime that speculates"),
                         (["/a", "--model", "/b"], "InputError: MODEL '/a' and --model '/b' differ"),
                         (["--backend", "neuron"], "BackendUnavailableError"),
                         (["/nonexistent/model.gguf"], "CheckpointError")):

@@ -12,6 +12,7 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
+from neuronfx.runtime.overlap import check_async, overlap_schedule
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, check_budget, schedule
 from neuronfx.runtime.speculate import SpeculationStats
@@ -140,12 +141,14 @@ def make_requests(
     runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None, speculative: bool = True,
+    async_decode: bool = False,
 ) -> tuple[list[Request], frozenset[int]]:
     """Validate everything :func:`generate` needs and build its requests and eos set.
 
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
     SamplingParams or one per prompt, stop strings without a tokenizer, a tokenizer that cannot
-    decode, ``speculative`` not a bool), BatchTooLargeError (no free slot),
+    decode, ``speculative`` or ``async_decode`` not a bool), ConfigError (``async_decode`` with a
+    runtime it cannot run: ``overlap.check_async``), BatchTooLargeError (no free slot),
     SequenceLengthExceededError (prompt + max tokens > sequence_length), SamplingParamsError
     (including stop strings the tokenizer cannot produce, min_tokens over the token budget),
     TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
@@ -164,6 +167,10 @@ def make_requests(
         )
     if not isinstance(speculative, bool):
         raise InputError(f"speculative={speculative!r} must be True or False.")
+    if not isinstance(async_decode, bool):
+        raise InputError(f"async_decode={async_decode!r} must be True or False.")
+    if async_decode:
+        check_async(runtime, speculative)
     check_tokenizer(tokenizer)
     params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
     if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
@@ -203,6 +210,7 @@ def generate(
     eos_token_ids: int | Sequence[int] | None = None,
     tokenizer: Any = None,
     speculative: bool = True,
+    async_decode: bool = False,
 ) -> tuple[GenerateResult, State]:
     """Generate for any number of prompts through the reference scheduler (continuous batching
     over the state's free slots; prompts beyond them wait for a slot). Returns
@@ -215,11 +223,12 @@ def generate(
     draws from the state's RNG key; a request with ``seed`` draws from its own. A runtime that
     can speculate (``Runtime.can_speculate``) decodes with ``speculate_step`` unless
     ``speculative=False``; every option works either way and the result then carries
-    per-request ``speculation`` statistics. Raises before any state change: see
-    :func:`make_requests`.
+    per-request ``speculation`` statistics. ``async_decode=True`` overlaps each decode step with
+    the delivery of the previous step's tokens (``runtime/overlap.py``: greedy and seeded tokens
+    are the same; no speculation). Raises before any state change: see :func:`make_requests`.
     """
     events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                             eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative)
+                             eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode)
     return collect(events, tokenizer is not None)
 
 
@@ -233,6 +242,7 @@ def stream_generate(
     eos_token_ids: int | Sequence[int] | None = None,
     tokenizer: Any = None,
     speculative: bool = True,
+    async_decode: bool = False,
 ) -> Iterator[TokenEvent | Finished]:
     """:func:`generate` as events: an iterator of :class:`TokenEvent` (one per token, with its
     text delta, held back while it could still become a stop string) ending with a
@@ -241,8 +251,10 @@ def stream_generate(
     iterator runs."""
     requests, eos = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
-        speculative=speculative,
+        speculative=speculative, async_decode=async_decode,
     )
+    if async_decode:
+        return overlap_schedule(runtime, state, requests, eos, tokenizer)
     return schedule(runtime, state, requests, eos, tokenizer, speculative)
 
 

@@ -10,6 +10,10 @@ HTTP server is already up and answers 503 meanwhile), then loops: drain the inbo
 it only when nothing runs), run one :func:`neuronfx.runtime.scheduler.step`, and hand each token
 event to its request's sink with ``loop.call_soon_threadsafe``, which never waits for a client.
 
+With ``async_decode`` the loop runs :func:`neuronfx.runtime.overlap.overlap_step` instead: a
+step returns while the next decode step runs in a worker thread, so routing its events overlaps
+that step (``runtime/overlap.py``).
+
 Admission is bounded: at most ``batch_size`` requests run and ``max_waiting`` wait; a submit
 beyond that raises :class:`EngineOverloaded` at once and queues nothing.
 """
@@ -28,12 +32,12 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError
+from neuronfx.runtime.overlap import Flight, busy, check_async, overlap_abort, overlap_step, settle
 from neuronfx.runtime.prefix import prefix_stats
 from neuronfx.runtime.prefix_pool import pool_nbytes
 from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
-from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, abort, step, submit
-from neuronfx.runtime.state import State
+from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, step, submit
 from neuronfx.server.metrics import Metrics
 
 logger = logging.getLogger("neuronfx.server")
@@ -116,21 +120,26 @@ class Engine:
     """Runs requests through the scheduler in its own thread (see the module doc).
 
     ``build`` returns the :class:`Served` runtime and tokenizer (called in the engine thread);
-    ``on_failure`` is called there when ``build`` raises (the server should exit).
+    ``on_failure`` is called there when ``build`` raises (the server should exit), or when
+    ``async_decode`` cannot run on the runtime built (ConfigError, ``overlap.check_async``).
     ``max_num_batched_tokens``: the scheduler's token budget per iteration under chunked prefill
-    (None: derived). Raises InputError for a negative ``max_waiting`` or a budget that is not
-    None or an int >= 1.
+    (None: derived). Raises InputError for a negative ``max_waiting``, a budget that is not
+    None or an int >= 1, or an ``async_decode`` that is not a bool.
     """
 
     def __init__(self, build: Callable[[], Served], *, max_waiting: int, metrics: Metrics,
-                 on_failure: Callable[[BaseException], None] = lambda exc: None, max_num_batched_tokens: int | None = None) -> None:
+                 on_failure: Callable[[BaseException], None] = lambda exc: None, max_num_batched_tokens: int | None = None,
+                 async_decode: bool = False) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise InputError(f"max_waiting={max_waiting!r} must be an int >= 0 (requests waiting for a slot).")
         budget = max_num_batched_tokens
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise InputError(f"max_num_batched_tokens={budget!r} must be None (derived) or an int >= 1 (tokens per scheduler iteration).")
+        if not isinstance(async_decode, bool):
+            raise InputError(f"async_decode={async_decode!r} must be True or False.")
         self.max_num_batched_tokens = budget
         self.max_waiting = max_waiting
+        self.async_decode = async_decode
         self.metrics = metrics
         self.failure: BaseException | None = None  # what build raised
         self._build, self._on_failure = build, on_failure
@@ -207,6 +216,8 @@ class Engine:
     def _run(self) -> None:
         try:
             served = self._build()
+            if self.async_decode:
+                check_async(served.runtime, speculative=True)  # the synchronous engine speculates when it can
         except BaseException as exc:  # the server cannot serve: report it and let it exit
             self.failure = exc
             with self._lock:
@@ -215,7 +226,8 @@ class Engine:
             return
         runtime = served.runtime
         eos = frozenset(runtime.plan.model.eos_token_ids)
-        state, queue = init_state(runtime), Queue()
+        state: Flight = init_state(runtime)
+        queue = Queue()
         self.metrics.slots.set(state.num_slots)
         with self._lock:
             self._served = served
@@ -225,18 +237,23 @@ class Engine:
             logger.info("prefix caching: %d blocks of %d tokens (%.0f MiB)", state.prefix.store.num_blocks,
                         state.prefix.store.block_size, pool_nbytes(runtime.plan) / 2**20)
         while True:
-            for command in self._commands(block=queue.idle):
+            for command in self._commands(block=not busy(state, queue)):
                 if isinstance(command, _Stop):
                     for index in list(self._live):
-                        state, queue = abort(runtime, state, queue, index)
+                        state, queue = overlap_abort(runtime, state, queue, index)
                         self._finish(index, _ended(index, "abort"))
+                    with contextlib.suppress(Exception):  # a decode step in flight ends before the engine does
+                        settle(state)
                     return
                 state, queue = self._apply(command, runtime, state, queue)
             events: list[TokenEvent] = []
-            if not queue.idle:
+            if busy(state, queue):
                 try:
-                    events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
-                                                max_num_batched_tokens=self.max_num_batched_tokens)
+                    if self.async_decode:  # check_async refused chunked plans: no token budget to pass
+                        events, state, queue = overlap_step(runtime, state, queue, eos, served.tokenizer)
+                    else:
+                        events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
+                                                    max_num_batched_tokens=self.max_num_batched_tokens)
                 except Exception:  # a bug, not bad input (requests were checked): fail these requests, serve on
                     logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
                     for index in list(self._live):
@@ -255,7 +272,7 @@ class Engine:
             except queue_lib.Empty:
                 return commands
 
-    def _apply(self, command: object, runtime: Runtime, state: State, queue: Queue) -> tuple[State, Queue]:
+    def _apply(self, command: object, runtime: Runtime, state: Flight, queue: Queue) -> tuple[Flight, Queue]:
         """Queue a submit's requests or abort requests; returns the new (state, queue)."""
         if isinstance(command, _Submit):
             for choice, (index, request) in enumerate(zip(command.ids, command.requests)):
@@ -264,7 +281,7 @@ class Engine:
         elif isinstance(command, _Abort):
             for index in command.ids:
                 if index in self._live:  # else it finished already
-                    state, queue = abort(runtime, state, queue, index)
+                    state, queue = overlap_abort(runtime, state, queue, index)
                     self._finish(index, _ended(index, "abort"))
         return state, queue
 
@@ -297,11 +314,11 @@ class Engine:
         self.metrics.e2e.observe(time.perf_counter() - live.arrival)
         live.sink.put((live.choice, event))
 
-    def _gauges(self, state: State, queue: Queue) -> None:
+    def _gauges(self, state: Flight, queue: Queue) -> None:
         self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
-        stats = prefix_stats(state)
+        stats = None if self.async_decode else prefix_stats(state)  # async runtimes have no prefix cache (check_async)
         if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
             seen, m = self._prefix_seen, self.metrics
             m.prefix_queries.inc(stats.queries - seen.queries)

@@ -43,10 +43,11 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int, max_waiting: int, shutdown_timeout: float,
-          access_log: bool = False, max_num_batched_tokens: int | None = None) -> int:
+          access_log: bool = False, max_num_batched_tokens: int | None = None, async_decode: bool = False) -> int:
     """Serve until SIGINT/SIGTERM. ``build`` (run in the engine thread) loads or compiles the
     runtime; ``max_num_batched_tokens`` is the scheduler's token budget per iteration under
-    chunked prefill (None: derived, ``scheduler.token_budget``). Returns the exit status: 0 after a stop, 2 when ``build`` failed (its error is
+    chunked prefill (None: derived, ``scheduler.token_budget``); ``async_decode``: the engine
+    overlaps decode steps (``runtime/overlap.py``). Returns the exit status: 0 after a stop, 2 when ``build`` failed (its error is
     printed as one line)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     server_box: list[GracefulServer] = []
@@ -56,7 +57,7 @@ def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int,
         server_box[0].should_exit = True
 
     engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(), on_failure=on_failure,
-                    max_num_batched_tokens=max_num_batched_tokens)
+                    max_num_batched_tokens=max_num_batched_tokens, async_decode=async_decode)
     config = uvicorn.Config(make_app(engine, model_name), host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=access_log, log_level="info", lifespan="on")
     server = GracefulServer(config, engine)
