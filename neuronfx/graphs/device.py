@@ -112,13 +112,21 @@ def _copy_to(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
-def _map_tensors(tree: object, fn: object) -> object:
+def _map_tensors(tree: object, fn: object, memo: dict[int, object] | None = None) -> object:
+    """``tree`` with ``fn`` applied to every tensor; a container met twice (a tied quantized
+    record: embed and lm_head) is mapped once, so what was one object stays one object."""
+    memo = {} if memo is None else memo
     if isinstance(tree, Tensor):
         return fn(tree)  # type: ignore[operator]
+    if id(tree) in memo:
+        return memo[id(tree)]
     if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, tuple) and type(tree) is not tuple:  # NamedTuple records (LayerKV, step inputs)
-        return type(tree)(*(_map_tensors(v, fn) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
+        out: object = {k: _map_tensors(v, fn, memo) for k, v in tree.items()}
+    elif isinstance(tree, tuple) and type(tree) is not tuple:  # NamedTuple records (LayerKV, step inputs, quantized weights)
+        out = type(tree)(*(_map_tensors(v, fn, memo) for v in tree))
+    elif isinstance(tree, (list, tuple)):
+        out = type(tree)(_map_tensors(v, fn, memo) for v in tree)
+    else:
+        return tree
+    memo[id(tree)] = out
+    return out
