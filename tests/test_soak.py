@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
-CI_SECONDS = float(os.environ.get("NEURONFX_SOAK_CI_SECONDS", "45"))
+CI_SECONDS = float(os.environ.get("NEURONFX_SOAK_CI_SECONDS", "30"))
 CI_MAX_OPS = 5000
 
 
