@@ -73,7 +73,7 @@ from neuronfx.runtime.scheduler import (
     step,
     submit,
 )
-from neuronfx.runtime.state import State, _Lease, advance
+from neuronfx.runtime.state import State, _Lease, advance, free_slots_of
 from neuronfx.runtime.steps import (  # _follow_draft, _one_token_each: decode_step's own tail, shared as is
     DecodeBatch,
     StepOutput,
@@ -173,7 +173,7 @@ class Pending:
     @property
     def free_slots(self) -> tuple[int, ...]:
         """Slots the returned state will have free, ascending (as State.free_slots)."""
-        return tuple(s for s, on in enumerate(self.live) if not on)
+        return free_slots_of(self.live)
 
     @property
     def consumed(self) -> bool:

@@ -68,12 +68,17 @@ class State:
     @property
     def free_slots(self) -> tuple[int, ...]:
         """Request slots that hold no request, ascending."""
-        return tuple(s for s, on in enumerate(self.live) if not on)
+        return free_slots_of(self.live)
 
     @property
     def consumed(self) -> bool:
         """Whether a step already consumed this state (using it again raises StateConsumedError)."""
         return not self._lease.valid
+
+
+def free_slots_of(live: tuple[bool, ...]) -> tuple[int, ...]:
+    """The slots ``live`` marks free, ascending (a State's or an overlapped step's)."""
+    return tuple(s for s, on in enumerate(live) if not on)
 
 
 def plan_key(plan: Plan) -> int:
