@@ -75,7 +75,8 @@ def to_device(tree: object, device: torch.device | str) -> object:
     step-input record) with every tensor on ``device``; tensors already there are kept as they
     are (no copy), and a tensor shared by two leaves (tied embeddings) stays one tensor. A host
     tensor bound for a CUDA device goes through pinned memory with ``non_blocking=True``, so no
-    copy waits for the GPU. Other leaves (None, ints) are kept."""
+    copy waits for the GPU. Other leaves (None, ints) are kept. When no tensor moves (a CPU
+    plan) ``tree`` itself is returned."""
     device = torch.device(device)
     moved: dict[int, Tensor] = {}
 
@@ -86,7 +87,8 @@ def to_device(tree: object, device: torch.device | str) -> object:
             moved[id(t)] = _copy_to(t, device)
         return moved[id(t)]
 
-    return _map_tensors(tree, move)
+    mapped = _map_tensors(tree, move)
+    return tree if not moved else mapped  # nothing moved (the CPU): the caller's own objects, untouched
 
 
 def to_host(outputs: Mapping[str, object]) -> dict[str, object]:
