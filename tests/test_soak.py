@@ -1,4 +1,4 @@
-"""Randomized soak of the scheduler (scripts/soak.py), bounded for CI: about 45 s of random
+"""Randomized soak of the scheduler (scripts/soak.py), bounded for CI: about 20 s of random
 valid and invalid operations on a tiny llama, then a drain. The soak itself raises on the first
 broken invariant (an undocumented exception, a wrong error, a failed call that changed the
 state, a completed request that differs from its solo run); here the figures are checked too.
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
-CI_SECONDS = float(os.environ.get("NEURONFX_SOAK_CI_SECONDS", "30"))
+CI_SECONDS = float(os.environ.get("NEURONFX_SOAK_CI_SECONDS", "20"))
 CI_MAX_OPS = 5000
 
 

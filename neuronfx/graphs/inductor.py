@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from neuronfx.config.attention import layer_period
 from neuronfx.config.plan import GraphSpec, Plan
@@ -272,6 +271,8 @@ def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
 
 def in_dir(directory: Path, fn: Callable, *args: object) -> object:
     """``fn(*args)`` with inductor's cache directory set to ``directory``."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # importing inductor costs 2 s: only when compiling
+
     with temporary_cache_dir(str(directory)):
         return fn(*args)
 
