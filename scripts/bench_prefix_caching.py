@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--throughput-requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
