@@ -47,7 +47,19 @@ from transformers import (
 )
 
 import neuronfx
-from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Runtime, SamplingParams, State, make_plan
+from neuronfx import (
+    ChunkBatch,
+    DecodeBatch,
+    InferenceConfig,
+    ModelConfig,
+    PrefillBatch,
+    Runtime,
+    SamplingParams,
+    State,
+    chunk_step,
+    make_plan,
+)
+from neuronfx.runtime.chunked import NO_TOKEN
 
 # One intra-op thread: these graphs are tiny, and with 2 threads on a busy 2-core machine every op
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).
@@ -447,3 +459,23 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+def chunked_prefill(rt, state, slots, prompts, size, sampling=GREEDY):
+    """Prefill ``prompts`` into ``slots`` chunk by chunk, ragged rows in one batch until each
+    ends; returns (first tokens, logits at each prompt's last token, state)."""
+    done, tokens, logits = [0] * len(prompts), [None] * len(prompts), [None] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        rows = [r for r, p in enumerate(prompts) if done[r] < len(p)]
+        chunks = [prompts[r][done[r]:done[r] + size] for r in rows]
+        final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(rows, chunks)]
+        batch = ChunkBatch(seq_ids=[slots[r] for r in rows], chunks=chunks, sampling=[sampling] * len(rows), final=final)
+        out, state = chunk_step(rt, state, batch)
+        for i, r in enumerate(rows):
+            done[r] += len(chunks[i])
+            assert out.new_tokens[i] == ((out.tokens[i],) if final[i] else ()) and (final[i] or out.tokens[i] == NO_TOKEN)
+            if final[i]:
+                tokens[r], logits[r] = out.tokens[i], out.logits[i].clone()
+            else:
+                assert state.generated[slots[r]] == 0 and state.live[slots[r]]
+    return tokens, logits, state

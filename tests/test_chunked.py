@@ -9,7 +9,7 @@ import functools
 import attrs
 import pytest
 import torch
-from helpers import GREEDY, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, chunked_prefill, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +27,6 @@ from neuronfx.errors import (
     SlotError,
     TokenOutOfVocabError,
 )
-from neuronfx.runtime.chunked import NO_TOKEN
 
 # --- pure functions -------------------------------------------------------------------------------
 
@@ -149,26 +148,6 @@ def chunked(size: int):
 def runtimes(size: int):
     """(unchunked reference, chunked) eager runtimes of one tiny llama, logits out."""
     return reference(), chunked(size)
-
-
-def chunked_prefill(rt, state, slots, prompts, size, sampling=GREEDY):
-    """Prefill ``prompts`` into ``slots`` chunk by chunk, ragged rows in one batch until each
-    ends; returns (first tokens, logits at each prompt's last token, state)."""
-    done, tokens, logits = [0] * len(prompts), [None] * len(prompts), [None] * len(prompts)
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        rows = [r for r, p in enumerate(prompts) if done[r] < len(p)]
-        chunks = [prompts[r][done[r]:done[r] + size] for r in rows]
-        final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(rows, chunks)]
-        batch = ChunkBatch(seq_ids=[slots[r] for r in rows], chunks=chunks, sampling=[sampling] * len(rows), final=final)
-        out, state = chunk_step(rt, state, batch)
-        for i, r in enumerate(rows):
-            done[r] += len(chunks[i])
-            assert out.new_tokens[i] == ((out.tokens[i],) if final[i] else ()) and (final[i] or out.tokens[i] == NO_TOKEN)
-            if final[i]:
-                tokens[r], logits[r] = out.tokens[i], out.logits[i].clone()
-            else:
-                assert state.generated[slots[r]] == 0 and state.live[slots[r]]
-    return tokens, logits, state
 
 
 @pytest.mark.parametrize("size", [1, 7, 32])
