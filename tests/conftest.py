@@ -39,6 +39,10 @@ os.environ["NEURONFX_CACHE_DIR"] = os.environ["NEURONFX_TEST_CACHE_DIR"]
 # No compile worker processes (graphs/compile_workers.py) unless a test asks: the xdist workers
 # keep the cores busy already, and a compile worker's start-up would only add to the suite.
 os.environ.setdefault("NEURONFX_COMPILE_WORKERS", "0")
+# Inductor compiles C++ kernels in this process, not in a pool of its own subprocesses: the pool's
+# workers each import torch and inductor (about 4 CPU seconds) in every process that compiles,
+# and with both cores busy running tests they would add no parallelism.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # `make test` runs two pytest-xdist workers, each given whole files (its module fixtures built
 # once); files sharing a session fixture go to one worker together, so the shared compiled
@@ -50,39 +54,6 @@ XDIST_GROUPS = {
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
     "test_server_smollm2.py": "smollm2",
 }
-
-
-# Seconds each file took in a `make test` run (--durations=0, 2026-12-02; files under 10 s left
-# out). xdist hands the work units out in collection order (we turn off its reordering by test
-# count, which put a 170 s file of 8 tests last), so the longest units go first and the short
-# files fill the gaps at the end: longest-processing-time-first balancing of the two workers.
-FILE_SECONDS = {
-    "test_artifacts.py": 212, "test_tensor_parallel.py": 170, "test_e2e_smollm2.py": 122, "test_e2e_tensor_parallel.py": 95,
-    "test_cache.py": 86, "test_speculate.py": 81, "test_quantized.py": 77, "test_models.py": 76, "test_moe.py": 74,
-    "test_compile_time.py": 71, "test_phi3_rope.py": 64, "test_gemma3.py": 63, "test_bench.py": 43, "test_soak.py": 42,
-    "test_lowp.py": 42, "test_checkpoints.py": 38, "test_families.py": 23, "test_server.py": 18, "test_chunked.py": 17,
-    "test_misuse.py": 17, "test_server_smollm2.py": 16, "test_cli.py": 16, "test_accuracy.py": 15, "test_prefix_cache.py": 14,
-    "test_chat.py": 14, "test_faults.py": 13,
-}
-
-
-def _unit(path: str) -> str:
-    """The xdist work unit of a test file: its XDIST_GROUPS group, else the file itself."""
-    return XDIST_GROUPS.get(os.path.basename(path), path)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.option.loadscopereorder = False  # keep pytest_collection_modifyitems' order (see FILE_SECONDS)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the tests by their work unit's measured seconds, longest first (FILE_SECONDS);
-    a unit's tests stay together and in file order."""
-    cost: dict[str, float] = {}
-    for name, seconds in FILE_SECONDS.items():
-        cost[XDIST_GROUPS.get(name, name)] = cost.get(XDIST_GROUPS.get(name, name), 0) + seconds
-    key = {item: (-cost.get(_unit(item.path.name), 0), _unit(str(item.path))) for item in items}
-    items.sort(key=key.__getitem__)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
