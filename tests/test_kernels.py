@@ -1,4 +1,5 @@
-"""The kernel ops (graphs/ops.py: small_gemm, small_gemm_multi, small_glu, fused cached attention)
+"""The kernel ops (graphs/ops.py: small_gemm, small_gemm_multi, small_glu, the cached attention
+kernel and its fused-torch fallback)
 against float64 references and against the reference ops, and the kernel choice of the CPU ops
 bundle inside compiled graphs."""
 
@@ -11,7 +12,7 @@ import torch
 
 from neuronfx.config.masks import decode_mask
 from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
-from neuronfx.graphs.ops import REFERENCE_OPS, cpu_kernel_ops, fused_cached_attention, gathered_attention
+from neuronfx.graphs.ops import REFERENCE_OPS, cpu_kernel_ops, fused_cached_attention, gathered_attention, kernel_cached_attention
 
 CPU_OPS = cpu_kernel_ops("float32")
 linear = CPU_OPS.linear
@@ -153,7 +154,7 @@ def naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 4)])
-@pytest.mark.parametrize("op", ["fused", "fused-compiled", "reference"])
+@pytest.mark.parametrize("op", ["kernel", "kernel-compiled", "fused", "fused-compiled", "reference"])
 def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: int, op: str) -> None:
     # 6 query heads over 2 KV heads, 4 slots of 40 positions, a 32-position window; positions
     # past each row's last token hold NaN, which must not reach the output.
@@ -167,8 +168,9 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
         v_cache[s, :, last[i] + 1:] = float("nan")
     mask = decode_mask(position_ids, 32)
     q = torch.randn(batch, 6, tokens, 16, generator=g).to(dtype)
-    fns = {"fused": fused_cached_attention, "reference": gathered_attention,
-           "fused-compiled": torch.compile(fused_cached_attention, fullgraph=True, dynamic=False)}
+    fns = {"fused": fused_cached_attention, "reference": gathered_attention, "kernel": kernel_cached_attention,
+           "fused-compiled": torch.compile(fused_cached_attention, fullgraph=True, dynamic=False),
+           "kernel-compiled": torch.compile(kernel_cached_attention, fullgraph=True, dynamic=False)}
     out = fns[op](q, k_cache, v_cache, seq_ids, 32, mask)
     ref = naive_attention(q, k_cache, v_cache, seq_ids, 32, mask)
     assert out.dtype == dtype and out.shape == (batch, 6, tokens, 16)
@@ -178,10 +180,43 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
-def test_compiled_decode_layer_uses_fused_kernels() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dtype) -> None:
+    """Head dim 20 and 37 positions leave tails after the 8-lane and 4-key loops; a random mask
+    (not a prefix) mixes attended and hidden keys inside each 4-key block; a token that attends
+    nothing gets zeros. Hidden positions hold NaN."""
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = (torch.randn(3, 2, 45, 20, generator=g).to(cache_dtype) for _ in range(2))
+    seq_ids = torch.tensor([2, 0], dtype=torch.int64)
+    mask = torch.rand(2, 1, 3, 37, generator=g) < 0.6
+    mask[1, 0, 2] = False
+    hidden = ~mask.any(dim=2)[:, 0]  # (B, S)
+    for i, s in enumerate(seq_ids.tolist()):
+        k_cache[s, :, :37][:, hidden[i]] = float("nan")
+        v_cache[s, :, :37][:, hidden[i]] = float("nan")
+    q = torch.randn(2, 4, 3, 20, generator=g)
+    out = kernel_cached_attention(q, k_cache, v_cache, seq_ids, 37, mask)
+    ref = naive_attention(q, k_cache, v_cache, seq_ids, 37, mask)
+    ref[1, :, 2] = 0.0  # the naive softmax over no positions is NaN; the kernel's answer is zeros
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+def test_cached_attention_kernel_rejects_bad_inputs() -> None:
+    q, cache, mask = torch.randn(1, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=r"slot 2 out of \[0, 2\)"):
+        kernel_cached_attention(q, cache, cache, torch.tensor([2]), 8, mask)
+    with pytest.raises(RuntimeError, match="mask covers 9 positions, cache holds 8"):
+        kernel_cached_attention(q, cache, cache, torch.tensor([0]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
+        kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([0]), 8, mask)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_compiled_decode_layer_uses_fused_kernels(weights: str) -> None:
     from transformers import LlamaConfig
 
     from neuronfx.config.model import ModelConfig
+    from neuronfx.graphs import quant as Q
     from neuronfx.graphs.layers import rope_cos_sin, rope_inv_freq
     from neuronfx.graphs.llama import decoder_layer
 
@@ -191,6 +226,8 @@ def test_compiled_decode_layer_uses_fused_kernels() -> None:
     shapes = {"attn_norm": (64,), "mlp_norm": (64,), "wq": (64, 64), "wk": (32, 64), "wv": (32, 64), "wo": (64, 64),
               "gate": (96, 64), "up": (96, 64), "down": (64, 96)}
     lw = {k: torch.randn(s, generator=gen) / 8 for k, s in shapes.items()}
+    if weights == "int4":  # every product quantized (K = 64 and 96: whole groups of 32)
+        lw = {k: Q.quantize_int4(w, 32) if w.dim() == 2 else w for k, w in lw.items()}
     h = torch.randn(2, 1, 64, generator=gen)
     cos, sin = rope_cos_sin(torch.tensor([[3], [5]]), rope_inv_freq(cfg), torch.float32)
 
@@ -200,7 +237,8 @@ def test_compiled_decode_layer_uses_fused_kernels() -> None:
     fn = torch.compile(layer, fullgraph=True, dynamic=False)
     torch.testing.assert_close(fn(lw, h, cos, sin), layer(lw, h, cos, sin, REFERENCE_OPS), rtol=1e-5, atol=1e-5)
     ops = _ops_run(fn, lw, h, cos, sin)
-    assert {"neuronfx::small_gemm_multi", "neuronfx::small_glu"} <= ops, sorted(ops)
+    fused = {"float": {"neuronfx::small_gemm_multi", "neuronfx::small_glu"}, "int4": {"neuronfx::quant_gemm_multi", "neuronfx::quant_glu"}}
+    assert fused[weights] <= ops, sorted(ops)
 
 
 def test_build_lock_clears_a_killed_builds_baton(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from neuronfx.graphs import quant as Q
-from neuronfx.graphs.kernels import quant_gemm, quant_isa, small_gemm_available
+from neuronfx.graphs.kernels import quant_gemm, quant_gemm_multi, quant_glu, quant_isa, small_gemm_available
 
 GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
 U32 = 2.0**-24
@@ -190,6 +190,46 @@ def test_quant_gemm_matches_float64(kernel: None, fmt: str, xdtype: torch.dtype)
             ref = x[0].double() @ wq.double().T + (0 if b is None else b.double())
             err = (out[0].double() - ref).abs()
             assert (err <= _tolerance(x[0], q, wq, ref, k)).all(), (rows, b is None, err.max().item())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g96-bf16", "q4_1", "q8_0"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_quant_gemm_multi_and_glu_match_float64(kernel: None, fmt: str, xdtype: torch.dtype) -> None:
+    # Three weights of 67, 19 and 40 rows share x (one call splits its rows across them); gate
+    # and up of 67 rows make the GLU, checked against silu(x @ gate.T) * (x @ up.T) in float64
+    # with the products' tolerance carried through (silu and the product are 1-Lipschitz-ish
+    # near the values here: the bound is scaled by |up| + |silu(gate)| + 1).
+    k = {"int8": 197}.get(fmt, 224)
+    g = torch.Generator().manual_seed(11)
+    ws = [torch.randn(n, k, generator=g) for n in (67, 19, 40)]
+    qs = [FORMATS[fmt](w) for w in ws]
+    wqs = [Q.dequantize(q, k) for q in qs]
+    biases = [torch.randn(67, generator=g), None, torch.randn(40, generator=g)]
+    for rows in [1, 3, 8]:
+        x = torch.randn(rows, k, generator=g).to(xdtype)
+        outs = quant_gemm_multi(x, qs, biases)
+        for out, q, wq, b in zip(outs, qs, wqs, biases, strict=True):
+            assert out.dtype == xdtype and out.shape == (rows, wq.shape[0])
+            ref = x.double() @ wq.double().T + (0 if b is None else b.double())
+            assert ((out.double() - ref).abs() <= _tolerance(x, q, wq, ref, k)).all()
+        gate, up = qs[0], FORMATS[fmt](torch.randn(67, k, generator=g))
+        wg, wu = wqs[0], Q.dequantize(up, k)
+        a, u = x.double() @ wg.double().T, x.double() @ wu.double().T
+        ref = torch.nn.functional.silu(a) * u
+        tol_a, tol_u = _tolerance(x, gate, wg, a, k), _tolerance(x, up, wu, u, k)
+        tol = tol_a * (u.abs() + 1) + tol_u * (torch.nn.functional.silu(a).abs() + 1)
+        if xdtype == torch.bfloat16:
+            tol = tol + 2.0**-8 * ref.abs()
+        out = quant_glu(x, gate, up)
+        assert out.dtype == xdtype and ((out.double() - ref).abs() <= tol).all()
+
+
+def test_quant_gemm_multi_rejects_mixed_layouts(kernel: None) -> None:
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="share format and group size"):
+        quant_gemm_multi(torch.randn(1, 64), [Q.quantize_int4(w, 32), Q.quantize_int4(w, 64)], [None, None])
+    with pytest.raises(RuntimeError, match="gate has 8 rows, up has 4"):
+        quant_glu(torch.randn(1, 64), Q.quantize_int8(w), Q.quantize_int8(w[:4]))
 
 
 def test_quant_gemm_rejects_mismatched_shapes(kernel: None) -> None:

@@ -7,7 +7,9 @@ one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)``
 step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
 this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
-Q8_0; ``graphs/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``).
+Q8_0; ``graphs/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
+with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
+``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``).
 
 The C++ sources are built once per machine with torch's extension builder (about 30 s; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
@@ -30,7 +32,7 @@ from pathlib import Path
 import filelock
 import torch
 
-from neuronfx.graphs.quant import FORMAT_NAMES, Int4Weight, Int8Weight, QuantizedWeight
+from neuronfx.graphs.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Weight, Int8Weight, QuantizedWeight
 
 SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
@@ -90,6 +92,9 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::small_gemm_multi")(_small_gemm_multi_fake)
     torch.library.register_fake("neuronfx::small_glu")(_small_glu_fake)
     torch.library.register_fake("neuronfx::quant_gemm")(_quant_gemm_fake)
+    torch.library.register_fake("neuronfx::quant_gemm_multi")(_quant_gemm_multi_fake)
+    torch.library.register_fake("neuronfx::quant_glu")(_quant_glu_fake)
+    torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     return True
 
 
@@ -110,6 +115,21 @@ def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | 
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
+def _quant_gemm_multi_fake(x: torch.Tensor, datas: list[torch.Tensor], scales: list, offsets: list, fmt: int,
+                           biases: list) -> list[torch.Tensor]:
+    return [x.new_empty((*x.shape[:-1], d.shape[0])) for d in datas]
+
+
+def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor | None, gate_offset: torch.Tensor | None,
+                    up: torch.Tensor, up_scale: torch.Tensor | None, up_offset: torch.Tensor | None, fmt: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
+def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) in any float dtype @ weight (N, K).T + bias (N,) -> (..., N) in x.dtype;
     fp32 accumulation. Needs :func:`small_gemm_available` to have returned True."""
@@ -128,9 +148,28 @@ def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     return torch.ops.neuronfx.small_glu(x, gate, up)
 
 
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Attention of T new tokens per row over their slots' cache: q (B, H, T, D) float32 /
+    bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, D) of one float dtype, seq_ids
+    (B,) int, mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype. Grouped-query
+    (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale 1/sqrt(D), fp32 math;
+    positions the mask hides are never read (they may hold NaN), and a token that attends no
+    position gets zeros. Reference: ``ops.gathered_attention``. Raises RuntimeError for a slot
+    outside the cache or S above the cache length. Needs :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+
+
 QUANT_FORMAT_IDS = {"int8": 0, "int4": 1, "q4_0": 2, "q4_1": 3, "q8_0": 4}
 """The ``format`` argument of ``neuronfx::quant_gemm`` per format name (``quant.FORMAT_NAMES``);
 the C++ ``Format`` enum."""
+
+
+def _quant_args(q: QuantizedWeight) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(format id, data, scale or None, offset or None) of a quantized weight record."""
+    scale = q.scale if isinstance(q, (Int8Weight, Int4Weight)) else None
+    offset = q.offset if isinstance(q, Int4Weight) else None
+    return QUANT_FORMAT_IDS[FORMAT_NAMES[type(q)]], q.data, scale, offset
 
 
 def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,10 +178,34 @@ def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = 
     number of rows (the kernel is meant for decode, <= :data:`SMALL_GEMM_MAX_ROWS`: weights are
     read once per call). int4 group sizes must be multiples of 32. Reference:
     ``quant.reference_linear``. Needs :func:`small_gemm_available` to have returned True."""
-    fmt = QUANT_FORMAT_IDS[FORMAT_NAMES[type(q)]]
-    scale = q.scale if isinstance(q, (Int8Weight, Int4Weight)) else None
-    offset = q.offset if isinstance(q, Int4Weight) else None
-    return torch.ops.neuronfx.quant_gemm(x, q.data, scale, offset, fmt, bias)
+    fmt, data, scale, offset = _quant_args(q)
+    return torch.ops.neuronfx.quant_gemm(x, data, scale, offset, fmt, bias)
+
+
+def same_quant_layout(weights: list) -> bool:
+    """True when every weight is a quantized record of one format and one group size: what one
+    :func:`quant_gemm_multi` or :func:`quant_glu` call serves."""
+    if not all(isinstance(w, QUANTIZED_TYPES) for w in weights) or len({type(w) for w in weights}) != 1:
+        return False
+    return not isinstance(weights[0], Int4Weight) or len({2 * w.data.shape[1] // w.scale.shape[1] for w in weights}) == 1
+
+
+def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[quant_gemm(x, q, b) for q, b in zip(weights, biases)]`` in one call and one parallel
+    region (fused Q/K/V projections): x widened once, one fork/join. The weights share format,
+    K and group size (:func:`same_quant_layout`); RuntimeError otherwise."""
+    args = [_quant_args(q) for q in weights]
+    return torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
+                                               list(biases))
+
+
+def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype for quantized gate and up of one
+    format and group size, in one call, formed from the fp32 accumulators and rounded once (as
+    :func:`small_glu`)."""
+    fmt, g, gs, go = _quant_args(gate)
+    _, u, us, uo = _quant_args(up)
+    return torch.ops.neuronfx.quant_glu(x, g, gs, go, u, us, uo, fmt)
 
 
 def quant_isa() -> str:

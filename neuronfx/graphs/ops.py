@@ -5,8 +5,8 @@ compiled or on which CPU it runs: it calls ``ops.linear``, ``ops.attention`` and
 backend hands it a bundle. :data:`REFERENCE_OPS` is plain torch (eager and export, the
 reference every test compares with, and what the inductor backend binds on CUDA, see
 :func:`compiled_ops`); :func:`cpu_kernel_ops` is what the inductor backend binds on a CPU: neuronfx's ``small_gemm`` kernels for products of few rows (decode), fp32 products
-where the CPU has no native 16-bit GEMM, and decode attention written as fp32 reductions that
-inductor fuses. Each kernel op is tested against its reference op (tests/test_kernels.py).
+where the CPU has no native 16-bit GEMM, and decode attention as one ``cached_attention`` kernel
+call (fp32 reductions that inductor fuses where the kernels do not build). Each kernel op is tested against its reference op (tests/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -166,18 +166,23 @@ def _any_quantized(weights: Sequence[Weight]) -> bool:
 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
                     widen: bool) -> list[Tensor]:
-    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path; quantized
-    weights one ``quant_gemm`` each."""
+    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, or one
+    ``quant_gemm_multi`` for quantized weights of one format and group size; otherwise one
+    product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights)):
+        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases))
     return [cpu_linear(x, w, b, kernels=kernels, widen=widen) for w, b in zip(weights, biases)]
 
 
 def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool) -> Tensor:
-    """SwiGLU's gated product; on the kernel path ``small_glu`` forms it from the fp32
-    accumulators and rounds once."""
+    """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights) or ``quant_glu``
+    (quantized, one format and group size) forms it from the fp32 accumulators and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout([gate, up]):
+        return cpu_kernels.quant_glu(x, gate, up)
     linear = functools.partial(cpu_linear, kernels=kernels, widen=widen)
     return F.silu(linear(x, gate)) * linear(x, up)
 
@@ -207,11 +212,21 @@ def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids:
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
+def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Cached attention as one ``neuronfx::cached_attention`` call (``csrc/small_gemm.cpp``):
+    each task reads one query head's keys and values once, where inductor's fusion of
+    :func:`fused_cached_attention` took about 70 us per SmolLM2 layer at decode (9 heads, 256
+    positions) against a few for the kernel. Same math and masking as
+    :func:`gathered_attention`; ``bucket`` is the mask's last dim."""
+    return cpu_kernels.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+
+
 def cpu_kernel_ops(dtype: str) -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
     the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
     products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
-    one (:func:`neuronfx.graphs.gemm_choice.widen_16bit_prefill`), fused cached attention."""
+    one (:func:`neuronfx.graphs.gemm_choice.widen_16bit_prefill`), the cached attention kernel
+    (:func:`fused_cached_attention` without the kernels)."""
     kernels = small_gemm_available()
     widen = dtype != "float32" and widen_16bit_prefill(dtype)
     flags = {"kernels": kernels, "widen": widen}
@@ -221,7 +236,7 @@ def cpu_kernel_ops(dtype: str) -> Ops:
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
         attention=sdpa_fp32 if widen else sdpa,
-        cached_attention=fused_cached_attention,
+        cached_attention=kernel_cached_attention if kernels else fused_cached_attention,
     )
 
 

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -447,16 +448,6 @@ void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, con
 // Grain: at least 64 output rows per task, so the 192-row K/V projections split in two (as small_gemm).
 constexpr int64_t GRAIN = 64;
 
-template <typename L>
-void launch(const L& lay, const Xs& xs, int64_t M, int64_t N, const Out& out) {
-  at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
-    std::vector<float> hdr(8 * 2 * xs.groups);
-    Xs task = xs;
-    task.hdr = hdr.data();
-    run_rows(lay, task, M, n0, n1, out);
-  });
-}
-
 // x (M, K) -> fp32 (M, kp) zero-padded, then (when sums) the sum of each group of g.
 template <typename X>
 void widen(const X* src, int64_t M, int64_t K, int64_t kp, int64_t g, bool sums, float* dst) {
@@ -482,13 +473,18 @@ const at::Tensor& need(const c10::optional<at::Tensor>& t, const char* what, int
   return *t;
 }
 
-at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
-                      const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bfloat16, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quant_gemm: x must have a non-empty last dim");
+// One quantized weight of a call, checked against x's K: its rows N, group size g (1 for int8)
+// and groups per row.
+struct QWeight {
+  at::Tensor data;
+  c10::optional<at::Tensor> scale, offset;
+  int64_t format, N, g, groups;
+};
+
+QWeight check_weight(int64_t K, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& offset, int64_t format) {
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous(), "quant_gemm: data must be a contiguous 2-D tensor");
-  const int64_t K = x.size(-1), N = data.size(0), M = x.numel() / K;
+  const int64_t N = data.size(0);
   int64_t g = 32, groups = 0;
   switch (format) {
     case kInt8:
@@ -521,50 +517,155 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::op
     }
     default: TORCH_CHECK(false, "quant_gemm: unknown format ", format);
   }
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  auto out = at::empty(shape, x.options());
-  if (M == 0 || N == 0) return out;
+  return {data, scale, offset, format, N, g, groups};
+}
+
+// Output rows [n0, n1) of weight w against every row of x (xs.hdr: the task's scratch).
+void run_range(const QWeight& w, const Xs& xs, int64_t M, int64_t n0, int64_t n1, const Out& o) {
+  const uint8_t* d = static_cast<const uint8_t*>(w.data.data_ptr());
+  const int64_t rb = w.data.size(1) * w.data.element_size(), g = w.g, groups = w.groups;
+  switch (w.format) {
+    case kInt8:
+      if (w.scale->scalar_type() == at::kFloat) run_rows(Int8Layout<float>{w.data.data_ptr<int8_t>(), w.scale->data_ptr<float>(), xs.kp}, xs, M, n0, n1, o);
+      else run_rows(Int8Layout<c10::BFloat16>{w.data.data_ptr<int8_t>(), w.scale->data_ptr<c10::BFloat16>(), xs.kp}, xs, M, n0, n1, o);
+      break;
+    case kInt4:
+      if (w.scale->scalar_type() == at::kFloat) {
+        const float* s = w.scale->data_ptr<float>();
+        const float* f = w.offset->data_ptr<float>();
+        if (g == 32) run_rows(Int4Layout<float, 32>{d, s, f, rb, groups, g}, xs, M, n0, n1, o);
+        else if (g == 64) run_rows(Int4Layout<float, 64>{d, s, f, rb, groups, g}, xs, M, n0, n1, o);
+        else if (g == 128) run_rows(Int4Layout<float, 128>{d, s, f, rb, groups, g}, xs, M, n0, n1, o);
+        else run_rows(Int4Layout<float, 0>{d, s, f, rb, groups, g}, xs, M, n0, n1, o);
+      } else {
+        run_rows(Int4Layout<c10::BFloat16, 0>{d, w.scale->data_ptr<c10::BFloat16>(), w.offset->data_ptr<c10::BFloat16>(), rb, groups, g},
+                 xs, M, n0, n1, o);
+      }
+      break;
+    case kQ4_0: run_rows(Q4_0Layout{d, rb}, xs, M, n0, n1, o); break;
+    case kQ4_1: run_rows(Q4_1Layout{d, rb}, xs, M, n0, n1, o); break;
+    default: run_rows(Q8_0Layout{d, rb}, xs, M, n0, n1, o); break;
+  }
+}
+
+// x widened once for every weight of a call (they share format, K and group size).
+struct XBuf {
+  std::vector<float> buf;
+  Xs xs;
+  int64_t M;
+};
+
+XBuf prepare(const at::Tensor& x, const std::vector<QWeight>& ws) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  const int64_t K = x.size(-1), M = x.numel() / K, format = ws[0].format, g = ws[0].g, groups = ws[0].groups;
+  for (const auto& w : ws)
+    TORCH_CHECK(w.format == format && w.g == g && w.groups == groups, "quant_gemm: the weights of one call must share format and group size");
   const int64_t kp = format == kInt8 ? K : groups * g;
 #if defined(NFX_Q_AVX512)
   const bool sums = false;  // the 4-bit formats dequantize through the lookup table
 #else
   const bool sums = format == kInt4 || format == kQ4_0 || format == kQ4_1;
 #endif
-  std::vector<float> buf(M * kp + (sums ? M * groups : 0));
+  XBuf xb{std::vector<float>(M * kp + (sums ? M * groups : 0)), {}, M};
   auto xc = x.contiguous();
-  if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, buf.data());
-  else widen(xc.data_ptr<c10::BFloat16>(), M, K, kp, g, sums, buf.data());
-  const Xs xs{buf.data(), sums ? buf.data() + M * kp : nullptr, kp, groups, nullptr};
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "quant_gemm: bias has ", bias->numel(), " values, weight has ", N, " rows");
-    bias32 = bias->to(at::kFloat).contiguous();
+  if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, xb.buf.data());
+  else widen(xc.data_ptr<c10::BFloat16>(), M, K, kp, g, sums, xb.buf.data());
+  xb.xs = Xs{xb.buf.data(), sums ? xb.buf.data() + M * kp : nullptr, kp, groups, nullptr};
+  return xb;
+}
+
+// Per parallel task: x's view with room for 8 rows of fp32 block headers.
+template <typename F>
+void parallel_rows(const Xs& xs, int64_t total, int64_t grain, F f) {
+  at::parallel_for(0, total, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> hdr(8 * 2 * xs.groups);
+    Xs task = xs;
+    task.hdr = hdr.data();
+    f(task, r0, r1);
+  });
+}
+
+at::Tensor out_for(const at::Tensor& x, int64_t N) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return at::empty(shape, x.options());
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quant_gemm: x must have a non-empty last dim");
+}
+
+// x @ w_i.T (+ bias_i) for every weight of one format, K and group size, in one call and one
+// parallel region (fused Q/K/V projections): x is widened once, one fork/join instead of three.
+std::vector<at::Tensor> quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
+                                         at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
+                                         at::ArrayRef<c10::optional<at::Tensor>> biases) {
+  check_x(x);
+  TORCH_CHECK(!datas.empty() && scales.size() == datas.size() && offsets.size() == datas.size() && biases.size() == datas.size(),
+              "quant_gemm: one scale, offset and bias (or None) per weight");
+  const int64_t K = x.size(-1);
+  std::vector<QWeight> ws;
+  std::vector<int64_t> start = {0};
+  for (size_t i = 0; i < datas.size(); ++i) {
+    ws.push_back(check_weight(K, datas[i], scales[i], offsets[i], format));
+    start.push_back(start.back() + ws.back().N);
   }
-  const Out o{out.data_ptr(), x.scalar_type() == at::kBFloat16, N, bias.has_value() ? bias32.data_ptr<float>() : nullptr};
-  const uint8_t* d = static_cast<const uint8_t*>(data.data_ptr());
-  const int64_t rb = data.size(1) * data.element_size();
-  switch (format) {
-    case kInt8:
-      if (scale->scalar_type() == at::kFloat) launch(Int8Layout<float>{data.data_ptr<int8_t>(), scale->data_ptr<float>(), K}, xs, M, N, o);
-      else launch(Int8Layout<c10::BFloat16>{data.data_ptr<int8_t>(), scale->data_ptr<c10::BFloat16>(), K}, xs, M, N, o);
-      break;
-    case kInt4:
-      if (scale->scalar_type() == at::kFloat) {
-        const float* s = scale->data_ptr<float>();
-        const float* f = offset->data_ptr<float>();
-        if (g == 32) launch(Int4Layout<float, 32>{d, s, f, rb, groups, g}, xs, M, N, o);
-        else if (g == 64) launch(Int4Layout<float, 64>{d, s, f, rb, groups, g}, xs, M, N, o);
-        else if (g == 128) launch(Int4Layout<float, 128>{d, s, f, rb, groups, g}, xs, M, N, o);
-        else launch(Int4Layout<float, 0>{d, s, f, rb, groups, g}, xs, M, N, o);
-      } else {
-        launch(Int4Layout<c10::BFloat16, 0>{d, scale->data_ptr<c10::BFloat16>(), offset->data_ptr<c10::BFloat16>(), rb, groups, g}, xs, M, N, o);
+  std::vector<at::Tensor> outs, bias32(ws.size());
+  std::vector<Out> os;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    outs.push_back(out_for(x, ws[i].N));
+    if (biases[i].has_value()) {
+      TORCH_CHECK(biases[i]->numel() == ws[i].N, "quant_gemm: bias has ", biases[i]->numel(), " values, weight has ", ws[i].N, " rows");
+      bias32[i] = biases[i]->to(at::kFloat).contiguous();
+    }
+    os.push_back(Out{outs[i].data_ptr(), x.scalar_type() == at::kBFloat16, ws[i].N, bias32[i].defined() ? bias32[i].data_ptr<float>() : nullptr});
+  }
+  const int64_t M = x.numel() / K;
+  if (M == 0 || start.back() == 0) return outs;
+  const XBuf xb = prepare(x, ws);
+  parallel_rows(xb.xs, start.back(), GRAIN, [&](const Xs& task, int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t n0 = std::max(r0, start[i]) - start[i], n1 = std::min(r1, start[i + 1]) - start[i];
+      if (n0 < n1) run_range(ws[i], task, M, n0, n1, os[i]);
+    }
+  });
+  return outs;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
+  std::vector<c10::optional<at::Tensor>> s = {scale}, o = {offset}, b = {bias};
+  return quant_gemm_multi(x, {data}, s, o, format, b)[0];
+}
+
+// SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one call and one parallel region; the
+// product is formed from the fp32 accumulators and rounded once to x's dtype (as small_glu).
+at::Tensor quant_glu(const at::Tensor& x, const at::Tensor& gate, const c10::optional<at::Tensor>& gate_scale,
+                     const c10::optional<at::Tensor>& gate_offset, const at::Tensor& up, const c10::optional<at::Tensor>& up_scale,
+                     const c10::optional<at::Tensor>& up_offset, int64_t format) {
+  check_x(x);
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const std::vector<QWeight> ws = {check_weight(K, gate, gate_scale, gate_offset, format), check_weight(K, up, up_scale, up_offset, format)};
+  const int64_t N = ws[0].N;
+  TORCH_CHECK(ws[1].N == N, "quant_glu: gate has ", N, " rows, up has ", ws[1].N);
+  auto out = out_for(x, N);
+  if (M == 0 || N == 0) return out;
+  const XBuf xb = prepare(x, ws);
+  std::vector<float> g(M * N), u(M * N);
+  const Out og{g.data(), false, N, nullptr}, ou{u.data(), false, N, nullptr};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  void* op = out.data_ptr();
+  parallel_rows(xb.xs, N, GRAIN / 2, [&](const Xs& task, int64_t n0, int64_t n1) {
+    run_range(ws[0], task, M, n0, n1, og);
+    run_range(ws[1], task, M, n0, n1, ou);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) {
+        const float a = g[m * N + n], v = a / (1.f + std::exp(-a)) * u[m * N + n];
+        if (bf16) static_cast<c10::BFloat16*>(op)[m * N + n] = c10::BFloat16(v);
+        else static_cast<float*>(op)[m * N + n] = v;
       }
-      break;
-    case kQ4_0: launch(Q4_0Layout{d, rb}, xs, M, N, o); break;
-    case kQ4_1: launch(Q4_1Layout{d, rb}, xs, M, N, o); break;
-    default: launch(Q8_0Layout{d, rb}, xs, M, N, o); break;
-  }
+  });
   return out;
 }
 
@@ -574,6 +675,13 @@ std::string quant_isa() { return Isa::kName; }
 
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias) -> Tensor");
+  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases) -> Tensor[]");
+  m.def("quant_glu(Tensor x, Tensor gate, Tensor? gate_scale, Tensor? gate_offset, Tensor up, Tensor? up_scale, Tensor? up_offset, "
+        "int format) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);
 }
-TORCH_LIBRARY_IMPL(neuronfx, CPU, m) { m.impl("quant_gemm", &quant_gemm); }
+TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
+  m.impl("quant_gemm", &quant_gemm);
+  m.impl("quant_gemm_multi", &quant_gemm_multi);
+  m.impl("quant_glu", &quant_glu);
+}

@@ -1,4 +1,5 @@
-// Small-M GEMM for decode: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= 8 rows.
+// Small-M GEMM for decode: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= 8 rows,
+// and decode attention over the KV cache (cached_attention, at the end of the file).
 //
 // Decode at small batch is bound by reading the weights once per step; the inner loop streams
 // each weight row once, widens it to fp32 (bf16: shift; fp16: F16C) and multiplies it against
@@ -288,15 +289,205 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
   return out;
 }
 
+// ---- decode attention over the KV cache ---------------------------------------------------------
+// out[b, h, t] = softmax_j(q[b, h, t] . k[j] / sqrt(D), j attended) @ v[j] for the T new tokens
+// of row b over its slot's first S cache positions (k, v: KV head h / (H / H_kv), HF repeat_kv).
+// Positions the mask hides are never read, so whatever they hold (NaN included) cannot leak; a
+// token that attends nothing gets zeros. One task per (row, query head); scores in two passes
+// (max, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
+
+#ifdef NFX_AVX2
+// e^x for x <= 0 (scores minus their max), about 1 ulp: x = n ln2 + r, e^r by Cephes expf's
+// degree-5 polynomial, 2^n through the exponent bits; x below -87 gives 2^-126 e^r (negligible
+// against the max's weight 1).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// q . k_i over D for the four keys k + i * ld: four independent FMA chains, one transposing
+// reduction (a key per dot product would wait on a horizontal sum each).
+template <typename C>
+inline void dot4(const float* q, const C* k, int64_t ld, int64_t D, float* out) {
+  int64_t d = 0;
+  out[0] = out[1] = out[2] = out[3] = 0.f;
+#ifdef NFX_AVX2
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k + i * ld + d), a[i]);
+  }
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#endif
+  for (; d < D; ++d)
+    for (int i = 0; i < 4; ++i) out[i] += q[d] * load1(k + i * ld + d);
+}
+
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t D) {
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * load1(k + d);
+  return s;
+}
+
+// acc[d] += sum_i p[i] * v_i[d] over D for the N values v + i * ld.
+template <int N, typename C>
+inline void axpy(const float* p, const C* v, int64_t ld, int64_t D, float* acc) {
+  int64_t d = 0;
+#ifdef NFX_AVX2
+  __m256 pv[N];
+  for (int i = 0; i < N; ++i) pv[i] = _mm256_set1_ps(p[i]);
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int i = 0; i < N; ++i) a = _mm256_fmadd_ps(pv[i], load8(v + i * ld + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+#endif
+  for (; d < D; ++d)
+    for (int i = 0; i < N; ++i) acc[d] += p[i] * load1(v + i * ld + d);
+}
+
+// One query row q (D) over keys/values k, v (S rows of stride ``ld``) where ``mask`` (S) is
+// true; ``w`` is scratch for S weights. Writes out (D) in fp32. Keys go four at a time; a block
+// with a hidden position computes its product anyway and then selects -inf over it, so a NaN
+// there is never used, and its values are added one by one, skipping the hidden ones.
+template <typename C>
+void attend_row(const float* q, const C* k, const C* v, int64_t ld, int64_t S, int64_t D, const bool* mask, float scale,
+                float* w, float* out) {
+  float mx = -INFINITY;
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {
+    if (!(mask[j] | mask[j + 1] | mask[j + 2] | mask[j + 3])) {
+      w[j] = w[j + 1] = w[j + 2] = w[j + 3] = -INFINITY;
+      continue;
+    }
+    dot4(q, k + j * ld, ld, D, w + j);
+    for (int i = 0; i < 4; ++i) {
+      w[j + i] = mask[j + i] ? w[j + i] * scale : -INFINITY;
+      mx = std::max(mx, w[j + i]);
+    }
+  }
+  for (; j < S; ++j) {
+    w[j] = mask[j] ? dot(q, k + j * ld, D) * scale : -INFINITY;
+    mx = std::max(mx, w[j]);
+  }
+  std::fill(out, out + D, 0.f);
+  if (mx == -INFINITY) return;  // attends nothing
+  j = 0;
+  float sum = 0.f;
+#ifdef NFX_AVX2
+  __m256 sv = _mm256_setzero_ps();
+  const __m256 m8 = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= S; j += 8) {
+    const __m256 s = _mm256_loadu_ps(w + j);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, m8)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(w + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; j < S; ++j) {
+    w[j] = mask[j] ? std::exp(w[j] - mx) : 0.f;
+    sum += w[j];
+  }
+  for (j = 0; j + 4 <= S; j += 4) {
+    if (mask[j] & mask[j + 1] & mask[j + 2] & mask[j + 3]) {
+      axpy<4>(w + j, v + j * ld, ld, D, out);
+      continue;
+    }
+    for (int i = 0; i < 4; ++i)
+      if (mask[j + i]) axpy<1>(w + j + i, v + (j + i) * ld, ld, D, out);
+  }
+  for (; j < S; ++j)
+    if (mask[j]) axpy<1>(w + j, v + j * ld, ld, D, out);
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+template <typename C>
+void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<int64_t>& slots,
+                     const bool* mask, int64_t B, int64_t H, int64_t T, int64_t S, int64_t D, float* out) {
+  const int64_t n_kv = k_cache.size(1), group = H / n_kv;
+  const C* kc = k_cache.data_ptr<C>();
+  const C* vc = v_cache.data_ptr<C>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ld = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
+  TORCH_CHECK(v_cache.stride(2) == ld, "cached_attention: k_cache and v_cache must share a layout");
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // Tasks of at least ~32K multiply-adds: a fork/join (a few us) costs more than a smaller one.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, T * S * D));
+  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> w(S);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H, kvh = h / group;
+      const C* k = kc + slots[b] * ks0 + kvh * ks1;
+      const C* v = vc + slots[b] * vs0 + kvh * vs1;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = (b * H + h) * T + t;
+        attend_row(q + row * D, k, v, ld, S, D, mask + (b * T + t) * S, scale, w.data(), out + row * D);
+      }
+    }
+  });
+}
+
+// q (B, H, T, D) float; k_cache / v_cache (slots, H_kv, >= S, D), last dim contiguous; seq_ids
+// (B,) int; mask (B, 1, T, S) bool (true = attend). -> (B, H, T, D) in q's dtype.
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_ids,
+                            const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && mask.dim() == 4,
+              "cached_attention: q, caches and mask must be 4-D");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), S = mask.size(3);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "cached_attention: k_cache and v_cache differ");
+  TORCH_CHECK(k_cache.size(3) == D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "cached_attention: cache head dim must be ", D, " and contiguous");
+  TORCH_CHECK(H % k_cache.size(1) == 0, "cached_attention: ", H, " query heads over ", k_cache.size(1), " KV heads");
+  TORCH_CHECK(S <= k_cache.size(2), "cached_attention: mask covers ", S, " positions, cache holds ", k_cache.size(2));
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
+              "cached_attention: mask must be bool (B, 1, T, S)");
+  TORCH_CHECK(seq_ids.dim() == 1 && seq_ids.size(0) == B, "cached_attention: seq_ids must be (B,)");
+  auto ids = seq_ids.to(at::kLong).contiguous();
+  std::vector<int64_t> slots(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
+  for (int64_t s : slots) TORCH_CHECK(s >= 0 && s < k_cache.size(0), "cached_attention: slot ", s, " out of [0, ", k_cache.size(0), ")");
+  auto q32 = q.to(at::kFloat).contiguous();
+  auto m = mask.contiguous();
+  auto out32 = at::empty({B, H, T, D}, q32.options());
+  const float* qp = q32.data_ptr<float>();
+  const bool* mp = m.data_ptr<bool>();
+  float* op = out32.data_ptr<float>();
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: attention_tasks<float>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    case at::kBFloat16: attention_tasks<c10::BFloat16>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    case at::kHalf: attention_tasks<c10::Half>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    default: TORCH_CHECK(false, "cached_attention: cache dtype ", k_cache.scalar_type(), " is not float32/bfloat16/float16");
+  }
+  return q.scalar_type() == at::kFloat ? out32 : out32.to(q.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(neuronfx, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_gemm_multi(Tensor x, Tensor[] ws, Tensor?[] biases) -> Tensor[]");
   m.def("small_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
+  m.def("cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_ids, Tensor mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("small_gemm", &small_gemm);
   m.impl("small_gemm_multi", &small_gemm_multi);
   m.impl("small_glu", &small_glu);
+  m.impl("cached_attention", &cached_attention);
 }
