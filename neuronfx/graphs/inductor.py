@@ -112,8 +112,15 @@ unbacked size cannot answer. The cost: the bucket equal to the KV length gets a 
 own (see :class:`SharedCompile`)."""
 
 
+INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+"""Inductor options of every part: no size, stride, alignment or scalar checks in the generated
+wrapper. Each is a Python call per buffer per step (a SmolLM2 decode layer had about 15), and
+what they check (that the kernels' fake implementations give the real shapes, which
+tests/test_kernels.py checks) cannot change between calls of a static-shape graph."""
+
+
 def _aot_compile(fn: Callable, args: tuple) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False).aot_compile((args, {}))
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS).aot_compile((args, {}))
 
 
 class SharedCompile:
