@@ -154,8 +154,9 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, D) of one float dtype, seq_ids
     (B,) int, mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype. Grouped-query
     (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale 1/sqrt(D), fp32 math;
-    positions the mask hides are never read (they may hold NaN), and a token that attends no
-    position gets zeros. Reference: ``ops.gathered_attention``. Raises RuntimeError for a slot
+    what positions the mask hides hold (stale rows, NaN) never reaches the output (their scores
+    are replaced by -inf, their values never added), and a token that attends no position gets
+    zeros. Reference: ``ops.gathered_attention``. Raises RuntimeError for a slot
     outside the cache or S above the cache length. Needs :func:`small_gemm_available`."""
     return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, seq_ids, mask)
 

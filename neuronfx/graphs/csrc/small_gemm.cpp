@@ -292,7 +292,8 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // ---- decode attention over the KV cache ---------------------------------------------------------
 // out[b, h, t] = softmax_j(q[b, h, t] . k[j] / sqrt(D), j attended) @ v[j] for the T new tokens
 // of row b over its slot's first S cache positions (k, v: KV head h / (H / H_kv), HF repeat_kv).
-// Positions the mask hides are never read, so whatever they hold (NaN included) cannot leak; a
+// What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
+// their values are never added (blocks of four hidden keys are not even read); a
 // token that attends nothing gets zeros. One task per (row, query head); scores in two passes
 // (max, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
