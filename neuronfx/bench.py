@@ -137,14 +137,13 @@ def rss_bytes() -> int:
 
 
 def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
-               weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
-               activation_format: str = "float") -> Any:
+               weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu") -> Any:
     """The plan a bench case compiles: the default capacities, raised to fit the case."""
     seq = max(512, prompt_len + gen_len)
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
         sequence_length=seq, dtype=dtype, backend=backend, weight_format=weight_format, weight_group_size=weight_group_size,
-        device=device, activation_format=activation_format,
+        device=device,
     )  # static batches: only the full batch size is compiled
     return make_plan(checkpoint.config, inference)
 
@@ -153,7 +152,6 @@ def run_bench(
     checkpoint: Any, backend: str, dtype: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int],
     gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
     compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
-    activation_format: str = "float",
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
     ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...],
@@ -166,7 +164,7 @@ def run_bench(
     (:func:`decode_weight_bytes`) over TPOT, against this machine's read bandwidth measured
     once at the start (:func:`read_bandwidth`). ``weight_format`` / ``weight_group_size``: the
     plans' (a "gguf" plan needs ``checkpoint`` read with ``gguf_blocks=True``); the results
-    name the dtype "dtype/weight_format" for a quantized plan (+ "/int8x" with ``activation_format="int8"``). ``device``: the plans' and the
+    name the dtype "dtype/weight_format" for a quantized plan. ``device``: the plans' and the
     transformers model's (the read bandwidth and RSS figures stay the host's)."""
     lib = import_llama_cpp() if compare_llama_cpp else None  # fail before compiling anything
     threads = torch.get_num_threads()
@@ -178,8 +176,7 @@ def run_bench(
     results, compiles, memory, step_bytes = [], [], [], {}
     vocab = checkpoint.config.vocab_size
     for b in batch_sizes:
-        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device,
-                          activation_format)
+        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device)
         gc.collect()
         t0 = time.perf_counter()
         runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
@@ -193,7 +190,6 @@ def run_bench(
         for p in prompt_lens:
             for g in gen_lens:
                 label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
-                label += "/int8x" if activation_format == "int8" else ""
                 ours = summarize("neuronfx", backend, label, b, p, *time_neuronfx(runtime, random_prompts(vocab, b, p), g))
                 results.append(ours)
                 log(format_result(ours))
