@@ -130,3 +130,30 @@ def test_failed_worker_is_reported_and_its_graphs_built_here(monkeypatch, tmp_pa
     assert sorted(built) == sorted(s.key for s in plan.graphs) and graphs == {s.key: s.key for s in plan.graphs}
     [warning] = [w for w in caught if w.category is compile_workers.CompileWorkerWarning]
     assert "exit status 3" in str(warning.message) and "no compiler here" in str(warning.message)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values are Linux's")
+def test_kernel_warm_up_runs_at_lower_priority_in_its_own_thread():
+    """The kernel library's warm-up raises the nice value of its own thread only (Linux nice is
+    per thread, and the compiler processes it starts inherit it): the checkpoint load in the
+    calling thread keeps its priority."""
+    import os
+    import threading
+
+    from neuronfx.graphs import inductor
+
+    seen = {}
+
+    def run():
+        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        inductor._kernels_at_low_priority()
+        seen["thread"] = (before, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    before, after = seen["thread"]
+    assert after == min(before + 10, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+    assert small_gemm_available()

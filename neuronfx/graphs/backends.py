@@ -189,7 +189,7 @@ EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, sa
 
 
 def _inductor_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
-    inductor.wait_warm_up()
+    inductor.prepare_graphs(plan.inference.device)
     directory = inductor.private_dir(kernels if kernels is not None and kernels.is_dir() else None)
     builder = functools.partial(inductor.build_graph, shared={})  # the buckets of a phase share compiled parts
     if cuda_graphs.uses_cuda_graphs(plan):
@@ -201,7 +201,7 @@ def _inductor_build(plan: Plan, weights: Weights, progress: bool, kernels: Path 
 
 
 def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
-    inductor.wait_warm_up()  # it registers the kernel ops the loaded graphs call
+    inductor.prepare_graphs(plan.inference.device)  # the kernel ops the loaded graphs call, the ISA probes their loading needs
     directory = inductor.private_dir(src / inductor.INDUCTOR_DIR)
     graphs, seconds = {}, {}
     for spec in plan.graphs:

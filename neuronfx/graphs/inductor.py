@@ -15,8 +15,9 @@ generation, about 1.3 s per traced layer) and one C++ compiler run per distinct 
 group and the epilogue are compiled once per (phase, batch) with the bucket's dimension dynamic
 and shared by the graphs of every bucket (:data:`BUCKET_DIMS`; the runtime still sees one graph
 per (phase, batch, bucket)), prefill traces fewer layers per call than decode
-(:data:`PREFILL_LAYER_GROUP`), the one-off compiler runs (kernel library, vector-ISA probes,
-precompiled header) start during the checkpoint load (:func:`start_warm_up`), and idle cores
+(:data:`PREFILL_LAYER_GROUP`), the one-off compiler runs start early (the kernel library
+during the checkpoint load, :func:`start_warm_up`; the vector-ISA probes and precompiled header
+while it builds, :func:`prepare_graphs`), and idle cores
 compile whole (phase, batch) units in worker processes (``graphs/compile_workers.py``). Weights and KV cache stay inputs (KV mutated in
 place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.compiled_ops`
 (the CPU kernels on a CPU, torch ops and Triton on CUDA, where ``graphs/cuda_graphs.py``
@@ -29,6 +30,7 @@ import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -190,9 +192,20 @@ def _compile_probe() -> None:
         torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(64))
 
 
+def _kernels_at_low_priority() -> None:
+    """:func:`small_gemm_available` with this thread's (and so its compiler processes') nice
+    value raised on Linux, where nice is per thread: on a new machine the library's build (about
+    40 CPU seconds) otherwise takes the cores from the checkpoint load it overlaps."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + 10, 19))
+    small_gemm_available()
+
+
 WARM_UP_STEPS = (small_gemm_available, _compile_probe)
 """What every inductor build needs before its first kernel, all C++ compiler runs: the
-``small_gemm`` library (about 12 CPU seconds, once per machine; it warns and falls back by
+``small_gemm`` library (about 40 CPU seconds, once per machine; it warns and falls back by
 itself), and inductor's vector-ISA probes (about 6; once per machine in the default cache, where
 inside a private directory every compile repeated them) and precompiled header (about 7, once
 per machine), the last two by compiling a one-kernel function in inductor's default cache."""
@@ -208,20 +221,36 @@ _warm_up_threads: list[threading.Thread] = []  # the ones started in this proces
 
 
 def start_warm_up() -> None:
-    """Start :data:`WARM_UP_STEPS` in background threads, one each (once per process), so that
-    they overlap the checkpoint load and each other; :func:`wait_warm_up` joins them. Their
-    compilers run in subprocesses, on the cores the load leaves free."""
+    """Start the kernel library's load (its build, on a new machine) in a background thread at
+    lower priority (once per process), so that it overlaps the checkpoint load;
+    :func:`wait_warm_up` joins it. Loading compiled graphs needs only the library; a build also
+    needs the probe (:func:`prepare_graphs`). The probe is not started here: it is Python
+    (dynamo, inductor) for about 3 s even when every cache is warm, and beside the load it held
+    the GIL that long (SmolLM2's load took 4.6 s instead of 1.8 s)."""
     if not _warm_up_threads:
-        for step in WARM_UP_STEPS:
-            thread = threading.Thread(target=step, name=f"neuronfx-warm-up-{step.__name__}", daemon=True)
-            _warm_up_threads.append(thread)
-            thread.start()
+        thread = threading.Thread(target=_kernels_at_low_priority, name="neuronfx-warm-up-kernels", daemon=True)
+        _warm_up_threads.append(thread)
+        thread.start()
 
 
 def wait_warm_up() -> None:
-    """Join the warm-up threads when they were started (the build must not race them)."""
+    """Join the warm-up thread when it was started (the build must not race it)."""
     for thread in _warm_up_threads:
         thread.join()
+
+
+def prepare_graphs(device: str) -> None:
+    """What building or loading a CPU plan's graphs needs first: the probe
+    (:func:`_compile_probe`; loading compiled graphs in a private directory without it repeated
+    the vector-ISA probes there, 7 s), run here while the kernel library may still be building
+    in the warm-up thread, then that thread joined and the library loaded. A CUDA plan
+    (``device``) needs neither: its graphs call no CPU kernel."""
+    if device != "cpu":
+        wait_warm_up()
+        return
+    _compile_probe()
+    wait_warm_up()
+    small_gemm_available()
 
 
 def private_dir(source: Path | None = None) -> Path:
