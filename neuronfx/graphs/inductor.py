@@ -163,11 +163,23 @@ class PrecompiledPart:
         self.fn = fn
         self.compiled = compiled
         self.shared = shared
+        self.guards_checked = False
 
     def __call__(self, *args: torch.Tensor) -> object:
         if self.compiled is None:
             self.compiled = _aot_compile(self.fn, args) if self.shared is None else self.shared.compiled_for(self.fn, args)
-        return self.compiled(*args)
+        if self.guards_checked:
+            return self.compiled(*args)
+        out = self.compiled(*args)  # dynamo's guards checked: RuntimeError if these are not the arguments it was built for
+        # Then never again: a SmolLM2 decode step (5 part calls, a layer group has about 120
+        # tensor arguments) took 1.03x as long with them (A/B in one process, 12 rounds). Later
+        # calls get the same weights and, from
+        # check_inputs and the State checks, inputs and KV cache of the same shapes and dtypes.
+        # (A part shared by buckets is disabled for all of them: SharedCompile.compiled_for checks
+        # a bucket's first arguments itself.)
+        self.compiled.disable_guard_check()
+        self.guards_checked = True
+        return out
 
 
 def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) -> Callable[[functools.partial], PrecompiledPart]:
