@@ -157,3 +157,18 @@ def test_kernel_warm_up_runs_at_lower_priority_in_its_own_thread():
     assert after == min(before + 10, 19)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
     assert small_gemm_available()
+
+
+def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
+    """inductor's C++ wrapper for CPU plans on one rank; the Python wrapper for CUDA plans (their
+    CUDA-graph capture) and tensor-parallel ones (the C++ wrapper cannot call the functional
+    collectives); the assert-free options everywhere."""
+    from neuronfx.graphs.inductor import INDUCTOR_OPTIONS, inductor_options
+
+    hf = tiny_hf_model("llama")
+    cases = {(): True, (("tp_degree", 2),): False, (("device", "cuda"),): False}
+    for overrides, cpp in cases.items():
+        plan = tiny_plan(hf, "inductor", **dict(overrides))
+        options = inductor_options(plan)
+        assert options["cpp_wrapper"] is cpp, overrides
+        assert INDUCTOR_OPTIONS.items() <= options.items()

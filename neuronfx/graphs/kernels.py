@@ -102,8 +102,8 @@ def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in ws)))
 
 
 def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -116,8 +116,8 @@ def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | 
 
 
 def _quant_gemm_multi_fake(x: torch.Tensor, datas: list[torch.Tensor], scales: list, offsets: list, fmt: int,
-                           biases: list) -> list[torch.Tensor]:
-    return [x.new_empty((*x.shape[:-1], d.shape[0])) for d in datas]
+                           biases: list) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(d.shape[0] for d in datas)))
 
 
 def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor | None, gate_offset: torch.Tensor | None,
@@ -138,8 +138,11 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def small_gemm_multi(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """``[small_gemm(x, w, b) for w, b in zip(weights, biases)]`` in one call and one parallel
-    region (fused Q/K/V projections); weights share K and dtype."""
-    return torch.ops.neuronfx.small_gemm_multi(x, weights, biases)
+    region (fused Q/K/V projections); weights share K and dtype. The op returns one (..., sum N)
+    tensor, the weights' columns side by side; these are views of it (a tensor result, unlike a
+    list, is called through the dispatcher from inductor's C++ wrapper)."""
+    out = torch.ops.neuronfx.small_gemm_multi(x, weights, biases)
+    return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -194,10 +197,12 @@ def same_quant_layout(weights: list) -> bool:
 def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """``[quant_gemm(x, q, b) for q, b in zip(weights, biases)]`` in one call and one parallel
     region (fused Q/K/V projections): x widened once, one fork/join. The weights share format,
-    K and group size (:func:`same_quant_layout`); RuntimeError otherwise."""
+    K and group size (:func:`same_quant_layout`); RuntimeError otherwise. Views of the op's one
+    (..., sum N) output, as :func:`small_gemm_multi`."""
     args = [_quant_args(q) for q in weights]
-    return torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
-                                               list(biases))
+    out = torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
+                                              list(biases))
+    return list(out.split([a[1].shape[0] for a in args], dim=-1))  # views of the op's one output
 
 
 def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight) -> torch.Tensor:

@@ -598,9 +598,9 @@ void check_x(const at::Tensor& x) {
 
 // x @ w_i.T (+ bias_i) for every weight of one format, K and group size, in one call and one
 // parallel region (fused Q/K/V projections): x is widened once, one fork/join instead of three.
-std::vector<at::Tensor> quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
-                                         at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
-                                         at::ArrayRef<c10::optional<at::Tensor>> biases) {
+at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
+                            at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
+                            at::ArrayRef<c10::optional<at::Tensor>> biases) {
   check_x(x);
   TORCH_CHECK(!datas.empty() && scales.size() == datas.size() && offsets.size() == datas.size() && biases.size() == datas.size(),
               "quant_gemm: one scale, offset and bias (or None) per weight");
@@ -611,18 +611,22 @@ std::vector<at::Tensor> quant_gemm_multi(const at::Tensor& x, at::TensorList dat
     ws.push_back(check_weight(K, datas[i], scales[i], offsets[i], format));
     start.push_back(start.back() + ws.back().N);
   }
-  std::vector<at::Tensor> outs, bias32(ws.size());
+  // One output, the weights' columns side by side (one tensor, not a list: a C++ wrapper calls
+  // an op with tensor results through the dispatcher, a list result back through Python).
+  auto out = out_for(x, start.back());
+  std::vector<at::Tensor> bias32(ws.size());
   std::vector<Out> os;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   for (size_t i = 0; i < ws.size(); ++i) {
-    outs.push_back(out_for(x, ws[i].N));
     if (biases[i].has_value()) {
       TORCH_CHECK(biases[i]->numel() == ws[i].N, "quant_gemm: bias has ", biases[i]->numel(), " values, weight has ", ws[i].N, " rows");
       bias32[i] = biases[i]->to(at::kFloat).contiguous();
     }
-    os.push_back(Out{outs[i].data_ptr(), x.scalar_type() == at::kBFloat16, ws[i].N, bias32[i].defined() ? bias32[i].data_ptr<float>() : nullptr});
+    char* base = static_cast<char*>(out.data_ptr()) + start[i] * out.element_size();
+    os.push_back(Out{base, bf16, start.back(), bias32[i].defined() ? bias32[i].data_ptr<float>() : nullptr});
   }
   const int64_t M = x.numel() / K;
-  if (M == 0 || start.back() == 0) return outs;
+  if (M == 0 || start.back() == 0) return out;
   const XBuf xb = prepare(x, ws);
   parallel_rows(xb.xs, start.back(), GRAIN, [&](const Xs& task, int64_t r0, int64_t r1) {
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -630,13 +634,13 @@ std::vector<at::Tensor> quant_gemm_multi(const at::Tensor& x, at::TensorList dat
       if (n0 < n1) run_range(ws[i], task, M, n0, n1, os[i]);
     }
   });
-  return outs;
+  return out;
 }
 
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
                       const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
   std::vector<c10::optional<at::Tensor>> s = {scale}, o = {offset}, b = {bias};
-  return quant_gemm_multi(x, {data}, s, o, format, b)[0];
+  return quant_gemm_multi(x, {data}, s, o, format, b);
 }
 
 // SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one call and one parallel region; the
@@ -675,7 +679,7 @@ std::string quant_isa() { return Isa::kName; }
 
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias) -> Tensor");
-  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases) -> Tensor[]");
+  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases) -> Tensor");
   m.def("quant_glu(Tensor x, Tensor gate, Tensor? gate_scale, Tensor? gate_offset, Tensor up, Tensor? up_scale, Tensor? up_offset, "
         "int format) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);

@@ -168,13 +168,13 @@ void gemm_rows(const float* xq, int64_t M, const at::Tensor& w, int64_t n0, int6
   }
 }
 
-// Writes out[m, n] = f(acc[m, n]) for n in [n0, n1) in out's dtype.
+// Writes out[m, col0 + n] = f(m, n) for n in [n0, n1) in out's dtype; out's rows are ld long.
 template <typename F>
-void store_rows(at::Tensor& out, int64_t M, int64_t N, int64_t n0, int64_t n1, F f) {
+void store_rows(at::Tensor& out, int64_t M, int64_t ld, int64_t col0, int64_t n0, int64_t n1, F f) {
   auto put = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) o[m * N + n] = static_cast<T>(f(m, n));
+      for (int64_t n = n0; n < n1; ++n) o[m * ld + col0 + n] = static_cast<T>(f(m, n));
   };
   switch (out.scalar_type()) {
     case at::kFloat: put(out.data_ptr<float>()); break;
@@ -222,18 +222,20 @@ constexpr int64_t GRAIN = 64;
 
 // x @ w_i.T (+ bias_i) for every weight of ``ws`` (same K and dtype) in one parallel region:
 // fused Q/K/V projections cost one call and one fork/join instead of three.
-std::vector<at::Tensor> small_gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef<c10::optional<at::Tensor>> biases) {
+// One output, the weights' columns side by side (one tensor, not a list: inductor's C++ wrapper
+// calls an op with tensor results through the dispatcher, a list result back through Python).
+at::Tensor small_gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(!ws.empty() && biases.size() == ws.size(), "small_gemm: one bias (or None) per weight");
   const int64_t K = ws[0].size(1);
   const auto wtype = ws[0].scalar_type();
   std::vector<int64_t> offset = {0};
-  std::vector<at::Tensor> outs, accs;
+  std::vector<at::Tensor> accs;
   for (const auto& w : ws) {
     check_weight(w, K, wtype);
     offset.push_back(offset.back() + w.size(0));
   }
   auto xq = prepare_x(x, K, wtype);
-  const int64_t M = xq.size(0);
+  const int64_t M = xq.size(0), total = offset.back();
   std::vector<const float*> bias32(ws.size(), nullptr);
   std::vector<at::Tensor> keep;  // fp32 copies of the biases, alive for the parallel region
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -242,11 +244,9 @@ std::vector<at::Tensor> small_gemm_multi(const at::Tensor& x, at::TensorList ws,
     keep.push_back(biases[i]->to(at::kFloat).contiguous());
     bias32[i] = keep.back().data_ptr<float>();
   }
-  for (size_t i = 0; i < ws.size(); ++i) {
-    outs.push_back(out_like(x, ws[i].size(0)));
-    accs.push_back(at::empty({M, ws[i].size(0)}, xq.options()));
-  }
-  at::parallel_for(0, offset.back(), GRAIN, [&](int64_t r0, int64_t r1) {
+  auto out = out_like(x, total);
+  for (size_t i = 0; i < ws.size(); ++i) accs.push_back(at::empty({M, ws[i].size(0)}, xq.options()));
+  at::parallel_for(0, total, GRAIN, [&](int64_t r0, int64_t r1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t n0 = std::max(r0, offset[i]) - offset[i], n1 = std::min(r1, offset[i + 1]) - offset[i];
       if (n0 >= n1) continue;
@@ -254,15 +254,15 @@ std::vector<at::Tensor> small_gemm_multi(const at::Tensor& x, at::TensorList ws,
       float* acc = accs[i].data_ptr<float>();
       gemm_rows(xq.data_ptr<float>(), M, ws[i], n0, n1, acc);
       const float* b = bias32[i];
-      store_rows(outs[i], M, N, n0, n1, [&](int64_t m, int64_t n) { return acc[m * N + n] + (b ? b[n] : 0.f); });
+      store_rows(out, M, total, offset[i], n0, n1, [&](int64_t m, int64_t n) { return acc[m * N + n] + (b ? b[n] : 0.f); });
     }
   });
-  return outs;
+  return out;
 }
 
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   std::vector<c10::optional<at::Tensor>> b = {bias};
-  return small_gemm_multi(x, {w}, b)[0];
+  return small_gemm_multi(x, {w}, b);
 }
 
 // SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one parallel region; the product is
@@ -281,7 +281,7 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
   at::parallel_for(0, N, GRAIN / 2, [&](int64_t n0, int64_t n1) {
     gemm_rows(xq.data_ptr<float>(), M, gate, n0, n1, gp);
     gemm_rows(xq.data_ptr<float>(), M, up, n0, n1, up_);
-    store_rows(out, M, N, n0, n1, [&](int64_t m, int64_t n) {
+    store_rows(out, M, N, 0, n0, n1, [&](int64_t m, int64_t n) {
       const float a = gp[m * N + n];
       return a / (1.f + std::exp(-a)) * up_[m * N + n];
     });
@@ -482,7 +482,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 TORCH_LIBRARY(neuronfx, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("small_gemm_multi(Tensor x, Tensor[] ws, Tensor?[] biases) -> Tensor[]");
+  m.def("small_gemm_multi(Tensor x, Tensor[] ws, Tensor?[] biases) -> Tensor");
   m.def("small_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
   m.def("cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_ids, Tensor mask) -> Tensor");
 }
