@@ -190,6 +190,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float",
                    help="weights of neuronfx's plans: float (in --dtype), int8, int4, gguf (the .gguf file's blocks kept)")
     p.add_argument("--weight-group-size", type=int, choices=WEIGHT_GROUP_SIZES, default=32, help="int4 group size")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="with --compare llama.cpp: run each case N times in both engines, alternating, and report each "
+                        "engine's median round and the per-round ratios (this machine's speed drifts between runs)")
     p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
                    help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -351,7 +354,7 @@ def _llama_cpp_model(args: argparse.Namespace, model_path: str) -> str | None:
 
 
 def bench_command(args: argparse.Namespace) -> dict:
-    from neuronfx.bench import BenchResult, comparison_table, format_bandwidth, plot, run_bench
+    from neuronfx.bench import BenchResult, comparison_table, format_bandwidth, format_rounds, plot, run_bench
     from neuronfx.checkpoints import default_model_path, load_checkpoint
 
     for name in ("batch_sizes", "prompt_lens", "gen_lens"):
@@ -360,6 +363,9 @@ def bench_command(args: argparse.Namespace) -> dict:
             raise InputError(f"--{name.replace('_', '-')} has {bad}; sizes must be >= 1 (generation lengths >= 2).")
     if args.num_requests < 1 or args.slots < 1:
         raise InputError(f"--num-requests={args.num_requests} and --slots={args.slots} must be >= 1.")
+    if args.rounds < 1 or (args.rounds > 1 and args.compare != "llama.cpp"):
+        raise InputError(f"--rounds={args.rounds}: N >= 1, and N > 1 only with --compare llama.cpp (the engines alternate "
+                         "case by case); drop --rounds or add --compare llama.cpp.")
     if args.device != "cpu" and (args.speculate or args.serving or args.tp_degree or args.compare == "llama.cpp"):
         raise InputError(f"--device {args.device} is measured on plain batches only (not --serving, --speculate, --tp-degree or "
                          "--compare llama.cpp); drop it or those options.")
@@ -395,7 +401,8 @@ def bench_command(args: argparse.Namespace) -> dict:
     data = run_bench(ckpt, args.backend, args.dtype, args.batch_sizes, args.prompt_lens, args.gen_lens,
                      compare_transformers=args.compare == "transformers", log=log,
                      reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
-                     weight_format=args.weight_format, weight_group_size=args.weight_group_size, device=args.device)
+                     weight_format=args.weight_format, weight_group_size=args.weight_group_size, device=args.device,
+                     rounds=args.rounds)
     if not args.json:
         for row in data["bandwidth"]:
             print(format_bandwidth(row))
@@ -409,6 +416,8 @@ def bench_command(args: argparse.Namespace) -> dict:
             print(f"both engines on {data['threads']} threads")
             for line in comparison_table([BenchResult(**r) for r in data["results"]], args.compare):
                 print(line)
+            for row in data["rounds"]:  # each engine's row above is its median round
+                print(format_rounds(row))
     if args.plot:
         plot(data, args.plot)
     return data

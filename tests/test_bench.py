@@ -172,3 +172,25 @@ def test_compare_llama_cpp_without_the_package(monkeypatch, capsys, tmp_path):
 def test_compare_llama_cpp_needs_a_gguf(tiny_checkpoint, capsys):
     assert main(["bench", "--compare", "llama.cpp", "--model", tiny_checkpoint.source]) == 2
     assert "--model must be a .gguf file" in capsys.readouterr().err
+
+
+def test_rounds_alternate_the_engines_and_report_the_median_round():
+    """--rounds: round i runs the engines in turn, the first one alternating; each engine's
+    reported result is its median round by decode tok/s, and the ratios pair rounds."""
+    from neuronfx.bench import alternate, median_round, round_ratios
+
+    calls = []
+    out = alternate({"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or len(calls)}, 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert out == {"a": [1, 4, 5, 8], "b": [2, 3, 6, 7]}
+    ours = [_result("neuronfx", 1, 0.1, [step] * 3) for step in (0.02, 0.01, 0.04)]  # 50, 100, 25 tok/s
+    theirs = [_result("llama.cpp", 1, 0.1, [step] * 3) for step in (0.02, 0.02, 0.02)]  # 50 tok/s each
+    assert median_round(ours) is ours[0]
+    row = round_ratios(ours, theirs)
+    assert row["decode_tok_s_ratios"] == pytest.approx([1.0, 2.0, 0.5]) and row["median"] == pytest.approx(1.0)
+    assert row["reference"] == "llama.cpp" and row["batch_size"] == 1
+
+
+def test_rounds_need_llama_cpp(capsys):
+    assert main(["bench", "--rounds", "3"]) == 2
+    assert "--rounds=3" in capsys.readouterr().err
