@@ -21,7 +21,8 @@ while it builds, :func:`prepare_graphs`), and idle cores
 compile whole (phase, batch) units in worker processes (``graphs/compile_workers.py``). Weights and KV cache stay inputs (KV mutated in
 place), shared by all graphs. The graph math gets :func:`neuronfx.graphs.ops.compiled_ops`
 (the CPU kernels on a CPU, torch ops and Triton on CUDA, where ``graphs/cuda_graphs.py``
-captures each built graph as a CUDA graph).
+captures each built graph as a CUDA graph); a CPU plan on one rank gets inductor's C++ wrapper
+(:func:`inductor_options`).
 """
 
 from __future__ import annotations
