@@ -260,6 +260,24 @@ def alternate(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list
     return out
 
 
+def ab_rounds(runtimes: dict[str, Runtime], prompts: list[list[int]], gen_len: int, rounds: int) -> dict[str, list[float]]:
+    """Each runtime's ITL p50 (seconds) per round of greedy decoding of ``prompts``, the
+    runtimes alternating (:func:`alternate`): the A/B scripts' measurement."""
+    timed = alternate({name: functools.partial(time_neuronfx, rt, prompts, gen_len) for name, rt in runtimes.items()}, rounds)
+    return {name: [percentile(itl, 50) for _, itl in runs] for name, runs in timed.items()}
+
+
+def format_ab(label: str, itl: dict[str, list[float]], slow: str, fast: str) -> list[str]:
+    """Lines: each runtime's ITL p50 per round and median (ms), then ``slow`` / ``fast`` per
+    round and the median of those ratios (only same-round ratios compare on a drifting machine)."""
+    lines = [f"{label} {name:8s} ITL p50 per round (ms): " + " ".join(f"{v * 1e3:.2f}" for v in values)
+             + f"; median {percentile(values, 50) * 1e3:.2f}" for name, values in itl.items()]
+    ratios = [a / b for a, b in zip(itl[slow], itl[fast], strict=True)]
+    lines.append(f"{label} {slow} / {fast} per round: " + " ".join(f"{r:.3f}" for r in ratios)
+                 + f"; median {percentile(ratios, 50):.3f}x")
+    return lines
+
+
 def median_round(rounds: Sequence[BenchResult]) -> BenchResult:
     """The round with the median decode tok/s (the upper one of an even count)."""
     return sorted(rounds, key=lambda r: r.decode_tok_s)[len(rounds) // 2]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
 import torch
 
 import neuronfx
-from neuronfx.bench import bench_plan, random_prompts, time_neuronfx
+from neuronfx.bench import ab_rounds, bench_plan, format_ab, random_prompts
 from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.graphs import inductor
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step, release
@@ -64,22 +63,15 @@ def main() -> None:
     print(f"SmolLM2-135M, weights {args.weight_format}, inductor, {torch.get_num_threads()} threads, prompt 128, 48 new tokens")
     for batch in args.batch_sizes:
         plan = bench_plan(ckpt, "inductor", "float32", batch, 128, 48, weight_format=args.weight_format)
-        runtimes, itl = {}, {"cpp": [], "python": []}
-        for name in itl:
+        runtimes = {}
+        for name in ("cpp", "python"):
             runtimes[name], seconds = compile_with(plan, ckpt.state_dict, name == "cpp")
             print(f"batch {batch} {name:6s} wrapper: compiled {len(plan.graphs)} graphs in {seconds:.1f} s")
         prompts = random_prompts(ckpt.config.vocab_size, batch, 128)
         tokens = {name: time_neuronfx_tokens(rt, prompts) for name, rt in runtimes.items()}
         print(f"batch {batch} greedy tokens identical: {tokens['cpp'] == tokens['python']}")
-        for i in range(args.rounds):
-            for name in ("cpp", "python") if i % 2 == 0 else ("python", "cpp"):
-                itl[name].append(statistics.median(time_neuronfx(runtimes[name], prompts, 48)[1]))
-        for name, values in itl.items():
-            print(f"batch {batch} {name:6s} ITL p50 per round (ms): " + " ".join(f"{v * 1e3:.2f}" for v in values)
-                  + f"; median {statistics.median(values) * 1e3:.2f}")
-        ratios = [p / c for p, c in zip(itl["python"], itl["cpp"], strict=True)]
-        print(f"batch {batch} python / cpp per round: " + " ".join(f"{r:.3f}" for r in ratios)
-              + f"; median {statistics.median(ratios):.3f}x")
+        itl = ab_rounds(runtimes, prompts, 48, args.rounds)
+        print("\n".join(format_ab(f"batch {batch}", itl, "python", "cpp")))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ same-round ratios compare).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 
 import torch
 
 import neuronfx
-from neuronfx.bench import bench_plan, random_prompts, time_neuronfx
+from neuronfx.bench import ab_rounds, bench_plan, format_ab, random_prompts
 from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.config.plan import Plan
 from neuronfx.graphs import kernels, ops
@@ -54,16 +53,8 @@ def main() -> None:
             runtimes = {"kernels": neuronfx.compile(plan, ckpt.state_dict, progress=False, cache=new_cache),
                         "replaced": replaced_path_runtime(plan, ckpt.state_dict, old_cache)}
             prompts = random_prompts(ckpt.config.vocab_size, batch, 128)
-            itl = {name: [] for name in runtimes}
-            for i in range(args.rounds):  # the order alternates: second place measured up to 5% slower here
-                for name in ("kernels", "replaced") if i % 2 == 0 else ("replaced", "kernels"):
-                    itl[name].append(statistics.median(time_neuronfx(runtimes[name], prompts, 64)[1]))
-        for name, values in itl.items():
-            print(f"batch {batch} {name:8s} ITL p50 per round (ms): " + " ".join(f"{v * 1e3:.2f}" for v in values)
-                  + f"; median {statistics.median(values) * 1e3:.2f}")
-        ratios = [old / new for old, new in zip(itl["replaced"], itl["kernels"], strict=True)]
-        print(f"batch {batch} replaced / kernels per round: " + " ".join(f"{r:.3f}" for r in ratios)
-              + f"; median {statistics.median(ratios):.3f}x")
+            itl = ab_rounds(runtimes, prompts, 64, args.rounds)
+        print("\n".join(format_ab(f"batch {batch}", itl, "replaced", "kernels")))
 
 
 if __name__ == "__main__":

@@ -194,3 +194,12 @@ def test_rounds_alternate_the_engines_and_report_the_median_round():
 def test_rounds_need_llama_cpp(capsys):
     assert main(["bench", "--rounds", "3"]) == 2
     assert "--rounds=3" in capsys.readouterr().err
+
+
+def test_format_ab_reports_medians_and_same_round_ratios():
+    from neuronfx.bench import format_ab
+
+    lines = format_ab("batch 1", {"new": [0.010, 0.020, 0.012], "old": [0.011, 0.030, 0.012]}, "old", "new")
+    assert lines[0].endswith("10.00 20.00 12.00; median 12.00") and lines[0].startswith("batch 1 new")
+    assert lines[1].endswith("11.00 30.00 12.00; median 12.00")
+    assert lines[2] == "batch 1 old / new per round: 1.100 1.500 1.000; median 1.100x"
