@@ -126,8 +126,9 @@ def inductor_options(plan: Plan) -> dict:
     """:data:`INDUCTOR_OPTIONS`, and for a CPU plan on one rank a C++ wrapper (``cpp_wrapper``):
     the part's kernel calls and buffer handling run as compiled C++ instead of a Python
     function, and the ``neuronfx::`` ops are called through the dispatcher (each returns
-    tensors, not lists, so none calls back into Python). A SmolLM2 Q4_1 decode step was 1.06x
-    faster with it (in-process A/B, 10 rounds, batch 1); a cold compile took about as long.
+    tensors, not lists, so none calls back into Python). A SmolLM2 Q4_1 decode step was 1.05x
+    and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds,
+    ``scripts/bench_cpp_wrapper.py``); a cold compile took about as long (51.9 s against 51.5 s).
     CUDA plans keep the Python wrapper their CUDA-graph capture was written against, and
     tensor-parallel plans too: the C++ wrapper cannot call the functional collectives (torch
     2.13: "arg type Any is not yet supported by custom_op_wrapper")."""
@@ -189,10 +190,9 @@ class PrecompiledPart:
         out = self.compiled(*args)  # dynamo's guards checked: RuntimeError if these are not the arguments it was built for
         # Then never again: a SmolLM2 decode step (5 part calls, a layer group has about 120
         # tensor arguments) took 1.03x as long with them (A/B in one process, 12 rounds). Later
-        # calls get the same weights and, from
-        # check_inputs and the State checks, inputs and KV cache of the same shapes and dtypes.
-        # (A part shared by buckets is disabled for all of them: SharedCompile.compiled_for checks
-        # a bucket's first arguments itself.)
+        # calls get the same weights, and check_inputs and the State checks keep inputs and KV
+        # cache to the same shapes and dtypes. (A part shared by buckets is disabled for all of
+        # them: SharedCompile.compiled_for checks each bucket's first arguments itself.)
         self.compiled.disable_guard_check()
         self.guards_checked = True
         return out
