@@ -185,41 +185,41 @@ def run_bench(
     results, compiles, memory, step_bytes, per_round = [], [], [], {}, []
     vocab = checkpoint.config.vocab_size
     interleaved = compare_llama_cpp is not None and rounds > 1
-    stack = contextlib.ExitStack()
-    model = stack.enter_context(llama_cpp_model(lib, compare_llama_cpp)) if interleaved else None
-    for b in batch_sizes:
-        plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device)
-        gc.collect()
-        t0 = time.perf_counter()
-        runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
-        compile_s = time.perf_counter() - t0
-        compiles.append({"batch_size": b, "compile_s": compile_s, "graphs": len(plan.graphs),
-                         "per_graph_s": {f"{p}{k}x{b}": s for (p, b, k), s in runtime.compile_s.items()}})
-        weight_bytes = sum(t.nbytes for t in _unique_tensors(runtime.weights))
-        memory.append({"batch_size": b, "rss_bytes": rss_bytes(), "weights_bytes": weight_bytes, "kv_bytes": plan.kv.nbytes})
-        step_bytes[("neuronfx", b)] = decode_weight_bytes(runtime.weights, b)
-        time_neuronfx(runtime, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
-        if model is not None:
-            time_llama_cpp(lib, model, random_prompts(vocab, b, 8, seed=1), 3, threads)
-        label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
-        for p in prompt_lens:
-            for g in gen_lens:
-                prompts = random_prompts(vocab, b, p)
-                if model is None:
-                    case = [summarize("neuronfx", backend, label, b, p, *time_neuronfx(runtime, prompts, g))]
-                else:
-                    timed = alternate({"neuronfx": functools.partial(time_neuronfx, runtime, prompts, g),
-                                       "llama.cpp": functools.partial(time_llama_cpp, lib, model, prompts, g, threads)}, rounds)
-                    ours = [summarize("neuronfx", backend, label, b, p, *t) for t in timed["neuronfx"]]
-                    theirs = [summarize("llama.cpp", "ggml-cpu", gguf_weight_type(compare_llama_cpp), b, p, *t) for t in timed["llama.cpp"]]
-                    per_round.append(round_ratios(ours, theirs))
-                    log(format_rounds(per_round[-1]))
-                    case = [median_round(ours), median_round(theirs)]
-                for r in case:
-                    results.append(r)
-                    log(format_result(r))
-        del runtime
-    stack.close()
+    weight_type = gguf_weight_type(compare_llama_cpp) if interleaved else None
+    # With rounds, llama.cpp's model stays loaded beside the runtimes (closed on any exit).
+    with llama_cpp_model(lib, compare_llama_cpp) if interleaved else contextlib.nullcontext() as model:
+        for b in batch_sizes:
+            plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device)
+            gc.collect()
+            t0 = time.perf_counter()
+            runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
+            compile_s = time.perf_counter() - t0
+            compiles.append({"batch_size": b, "compile_s": compile_s, "graphs": len(plan.graphs),
+                             "per_graph_s": {f"{p}{k}x{b}": s for (p, b, k), s in runtime.compile_s.items()}})
+            weight_bytes = sum(t.nbytes for t in _unique_tensors(runtime.weights))
+            memory.append({"batch_size": b, "rss_bytes": rss_bytes(), "weights_bytes": weight_bytes, "kv_bytes": plan.kv.nbytes})
+            step_bytes[("neuronfx", b)] = decode_weight_bytes(runtime.weights, b)
+            time_neuronfx(runtime, random_prompts(vocab, b, 8, seed=1), 3)  # warm-up
+            if model is not None:
+                time_llama_cpp(lib, model, random_prompts(vocab, b, 8, seed=1), 3, threads)
+            label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
+            for p in prompt_lens:
+                for g in gen_lens:
+                    prompts = random_prompts(vocab, b, p)
+                    if model is None:
+                        case = [summarize("neuronfx", backend, label, b, p, *time_neuronfx(runtime, prompts, g))]
+                    else:
+                        timed = alternate({"neuronfx": functools.partial(time_neuronfx, runtime, prompts, g),
+                                           "llama.cpp": functools.partial(time_llama_cpp, lib, model, prompts, g, threads)}, rounds)
+                        ours = [summarize("neuronfx", backend, label, b, p, *t) for t in timed["neuronfx"]]
+                        theirs = [summarize("llama.cpp", "ggml-cpu", weight_type, b, p, *t) for t in timed["llama.cpp"]]
+                        per_round.append(round_ratios(ours, theirs))
+                        log(format_rounds(per_round[-1]))
+                        case = [median_round(ours), median_round(theirs)]
+                    for r in case:
+                        results.append(r)
+                        log(format_result(r))
+            del runtime
     if compare_transformers:
         # Built after the neuronfx runs so it does not count in their resident memory.
         ref_dtype = reference_dtype or dtype
