@@ -139,13 +139,14 @@ def rss_bytes() -> int:
 
 
 def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
-               weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu") -> Any:
+               weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
+               activation_format: str = "float") -> Any:
     """The plan a bench case compiles: the default capacities, raised to fit the case."""
     seq = max(512, prompt_len + gen_len)
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
         sequence_length=seq, dtype=dtype, backend=backend, weight_format=weight_format, weight_group_size=weight_group_size,
-        device=device,
+        device=device, activation_format=activation_format,
     )  # static batches: only the full batch size is compiled
     return make_plan(checkpoint.config, inference)
 
@@ -155,6 +156,7 @@ def run_bench(
     gen_lens: Sequence[int], compare_transformers: bool, log: Any = print, reference_dtype: str | None = None,
     compare_llama_cpp: str | None = None, weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
     rounds: int = 1,
+    activation_format: str = "float",
 ) -> dict[str, Any]:
     """Measure every (batch size, prompt length, generation length) case; returns JSON-able data:
     ``{"results": [BenchResult as dict], "ratios": [...], "compile": [...], "memory": [...],
@@ -167,7 +169,7 @@ def run_bench(
     (:func:`decode_weight_bytes`) over TPOT, against this machine's read bandwidth measured
     once at the start (:func:`read_bandwidth`). ``weight_format`` / ``weight_group_size``: the
     plans' (a "gguf" plan needs ``checkpoint`` read with ``gguf_blocks=True``); the results
-    name the dtype "dtype/weight_format" for a quantized plan. ``device``: the plans' and the
+    name the dtype "dtype/weight_format" for a quantized plan (+ "/int8x" with ``activation_format="int8"``). ``device``: the plans' and the
     transformers model's (the read bandwidth and RSS figures stay the host's).
 
     ``rounds`` > 1 (with ``compare_llama_cpp``): each case runs in both engines ``rounds`` times,
@@ -189,7 +191,8 @@ def run_bench(
     # With rounds, llama.cpp's model stays loaded beside the runtimes (closed on any exit).
     with llama_cpp_model(lib, compare_llama_cpp) if interleaved else contextlib.nullcontext() as model:
         for b in batch_sizes:
-            plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device)
+            plan = bench_plan(checkpoint, backend, dtype, b, max(prompt_lens), max(gen_lens), weight_format, weight_group_size, device,
+                              activation_format)
             gc.collect()
             t0 = time.perf_counter()
             runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)
@@ -203,6 +206,7 @@ def run_bench(
             if model is not None:
                 time_llama_cpp(lib, model, random_prompts(vocab, b, 8, seed=1), 3, threads)
             label = dtype if weight_format == "float" else f"{dtype}/{weight_format}"
+            label += "/int8x" if activation_format == "int8" else ""
             for p in prompt_lens:
                 for g in gen_lens:
                     prompts = random_prompts(vocab, b, p)

@@ -25,7 +25,15 @@ from neuronfx.accuracy import DEFAULT_CHATS, FAIL_ON, AccuracyReport, chat_promp
 from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
-from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND, DEVICES, WEIGHT_FORMATS, WEIGHT_GROUP_SIZES, InferenceConfig
+from neuronfx.config.inference import (
+    ACTIVATION_FORMATS,
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEVICES,
+    WEIGHT_FORMATS,
+    WEIGHT_GROUP_SIZES,
+    InferenceConfig,
+)
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.serialization import plan_from_json
@@ -112,7 +120,8 @@ def _chat_parser(sub: argparse._SubParsersAction) -> None:
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "prefill_chunk_size",
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
+                "prefill_chunk_size",
                 "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
@@ -145,6 +154,9 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                    help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
     p.add_argument("--weight-group-size", type=int, metavar="G",
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS,
+                   help="float (default), or int8: decode products with 4-bit weights (int4, gguf Q4_0/Q4_1) round x to int8 "
+                        "and sum integer products, as llama.cpp (faster, not bit-exact; inductor only)")
     p.add_argument("--enable-prefix-caching", action="store_const", const=True,
                    help="reuse the KV of cached prompt prefixes (full blocks; needs --prefill-chunk-size)")
     p.add_argument("--prefix-block-size", type=int, metavar="B",
@@ -193,6 +205,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="with --compare llama.cpp: run each case N times in both engines, alternating, and report each "
                         "engine's median round and the per-round ratios (this machine's speed drifts between runs)")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
+                   help="float, or int8: llama.cpp-style int8 activations in the 4-bit decode products (--weight-format int4 / gguf)")
     p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
                    help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -369,7 +383,8 @@ def bench_command(args: argparse.Namespace) -> dict:
     if args.device != "cpu" and (args.speculate or args.serving or args.tp_degree or args.compare == "llama.cpp"):
         raise InputError(f"--device {args.device} is measured on plain batches only (not --serving, --speculate, --tp-degree or "
                          "--compare llama.cpp); drop it or those options.")
-    check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format))  # before the read
+    check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format,
+                                 activation_format=args.activation_format))  # before the read
     model_path = args.model or default_model_path()
     llama_cpp_gguf = _llama_cpp_model(args, model_path)
     log = (lambda line: None) if args.json else print
@@ -402,7 +417,7 @@ def bench_command(args: argparse.Namespace) -> dict:
                      compare_transformers=args.compare == "transformers", log=log,
                      reference_dtype=args.compare_dtype or args.dtype, compare_llama_cpp=llama_cpp_gguf,
                      weight_format=args.weight_format, weight_group_size=args.weight_group_size, device=args.device,
-                     rounds=args.rounds)
+                     rounds=args.rounds, activation_format=args.activation_format)
     if not args.json:
         for row in data["bandwidth"]:
             print(format_bandwidth(row))

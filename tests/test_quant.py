@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from neuronfx.graphs import quant as Q
-from neuronfx.graphs.kernels import quant_gemm, quant_gemm_multi, quant_glu, quant_isa, small_gemm_available
+from neuronfx.graphs.kernels import quant_gemm, quant_gemm_multi, quant_glu, quant_int8_x_isa, quant_isa, small_gemm_available
 
 GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
 U32 = 2.0**-24
@@ -258,3 +258,89 @@ def test_quant_ops_trace_with_fullgraph(kernel: None) -> None:
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
     for a, b in zip(compiled(q, ids, x), fn(q, ids, x), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---- int8 activations (``int8_x``) ---------------------------------------------------------
+
+INT8_X_FORMATS = ["q4_0", "q4_1", "int4-g32", "int4-g64", "int4-g128"]
+
+
+def test_quant_int8_x_isa_matches_this_cpu(kernel: None) -> None:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((line.split() for line in text.splitlines() if line.startswith("flags")), []))
+    assert quant_int8_x_isa() == ("avx512-vnni" if {"avx512f", "f16c", "avx512_vnni"} <= flags else "scalar")
+
+
+@pytest.mark.parametrize("fmt", INT8_X_FORMATS)
+def test_int8_x_lane_order_one_hot(kernel: None, fmt: str) -> None:
+    """x = e_k gives column k of the dequantized weight: each lane of the kernel's chunks meets
+    the x value its nibble belongs to (a one-hot block rounds exactly: 127 * (1 / 127)). K = 224
+    (7 groups of 32: an odd last pair) or 256 (int4 groups of 64 / 128)."""
+    k = 224 if fmt in ("q4_0", "q4_1", "int4-g32") else 256
+    g = torch.Generator().manual_seed(3)
+    q = FORMATS[fmt](torch.randn(5, k, generator=g))
+    wq = Q.dequantize(q, k)
+    out = quant_gemm(torch.eye(k), q, None, True)  # row i: x = e_i
+    torch.testing.assert_close(out, wq.T, rtol=4 * U32, atol=4 * U32 * wq.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", INT8_X_FORMATS)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_int8_x_matches_reference(kernel: None, fmt: str, xdtype: torch.dtype) -> None:
+    """The int8-activation products against ``reference_int8_x_linear`` (x rounded per lane
+    block as the kernel does, float64 products; the integer sums are exact, so what is left is
+    fp32 accumulation: :func:`_tolerance`), at every x-row chunking, with bias; and against the
+    exact product within the rounding of x (absmax / 254 per value of each 32, summed)."""
+    k = {"q4_0": 224, "q4_1": 224}.get(fmt, 200)
+    g = torch.Generator().manual_seed(k + len(fmt))
+    q = FORMATS[fmt](torch.randn(67, k, generator=g))
+    wq = Q.dequantize(q, k)
+    bias = torch.randn(67, generator=g)
+    for rows in [1, 2, 3, 4, 5, 8, 11]:
+        x = torch.randn(rows, k, generator=g).to(xdtype)
+        out = quant_gemm(x, q, bias, True)
+        assert out.dtype == xdtype and out.shape == (rows, 67)
+        ref = Q.reference_int8_x_linear(x, q) + bias.double()
+        assert ((out.double() - ref).abs() <= _tolerance(x, q, wq, ref, k)).all()
+        exact = x.double() @ wq.double().T + bias.double()
+        rounding = (x.double().abs().amax(dim=-1, keepdim=True) / 254) @ wq.double().abs().sum(dim=1, keepdim=True).T
+        assert ((out.double() - exact).abs() <= rounding + _tolerance(x, q, wq, exact, k)).all()
+        assert (out.double() - exact).abs().max() > 0  # x was rounded: not the float path
+
+
+def test_int8_x_multi_glu_and_formats_it_does_not_serve(kernel: None) -> None:
+    """quant_gemm_multi and quant_glu round x once for all their weights; int8, Q8_0 and int4
+    groups of 96 keep float x (results identical to int8_x=False)."""
+    g = torch.Generator().manual_seed(21)
+    k = 224
+    qs = [FORMATS["q4_1"](torch.randn(n, k, generator=g)) for n in (40, 19)]
+    x = torch.randn(3, k, generator=g)
+    for out, q in zip(quant_gemm_multi(x, qs, [None, None], True), qs, strict=True):
+        assert torch.equal(out, quant_gemm(x, q, None, True))
+    gate, up = qs[0], FORMATS["q4_1"](torch.randn(40, k, generator=torch.Generator().manual_seed(21 + 1)))
+    out = quant_glu(x, gate, up, True)
+    a, u = quant_gemm(x, gate, None, True), quant_gemm(x, up, None, True)
+    torch.testing.assert_close(out, torch.nn.functional.silu(a) * u, rtol=1e-6, atol=1e-6)
+    for fmt in ("int8", "q8_0", "int4-g96-bf16"):
+        q = FORMATS[fmt](torch.randn(9, k, generator=g))
+        assert Q.int8_x_group_size(q) is None
+        assert torch.equal(quant_gemm(x, q, None, True), quant_gemm(x, q))
+
+
+def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
+    """The plan option reaches the kernels: the ops bundle of ``activation_format="int8"`` runs
+    the int8-activation products for decode rows, and prefill rows (> 8) keep the dequantized
+    float GEMM; the default bundle keeps float x."""
+    from neuronfx.graphs.ops import cpu_kernel_ops
+
+    g = torch.Generator().manual_seed(8)
+    k = 224
+    q, up = (FORMATS["q4_1"](torch.randn(40, k, generator=g)) for _ in range(2))
+    x, prefill = torch.randn(2, k, generator=g), torch.randn(12, k, generator=g)
+    int8_ops, float_ops = cpu_kernel_ops("float32", "int8"), cpu_kernel_ops("float32")
+    assert "int8_activations=True" in int8_ops.name and "int8_activations=False" in float_ops.name
+    assert torch.equal(int8_ops.linear(x, q), quant_gemm(x, q, None, True))
+    assert torch.equal(int8_ops.projections(x, [q, up], [None, None])[1], quant_gemm(x, up, None, True))
+    assert torch.equal(int8_ops.glu(x, q, up), quant_glu(x, q, up, True))
+    assert torch.equal(float_ops.linear(x, q), quant_gemm(x, q))
+    torch.testing.assert_close(int8_ops.linear(prefill, q), prefill @ Q.dequantize(q, k).T, rtol=1e-5, atol=1e-4)

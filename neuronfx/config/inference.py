@@ -15,6 +15,8 @@ BACKENDS = ("eager", "export", "inductor", "neuron")
 DEFAULT_BACKEND = "inductor"
 WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
 """Weight formats a plan may store its linear weights in (``config/quantization.py``)."""
+ACTIVATION_FORMATS = ("float", "int8")
+"""What the quantized decode products multiply the weights with (``config/quantization.py``)."""
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 """int4 group sizes (weights sharing one scale and offset along the input dim)."""
 DEVICES = ("cpu", "cuda", "cuda:N")
@@ -150,6 +152,11 @@ class InferenceConfig:
       as they are): weight-only quantization of the decoder layers' linear weights (and of the
       LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
     - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
+    - ``activation_format``: "float" (default: the quantized products take x in the plan's
+      dtype and accumulate in fp32) or "int8": decode products with 4-bit weights (int4, and
+      a GGUF file's Q4_0 / Q4_1 blocks) round x to int8 per 32 values and sum integer
+      products, as llama.cpp does (``config/quantization.py``). Needs weight_format "int4" or
+      "gguf" and the inductor backend (its CPU kernels); prefill keeps float activations.
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
     - ``device``: where weights, KV cache and step inputs live: "cpu" (default), "cuda" (cuda:0;
       rank r of a tensor-parallel plan takes cuda:r) or "cuda:N" (one rank only). CUDA plans
@@ -194,6 +201,7 @@ class InferenceConfig:
     sequence_parallel: bool = attrs.field(default=False, validator=boolean)
     weight_format: str = attrs.field(default="float", validator=one_of(WEIGHT_FORMATS))
     weight_group_size: int = attrs.field(default=32, validator=_group_size)
+    activation_format: str = attrs.field(default="float", validator=one_of(ACTIVATION_FORMATS))
     quantize_lm_head: bool = attrs.field(default=True, validator=boolean)
     device: str = attrs.field(default="cpu", validator=_device)
     prefill_chunk_size: int | None = attrs.field(default=None, validator=_chunk_size)
@@ -232,12 +240,28 @@ class InferenceConfig:
                 f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
                 "the neuron backend takes weight_format='float'."
             )
+        self._check_activations()
         self._check_cuda()
         _check_prefix_caching(self)
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
+            )
+
+    def _check_activations(self) -> None:
+        """int8 activations exist only in the CPU kernels' 4-bit products."""
+        if self.activation_format == "float":
+            return
+        if self.weight_format not in ("int4", "gguf"):
+            raise ConfigError(
+                f"activation_format={self.activation_format!r} with weight_format={self.weight_format!r}: int8 "
+                "activations serve 4-bit weights only; use weight_format='int4' or 'gguf', or activation_format='float'."
+            )
+        if self.backend != "inductor":
+            raise ConfigError(
+                f"activation_format={self.activation_format!r} with backend={self.backend!r}: the int8 products are "
+                "the inductor backend's CPU kernels; use backend='inductor', or activation_format='float'."
             )
 
     def _check_cuda(self) -> None:

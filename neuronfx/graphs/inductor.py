@@ -329,7 +329,7 @@ def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
     :class:`SharedCompile` of the graphs built so far for this plan, which this graph reuses
     and extends (None: a new one, nothing shared)."""
     wrap = _wrapper(plan, spec, {} if shared is None else shared)
-    ops = compiled_ops(plan.inference.dtype, plan.inference.device)
+    ops = compiled_ops(plan.inference.dtype, plan.inference.device, plan.inference.activation_format)
     graph = build_module(plan, spec, ops, group_size=phase_group_size(plan, spec.phase), wrap=wrap)
     with torch.no_grad(), device_scope(plan):
         graph(weights, kv, example_inputs(plan, spec))

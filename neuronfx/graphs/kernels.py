@@ -111,17 +111,18 @@ def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> to
 
 
 def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, int8_x: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
 def _quant_gemm_multi_fake(x: torch.Tensor, datas: list[torch.Tensor], scales: list, offsets: list, fmt: int,
-                           biases: list) -> torch.Tensor:
+                           biases: list, int8_x: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], sum(d.shape[0] for d in datas)))
 
 
 def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor | None, gate_offset: torch.Tensor | None,
-                    up: torch.Tensor, up_scale: torch.Tensor | None, up_offset: torch.Tensor | None, fmt: int) -> torch.Tensor:
+                    up: torch.Tensor, up_scale: torch.Tensor | None, up_offset: torch.Tensor | None, fmt: int,
+                    int8_x: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], gate.shape[0]))
 
 
@@ -176,14 +177,21 @@ def _quant_args(q: QuantizedWeight) -> tuple[int, torch.Tensor, torch.Tensor | N
     return QUANT_FORMAT_IDS[FORMAT_NAMES[type(q)]], q.data, scale, offset
 
 
-def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None, int8_x: bool = False) -> torch.Tensor:
     """x (..., K) float32 or bfloat16 @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype; the
     weights are widened in registers, products accumulate in fp32 (x is never quantized). Any
     number of rows (the kernel is meant for decode, <= :data:`SMALL_GEMM_MAX_ROWS`: weights are
     read once per call). int4 group sizes must be multiples of 32. Reference:
-    ``quant.reference_linear``. Needs :func:`small_gemm_available` to have returned True."""
+    ``quant.reference_linear``. Needs :func:`small_gemm_available` to have returned True.
+
+    ``int8_x`` (4-bit formats: Q4_0, Q4_1, int4 with groups of 32 or a multiple of 64; ignored
+    for the others): llama.cpp's integer products instead. x is rounded to int8 with one scale
+    (absmax / 127) per 32 values, each 32-weight block's nibble x int8 products are summed
+    exactly in int32 (AVX512-VNNI where the CPU has it, :func:`quant_int8_x_isa`), then scaled
+    and accumulated in fp32; the offsets' share uses x's exact sums. The error added is x's
+    rounding: at most ``absmax / 254`` per value of each 32."""
     fmt, data, scale, offset = _quant_args(q)
-    return torch.ops.neuronfx.quant_gemm(x, data, scale, offset, fmt, bias)
+    return torch.ops.neuronfx.quant_gemm(x, data, scale, offset, fmt, bias, int8_x)
 
 
 def same_quant_layout(weights: list) -> bool:
@@ -194,24 +202,25 @@ def same_quant_layout(weights: list) -> bool:
     return not isinstance(weights[0], Int4Weight) or len({2 * w.data.shape[1] // w.scale.shape[1] for w in weights}) == 1
 
 
-def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """``[quant_gemm(x, q, b) for q, b in zip(weights, biases)]`` in one call and one parallel
-    region (fused Q/K/V projections): x widened once, one fork/join. The weights share format,
-    K and group size (:func:`same_quant_layout`); RuntimeError otherwise. Views of the op's one
-    (..., sum N) output, as :func:`small_gemm_multi`."""
+def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor | None],
+                     int8_x: bool = False) -> list[torch.Tensor]:
+    """``[quant_gemm(x, q, b, int8_x) for q, b in zip(weights, biases)]`` in one call and one
+    parallel region (fused Q/K/V projections): x widened (and rounded) once, one fork/join. The
+    weights share format, K and group size (:func:`same_quant_layout`); RuntimeError otherwise.
+    Views of the op's one (..., sum N) output, as :func:`small_gemm_multi`."""
     args = [_quant_args(q) for q in weights]
     out = torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
-                                              list(biases))
+                                              list(biases), int8_x)
     return list(out.split([a[1].shape[0] for a in args], dim=-1))  # views of the op's one output
 
 
-def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight) -> torch.Tensor:
+def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype for quantized gate and up of one
     format and group size, in one call, formed from the fp32 accumulators and rounded once (as
-    :func:`small_glu`)."""
+    :func:`small_glu`); ``int8_x`` as :func:`quant_gemm`."""
     fmt, g, gs, go = _quant_args(gate)
     _, u, us, uo = _quant_args(up)
-    return torch.ops.neuronfx.quant_glu(x, g, gs, go, u, us, uo, fmt)
+    return torch.ops.neuronfx.quant_glu(x, g, gs, go, u, us, uo, fmt, int8_x)
 
 
 def quant_isa() -> str:
@@ -219,3 +228,10 @@ def quant_isa() -> str:
     fp32 lanes), ``"avx2"`` (AVX2 + FMA + F16C, 8 lanes) or ``"scalar"``. Needs
     :func:`small_gemm_available`."""
     return torch.ops.neuronfx.quant_isa()
+
+
+def quant_int8_x_isa() -> str:
+    """The path of the int8-activation products (``int8_x``): ``"avx512-vnni"`` (``vpdpbusd``,
+    64 products per instruction) or ``"scalar"`` (portable integer loops: correct, slow). Needs
+    :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.quant_int8_x_isa()

@@ -128,15 +128,17 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.to(x.dtype)
 
 
-def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool) -> Tensor:
+def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,
+               int8_x: bool = False) -> Tensor:
     """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows run ``small_gemm``
     (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
     products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
     ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
-    4x slower than fp32) multiplies in fp32; everything else is F.linear."""
+    4x slower than fp32) multiplies in fp32; everything else is F.linear. Quantized weights:
+    :func:`quantized_linear` (``int8_x``: its int8-activation products)."""
     rows = _rows(x)
     if isinstance(weight, quant.QUANTIZED_TYPES):
-        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen)
+        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8_x=int8_x)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return small_gemm(x, weight, bias)
     if weight.dtype != torch.float32 and rows == 1:
@@ -148,12 +150,13 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 
 
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
-                     widen: bool) -> Tensor:
+                     widen: bool, int8_x: bool = False) -> Tensor:
     """A quantized weight's product: up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the
-    quantized bytes read once, fp32 accumulation); more rows (prefill) dequantize the weight
-    and run a GEMM, in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
+    quantized bytes read once, fp32 accumulation; ``int8_x``: x rounded to int8 for 4-bit
+    weights, ``kernels.quant_gemm``); more rows (prefill) dequantize the weight and run a GEMM,
+    in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
-        return cpu_kernels.quant_gemm(x, weight, bias)
+        return cpu_kernels.quant_gemm(x, weight, bias, int8_x)
     dense = quant.dequantize(weight, x.shape[-1])
     if x.dtype == torch.float32 or widen:
         return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
@@ -165,25 +168,25 @@ def _any_quantized(weights: Sequence[Weight]) -> bool:
 
 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
-                    widen: bool) -> list[Tensor]:
+                    widen: bool, int8_x: bool = False) -> list[Tensor]:
     """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, or one
     ``quant_gemm_multi`` for quantized weights of one format and group size; otherwise one
     product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights)):
-        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases))
-    return [cpu_linear(x, w, b, kernels=kernels, widen=widen) for w, b in zip(weights, biases)]
+        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8_x)
+    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8_x=int8_x) for w, b in zip(weights, biases)]
 
 
-def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool) -> Tensor:
+def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8_x: bool = False) -> Tensor:
     """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights) or ``quant_glu``
     (quantized, one format and group size) forms it from the fp32 accumulators and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout([gate, up]):
-        return cpu_kernels.quant_glu(x, gate, up)
-    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen)
+        return cpu_kernels.quant_glu(x, gate, up, int8_x)
+    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8_x=int8_x)
     return F.silu(linear(x, gate)) * linear(x, up)
 
 
@@ -221,17 +224,20 @@ def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids
     return cpu_kernels.cached_attention(q, k_cache, v_cache, seq_ids, mask)
 
 
-def cpu_kernel_ops(dtype: str) -> Ops:
+def cpu_kernel_ops(dtype: str, activation_format: str = "float") -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
     the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
     products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
     one (:func:`neuronfx.graphs.gemm_choice.widen_16bit_prefill`), the cached attention kernel
-    (:func:`fused_cached_attention` without the kernels)."""
+    (:func:`fused_cached_attention` without the kernels), and for ``activation_format="int8"``
+    the quantized decode products with int8 activations (without the kernels there are none:
+    prefill's float path serves)."""
     kernels = small_gemm_available()
     widen = dtype != "float32" and widen_16bit_prefill(dtype)
-    flags = {"kernels": kernels, "widen": widen}
+    int8_x = kernels and activation_format == "int8"
+    flags = {"kernels": kernels, "widen": widen, "int8_x": int8_x}
     return Ops(
-        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen})",
+        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8_x})",
         linear=functools.partial(cpu_linear, **flags),
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
@@ -240,14 +246,14 @@ def cpu_kernel_ops(dtype: str) -> Ops:
     )
 
 
-def compiled_ops(dtype: str, device: str) -> Ops:
+def compiled_ops(dtype: str, device: str, activation_format: str = "float") -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on ``device`` (an
-    ``InferenceConfig.device``): :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
+    ``InferenceConfig.device``) and ``activation_format``: :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
     (F.linear is cuBLAS, SDPA picks a fused attention kernel), around which inductor generates
     Triton kernels for the norms, RoPE, masks and sampler. The ``small_gemm`` kernels are CPU
     code and are never bound on CUDA."""
     if device == "cpu":
-        return cpu_kernel_ops(dtype)
+        return cpu_kernel_ops(dtype, activation_format)
     return attrs.evolve(REFERENCE_OPS, name="cuda(torch+triton)")
 
 

@@ -193,3 +193,64 @@ QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES)
 for _cls in QUANTIZED_TYPES:
     # torch.export saves a program's input tree only for namedtuples registered with a stable name.
     _pytree._register_namedtuple(_cls, serialized_type_name=f"neuronfx.graphs.quant.{_cls.__name__}")
+
+
+def _int8_rounded_x(x: Tensor, group_size: int) -> Tensor:
+    """x (..., K) -> float64 (..., K), each value rounded to a multiple of its lane block's
+    scale ``absmax / 127`` (round half to even; an all-zero block stays zero). A lane block is
+    the 32 values one half of a 64-weight chunk meets (``csrc/quant_gemm.cpp``): with groups of
+    32, elements 0-15 of two neighbouring groups (then 16-31 of both); with groups of 64 or
+    more, 32 consecutive values of one half of a group."""
+    k = x.shape[-1]
+    g = group_size
+    span = 64 if g == 32 else g
+    kp = -(-k // span) * span
+    xp = torch.nn.functional.pad(x.float(), (0, kp - k)).reshape(-1, kp)
+    if g == 32:  # (rows, pairs, group a/b, half, 16) -> lane blocks (rows, pairs, half, a/b, 16)
+        blocks = xp.view(-1, kp // 64, 2, 2, 16).transpose(2, 3)
+    else:  # (rows, groups, half, chunk, 32)
+        blocks = xp.view(-1, kp // g, 2, g // 64, 32)
+    flat = (blocks.reshape(*blocks.shape[:-2], -1) if g == 32 else blocks).float()  # x was fp32 (or exactly widened bf16)
+    d = flat.abs().amax(dim=-1, keepdim=True) / 127  # fp32, then x * (1 / d) in fp32: the kernel's arithmetic
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1.0), 0.0)
+    rounded = (torch.round(flat * inv).double() * d.double()).reshape(blocks.shape)
+    if g == 32:
+        rounded = rounded.transpose(2, 3)
+    return rounded.reshape(*x.shape[:-1], kp)[..., :k]
+
+
+
+def _offsets(q: QuantizedWeight, k: int) -> Tensor:
+    """float32 (N, k): each weight's offset term (int4: offset, Q4_1: m, Q4_0: -8 d)."""
+    if isinstance(q, Int4Weight):
+        g = 2 * q.data.shape[1] // q.scale.shape[1]
+        return q.offset.float().repeat_interleave(g, dim=-1)[..., :k]
+    b = _blocks(q.data, "q4_1" if isinstance(q, Q4_1Blocks) else "q4_0")
+    o = _fp16(b, 2) if isinstance(q, Q4_1Blocks) else -8 * _fp16(b, 0)
+    return o.expand(*o.shape[:-1], GGUF_BLOCK).reshape(q.data.shape[0], -1)[..., :k]
+
+
+def int8_x_group_size(q: QuantizedWeight) -> int | None:
+    """The group size the ``int8_x`` kernel path serves for weight ``q`` (Q4_0 / Q4_1: 32;
+    int4 with groups of 32 or a multiple of 64), or None where it keeps x in float."""
+    if isinstance(q, (Q4_0Blocks, Q4_1Blocks)):
+        return GGUF_BLOCK
+    if isinstance(q, Int4Weight):
+        g = 2 * q.data.shape[1] // q.scale.shape[1]
+        return g if g == 32 or g % 64 == 0 else None
+    return None
+
+
+def reference_int8_x_linear(x: Tensor, q: QuantizedWeight) -> Tensor:
+    """What the kernel's int8-activation path (``quant_gemm(..., int8_x=True)``) computes,
+    in float64: x (..., K) @ the weight's scaled values with x rounded per lane block (as ggml's
+    ``quantize_row_q8_1``, absmax / 127 per 32 values; lane blocks in ``_int8_rounded_x``), plus
+    the offsets against the exact x (the kernel uses x's exact group sums there). Formats the
+    path does not serve (:func:`int8_x_group_size` None): the plain float64 product."""
+    k = x.shape[-1]
+    w = dequantize(q, k).double()
+    g = int8_x_group_size(q)
+    if g is None:
+        return x.double() @ w.T
+    o = _offsets(q, k).double()
+    return _int8_rounded_x(x, g) @ (w - o).T + x.double() @ o.T

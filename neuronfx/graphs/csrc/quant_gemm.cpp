@@ -207,6 +207,10 @@ struct Int4Layout {
   const uint8_t* values(const uint8_t* r, int64_t b) const { return r + b * (group() / 2); }
   float d(int64_t n, const uint8_t*, int64_t b) const { return to_f(scale[n * groups + b]); }
   float off(int64_t n, const uint8_t*, int64_t b) const { return to_f(offset[n * groups + b]); }
+  // hdr[2b] = scale, hdr[2b + 1] = offset of row n's groups (the int8-activation path).
+  void pairs(int64_t n, const uint8_t*, int64_t groups, float* hdr) const {
+    for (int64_t b = 0; b < groups; ++b) hdr[2 * b] = to_f(scale[n * groups + b]), hdr[2 * b + 1] = to_f(offset[n * groups + b]);
+  }
 #if defined(NFX_Q_AVX512)
   void headers(const uint8_t*, int64_t, float*) const {}  // scales and offsets are read in place
   V table(int64_t n, const uint8_t* r, int64_t b, const float*) const { return Isa::table(d(n, r, b), off(n, r, b)); }
@@ -227,6 +231,16 @@ struct GgufLayout {
     // Q4_1: m; Q4_0: w = (q - 8) d, so the offset is -8 d.
     return kHeader == 4 ? half_at(r + b * kBytes + 2) : -8.f * half_at(r + b * kBytes);
   }
+  // hdr[2b] = d, hdr[2b + 1] = the offset (Q4_1: m; Q4_0: -8 d) of row r's blocks.
+  void pairs(int64_t, const uint8_t* r, int64_t groups, float* hdr) const {
+#if defined(NFX_Q_AVX512)
+    Isa::fp16_pairs(r, kBytes, groups, hdr);
+#else
+    for (int64_t b = 0; b < groups; ++b) hdr[2 * b] = half_at(r + b * kBytes), hdr[2 * b + 1] = half_at(r + b * kBytes + 2);
+#endif
+    if constexpr (kHeader == 2)  // the "m" read above is two value bytes
+      for (int64_t b = 0; b < groups; ++b) hdr[2 * b + 1] = -8.f * hdr[2 * b];
+  }
 #if defined(NFX_Q_AVX512)
   // A row's block headers as fp32: hdr[2b] = d, hdr[2b + 1] = m (Q4_1; Q4_0: the first two
   // value bytes, unused).
@@ -242,11 +256,29 @@ using Q8_0Layout = GgufLayout<34, 2, false, false>;
 
 // x as the kernel reads it: fp32 rows of kp (K padded with zeros to whole groups) and, for
 // layouts with offsets, the sum of each group of each row.
+// Chunks of the int8-activation path: 64 weights from 32 bytes of nibbles, lanes 0-31 their
+// low nibbles, 32-63 their high ones. ``pair``: two groups of 32 per chunk (g = 32 and the GGUF
+// blocks: 16 bytes each, so lanes [a 0-15, b 0-15, a 16-31, b 16-31]); otherwise g is a multiple
+// of 64 and a chunk lies in one group.
+struct ChunkMap {
+  bool pair = true;
+  int64_t g = 32, groups = 0, chunks = 0, per = 1;  // per: chunks per group when not pair
+};
+
 struct Xs {
   const float* x;
   const float* sums;
   int64_t kp, groups;
-  float* hdr;  // per task: room for 8 rows of 2 * groups fp32 block headers
+  float* hdr;  // per task: room for 8 rows of 2 * (groups + 1) fp32 block headers
+  // int8 activations (``int8x``): x rounded to int8 in chunk lane order, 64 per chunk and row;
+  // dxv: each chunk's two scales (lanes 0-31, 32-63) spread over 16 int32 lanes (8 each); hw:
+  // per row, interleaved (0, the group's exact x sum), dotted with a weight row's (scale,
+  // offset) header pairs for the offsets' share.
+  bool int8x = false;
+  const int8_t* xq = nullptr;
+  const float* dxv = nullptr;
+  const float* hw = nullptr;
+  ChunkMap cm{};
 };
 
 // MT rows of x against NT weight rows starting at n: res[m * NT + j] = sum over groups of
@@ -342,6 +374,117 @@ inline void table_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
 }
 #endif
 
+// ---- int8 activations (opt-in, ``int8_x``): llama.cpp's approach for 4-bit weights ----------
+// x is rounded to int8 with one scale per 32 of a chunk's lanes (absmax / 127, as ggml's
+// ``quantize_row_q8_1``), and each chunk's 64 nibble x int8 products are summed exactly in int32
+// lanes of four (AVX512-VNNI ``vpdpbusd``: unsigned nibbles times signed x), then scaled by the
+// weight scale and x scale of their lanes and accumulated in fp32. The offsets' share, offset
+// times the group's x sum, uses x's exact fp32 sums. Reference: ggml-cpu ``ggml_vec_dot_q4_1_q8_1``.
+#if defined(NFX_Q_AVX512) && defined(__AVX512VNNI__)
+#define NFX_Q_VNNI 1
+#endif
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  int64_t i = 0;
+#if defined(NFX_Q_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// The 32 bytes of nibbles behind chunk c (group gi, chunk sub of it); a missing second group of
+// a pair (odd group count) reads as zeros.
+template <typename L>
+inline void chunk_bytes(const L& lay, const uint8_t* r, const ChunkMap& cm, int64_t c, int64_t gi, int64_t sub, uint8_t* out) {
+  if (cm.pair) {
+    std::memcpy(out, lay.values(r, 2 * c), 16);
+    if (2 * c + 1 < cm.groups) std::memcpy(out + 16, lay.values(r, 2 * c + 1), 16);
+    else std::memset(out + 16, 0, 16);
+  } else {
+    std::memcpy(out, lay.values(r, gi) + 32 * sub, 32);
+  }
+}
+
+template <typename L, int MT, int NT>
+inline void int8x_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, float* res) {
+  const ChunkMap& cm = xs.cm;
+  const int64_t hs = 2 * (xs.groups + 1);
+  const uint8_t* r[NT];
+  for (int j = 0; j < NT; ++j) {
+    r[j] = lay.row(n + j);
+    float* h = xs.hdr + j * hs;
+    lay.pairs(n + j, r[j], xs.groups, h);
+    h[2 * xs.groups] = h[2 * xs.groups + 1] = 0.f;  // the missing second group of an odd pair
+  }
+  float corr[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) corr[m][j] = dot(xs.hdr + j * hs, xs.hw + m * hs, 2 * xs.groups);
+#if defined(NFX_Q_VNNI)
+  const __m512i pair_idx = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  V acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = Isa::zero();
+  for (int64_t c = 0, gi = 0, sub = 0; c < cm.chunks; ++c) {
+    for (int j = 0; j < NT; ++j) Isa::prefetch(lay.values(r[j], cm.pair ? 2 * c : gi) + pf_rows * lay.row_bytes);
+    for (int j = 0; j < NT; ++j) {
+      __m256i v;
+      if (cm.pair) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lay.values(r[j], 2 * c)));
+        const __m128i b = 2 * c + 1 < cm.groups ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(lay.values(r[j], 2 * c + 1)))
+                                                : _mm_setzero_si128();
+        v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+      } else {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lay.values(r[j], gi) + 32 * sub));
+      }
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+      const float* h = xs.hdr + j * hs;
+      const V dw = cm.pair ? _mm512_permutexvar_ps(pair_idx, _mm512_castps128_ps512(_mm_loadu_ps(h + 4 * c)))
+                           : _mm512_set1_ps(h[2 * gi]);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = m * cm.chunks + c;
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xs.xq + 64 * at));
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xs.dxv + 16 * at)), acc[m][j]);
+      }
+    }
+    if (!cm.pair && ++sub == cm.per) sub = 0, ++gi;
+  }
+  reduce<MT * NT>(&acc[0][0], res);
+#else
+  for (int i = 0; i < MT * NT; ++i) res[i] = 0.f;
+  uint8_t bytes[32];
+  for (int64_t c = 0, gi = 0, sub = 0; c < cm.chunks; ++c) {
+    for (int j = 0; j < NT; ++j) {
+      chunk_bytes(lay, r[j], cm, c, gi, sub, bytes);
+      const float* h = xs.hdr + j * hs;
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = m * cm.chunks + c;
+        float a = 0.f;
+        for (int l = 0; l < 16; ++l) {  // lane l: bytes 4l..4l+3 of the unpacked 64
+          int32_t s = 0;
+          for (int t = 0; t < 4; ++t) {
+            const int i = 4 * l + t;
+            const int q = i < 32 ? bytes[i] & 0x0F : bytes[i - 32] >> 4;
+            s += q * xs.xq[64 * at + i];
+          }
+          const float dw = cm.pair ? h[2 * (2 * c + ((l / 4) & 1))] : h[2 * gi];
+          a += static_cast<float>(s) * dw * xs.dxv[16 * at + l];
+        }
+        res[m * NT + j] += a;
+      }
+    }
+    if (!cm.pair && ++sub == cm.per) sub = 0, ++gi;
+  }
+#endif
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) res[m * NT + j] += corr[m][j];
+}
+
 // int8 per output channel: one scale per row, no groups; K need not be a multiple of W.
 template <typename S>
 struct Int8Layout {
@@ -379,6 +522,12 @@ template <int MT, int NT, typename S>
 inline void tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, float* res) { int8_tile<S, MT, NT>(lay, xs, n, 2 * NT, res); }
 template <int MT, int NT, typename L>
 inline void tile(const L& lay, const Xs& xs, int64_t n, float* res) {
+  if constexpr (L::kNibbles) {
+    if (xs.int8x) {
+      int8x_tile<L, MT, NT>(lay, xs, n, 2 * NT, res);
+      return;
+    }
+  }
 #if defined(NFX_Q_AVX512)
   if constexpr (L::kNibbles) {
     table_tile<L, MT, NT>(lay, xs, n, 2 * NT, res);
@@ -408,7 +557,14 @@ struct Out {
 template <int MT, int NT, typename L>
 inline void tile_rows(const L& lay, const Xs& xs, int64_t m0, int64_t n, const Out& out) {
   float res[MT * NT];
-  const Xs sub{xs.x + m0 * xs.kp, xs.sums ? xs.sums + m0 * xs.groups : nullptr, xs.kp, xs.groups, xs.hdr};
+  Xs sub = xs;
+  sub.x = xs.x + m0 * xs.kp;
+  sub.sums = xs.sums ? xs.sums + m0 * xs.groups : nullptr;
+  if (xs.int8x) {
+    sub.xq = xs.xq + m0 * 64 * xs.cm.chunks;
+    sub.dxv = xs.dxv + m0 * 16 * xs.cm.chunks;
+    sub.hw = xs.hw + m0 * 2 * (xs.groups + 1);
+  }
   tile<MT, NT>(lay, sub, n, res);
   out.put(m0, n, MT, NT, res);
 }
@@ -551,27 +707,78 @@ void run_range(const QWeight& w, const Xs& xs, int64_t M, int64_t n0, int64_t n1
 // x widened once for every weight of a call (they share format, K and group size).
 struct XBuf {
   std::vector<float> buf;
+  std::vector<int8_t> xq;
+  std::vector<float> dxv, hw;
   Xs xs;
   int64_t M;
 };
 
-XBuf prepare(const at::Tensor& x, const std::vector<QWeight>& ws) {
+// Which x element feeds lane i (< 32) of half h (0: low nibbles, 1: high) of chunk c; -1 none.
+int64_t chunk_element(const ChunkMap& cm, int64_t c, int h, int i) {
+  if (cm.pair) {
+    const int64_t grp = 2 * c + (i >= 16);
+    return grp < cm.groups ? grp * 32 + 16 * h + (i & 15) : -1;
+  }
+  const int64_t gi = c / cm.per, sub = c % cm.per;
+  return gi * cm.g + h * (cm.g / 2) + 32 * sub + i;
+}
+
+// The int8-activation inputs of xb's widened x (rows of kp, exact group sums after them).
+void quantize_x(XBuf& xb, int64_t kp) {
+  Xs& xs = xb.xs;
+  ChunkMap& cm = xs.cm;
+  const int64_t M = xb.M, hs = 2 * (xs.groups + 1);
+  xb.xq.assign(M * 64 * cm.chunks, 0);
+  xb.dxv.assign(M * 16 * cm.chunks, 0.f);
+  xb.hw.assign(M * hs, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xs.x + m * kp;
+    for (int64_t c = 0; c < cm.chunks; ++c)
+      for (int h = 0; h < 2; ++h) {
+        float v[32], amax = 0.f;
+        for (int i = 0; i < 32; ++i) {
+          const int64_t e = chunk_element(cm, c, h, i);
+          v[i] = e < 0 ? 0.f : row[e];
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const int64_t at = m * cm.chunks + c;
+        for (int i = 0; i < 32; ++i) xb.xq[64 * at + 32 * h + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        for (int l = 0; l < 8; ++l) xb.dxv[16 * at + 8 * h + l] = d;
+      }
+    for (int64_t b = 0; b < xs.groups; ++b) xb.hw[m * hs + 2 * b + 1] = xs.sums[m * xs.groups + b];
+  }
+  xs.xq = xb.xq.data();
+  xs.dxv = xb.dxv.data();
+  xs.hw = xb.hw.data();
+}
+
+// x widened once for every weight of a call (they share format, K and group size); with
+// int8_x and a 4-bit format of groups of 32 or a multiple of 64, also rounded to int8.
+XBuf prepare(const at::Tensor& x, const std::vector<QWeight>& ws, bool int8_x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_gemm: x must be float32 or bfloat16, got ",
               x.scalar_type());
   const int64_t K = x.size(-1), M = x.numel() / K, format = ws[0].format, g = ws[0].g, groups = ws[0].groups;
   for (const auto& w : ws)
     TORCH_CHECK(w.format == format && w.g == g && w.groups == groups, "quant_gemm: the weights of one call must share format and group size");
   const int64_t kp = format == kInt8 ? K : groups * g;
+  const bool four_bit = format == kInt4 || format == kQ4_0 || format == kQ4_1;
+  const bool int8x = int8_x && four_bit && (g == 32 || g % 64 == 0);
 #if defined(NFX_Q_AVX512)
-  const bool sums = false;  // the 4-bit formats dequantize through the lookup table
+  const bool sums = int8x;  // the float path dequantizes the 4-bit formats through the lookup table
 #else
-  const bool sums = format == kInt4 || format == kQ4_0 || format == kQ4_1;
+  const bool sums = four_bit;
 #endif
-  XBuf xb{std::vector<float>(M * kp + (sums ? M * groups : 0)), {}, M};
+  XBuf xb{std::vector<float>(M * kp + (sums ? M * groups : 0)), {}, {}, {}, {}, M};
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kFloat) widen(xc.data_ptr<float>(), M, K, kp, g, sums, xb.buf.data());
   else widen(xc.data_ptr<c10::BFloat16>(), M, K, kp, g, sums, xb.buf.data());
   xb.xs = Xs{xb.buf.data(), sums ? xb.buf.data() + M * kp : nullptr, kp, groups, nullptr};
+  if (int8x) {
+    xb.xs.int8x = true;
+    xb.xs.cm = g == 32 ? ChunkMap{true, g, groups, (groups + 1) / 2, 1} : ChunkMap{false, g, groups, groups * (g / 64), g / 64};
+    quantize_x(xb, kp);
+  }
   return xb;
 }
 
@@ -579,7 +786,7 @@ XBuf prepare(const at::Tensor& x, const std::vector<QWeight>& ws) {
 template <typename F>
 void parallel_rows(const Xs& xs, int64_t total, int64_t grain, F f) {
   at::parallel_for(0, total, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> hdr(8 * 2 * xs.groups);
+    std::vector<float> hdr(8 * 2 * (xs.groups + 1));
     Xs task = xs;
     task.hdr = hdr.data();
     f(task, r0, r1);
@@ -600,7 +807,7 @@ void check_x(const at::Tensor& x) {
 // parallel region (fused Q/K/V projections): x is widened once, one fork/join instead of three.
 at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
                             at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
-                            at::ArrayRef<c10::optional<at::Tensor>> biases) {
+                            at::ArrayRef<c10::optional<at::Tensor>> biases, bool int8_x) {
   check_x(x);
   TORCH_CHECK(!datas.empty() && scales.size() == datas.size() && offsets.size() == datas.size() && biases.size() == datas.size(),
               "quant_gemm: one scale, offset and bias (or None) per weight");
@@ -627,7 +834,7 @@ at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::Array
   }
   const int64_t M = x.numel() / K;
   if (M == 0 || start.back() == 0) return out;
-  const XBuf xb = prepare(x, ws);
+  const XBuf xb = prepare(x, ws, int8_x);
   parallel_rows(xb.xs, start.back(), GRAIN, [&](const Xs& task, int64_t r0, int64_t r1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t n0 = std::max(r0, start[i]) - start[i], n1 = std::min(r1, start[i + 1]) - start[i];
@@ -638,16 +845,16 @@ at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::Array
 }
 
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
-                      const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias, bool int8_x) {
   std::vector<c10::optional<at::Tensor>> s = {scale}, o = {offset}, b = {bias};
-  return quant_gemm_multi(x, {data}, s, o, format, b);
+  return quant_gemm_multi(x, {data}, s, o, format, b, int8_x);
 }
 
 // SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one call and one parallel region; the
 // product is formed from the fp32 accumulators and rounded once to x's dtype (as small_glu).
 at::Tensor quant_glu(const at::Tensor& x, const at::Tensor& gate, const c10::optional<at::Tensor>& gate_scale,
                      const c10::optional<at::Tensor>& gate_offset, const at::Tensor& up, const c10::optional<at::Tensor>& up_scale,
-                     const c10::optional<at::Tensor>& up_offset, int64_t format) {
+                     const c10::optional<at::Tensor>& up_offset, int64_t format, bool int8_x) {
   check_x(x);
   const int64_t K = x.size(-1), M = x.numel() / K;
   const std::vector<QWeight> ws = {check_weight(K, gate, gate_scale, gate_offset, format), check_weight(K, up, up_scale, up_offset, format)};
@@ -655,7 +862,7 @@ at::Tensor quant_glu(const at::Tensor& x, const at::Tensor& gate, const c10::opt
   TORCH_CHECK(ws[1].N == N, "quant_glu: gate has ", N, " rows, up has ", ws[1].N);
   auto out = out_for(x, N);
   if (M == 0 || N == 0) return out;
-  const XBuf xb = prepare(x, ws);
+  const XBuf xb = prepare(x, ws, int8_x);
   std::vector<float> g(M * N), u(M * N);
   const Out og{g.data(), false, N, nullptr}, ou{u.data(), false, N, nullptr};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -675,14 +882,24 @@ at::Tensor quant_glu(const at::Tensor& x, const at::Tensor& gate, const c10::opt
 
 std::string quant_isa() { return Isa::kName; }
 
+std::string quant_int8_x_isa() {
+#if defined(NFX_Q_VNNI)
+  return "avx512-vnni";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
-  m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias) -> Tensor");
-  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases) -> Tensor");
+  m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias, bool int8_x=False) -> Tensor");
+  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases, "
+        "bool int8_x=False) -> Tensor");
   m.def("quant_glu(Tensor x, Tensor gate, Tensor? gate_scale, Tensor? gate_offset, Tensor up, Tensor? up_scale, Tensor? up_offset, "
-        "int format) -> Tensor");
+        "int format, bool int8_x=False) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);
+  m.def("quant_int8_x_isa() -> str", &quant_int8_x_isa);
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("quant_gemm", &quant_gemm);
