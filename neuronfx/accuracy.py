@@ -511,7 +511,8 @@ def check_accuracy(
         _prompt_result(tokenizer, p, mine, tokens, ref, forced, max_new_tokens)
         for p, mine, (tokens, ref), forced in zip(prompts, ours_tokens, theirs, ours_logits, strict=True)
     )
-    engine = f"neuronfx {inf.backend} {inf.dtype}" + (f" tp {inf.tp_degree}" if inf.tp_degree > 1 else "")
+    engine = (f"neuronfx {inf.backend} {inf.dtype}" + (f" weights {inf.weight_format}" if inf.weight_format != "float" else "")
+              + (" int8 activations" if inf.activation_format == "int8" else "") + (f" tp {inf.tp_degree}" if inf.tp_degree > 1 else ""))
     return AccuracyReport(engine=engine, reference=reference_name, max_new_tokens=max_new_tokens, prompts=results,
                           logits=compare_logits(refs, ours_logits, bands),
                           perplexity=None if text_ids is None else perplexity(runtime, reference, text_ids))

@@ -184,6 +184,9 @@ def run_bench(
     prefill_16bit = _prefill_16bit(backend, dtype)
     if prefill_16bit:
         log(prefill_16bit)
+    quant_path = _quant_path(backend, device, weight_format, activation_format)
+    if quant_path:
+        log(quant_path)
     results, compiles, memory, step_bytes, per_round = [], [], [], {}, []
     vocab = checkpoint.config.vocab_size
     interleaved = compare_llama_cpp is not None and rounds > 1
@@ -311,6 +314,19 @@ def _prefill_16bit(backend: str, dtype: str) -> str | None:
     from neuronfx.graphs.gemm_choice import prefill_choice
 
     return prefill_choice(dtype).describe()
+
+
+def _quant_path(backend: str, device: str, weight_format: str, activation_format: str) -> str | None:
+    """The line naming the SIMD path of a quantized plan's decode products on this CPU (the
+    inductor backend's kernels; None for other plans)."""
+    if backend != "inductor" or device != "cpu" or weight_format == "float":
+        return None
+    from neuronfx.graphs import kernels
+
+    if not kernels.small_gemm_available():
+        return "quantized decode products: torch fallback (the kernel library is unavailable)"
+    path = kernels.quant_int8_x_isa() + " (int8 activations)" if activation_format == "int8" else kernels.quant_isa()
+    return f"quantized decode products: {path} path"
 
 
 def _run_llama_cpp(lib: Any, path: str, batch_sizes: Sequence[int], prompt_lens: Sequence[int], gen_lens: Sequence[int],

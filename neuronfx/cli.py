@@ -156,7 +156,8 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS,
                    help="float (default), or int8: decode products with 4-bit weights (int4, gguf Q4_0/Q4_1) round x to int8 "
-                        "and sum integer products, as llama.cpp (faster, not bit-exact; inductor only)")
+                        "and sum integer products, as llama.cpp (faster only where those products are bound by unpacking, "
+                        "see README; changes the logits; inductor only)")
     p.add_argument("--enable-prefix-caching", action="store_const", const=True,
                    help="reuse the KV of cached prompt prefixes (full blocks; needs --prefill-chunk-size)")
     p.add_argument("--prefix-block-size", type=int, metavar="B",
@@ -206,7 +207,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --compare llama.cpp: run each case N times in both engines, alternating, and report each "
                         "engine's median round and the per-round ratios (this machine's speed drifts between runs)")
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
-                   help="float, or int8: llama.cpp-style int8 activations in the 4-bit decode products (--weight-format int4 / gguf)")
+                   help="float (default), or int8: llama.cpp-style int8 activations in the 4-bit decode products "
+                        "(--weight-format int4 / gguf; inductor only)")
     p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None,
                    help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -717,8 +719,9 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     """``neuronfx check-accuracy [MODEL]``: load the checkpoint in float32, compile the plan (with
     logits out) and a transformers reference on the same weights, compare; returns the
     AccuracyReports: one against transformers on the weights the plan multiplies by (a
-    quantized plan's dequantized weights) and, for a quantized plan, one against the float
-    model. Options are checked before the (slow) load."""
+    quantized plan's dequantized weights) and, for a plan quantized at load (int8, int4), one
+    against the float model (a gguf plan's kept blocks dequantized are the checkpoint's float
+    weights: one report). Options are checked before the (slow) load."""
     from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     inference = attrs.evolve(_inference(args), output_logits=True)
@@ -743,12 +746,12 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
         return [check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens,
                                args.text_file, reference_name="transformers float32 (the checkpoint's weights)")]
     dequantized = dequantized_state_dict(weights, runtime.weights, ckpt.config)
-    return [
-        check_accuracy(runtime, reference_model(ckpt, dequantized), tokenizer, prompts, args.max_new_tokens, args.text_file,
-                       reference_name=f"transformers float32 on the {inference.weight_format} weights dequantized"),
-        check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens, args.text_file,
-                       reference_name="transformers float32 (the checkpoint's float weights)"),
-    ]
+    reports = [check_accuracy(runtime, reference_model(ckpt, dequantized), tokenizer, prompts, args.max_new_tokens, args.text_file,
+                              reference_name=f"transformers float32 on the {inference.weight_format} weights dequantized")]
+    if inference.weight_format == "gguf":  # the checkpoint's float weights are these blocks dequantized
+        return reports
+    return reports + [check_accuracy(runtime, reference_model(ckpt, ckpt.state_dict), tokenizer, prompts, args.max_new_tokens,
+                                     args.text_file, reference_name="transformers float32 (the checkpoint's float weights)")]
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -58,8 +58,8 @@ def time_products(weights: dict, int8_x: bool, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds of the five runners (default: 7)")
+    ap.add_argument("--gen-len", type=int, default=64, help="decode steps per runner and round (default: 64)")
     args = ap.parse_args()
     lib = import_llama_cpp()
     path = default_model_path()

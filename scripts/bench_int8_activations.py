@@ -5,7 +5,8 @@ method) against float activations (the default), in one run.
         [--batch-sizes 1 8] [--rounds 9]
 
 Per batch size, two runtimes of SmolLM2 (inductor, fp32 plan, prompt 128, 64 new tokens, the
-bench's plan), differing only in ``activation_format``; each round runs both, the order
+bench's plan), differing only in ``activation_format``, compiled into a temporary compile cache
+(every run compiles them: about a minute per batch size); each round runs both, the order
 alternating; printed: each round's ITL p50, the medians and the median of the per-round ratios
 (this machine's runs move by 10-30%, so only same-round ratios compare), and how many of the
 first 16 greedy tokens agree (int8 activations change the numerics).
@@ -32,9 +33,10 @@ def greedy_tokens(runtime: neuronfx.Runtime, prompts: list[list[int]], steps: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weight-format", default="gguf", choices=["int4", "gguf"])
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--weight-format", default="gguf", choices=["int4", "gguf"],
+                    help="the plans' 4-bit weights: gguf (the file's Q4_1 blocks, default) or int4 (groups of 32)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="one pair of plans each (default: 1 8)")
+    ap.add_argument("--rounds", type=int, default=9, help="alternating rounds per batch size (default: 9)")
     args = ap.parse_args()
     ckpt = load_checkpoint(default_model_path(), dtype=torch.float32, gguf_blocks=args.weight_format == "gguf")
     kernels.small_gemm_available()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime
+from helpers import hf_greedy, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime, write_tiny_gguf
 
 import neuronfx
 from neuronfx import cli
@@ -198,8 +198,20 @@ def test_cli_check_accuracy_of_a_quantized_plan(word_model_dir, capsys):
     assert main(["check-accuracy", str(word_model_dir), *PLAN, "--weight-format", "int8", "--json"]) == 0
     dequantized, floats = json.loads(capsys.readouterr().out)
     assert "int8 weights dequantized" in dequantized["reference"] and "float weights" in floats["reference"]
+    assert dequantized["engine"] == "neuronfx eager float32 weights int8"
     assert dequantized["greedy_identical"] and dequantized["logits"]["max_abs_error"] < 1e-4
     assert floats["logits"]["max_abs_error"] > dequantized["logits"]["max_abs_error"]
+
+
+def test_cli_check_accuracy_of_kept_gguf_blocks_is_one_report(tmp_path, capsys):
+    """A gguf plan's kept blocks dequantized are the checkpoint's float weights: one report,
+    exact against transformers on them, its engine naming the weights."""
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), tiny_hf_model("llama", tie_word_embeddings=False))
+    assert main(["check-accuracy", path, *PLAN, "--weight-format", "gguf", "--prompt", "a b", "--max-new-tokens", "4",
+                 "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "neuronfx eager float32 weights gguf" and "gguf weights dequantized" in report["reference"]
+    assert report["greedy_identical"] and report["logits"]["max_abs_error"] < 1e-4
 
 
 def test_cli_check_accuracy_rejects_bad_options(word_model_dir, capsys):

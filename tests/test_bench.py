@@ -203,3 +203,18 @@ def test_format_ab_reports_medians_and_same_round_ratios():
     assert lines[0].endswith("10.00 20.00 12.00; median 12.00") and lines[0].startswith("batch 1 new")
     assert lines[1].endswith("11.00 30.00 12.00; median 12.00")
     assert lines[2] == "batch 1 old / new per round: 1.100 1.500 1.000; median 1.100x"
+
+
+def test_quant_path_line_names_the_kernels_path_of_quantized_inductor_plans_only():
+    from neuronfx.bench import _quant_path
+    from neuronfx.graphs import kernels
+
+    assert _quant_path("eager", "cpu", "gguf", "float") is None
+    assert _quant_path("inductor", "cpu", "float", "float") is None
+    assert _quant_path("inductor", "cuda", "int8", "float") is None
+    if not kernels.small_gemm_available():
+        assert "fallback" in _quant_path("inductor", "cpu", "gguf", "float")
+        return
+    assert _quant_path("inductor", "cpu", "gguf", "float") == f"quantized decode products: {kernels.quant_isa()} path"
+    assert _quant_path("inductor", "cpu", "int4", "int8") == (
+        f"quantized decode products: {kernels.quant_int8_x_isa()} (int8 activations) path")

@@ -223,15 +223,24 @@ def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight, int8_
     return torch.ops.neuronfx.quant_glu(x, g, gs, go, u, us, uo, fmt, int8_x)
 
 
+def _loaded() -> None:
+    """Build or load the kernel library; RuntimeError when it is unavailable here."""
+    if not small_gemm_available():
+        raise RuntimeError("the neuronfx kernel library is unavailable (NEURONFX_KERNELS=0, or no C++ compiler: see the "
+                           "warning above); the products fall back to torch.")
+
+
 def quant_isa() -> str:
     """The SIMD path the quantized kernel was compiled with on this machine: ``"avx512"`` (16
-    fp32 lanes), ``"avx2"`` (AVX2 + FMA + F16C, 8 lanes) or ``"scalar"``. Needs
-    :func:`small_gemm_available`."""
+    fp32 lanes), ``"avx2"`` (AVX2 + FMA + F16C, 8 lanes) or ``"scalar"``. Builds the kernel
+    library on first use (:func:`small_gemm_available`); RuntimeError where it cannot."""
+    _loaded()
     return torch.ops.neuronfx.quant_isa()
 
 
 def quant_int8_x_isa() -> str:
     """The path of the int8-activation products (``int8_x``): ``"avx512-vnni"`` (``vpdpbusd``,
-    64 products per instruction) or ``"scalar"`` (portable integer loops: correct, slow). Needs
-    :func:`small_gemm_available`."""
+    64 products per instruction) or ``"scalar"`` (portable integer loops: correct, slow). Builds
+    the kernel library on first use, as :func:`quant_isa`."""
+    _loaded()
     return torch.ops.neuronfx.quant_int8_x_isa()
