@@ -4,7 +4,12 @@ against transformers: 24 greedy tokens and a ragged batch on eager (both familie
 (qwen3_moe: one compiled runtime, shared by its tests), prefill logits at bucket - 1 and bucket
 on inductor (bucket - 1, bucket, bucket + 1 on eager: tests/test_models.py), bf16, a save_pretrained directory (hub layout: one
 tensor per expert) through load_checkpoint, lazy tensor-parallel reads and the CLI, and
-self-speculation.
+self-speculation. qwen3_moe with dense layers among the MoE ones (``mlp_only_layers``,
+``decoder_sparse_step``): which layers the config records as MoE, the configs with none refused,
+eager against transformers on three patterns (one that repeats, one whose period does not
+divide the layers, one that never repeats), a saved directory and its tensor-parallel split, an
+int8 plan, one inductor runtime (a 2-layer compiled group reused three times in prefill) and
+the compiled group sizes of irregular patterns.
 
 The tiny models (tests/helpers.py): mixtral 4 experts, qwen3_moe 8 experts (48 wide), both
 top-2, vocabulary 257. Decode of 4 rows runs the dense strategy on mixtral (4 * 2 > 4 experts)
@@ -22,15 +27,18 @@ import torch
 import torch.nn.functional as F
 from helpers import GREEDY, hf_greedy, hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import neuronfx
 from neuronfx import ModelConfig, PrefillBatch
 from neuronfx.checkpoints import load_checkpoint
 from neuronfx.cli import main
+from neuronfx.config.attention import layer_kinds
 from neuronfx.config.sharding import rank_shard
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
+from neuronfx.graphs import quant
 from neuronfx.graphs.moe import dense_experts, gathered_experts, route, use_gather
-from neuronfx.graphs.weights import convert_hf_state_dict
+from neuronfx.graphs.weights import convert_hf_state_dict, dequantized_state_dict
 
 ATOL = 1e-4
 FAMILIES = ["mixtral", "qwen3_moe"]
@@ -102,11 +110,33 @@ def test_config_fields_from_transformers():
     assert ModelConfig.from_hf(LlamaConfig(**TINY_ARCH)).num_experts == 0
 
 
-@pytest.mark.parametrize("option, value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
-def test_qwen3_moe_mixed_dense_layers_are_refused(option, value):
-    hf = Qwen3MoeConfig(**TINY_ARCH, num_experts=4, moe_intermediate_size=32, **{option: value})
-    with pytest.raises(UnsupportedModelError, match=re.escape(f"{option}={value}")):
-        ModelConfig.from_hf(hf)
+@pytest.mark.parametrize("overrides, moe_layers", [
+    (dict(mlp_only_layers=[1]), (0,)),
+    (dict(decoder_sparse_step=2), (1,)),
+    (dict(num_hidden_layers=3, mlp_only_layers=[0]), (1, 2)),  # irregular: nothing repeats
+    (dict(num_hidden_layers=5, decoder_sparse_step=2), (1, 3)),  # period 2 does not divide 5
+    (dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]), (1,)),  # both options at once
+    (dict(num_hidden_layers=3, mlp_only_layers=[]), ()),  # every layer MoE: no per-layer record
+])
+def test_qwen3_moe_dense_layers_are_recorded(overrides, moe_layers):
+    """ModelConfig.moe_layers lists the layers transformers builds a sparse MoE block for (the
+    others get a dense Qwen3MoeMLP of intermediate_size); () when every layer is MoE."""
+    hf = tiny_hf_model("qwen3_moe", **overrides)
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.moe_layers == moe_layers
+    assert cfg.dense_intermediate_size == (hf.config.intermediate_size if moe_layers else 0)
+    built = tuple("moe" if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) else "dense" for layer in hf.model.layers)
+    assert layer_kinds(cfg) == (built if moe_layers else ("same",) * cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize("overrides, error, needle", [
+    (dict(mlp_only_layers=[0, 1]), UnsupportedModelError, "mlp_only_layers=[0, 1]"),  # every layer dense
+    (dict(decoder_sparse_step=3), UnsupportedModelError, "decoder_sparse_step=3"),  # 2 layers: no MoE layer either
+    (dict(decoder_sparse_step=0), ConfigError, "decoder_sparse_step=0"),
+])
+def test_qwen3_moe_without_moe_layers_is_refused(overrides, error, needle):
+    with pytest.raises(error, match=re.escape(needle)):
+        ModelConfig.from_hf(Qwen3MoeConfig(**TINY_ARCH, num_experts=4, moe_intermediate_size=32, **overrides))
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -293,3 +323,105 @@ def test_cli_generates_transformers_greedy_tokens(hf, saved, capsys):
     assert main(args) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == hf_greedy(hf, prompt, 12)
+
+
+# --- qwen3_moe with dense layers among the MoE layers -----------------------------------------------
+
+DENSE_LAYERS = {  # name -> config overrides (layer kinds as transformers builds them)
+    "mlp-only": dict(mlp_only_layers=[1]),  # MoE, dense
+    "sparse-step": dict(num_hidden_layers=3, decoder_sparse_step=2),  # dense, MoE, dense: no period divides
+    "irregular": dict(num_hidden_layers=3, mlp_only_layers=[0]),  # dense, MoE, MoE
+}
+
+
+@pytest.fixture(scope="module", params=list(DENSE_LAYERS))
+def mixed(request):
+    return tiny_hf_model("qwen3_moe", seed=25, **DENSE_LAYERS[request.param])
+
+
+def check_logits(hf, rt, lengths=(5, 16), steps=6) -> None:
+    """Prefill logits at each length, then ``steps`` decode steps' logits, against transformers'
+    full forward passes."""
+    for length in lengths:
+        prompt = random_prompt(length, seed=80 + length)
+        tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0], [prompt], steps)
+        for i in range(steps):
+            torch.testing.assert_close(logits[0][i], hf_last_logits(hf, prompt + tokens[0][:i]), atol=ATOL, rtol=0,
+                                       msg=lambda m, i=i, n=length: f"prompt {n}, step {i}: {m}")
+
+
+def test_dense_layers_match_transformers_eager(mixed):
+    rt = tiny_runtime(mixed, "eager", **COMPILED)
+    moe_layers = rt.plan.model.moe_layers
+    assert moe_layers and all(("router" in lw) == (i in moe_layers) for i, lw in enumerate(rt.weights["layers"]))
+    assert all(("gate" in lw) == (i not in moe_layers) for i, lw in enumerate(rt.weights["layers"]))
+    check_logits(mixed, rt)
+    check_greedy_and_ragged(mixed, rt)
+
+
+def test_dense_layers_load_from_a_saved_directory_and_split_over_ranks(tmp_path):
+    """save_pretrained's hub layout (per-expert tensors in MoE layers, mlp.*_proj in dense ones)
+    loads; at tp 2 each rank holds its half of the dense MLP's intermediate rows and of every
+    expert's (no rule is missing for either kind of layer)."""
+    hf = tiny_hf_model("qwen3_moe", seed=26, num_hidden_layers=3, decoder_sparse_step=2)
+    hf.save_pretrained(tmp_path)
+    ckpt = load_checkpoint(tmp_path)
+    assert "model.layers.0.mlp.gate_proj.weight" in ckpt.state_dict and "model.layers.1.mlp.experts.0.up_proj.weight" in ckpt.state_dict
+    whole = convert_hf_state_dict(ckpt.state_dict, ckpt.config, "float32")
+    from_memory = convert_hf_state_dict(hf.state_dict(), ckpt.config, "float32")
+    for lw, ref in zip(whole["layers"], from_memory["layers"], strict=True):
+        assert lw.keys() == ref.keys() and all(torch.equal(lw[k], ref[k]) for k in lw)
+    i, e = ckpt.config.intermediate_size // 2, ckpt.config.moe_intermediate_size // 2
+    for rank in range(2):
+        part = convert_hf_state_dict(load_checkpoint(tmp_path, lazy=True).state_dict, ckpt.config, "float32", rank_shard(ckpt.config, 2, rank))
+        dense, sparse = part["layers"][0], part["layers"][1]
+        assert torch.equal(dense["gate"], whole["layers"][0]["gate"][rank * i:(rank + 1) * i])
+        assert torch.equal(dense["down"], whole["layers"][0]["down"][:, rank * i:(rank + 1) * i])
+        assert torch.equal(sparse["experts_up"], whole["layers"][1]["experts_up"][:, rank * e:(rank + 1) * e])
+    rt = neuronfx.compile(neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(backend="eager", batch_size=1, sequence_length=64, **COMPILED)), ckpt.state_dict,
+                          progress=False)
+    prompt = random_prompt(9, seed=4)
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompt, max_new_tokens=12, eos_token_ids=[])
+    assert list(result.token_ids[0]) == hf_greedy(hf, prompt, 12)
+
+
+def test_dense_layers_quantize_and_experts_stay_float():
+    """An int8 plan quantizes the dense layers' MLP (as any dense MLP) and keeps the experts
+    float; its logits are transformers' on the weights it multiplies by."""
+    hf = tiny_hf_model("qwen3_moe", seed=27, mlp_only_layers=[1])
+    rt = tiny_runtime(hf, "eager", weight_format="int8", batch_size=1, **COMPILED)
+    dense, sparse = rt.weights["layers"][1], rt.weights["layers"][0]
+    assert isinstance(dense["down"], quant.Int8Weight) and sparse["experts_down"].dtype == torch.float32
+    ref = tiny_hf_model("qwen3_moe", seed=27, mlp_only_layers=[1])
+    ref.load_state_dict(dequantized_state_dict(hf.state_dict(), rt.weights, rt.plan.model))
+    check_logits(ref, rt, lengths=(7,), steps=3)
+
+
+def test_dense_layers_match_transformers_inductor():
+    """One inductor runtime, 6 layers alternating dense and MoE (decoder_sparse_step=2): prefill
+    runs one compiled 2-layer group (dense, MoE) three times, decode one 6-layer group; logits,
+    24 greedy tokens and a ragged batch are transformers'."""
+    from neuronfx.graphs.inductor import phase_group_size
+
+    hf = tiny_hf_model("qwen3_moe", seed=28, num_hidden_layers=6, decoder_sparse_step=2)
+    rt = tiny_runtime(hf, "inductor", **COMPILED)
+    assert rt.plan.model.moe_layers == (1, 3, 5)
+    assert (phase_group_size(rt.plan, "prefill"), phase_group_size(rt.plan, "decode")) == (2, 6)
+    check_logits(hf, rt, lengths=(15, 16), steps=4)
+    check_greedy_and_ragged(hf, rt)
+
+
+@pytest.mark.parametrize("overrides, groups", [
+    (dict(num_hidden_layers=3, mlp_only_layers=[0]), (3, 3)),  # nothing repeats: the whole stack
+    (dict(num_hidden_layers=12, mlp_only_layers=[0]), (12, 12)),  # above the group limits, still whole
+    (dict(num_hidden_layers=5, decoder_sparse_step=2), (5, 5)),  # period 2 does not divide 5
+    (dict(num_hidden_layers=12, decoder_sparse_step=3), (3, 6)),  # dense, dense, MoE: whole periods
+])
+def test_compiled_layer_groups_hold_whole_periods_of_layer_kinds(overrides, groups):
+    """The inductor backend's layer group (one compiled group serves every group of a phase) is
+    a whole number of periods of the dense / MoE pattern, the whole stack when it has none."""
+    from neuronfx.graphs.inductor import phase_group_size
+
+    cfg = ModelConfig.from_hf(Qwen3MoeConfig(**(TINY_ARCH | overrides), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    plan = neuronfx.make_plan(cfg, neuronfx.InferenceConfig(backend="inductor", batch_size=1, sequence_length=64, **COMPILED))
+    assert (phase_group_size(plan, "prefill"), phase_group_size(plan, "decode")) == groups

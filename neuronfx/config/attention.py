@@ -67,8 +67,8 @@ def attention_layout(model: ModelConfig) -> AttentionLayout:
 
 
 def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
-    """Each layer's weight structure: "moe" or "dense" where ``moe_layers`` mixes them (llama4),
-    else "same" for every layer."""
+    """Each layer's weight structure: "moe" or "dense" where ``moe_layers`` mixes them (llama4,
+    qwen3_moe), else "same" for every layer."""
     if not model.moe_layers:
         return ("same",) * model.num_hidden_layers
     return tuple("moe" if i in model.moe_layers else "dense" for i in range(model.num_hidden_layers))

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from neuronfx.errors import UnsupportedModelError
+from neuronfx.errors import ConfigError, UnsupportedModelError
 
 
 @attrs.frozen
@@ -30,7 +30,9 @@ class Family:
     a longrope sequence grows past ``original_max_position_embeddings`` (Phi-3's
     ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
     families keep the keys cached before the switch, as transformers does for them.
-    ``moe``: every layer's MLP is a mixture of experts (``ModelConfig.num_experts`` > 0), else none is.
+    ``moe``: the family's MLPs are mixtures of experts (``ModelConfig.num_experts`` > 0), every
+    layer's or, where ``ModelConfig.moe_layers`` lists some (llama4, qwen3_moe), those layers'
+    (the others dense); else none is.
     ``tensor_parallel``: the sharding plan covers every weight of the family (else tp_degree > 1
     is refused before any rank starts).
     """
@@ -167,27 +169,37 @@ def _mixtral(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_layers(hf_config: Any) -> tuple[int, ...]:
+    """The layers whose MLP is the sparse MoE block, as ``Qwen3MoeDecoderLayer`` decides: not
+    listed in ``mlp_only_layers``, and ``(index + 1)`` a multiple of ``decoder_sparse_step``."""
+    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"qwen3_moe decoder_sparse_step={step!r} must be an int >= 1 (every step-th layer is MoE); "
+                          "fix the model config.")
+    return tuple(i for i in range(hf_config.num_hidden_layers)
+                 if i not in only and hf_config.num_experts > 0 and (i + 1) % step == 0)
+
+
 def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
     # Qwen3MoeDecoderLayer: a layer listed in mlp_only_layers, or one whose index + 1 is not a
-    # multiple of decoder_sparse_step, has a dense MLP instead of experts. Every layer here must
-    # share one weight structure (one compiled layer group serves them all), so mixed layers
-    # are refused rather than run wrong.
-    only = list(getattr(hf_config, "mlp_only_layers", None) or [])
-    if only:
+    # multiple of decoder_sparse_step, has a dense Qwen3MoeMLP of intermediate_size instead of
+    # experts. As llama4's, those layers are recorded as the complement of moe_layers.
+    moe_layers = _qwen3_moe_layers(hf_config)
+    if not moe_layers:  # ModelConfig's moe_layers=() means every layer MoE: no way to say none
+        only, step = list(getattr(hf_config, "mlp_only_layers", None) or []), getattr(hf_config, "decoder_sparse_step", 1)
         raise UnsupportedModelError(
-            f"qwen3_moe mlp_only_layers={only} (dense MLP layers among MoE layers) is not supported; "
-            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (mlp_only_layers=[])."
+            f"qwen3_moe with num_experts={hf_config.num_experts}, mlp_only_layers={only}, decoder_sparse_step={step} has "
+            "no mixture-of-experts layer (every MLP is dense), which is not supported; a qwen3_moe model needs at "
+            "least one MoE layer."
         )
-    step = getattr(hf_config, "decoder_sparse_step", 1)
-    if step != 1:
-        raise UnsupportedModelError(
-            f"qwen3_moe decoder_sparse_step={step} (dense MLP layers among MoE layers) is not supported; "
-            "neuronfx runs qwen3_moe only when every layer is a mixture of experts (decoder_sparse_step=1)."
-        )
+    dense = moe_layers != tuple(range(hf_config.num_hidden_layers))
     window = _qwen_window(hf_config)  # Qwen3MoeAttention: every layer slides when it is set
     return _qwen3(hf_config) | {"layer_types": ("sliding_attention",) * hf_config.num_hidden_layers if window else ()} | {
         "num_experts": hf_config.num_experts, "num_experts_per_tok": hf_config.num_experts_per_tok,
         "norm_topk_prob": _flag(hf_config, "norm_topk_prob"), "moe_intermediate_size": hf_config.moe_intermediate_size,
+        "moe_layers": moe_layers if dense else (),
+        "dense_intermediate_size": hf_config.intermediate_size if dense else 0,
     }
 
 

@@ -177,8 +177,9 @@ class ModelConfig:
     ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
     (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
     SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model); ``moe_layers``
-    (llama4: the MoE layers when others are dense, whose MLPs are ``dense_intermediate_size``
-    wide; () = every layer MoE).
+    (llama4, qwen3_moe: the MoE layers when others are dense, whose MLPs are
+    ``dense_intermediate_size`` wide, qwen3_moe's its ``intermediate_size``; () = every layer
+    MoE; ``config.attention.layer_kinds`` names each layer's kind).
     Gemma3's: ``hidden_act`` (the MLP's gate activation, transformers' ``ACT2FN`` name; each
     family implements its registry entry's ``activations``), ``norm_unit_offset`` (RMSNorm
     weights are offsets from 1: ``(x * (1 + w))`` in fp32, then cast, transformers'

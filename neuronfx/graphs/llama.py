@@ -71,11 +71,17 @@ def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes | ({"bo": (h,)} if cfg.attention_output_bias else {})
 
 
+def mlp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes of the SwiGLU MLP of ``intermediate_size`` (and its biases when
+    ``cfg.mlp_bias``)."""
+    h, i_sz = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz)}
+    return shapes | ({"bgate": (i_sz,), "bup": (i_sz,), "bdown": (h,)} if cfg.mlp_bias else {})
+
+
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of each per-layer weight (HF layout: linear weights are (out, in))."""
-    h, i_sz = cfg.hidden_size, cfg.intermediate_size
-    shapes = attention_shapes(cfg) | {"gate": (i_sz, h), "up": (i_sz, h), "down": (h, i_sz)}
-    return shapes | ({"bgate": (i_sz,), "bup": (i_sz,), "bdown": (h,)} if cfg.mlp_bias else {})
+    return attention_shapes(cfg) | mlp_shapes(cfg)
 
 
 def qkv_heads(cfg: ModelConfig, ops: Ops, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
