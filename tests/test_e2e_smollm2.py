@@ -43,15 +43,22 @@ def hf_greedy(smollm2, question: str, max_new_tokens: int) -> list[int]:
 
 def test_cli_france_matches_transformers(smollm2, capsys):
     """The CLI end to end (GGUF load, tokenizer, chat template, compile, generate) on the default
-    inductor backend; a 2-graph plan keeps the cold compile short."""
-    assert main(["generate", "--chat", FRANCE, "--max-new-tokens", "24", "--max-context-length", "128",
-                 "--sequence-length", "128", "--json"]) == 0
+    inductor backend, with self-speculation (k = 4, a 3-layer draft: the command of a bug report,
+    where a draft step's input reached the compiled draft graph with strides its guards refused)
+    and then without it (``--no-speculation``, the same plan loaded from the compile cache)."""
+    command = ["generate", "--chat", FRANCE, "--max-new-tokens", "24", "--max-context-length", "128", "--sequence-length", "128",
+               "--speculation-length", "4", "--draft-layers", "3", "--json"]
+    assert main(command) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "inductor"
     assert out["token_ids"] == hf_greedy(smollm2, FRANCE, 24)
     assert "Paris" in out["text"]
     assert out["num_generated"] == len(out["token_ids"])
     assert out["prefill_s"] > 0 and out["decode_s"] > 0
+    assert out["speculation"]["drafted"] == 3 * out["speculation"]["target_passes"] > 0
+    assert main([*command, "--no-speculation"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["token_ids"] == out["token_ids"] and plain["speculation"] is None
 
 
 def test_batch_of_chat_prompts_matches_transformers(smollm2, smollm2_eager):

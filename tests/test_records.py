@@ -8,7 +8,7 @@ import torch
 
 from neuronfx import InferenceConfig, ModelConfig, make_plan
 from neuronfx.config.dtypes import dtype_name
-from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, SamplerInputs, check_inputs, from_leaves, leaf_fields, leaves
+from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, SamplerInputs, check_inputs, dense_strides, from_leaves, leaf_fields, leaves
 from neuronfx.errors import InputError
 from neuronfx.graphs.inputs import LayerKV, empty_kv, example_inputs
 
@@ -67,10 +67,33 @@ def test_mismatch_names_the_field(field, tensor, found):
     assert f"'{field}' is {found}, the graph takes" in str(info.value)
 
 
-def test_non_contiguous_input_is_named():
-    spec, record = _decode_record(rand=torch.zeros(3, 2)[:, 0])
-    with pytest.raises(InputError, match="'rand' is not contiguous"):
+@pytest.mark.parametrize("rand", [
+    torch.zeros(3, 2)[:, 0],  # not contiguous
+    torch.zeros(3, 4)[:, 1:2].flatten(),  # a reshape of a strided view: still strided
+])
+def test_strided_input_is_named(rand):
+    spec, record = _decode_record(rand=rand)
+    with pytest.raises(InputError, match=r"'rand' has strides \[\d\], the graph takes dense row-major strides \[1\]"):
         check_inputs(spec.inputs, record, "decode graph")
+
+
+def test_size_one_dim_with_another_stride_is_named():
+    # is_contiguous() ignores a size-1 dimension's stride; dynamo's guards of a compiled part do not
+    # (self-speculation at k = 4, batch 1 passed u[:, i] of a (1, 3) tensor: stride 3).
+    plan = make_plan(MODEL, InferenceConfig(batch_size=1, backend="eager", max_context_length=32, sequence_length=64,
+                                            prefill_buckets=(32,), decode_buckets=(64,)))
+    spec = plan.graph("decode", 1, 64)
+    record = example_inputs(plan, spec)
+    rand = torch.zeros(1, 3)[:, 1]
+    assert rand.is_contiguous() and rand.stride() == (3,)
+    record = record._replace(sampler=record.sampler._replace(rand=rand))
+    with pytest.raises(InputError, match=r"'rand' has strides \[3\], the graph takes dense row-major strides \[1\]"):
+        check_inputs(spec.inputs, record, "decode graph")
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (1, 1), (2, 1, 3), (4, 0, 2)])
+def test_dense_strides_are_torch_empty_strides(shape):
+    assert dense_strides(shape) == torch.empty(shape).stride()
 
 
 def test_kv_cache_is_named_per_layer():

@@ -152,6 +152,28 @@ def test_greedy_speculation_equals_plain_greedy(hf, unrelated, same, k, batch, k
             assert s.acceptance_rate == 1.0 and s.mean_accepted_length == pytest.approx(16 / s.target_passes)
 
 
+INDUCTOR_ONE_ROW = {"batch_size": 1, "prefill_buckets": (32,), "decode_buckets": (64,)}
+
+
+@pytest.fixture(scope="module")
+def unrelated_inductor():
+    return tiny_runtime(tiny_hf_model("llama", seed=99), "inductor", output_logits=True, **INDUCTOR_ONE_ROW)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_one_row_speculation_on_inductor_equals_plain_greedy(hf, unrelated_inductor, k):
+    """The default backend, batch 1: self-speculation and a draft model at every k give plain
+    greedy's tokens. At k >= 3 a draft step's uniforms reached the compiled draft epilogue as a
+    view of stride k - 1 in a dimension of size 1 (``is_contiguous()``, but not what the graph's
+    guards accept) and the step raised; ``call_graph`` now hands every graph dense inputs."""
+    rt = tiny_runtime(hf, "inductor", speculation_length=k, draft_layers=1, **INDUCTOR_ONE_ROW)
+    prompt = random_prompt(7, seed=k)
+    for runtime in (rt, neuronfx.with_draft(rt, unrelated_inductor)):
+        result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), [prompt], max_new_tokens=17, eos_token_ids=NO_EOS)
+        assert list(result.token_ids[0]) == hf_greedy(hf, prompt, 17)
+        assert result.speculation[0].drafted == (k - 1) * result.speculation[0].target_passes > 0
+
+
 def test_speculate_step_returns_up_to_k_tokens(hf, self_rt):
     prompt = random_prompt(7, seed=1)
     want = hf_greedy(hf, prompt, 9)

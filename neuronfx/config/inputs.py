@@ -164,11 +164,22 @@ def _build(cls: type, it: Iterator[Any]) -> Any:
     return cls(*(_build(hints[name], it) if _is_record(hints[name]) else next(it) for name in cls._fields))  # type: ignore[attr-defined]
 
 
+def dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense row-major tensor of ``shape`` (what ``torch.empty(shape)`` has).
+    A size-1 dimension gets its row-major stride too: ``Tensor.is_contiguous`` ignores the
+    stride of such a dimension, dynamo's guards of a compiled graph do not."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
+
+
 def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
     """Raise InputError naming the field, the expected and the found shape or dtype when a
-    tensor of record ``value`` does not match ``specs`` (the graph's TensorSpecs), or is not
-    contiguous (compiled graphs are specialised for contiguous inputs); ``what`` names the graph
-    in the message."""
+    tensor of record ``value`` does not match ``specs`` (the graph's TensorSpecs), or does not
+    have dense row-major strides (:func:`dense_strides`; compiled graphs are specialised for
+    them, size-1 dimensions included); ``what`` names the graph in the message."""
     tensors = leaves(value)
     if len(tensors) != len(specs):
         raise InputError(f"{what} takes {len(specs)} input tensors, got {len(tensors)}; build the step inputs from its GraphSpec.")
@@ -181,8 +192,9 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
                 f"{what} input {spec.name!r} is {dtype} {list(shape)}, the graph takes {spec.dtype} {list(spec.shape)}; "
                 "build the step inputs from the graph's GraphSpec."
             )
-        if not t.is_contiguous():
-            raise InputError(f"{what} input {spec.name!r} is not contiguous; pass {spec.name}.contiguous().")
+        if t.stride() != dense_strides(shape):
+            raise InputError(f"{what} input {spec.name!r} has strides {list(t.stride())}, the graph takes dense row-major strides "
+                             f"{list(dense_strides(shape))}; pass {spec.name}.clone(memory_format=torch.contiguous_format).")
 
 
 def describe() -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from neuronfx.config.inputs import SamplerInputs, check_inputs
+from neuronfx.config.inputs import SamplerInputs, check_inputs, dense_strides, from_leaves, leaves
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import InputError
 from neuronfx.graphs.device import device_scope, plan_device, to_device, to_host
@@ -110,11 +110,18 @@ def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: T
     )
 
 
+def dense(t: Tensor) -> Tensor:
+    """``t`` itself when it has dense row-major strides (``config.inputs.dense_strides``), else a
+    dense copy: a view such as ``u[:, i]`` of one row passes ``is_contiguous()`` with stride
+    k - 1, which a compiled graph's guards refuse (and, once they are no longer checked, would
+    read wrong)."""
+    return t if t.stride() == dense_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
 def _pad_rows(t: Tensor, bsz: int) -> Tensor:
-    """``t`` with zero rows appended up to ``bsz`` rows, contiguous (compiled graphs are
-    specialised for contiguous inputs)."""
+    """``t`` with zero rows appended up to ``bsz`` rows, dense (:func:`dense`)."""
     if t.shape[0] == bsz:
-        return t.contiguous()
+        return dense(t)
     out = torch.zeros(bsz, *t.shape[1:], dtype=t.dtype)
     out[: t.shape[0]] = t
     return out
@@ -127,7 +134,9 @@ def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int,
     field). Token ids, slots and positions are the caller's to check (the steps validate them
     before they build the record). ``inputs`` are host tensors: on a CUDA plan they are copied
     to its device without waiting (``graphs/device.py``) and the outputs come back to the host,
-    the step's one wait for the device; on the CPU nothing moves."""
+    the step's one wait for the device; on the CPU nothing moves. A tensor of the right shape
+    and dtype whose strides are not dense row-major (a strided view) is copied first
+    (:func:`dense`): no input reaches a compiled part that its guards would refuse."""
     try:
         spec = runtime.plan.graph(phase, bsz, bucket)
     except KeyError:
@@ -135,6 +144,7 @@ def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int,
         raise InputError(f"the plan has no {phase!r} graph for batch {bsz} and bucket {bucket}; it has {graphs}.") from None
     if not isinstance(inputs, spec.record):
         raise InputError(f"{phase} graph inputs are a {type(inputs).__name__}; build a {spec.record.__name__} from its GraphSpec.")
+    inputs = from_leaves(spec.record, [dense(t) if isinstance(t, Tensor) else t for t in leaves(inputs)])
     check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
     plan = runtime.plan
     with torch.no_grad(), device_scope(plan):  # inference only; compiled graphs are specialised for no-grad
