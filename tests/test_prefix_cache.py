@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import neuronfx
-from neuronfx import PrefillBatch, Request
+from neuronfx import InferenceConfig, PrefillBatch, Request, SamplingParams
 from neuronfx.errors import InputError
 from neuronfx.runtime.prefix import load_prefix, prefill_cached, prefix_stats, store_prefix
 from neuronfx.runtime.prefix_pool import identity_key, pool_nbytes
@@ -47,7 +47,7 @@ def tail(n: int, seed: int) -> list[int]:
 
 def run(rt, state, prompts, n=5):
     """Greedy tokens of ``prompts`` scheduled together on ``state``; returns (tokens, state)."""
-    requests = [Request(prompt=tuple(p), sampling=GREEDY, max_tokens=n) for p in prompts]
+    requests = [Request(prompt=tuple(p), sampling=SamplingParams(max_tokens=n)) for p in prompts]
     tokens = [[] for _ in prompts]
     for e in neuronfx.schedule(rt, state, requests, frozenset()):
         if isinstance(e, neuronfx.TokenEvent):
@@ -165,7 +165,7 @@ def test_random_submit_step_abort_against_solo_runs(rt_on, rt_off, hf, parts, bo
     while pending or not queue.idle:
         if pending:
             i, p = pending.pop(0)
-            queue = submit(queue, i, Request(prompt=tuple(p), sampling=GREEDY, max_tokens=max_tokens), rt)
+            queue = submit(queue, i, Request(prompt=tuple(p), sampling=SamplingParams(max_tokens=max_tokens)), rt)
         if it in aborts and queue.running:
             index = queue.running[0].index
             state, queue = abort(rt, state, queue, index)
@@ -255,6 +255,21 @@ def test_cli_plan_options() -> None:
     inf = cli._inference(args)
     assert (inf.enable_prefix_caching, inf.prefill_chunk_size, inf.prefix_block_size, inf.max_prefix_blocks) == (True, 32, 8, 100)
     assert not cli._inference(p.parse_args([])).enable_prefix_caching
+    alone = cli._inference(p.parse_args(["--enable-prefix-caching"]))  # the chunk size is picked: 128 of 256 context tokens
+    assert (alone.prefill_chunk_size, alone.prefix_block_size, alone.max_context_length) == (128, 16, 256)
+
+
+@pytest.mark.parametrize(("context", "block", "chunk"), [(256, 16, 128), (4096, 16, 128), (64, 16, 64), (100, 16, 96),
+                                                         (40, 32, 32), (128, 48, 96), (300, 7, 126)])
+def test_prefix_caching_alone_picks_a_chunk_size(context, block, chunk) -> None:
+    """enable_prefix_caching without prefill_chunk_size gets 128 tokens (fewer for shorter
+    prompts), whole blocks; the config holds it, and equals the one that names it."""
+    inf = InferenceConfig(enable_prefix_caching=True, max_context_length=context, sequence_length=4096, prefix_block_size=block)
+    assert inf.prefill_chunk_size == chunk and chunk % block == 0 and block <= chunk <= min(context, 128)
+    assert inf == InferenceConfig(enable_prefix_caching=True, max_context_length=context, sequence_length=4096,
+                                  prefix_block_size=block, prefill_chunk_size=chunk)
+    assert f"prefill_chunk_size={chunk}" in repr(inf)
+    assert InferenceConfig(max_context_length=context, sequence_length=4096).prefill_chunk_size is None  # no caching: no chunks
 
 
 def test_sliding_window_model_reuses_prefixes_exactly() -> None:

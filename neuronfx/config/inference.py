@@ -91,6 +91,22 @@ def _check_bucket_list(field: str, buckets: tuple[int, ...] | None, limit_field:
         )
 
 
+PREFIX_CACHING_CHUNK = 128
+"""The ``prefill_chunk_size`` that ``enable_prefix_caching=True`` gets when none is given (at
+most ``max_context_length``, a multiple of ``prefix_block_size``): the rest of a prompt after
+a cached prefix is prefilled in chunk graphs of this many tokens, so a small chunk wastes
+little on a short rest while a long prompt still runs in few passes (optimum-neuron picks a
+chunk size itself too: 1024 for sequences over 1024 tokens)."""
+
+
+def prefix_caching_chunk(max_context_length: int, prefix_block_size: int) -> int:
+    """The chunk size prefix caching uses when none is given: :data:`PREFIX_CACHING_CHUNK`, or
+    ``max_context_length`` when smaller, rounded down to whole ``prefix_block_size`` blocks
+    (at least one block)."""
+    limit = min(PREFIX_CACHING_CHUNK, max_context_length)
+    return max(limit - limit % prefix_block_size, prefix_block_size)
+
+
 def _check_prefix_caching(inf: InferenceConfig) -> None:
     """The prefix-cache options fit the plan: a cached prefix is continued by the chunked-prefill
     (prefill at an offset) graphs, whose chunks cover whole blocks."""
@@ -103,12 +119,6 @@ def _check_prefix_caching(inf: InferenceConfig) -> None:
             "token is always left to prefill); lower prefix_block_size (vLLM uses 16)."
         )
     chunk = inf.prefill_chunk_size
-    if chunk is None:
-        raise ConfigError(
-            "enable_prefix_caching=True needs prefill_chunk_size: the rest of a prompt after a cached prefix is prefilled "
-            "from that offset by the chunked-prefill graphs; set prefill_chunk_size (e.g. 128, a multiple of "
-            f"prefix_block_size={b})."
-        )
     if chunk % b:
         raise ConfigError(
             f"prefix_block_size={b} does not divide prefill_chunk_size={chunk}: a chunk must end on a block boundary "
@@ -173,7 +183,9 @@ class InferenceConfig:
       automatic prefix caching): full ``prefix_block_size``-token blocks of prompts are kept in
       a pool of ``max_prefix_blocks`` blocks (``runtime/prefix_store.py``); a new prompt starting
       with cached blocks gets them copied into its slot and only the rest is prefilled from that
-      offset (the chunked-prefill graphs: needs ``prefill_chunk_size``).
+      offset (the chunked-prefill graphs). Without a ``prefill_chunk_size`` it gets one:
+      :func:`prefix_caching_chunk` (128 tokens, or less for shorter prompts), which the config
+      then holds (``repr`` and the plan's JSON show it).
     - ``prefix_block_size``: tokens per cached block (vLLM's ``block_size``, default 16); must
       divide ``prefill_chunk_size``.
     - ``max_prefix_blocks``: the cache's memory bound, blocks (bytes: ``runtime.prefix_pool.pool_nbytes``);
@@ -210,6 +222,7 @@ class InferenceConfig:
     max_prefix_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
 
     def __attrs_post_init__(self) -> None:
+        self._derive_prefix_chunk()
         if self.max_context_length > self.sequence_length:
             raise ConfigError(
                 f"max_context_length={self.max_context_length} > sequence_length={self.sequence_length}; "
@@ -248,6 +261,18 @@ class InferenceConfig:
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
             )
+
+    def _derive_prefix_chunk(self) -> None:
+        """Give prefix caching its chunk size when none was given (:func:`prefix_caching_chunk`):
+        a derived default, set once while the value is built, before it is hashed or shared."""
+        if not self.enable_prefix_caching or self.prefill_chunk_size is not None or self.prefix_block_size >= self.max_context_length:
+            return  # nothing to derive, or _check_prefix_caching names the block size
+        if self.speculation_length:
+            raise ConfigError(
+                f"enable_prefix_caching=True with speculation_length={self.speculation_length}: a cached prefix is continued "
+                "by chunked prefill, which does not drive a draft (its cache would have to follow every chunk); drop one of them."
+            )
+        object.__setattr__(self, "prefill_chunk_size", prefix_caching_chunk(self.max_context_length, self.prefix_block_size))
 
     def _check_activations(self) -> None:
         """int8 activations exist only in the CPU kernels' 4-bit products."""
