@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 import neuronfx
@@ -59,7 +60,7 @@ def scenario(rt: neuronfx.Runtime, short: list[list[int]], long: list[int], shor
     greedy = neuronfx.SamplingParams(ignore_eos=True)
     state, queue, eos = neuronfx.init_state(rt), Queue(), frozenset()
     for i, p in enumerate(short):
-        queue = submit(queue, i, Request(prompt=tuple(p), sampling=greedy, max_tokens=short_tokens))
+        queue = submit(queue, i, Request(prompt=tuple(p), sampling=attrs.evolve(greedy, max_tokens=short_tokens)))
     last: dict[int, float] = {}
     counts = dict.fromkeys(range(RUNNING), 0)
     while min(counts.values()) < 4:
@@ -68,7 +69,7 @@ def scenario(rt: neuronfx.Runtime, short: list[list[int]], long: list[int], shor
         for e in events:
             counts[e.index] += 1
             last[e.index] = now
-    queue = submit(queue, RUNNING, Request(prompt=tuple(long), sampling=greedy, max_tokens=4))
+    queue = submit(queue, RUNNING, Request(prompt=tuple(long), sampling=attrs.evolve(greedy, max_tokens=4)))
     arrival, gaps, iterations, first = time.perf_counter(), [], 0, None
     while first is None:
         events, state, queue = step(rt, state, queue, eos)

@@ -26,6 +26,7 @@ import argparse
 import statistics
 import time
 
+import attrs
 import torch
 
 import neuronfx
@@ -43,7 +44,7 @@ def random_tokens(n: int, seed: int, vocab: int) -> tuple[int, ...]:
 
 def ttft(runtime: neuronfx.Runtime, state: neuronfx.State, prompt: tuple[int, ...]) -> tuple[float, int, neuronfx.State]:
     """(seconds from submit to the first token event, that token, the state after the request)."""
-    queue = submit(Queue(), 0, Request(prompt=prompt, sampling=GREEDY, max_tokens=1))
+    queue = submit(Queue(), 0, Request(prompt=prompt, sampling=attrs.evolve(GREEDY, max_tokens=1)))
     t0 = time.perf_counter()
     first, seconds = None, 0.0
     while not queue.idle:
@@ -79,7 +80,7 @@ def ttft_runs(on: neuronfx.Runtime, off: neuronfx.Runtime, args: argparse.Namesp
 
 def throughput(runtime: neuronfx.Runtime, prompts: list[tuple[int, ...]], gen: int) -> float:
     """Generated tokens per second of one schedule of ``prompts`` (fresh state)."""
-    requests = [Request(prompt=p, sampling=GREEDY, max_tokens=gen) for p in prompts]
+    requests = [Request(prompt=p, sampling=attrs.evolve(GREEDY, max_tokens=gen)) for p in prompts]
     state = neuronfx.init_state(runtime)
     t0 = time.perf_counter()
     n = sum(1 for e in neuronfx.schedule(runtime, state, requests, frozenset()) if isinstance(e, neuronfx.TokenEvent))

@@ -153,7 +153,7 @@ class Soak:
     def valid_request(self) -> Request:
         r = self.rng
         prompt = random_prompt(r.randint(1, MAX_PROMPT), seed=r.randrange(40))  # few prompts: solo cache hits
-        req = Request(prompt=tuple(prompt), sampling=self.sampling(), max_tokens=r.randint(1, MAX_TOKENS))
+        req = Request(prompt=tuple(prompt), sampling=attrs.evolve(self.sampling(), max_tokens=r.randint(1, MAX_TOKENS)))
         if r.random() < 0.15:  # a stop id from its own greedy output: it really stops early
             base = attrs.evolve(req, sampling=SamplingParams())
             req = attrs.evolve(base, sampling=SamplingParams(stop_token_ids=(r.choice(self.solo(base)),)))

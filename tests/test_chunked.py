@@ -290,9 +290,9 @@ def test_long_prompt_admitted_while_others_decode(budget, chunk_lens):
     solo = [neuronfx.generate(ref, neuronfx.init_state(ref), [p], max_new_tokens=16)[0].token_ids[0] for p in short + [long]]
     state, queue, eos, tokens = neuronfx.init_state(rt), Queue(), frozenset(), {0: [], 1: [], 2: []}
     for i, p in enumerate(short):
-        queue = submit(queue, i, Request(prompt=tuple(p), sampling=GREEDY, max_tokens=16))
+        queue = submit(queue, i, Request(prompt=tuple(p), sampling=SamplingParams(max_tokens=16)))
     events, state, queue = step(rt, state, queue, eos, max_num_batched_tokens=budget)
-    queue = submit(queue, 2, Request(prompt=tuple(long), sampling=GREEDY, max_tokens=16))
+    queue = submit(queue, 2, Request(prompt=tuple(long), sampling=SamplingParams(max_tokens=16)))
     seen = []
     while not queue.idle:
         for e in events:

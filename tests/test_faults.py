@@ -153,7 +153,7 @@ def test_interrupt_while_updating_host_tensors_consumes_the_state(rt, monkeypatc
 
 
 def requests(n_tokens: int = 6) -> list[Request]:
-    return [Request(prompt=tuple(p), sampling=SamplingParams(), max_tokens=n_tokens) for p in (*LIVE.values(), NEW)]
+    return [Request(prompt=tuple(p), sampling=SamplingParams(max_tokens=n_tokens)) for p in (*LIVE.values(), NEW)]
 
 
 def drain(rt, state, queue) -> dict[int, list[int | None]]:

@@ -151,7 +151,7 @@ def test_admission_and_abort_mid_run_match_solo_greedy(hf, rt):
     request gets transformers' greedy tokens for it alone, the aborted one no event after the
     abort, and live slots always equal the running requests' slots."""
     flight, queue = neuronfx.init_state(rt), Queue()
-    requests = [Request(prompt=tuple(random_prompt(n, seed=20 + n)), sampling=GREEDY, max_tokens=m)
+    requests = [Request(prompt=tuple(random_prompt(n, seed=20 + n)), sampling=SamplingParams(max_tokens=m))
                 for n, m in ((6, 9), (11, 14), (3, 5), (8, 7), (14, 10), (2, 6))]
     tokens: dict[int, list[int]] = {}
     arrivals = {0: [0, 1], 2: [2, 3], 4: [4], 5: [5]}  # iteration -> requests submitted before it
@@ -172,12 +172,12 @@ def test_admission_and_abort_mid_run_match_solo_greedy(hf, rt):
         assert sorted(r.slot for r in queue.running) == [s for s, on in enumerate(live) if on]
         it += 1
     state = settle(flight)
-    assert state.free_slots == (0, 1, 2, 3) and in_flight_seen > it // 2 and 0 < aborted < requests[1].max_tokens
+    assert state.free_slots == (0, 1, 2, 3) and in_flight_seen > it // 2 and 0 < aborted < requests[1].sampling.max_tokens
     for i, req in enumerate(requests):
         if i == 1:
             assert len(tokens[1]) == aborted and tokens[1] == hf_greedy(hf, list(req.prompt), aborted)
         else:
-            assert tokens[i] == hf_greedy(hf, list(req.prompt), req.max_tokens), f"request {i}"
+            assert tokens[i] == hf_greedy(hf, list(req.prompt), req.sampling.max_tokens), f"request {i}"
 
 
 def gated(rt, gate: threading.Semaphore):
@@ -199,7 +199,7 @@ def test_tokens_are_delivered_while_the_next_step_runs(rt, tokenizer):
     worker thread: the host's delivery runs concurrently with the graph."""
     gate = threading.Semaphore(0)
     grt = gated(rt, gate)
-    queue = submit(Queue(), 0, Request(prompt=(5, 6, 7), sampling=GREEDY, max_tokens=6))
+    queue = submit(Queue(), 0, Request(prompt=(5, 6, 7), sampling=SamplingParams(max_tokens=6)))
     events, flight, queue = overlap_step(grt, neuronfx.init_state(grt), queue, frozenset(), tokenizer)
     assert [e.token_id for e in events] != [] and isinstance(flight, Pending)  # prefill + one synchronous decode, then a launch
     assert not flight._future.done()  # step 3's graph waits for the gate
@@ -276,7 +276,7 @@ def test_stops_for_sure_is_stop_check_without_stop_strings():
     eos = frozenset({2})
     for sp in (SamplingParams(), SamplingParams(min_tokens=3), SamplingParams(ignore_eos=True, stop_token_ids=(5,)),
                SamplingParams(stop_token_ids=(2, 5), min_tokens=2)):
-        req = Request(prompt=(1,), sampling=sp, max_tokens=4)
+        req = Request(prompt=(1,), sampling=attrs.evolve(sp, max_tokens=4))
         for count in range(1, 5):
             for token in (2, 5, 9):
                 reason = stop_check(req, (9,) * (count - 1) + (token,), "", eos, 0)[0]
@@ -298,8 +298,8 @@ def test_engine_async_streams_the_sync_tokens_and_aborts(rt, tokenizer):
             await asyncio.sleep(0.01)
         loop = asyncio.get_running_loop()
         sink, doomed = Sink(loop, asyncio.Queue()), Sink(loop, asyncio.Queue())
-        engine.submit([Request(prompt=tuple(p), sampling=sampling, max_tokens=8) for p in prompts], sink)
-        (long_id,) = engine.submit([Request(prompt=(3, 4), sampling=SamplingParams(max_tokens=50, ignore_eos=True), max_tokens=50)], doomed)
+        engine.submit([Request(prompt=tuple(p), sampling=attrs.evolve(sampling, max_tokens=8)) for p in prompts], sink)
+        (long_id,) = engine.submit([Request(prompt=(3, 4), sampling=SamplingParams(max_tokens=50, ignore_eos=True))], doomed)
         got: dict[int, list] = {}
         while sum(e.finish_reason is not None for evs in got.values() for e in evs) < len(prompts):
             choice, event = await sink.queue.get()

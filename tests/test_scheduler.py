@@ -67,7 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop = ()
         if use_stop:
             stop = (reference(self.hf_model, prompt, max_tokens)[max_tokens // 2],)
-        req = Request(prompt=tuple(prompt), sampling=SamplingParams(stop_token_ids=stop), max_tokens=max_tokens)
+        req = Request(prompt=tuple(prompt), sampling=SamplingParams(stop_token_ids=stop, max_tokens=max_tokens))
         self.queue = submit(self.queue, len(self.requests), req)
         self.requests.append(req)
 
@@ -91,7 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finished_requests_match_alone(self):
         for i in self.finished:
             req = self.requests[i]
-            want = reference(self.hf_model, list(req.prompt), req.max_tokens, req.sampling.stop_token_ids)
+            want = reference(self.hf_model, list(req.prompt), req.sampling.max_tokens, req.sampling.stop_token_ids)
             assert self.tokens[i] == want, f"request {i}"
 
     @invariant()

@@ -196,7 +196,7 @@ def make_requests(
         if sp.min_tokens > budget:
             raise SamplingParamsError(f"SamplingParams.min_tokens={sp.min_tokens} of prompt {b} is > its token budget {budget} "
                                       "(max_tokens or max_new_tokens); lower min_tokens or raise the budget.")
-        requests.append(Request(prompt=tuple(p), sampling=sp, max_tokens=budget))
+        requests.append(Request(prompt=tuple(p), sampling=attrs.evolve(sp, max_tokens=budget)))
     return requests, frozenset(eos)
 
 

@@ -295,7 +295,7 @@ def stops_for_sure(request: Request, count: int, token: int, eos: frozenset[int]
     conditions as :func:`neuronfx.runtime.scheduler.stop_check` minus stop strings."""
     sp = request.sampling
     by_token = count >= sp.min_tokens and ((not sp.ignore_eos and token in eos) or token in sp.stop_token_ids)
-    return by_token or count >= request.max_tokens
+    return by_token or count >= sp.max_tokens
 
 
 def _decode_batch(rows: Sequence[Progress], input_ids: Sequence[int]) -> DecodeBatch:
@@ -383,7 +383,7 @@ def _prepare_following(pending: Pending, queue: Queue) -> Pending:
     """``pending`` with the next step's inputs prepared for the running requests whose token
     from ``pending`` cannot reach max_tokens (the other ends are only known from the tokens: the
     next launch then makes its own). Runs on the host while ``pending`` runs."""
-    rows = [r for r in queue.running if len(r.tokens) + 1 < r.request.max_tokens]
+    rows = [r for r in queue.running if len(r.tokens) + 1 < r.request.sampling.max_tokens]
     if not rows:
         return pending
     return prepare_next(pending, [r.slot for r in rows], [r.request.sampling for r in rows])

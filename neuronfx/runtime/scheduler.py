@@ -81,11 +81,12 @@ from neuronfx.runtime.steps import (
 
 @attrs.frozen(kw_only=True)
 class Request:
-    """One request: prompt ids, its sampling, and the resolved token budget."""
+    """One request: prompt ids and its sampling. Its token budget is ``sampling.max_tokens``;
+    None there means "until its slot is full", which :func:`submit` resolves to
+    ``sequence_length - len(prompt)`` when given the runtime."""
 
     prompt: tuple[int, ...]  # [T] token ids
-    sampling: SamplingParams
-    max_tokens: int  # tokens to generate at most (sampling.max_tokens or the caller's default)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
 
 
 @attrs.frozen(kw_only=True)
@@ -170,19 +171,32 @@ def check_request(runtime: Runtime, index: int, request: Request) -> None:
         raise InputError(f"request {index}: prompt={request.prompt!r:.60} must be a tuple of token ids.")
     check_prompts(runtime, [request.prompt], start=index)
     check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
-    check_budget(runtime, index, len(request.prompt), request.max_tokens)
+    check_budget(runtime, index, len(request.prompt), budget(runtime, request))
+
+
+def budget(runtime: Runtime, request: Request) -> int:
+    """Tokens ``request`` may generate: ``sampling.max_tokens``, or the room its slot has after
+    the prompt when that is None (vLLM's default for chat)."""
+    max_tokens = request.sampling.max_tokens
+    return runtime.plan.inference.sequence_length - len(request.prompt) if max_tokens is None else max_tokens
 
 
 def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None = None) -> Queue:
     """Queue ``request`` as ``index`` (a caller's id, unique among queued and running requests).
 
-    With ``runtime``, the request is validated first (:func:`check_request`); without it, it must
-    already be (``neuronfx.runtime.generate.make_requests`` does it). Raises InputError for an
-    index in use; ``queue`` is a value and stays as it was when anything raises."""
+    With ``runtime``, the request is validated first (:func:`check_request`) and a
+    ``sampling.max_tokens`` of None becomes the slot's room (:func:`budget`); without it, it must
+    already be validated (``neuronfx.runtime.generate.make_requests`` does it) and name its
+    max_tokens. Raises InputError for an index in use or, without ``runtime``, no max_tokens;
+    ``queue`` is a value and stays as it was when anything raises."""
     if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running + queue.prefilling):
         raise InputError(f"request index {index!r} is already queued or running; give each request its own index.")
     if runtime is not None:
         check_request(runtime, index, request)
+        request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, max_tokens=budget(runtime, request)))
+    elif not isinstance(request, Request) or request.sampling.max_tokens is None:
+        raise InputError(f"request {index}: without runtime= its SamplingParams must give max_tokens (the scheduler cannot "
+                         "tell the slot's room); pass runtime=, or SamplingParams(max_tokens=N).")
     return attrs.evolve(queue, waiting=queue.waiting + ((index, request),))
 
 
@@ -218,22 +232,26 @@ def stop_check(req: Request, tokens: Sequence[int], text: str, eos: frozenset[in
             at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
             if at >= 0:
                 return "stop", stop, text[: at + len(stop) if sp.include_stop_str_in_output else at]
-    if len(tokens) >= req.max_tokens:
+    if len(tokens) >= sp.max_tokens:
         return "length", None, text
     return None, None, text
 
 
 def advance_request(run: Progress, token: int, logprobs: Logprobs | None, tokenizer: Any, eos: frozenset[int]) -> tuple[Progress, TokenEvent]:
     """Append ``token`` to ``run``: detokenize, check stop rules, and cut the text delta to emit.
-    While running, a trailing partial UTF-8 character and anything that could still become a
-    stop string are held back."""
+    While running, a trailing partial UTF-8 character (decoded as U+FFFD) and anything that could
+    still become a stop string are held back; when the request finishes, a partial character
+    left at the end is dropped from the text (vLLM's detokenizer does the same; its tokens still
+    count), so a final text never ends in U+FFFD."""
     tokens = run.tokens + (token,)
     text = tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else ""
     reason, stop_reason, text = stop_check(run.request, tokens, text, eos, max(0, len(text) - len(run.text)))
-    ready = len(text)
     if reason is None:
         hold = max((len(s) - 1 for s in run.request.sampling.stop), default=0)
         ready = max(run.sent, len(text.rstrip("\ufffd")) - hold)
+    else:
+        text = text.rstrip("\ufffd")
+        ready = max(run.sent, len(text))
     event = TokenEvent(index=run.index, token_id=token, text=text[run.sent:ready], logprobs=logprobs,
                        finish_reason=reason, stop_reason=stop_reason)
     return attrs.evolve(run, tokens=tokens, text=text, sent=ready), event
