@@ -12,10 +12,11 @@ behave as with a real model; eager backend, 4 slots, prompts up to 64 tokens, 12
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http.client
 import json
 import signal
+import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import attrs
 import openai
 import pytest
+import uvicorn
 from helpers import ServerProcess, http_request, rss_bytes, server_metrics, smollm2_vocab_model, start_server, stop_server
 
 import neuronfx
@@ -30,8 +32,10 @@ from neuronfx import InferenceConfig, Request, SamplingParams, make_plan
 from neuronfx.bench_serving import bench_server, default_text, inter_token_latencies, make_workload, ttft
 from neuronfx.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.cli import main
+from neuronfx.server.app import make_app
 from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Served, Sink
 from neuronfx.server.metrics import make_metrics
+from neuronfx.server.serve import GracefulServer
 
 PLAN = ["--backend", "eager", "--batch-size", "4", "--max-context-length", "64", "--sequence-length", "128"]
 MAX_WAITING = 12  # with 4 slots: 16 requests in the server at most
@@ -41,6 +45,8 @@ GREEDY = {"temperature": 0.0}
 IDS = {"return_tokens_as_token_ids": True}  # logprobs name tokens "token_id:<id>": exact ids to compare
 PROMPT = "The capital of France is"
 QUESTION = "Write a haiku about the sea."
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +123,7 @@ def test_health_models_tokenize_detokenize(server, client, reference):
     loading = _err("the model is still loading or compiling; retry when GET /health answers 200.", type="server_error",
                    code="model_not_ready")
     assert server.loading == [("/health", 503, loading), ("/v1/models", 503, loading)]
-    assert "compiling its graphs (eager, float32, 4 slots, max_context_length 64, sequence_length 128)" in server.output()
+    assert "(eager, float32, 4 slots, max_context_length 64, sequence_length 128)" in server.output()  # what it loads
     assert "ready: 4 slots" in server.output()
     assert http_request(server, "GET", "/health")[::2] == (200, {"status": "ok"})
     models = client.models.list().data
@@ -231,6 +237,154 @@ def test_stop_string_honoured_whole_and_streamed(client, reference):
     assert "".join(c.choices[0].text for c in chunks) == expected.texts[0] and chunks[-1].choices[0].finish_reason == "stop"
 
 
+def partial_character_cut(reference: Reference, ids: list[int]) -> tuple[int, int, str]:
+    """(seed, k, text): a seeded sample of the tiny model whose first k tokens end inside a
+    multi-byte character (their decoded text ends in U+FFFD), and that text. Seed 35 does it
+    (k 6) with this model; the others are tried should the model's random weights change."""
+    for seed in (35, *range(100)):
+        tokens = reference.solo(ids, 16, temperature=1.0, seed=seed).token_ids[0]
+        for k in range(1, len(tokens) + 1):
+            text = reference.tokenizer.decode(list(tokens[:k]), skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return seed, k, text
+    raise AssertionError("no seed in 0-99 samples a partial character")
+
+
+def test_text_cut_inside_a_character_drops_its_bytes(client, reference):
+    """max_tokens ending inside a multi-byte character: the text (whole, streamed, and from
+    neuronfx.generate with a tokenizer) drops that character's bytes instead of ending in
+    U+FFFD; its tokens still count in usage and logprobs (vLLM's behaviour)."""
+    ids = reference.ids(PROMPT)
+    seed, k, cut = partial_character_cut(reference, ids)
+    expected = cut.rstrip("\ufffd")
+    library = reference.solo(ids, k, temperature=1.0, seed=seed)
+    assert library.texts[0] == expected and len(library.token_ids[0]) == k
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=k, seed=seed, logprobs=0, extra_body=IDS)
+    choice = out.choices[0]
+    assert choice.text == expected and not choice.text.endswith("\ufffd")
+    assert out.usage.completion_tokens == k and token_ids(choice.logprobs.tokens) == list(library.token_ids[0])
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=k, seed=seed, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_explicit_null_means_the_default(server, client):
+    """Every optional field of every request model given as null answers as if it were left
+    out (OpenAI and vLLM accept null for "not set"); the openai client sends null for None."""
+    from neuronfx.server import protocol as p
+
+    def nulls(model: type) -> dict:
+        return {name: None for name, field in model.model_fields.items() if not field.is_required()}
+
+    seeded = {"max_tokens": 4, "seed": 5}
+    for path, model, body in ((C, p.CompletionRequest, {"prompt": PROMPT}), (CHAT, p.ChatCompletionRequest, {"messages": HI}),
+                              ("/tokenize", p.TokenizeRequest, {"prompt": PROMPT})):
+        extra = seeded if path != "/tokenize" else {}
+        status, _, with_nulls = http_request(server, "POST", path, nulls(model) | body | extra)
+        status_omitted, _, omitted = http_request(server, "POST", path, body | extra)
+        assert (status, status_omitted) == (200, 200), with_nulls
+        key = "tokens" if path == "/tokenize" else "choices"
+        assert with_nulls[key] == omitted[key] and with_nulls.get("usage") == omitted.get("usage")
+    message = nulls(p.ChatMessage) | {"role": "user", "content": "hi"}
+    stream = {"stream": True, "stream_options": nulls(p.StreamOptions)}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST", CHAT, body=json.dumps({"messages": [message], **seeded, **stream}), headers={"Content-Type": "application/json"})
+    events = sse_events(conn.getresponse())
+    conn.close()
+    assert events[-1] == "[DONE]" and all(e["usage"] is None for e in events[:-1])  # include_usage null: false
+    whole = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, seed=5, top_p=None, n=None, logprobs=None,
+                                      frequency_penalty=None, presence_penalty=None, best_of=None, echo=None, suffix=None,
+                                      extra_body={"top_k": None, "min_p": None, "repetition_penalty": None, "min_tokens": None,
+                                                  "ignore_eos": None, "include_stop_str_in_output": None})
+    assert whole.choices[0].text == omitted_text(server, seeded)
+
+
+def omitted_text(server: ServerProcess, fields: dict) -> str:
+    status, _, body = http_request(server, "POST", C, {"prompt": PROMPT, **fields})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+TOOL_CHAT = [
+    {"role": "user", "content": "What is 6 times 7?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}]},
+    {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+]
+
+
+def test_tool_messages_reach_the_chat_template(server, client, reference):
+    """An assistant message with tool_calls (content null) and a tool message with its
+    tool_call_id are accepted (openai client) and given to the chat template as OpenAI's
+    dicts, each call's arguments parsed (as vLLM gives them); /tokenize says the same."""
+    from neuronfx.server import protocol as p
+
+    out = client.chat.completions.create(model=NAME, messages=TOOL_CHAT, max_tokens=3, **GREEDY)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    messages = p.chat_messages([p.ChatMessage.model_validate(m) for m in TOOL_CHAT])
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]}
+    assert messages[2] == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    expected = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    status, _, body = http_request(server, "POST", "/tokenize", {"messages": TOOL_CHAT})
+    assert status == 200 and body["tokens"] == list(expected["input_ids"]) and out.usage.prompt_tokens == body["count"]
+
+
+def test_model_retrieve_and_head_health(server, client):
+    """GET /v1/models/{id} (the openai client's models.retrieve): the served model, or OpenAI's
+    404 model_not_found; HEAD /health: GET's status, no body."""
+    model = client.models.retrieve(NAME)
+    assert (model.id, model.object, model.owned_by, model.max_model_len) == (NAME, "model", "neuronfx", 128)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body == _err("The model `gpt-4o` does not exist; this server serves `tiny` (GET /v1/models).", "model",
+                                      "model_not_found")["error"]
+    assert http_request(server, "HEAD", "/health")[::2] == (200, "")
+
+
+# guidellm 0.8.1's streamed request bodies, exactly (guidellm/backends/openai/request_handlers.py:
+# TextCompletionsRequestHandler.format and ChatCompletionsRequestHandler.format, given a synthetic
+# text prompt and output_tokens; its http.py drops the null "stop" before sending). httpx sends
+# them with Content-Type application/json and no Authorization without an api key.
+GUIDELLM_BODIES = {
+    C: {"model": NAME, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "max_tokens": 16,
+        "ignore_eos": True, "prompt": PROMPT},
+    CHAT: {"model": NAME, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+           "max_completion_tokens": 16, "ignore_eos": True, "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]},
+}
+
+
+@pytest.mark.parametrize("path", list(GUIDELLM_BODIES))
+def test_guidellm_stream_gives_ttft_itl_and_continuous_usage(server, path):
+    """guidellm's exact body streams: its 16 tokens arrive in several chunks spread in time
+    (non-zero TTFT and inter-token latencies), every chunk carries the usage so far
+    (continuous_usage_stats) and the last one the total."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    t0 = time.perf_counter()
+    conn.request("POST", path, body=json.dumps(GUIDELLM_BODIES[path]),
+                 headers={"Content-Type": "application/json", "User-Agent": "python-httpx/0.29.0", "Accept": "*/*"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    arrivals, events = [], []
+    for line in resp:
+        if line.startswith(b"data: "):
+            arrivals.append(time.perf_counter() - t0)
+            data = line.decode().removeprefix("data: ").strip()
+            events.append(data if data == "[DONE]" else json.loads(data))
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts = [(t, c) for t, c in zip(arrivals, chunks) if c["choices"] and (c["choices"][0].get("text") or
+                                                                          c["choices"][0].get("delta", {}).get("content"))]
+    assert len(texts) >= 8 and texts[0][0] > 0  # TTFT
+    gaps = [b[0] - a[0] for a, b in zip(texts, texts[1:])]
+    assert all(g >= 0 for g in gaps) and sum(gaps) > 0  # ITL: the tokens came one step after another
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    generated = [u["completion_tokens"] for u in usages]
+    assert generated == sorted(generated) and generated[-1] == 16 and usages[-1]["total_tokens"] == usages[-1]["prompt_tokens"] + 16
+    assert chunks[-1]["choices"] == [] and len({u["prompt_tokens"] for u in usages}) == 1
+
+
 # --- load ---------------------------------------------------------------------------------------
 
 LOAD_PROMPTS = ["Hello", "The capital of France is", "Once upon a time there was a", "1, 2, 3, 4,",
@@ -293,8 +447,6 @@ def _err(message: str, param: str | None = None, code: str | None = None, type: 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
-HI = [{"role": "user", "content": "hi"}]
 BAD_INPUT = {
     "bad JSON": (C, b'{"prompt": "hi",', 400, _err("the request body is not valid JSON: Expecting property name enclosed in double quotes.")),
     "body not an object": (C, b"[1, 2]", 400, _err("the request body must be a JSON object (Input should be a valid dictionary or "
@@ -375,7 +527,59 @@ BAD_INPUT = {
         "token id -3 is outside the vocabulary [0, 49152); check the tokenizer matches the model.", "tokens")),
     "tokenize neither prompt nor messages": ("/tokenize", {}, 400, _err("give exactly one of prompt (text) and messages (a chat).",
                                                                         "prompt")),
+    "prompt with a lone surrogate": (C, {"prompt": "\ud800", "max_tokens": 3}, 400, _err(
+        "prompt has a lone UTF-16 surrogate U+D800 at character 0; send valid Unicode (a surrogate only as one half of a pair).",
+        "prompt")),
+    "chat content with a lone surrogate": (CHAT, {"messages": [{"role": "user", "content": "hi \udc00"}]}, 400, _err(
+        "messages.0.content has a lone UTF-16 surrogate U+DC00 at character 3; send valid Unicode (a surrogate only as one half of "
+        "a pair).", "messages")),
+    "stop with a lone surrogate": (C, {"prompt": "hi", "stop": ["\ud800"]}, 400, _err(
+        "stop.0 has a lone UTF-16 surrogate U+D800 at character 0; send valid Unicode (a surrogate only as one half of a pair).",
+        "stop")),
+    "tokenize a lone surrogate": ("/tokenize", {"prompt": "\ud800"}, 400, _err(
+        "prompt has a lone UTF-16 surrogate U+D800 at character 0; send valid Unicode (a surrogate only as one half of a pair).",
+        "prompt")),
+    "field name with a lone surrogate": (C, {"prompt": "hi", "\ud800": 1}, 400, _err(
+        "a field name of the request body has a lone UTF-16 surrogate (got '\\ud800'); send valid Unicode (a surrogate only as one "
+        "half of a pair).")),
+    "tool_call_id on a user message": (CHAT, {"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, 400, _err(
+        "messages.0: tool_call_id is only allowed on a message with role 'tool' (this one has role 'user') (got {'role': 'user', "
+        "'content': 'hi', 'tool_call_id': 'x'}).", "messages")),
+    "tool call without its function": (CHAT, {"messages": HI + [{"role": "assistant", "tool_calls": [{"id": "x", "type": "function"}]}]},
+                                       400, _err("messages.1.tool_calls.0.function is required.", "messages.1.tool_calls.0.function")),
+    "max_tokens 2**70": (C, {"prompt": [7], "max_tokens": 2**70}, 400, _err(
+        "prompt 0 has 1 tokens + max tokens 1180591620717411303424 = 1180591620717411303425 > sequence_length=128; lower "
+        "max_new_tokens/max_tokens or compile with a larger sequence_length.", "max_tokens", "context_length_exceeded")),
+    "max_tokens 1e308": (C, {"prompt": "hi", "max_tokens": 1e308}, 400, _err("max_tokens: Input should be a valid integer (got 1e+308).",
+                                                                             "max_tokens")),
+    "continuous_usage_stats a string": (C, {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 400,
+                                        _err("stream_options.continuous_usage_stats: Input should be a valid boolean (got 'yes').",
+                                             "stream_options")),
 }
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "misuse.md"
+
+
+def bad_input_table() -> str:
+    """BAD_INPUT as the markdown table of docs/misuse.md ("The server's bad requests")."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| # | case | request | status | error message (`param`, `code`) |", "| --- | --- | --- | --- | --- |"]
+    for i, (name, (path, body, status, error)) in enumerate(BAD_INPUT.items(), 1):
+        raw = body.decode() if isinstance(body, bytes) else json.dumps(body)
+        shown = raw if len(raw) <= 90 else raw[:87] + "..."
+        e = error["error"]
+        tags = ", ".join(f"`{v}`" for v in (e["param"], e["code"]) if v is not None)
+        rows.append(f"| {i} | {name} | `POST {path}` `{cell(shown)}` | {status} | {cell(e['message'])}{f' ({tags})' if tags else ''} |")
+    return "\n".join(rows)
+
+
+def test_docs_list_the_bad_requests():
+    """docs/misuse.md's server table is BAD_INPUT (regenerate it with ``python tests/test_server.py``)."""
+    assert bad_input_table() in DOC.read_text()
 
 
 def assert_serves(client) -> None:
@@ -481,6 +685,42 @@ def test_serve_rejects_bad_options_at_once(capsys):
         assert time.perf_counter() - t0 < 5 and f"error: {error}" in capsys.readouterr().err
 
 
+def test_serve_on_a_busy_port_fails_before_loading(model_dir, capsys):
+    """A second server on a port in use: exit 2 at once with one line naming the port and
+    --port, before it says "serving" or loads anything."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.perf_counter()
+        assert main(["serve", str(model_dir), *PLAN, "--port", str(port)]) == 2
+        assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"neuronfx: error: InputError: cannot listen on 127.0.0.1:{port} (--host 127.0.0.1 --port {port}): "
+                                "Address already in use; another process listens there (another neuronfx serve?): stop it, or "
+                                "pick a free port with --port."]
+
+
+def test_signals_drain_then_a_second_sigint_stops_at_once(reference):
+    """The server's signal handler (no process needed): SIGTERM starts the drain (the engine
+    takes no new request, uvicorn's loop runs on while requests are in flight), another
+    SIGTERM changes nothing, a SIGINT then stops at once (uvicorn's force_exit)."""
+    engine = Engine(lambda: Served(runtime=reference.runtime, tokenizer=reference.tokenizer), max_waiting=0, metrics=make_metrics())
+    server = GracefulServer(uvicorn.Config(make_app(engine, NAME)), engine, drain_timeout=10)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.drain_started is not None and not server.should_exit and not engine.ready
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(EngineStopping):
+            engine.submit([Request(prompt=(1,), sampling=SamplingParams(max_tokens=1))], Sink(loop, asyncio.Queue()))
+    finally:
+        loop.close()
+    server.handle_exit(signal.SIGTERM, None)
+    assert not server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and server.force_exit
+
+
 def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
     """The engine in this process: a full engine refuses at once (nothing queued); stop()
     aborts the running request (finish_reason "abort") and refuses later submits."""
@@ -491,7 +731,7 @@ def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
         engine.start()
         while engine.served is None:
             await asyncio.sleep(0.01)
-        long = Request(prompt=(1, 2, 3), sampling=SamplingParams(ignore_eos=True, max_tokens=120), max_tokens=120)
+        long = Request(prompt=(1, 2, 3), sampling=SamplingParams(ignore_eos=True, max_tokens=120))
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         engine.submit([long], sink)
         assert (await sink.queue.get())[1].finish_reason is None  # running
@@ -511,23 +751,62 @@ def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
 # --- last: the module's server stops -------------------------------------------------------------
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
-    """SIGTERM while a request streams: /health turns 503 (or the port closes) at once, the
-    stream still runs to its end, and the process exits 0."""
+def stream_then_signal(server: ServerProcess, sig: int, max_tokens: int = 120) -> tuple[list[object], float]:
+    """Start a greedy stream of ``max_tokens`` (usage asked), signal the server once its first
+    chunk arrived, and check that the server keeps listening and answers new requests with 503
+    shutting_down meanwhile; returns (the stream's events, seconds from the signal to its end)."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-    conn.request("POST", C, body=json.dumps({"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True,
+    conn.request("POST", C, body=json.dumps({"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                                              "stream_options": {"include_usage": True}, **GREEDY}),
                  headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    with contextlib.suppress(ConnectionRefusedError):  # the port is closed already: no new request either
-        assert http_request(server, "GET", "/health", timeout=5)[0] == 503
+    t0 = time.perf_counter()
+    server.proc.send_signal(sig)
+    stopping = _err("the server is shutting down; it takes no new request.", type="server_error", code="shutting_down")
+    while (health := http_request(server, "GET", "/health", timeout=5))[0] == 200 and time.perf_counter() - t0 < 5:
+        time.sleep(0.01)  # the signal is handled between two ticks of uvicorn's loop
+    assert health[::2] == (503, stopping)
+    assert http_request(server, "POST", C, {"prompt": "Hi", "max_tokens": 2})[::2] == (503, stopping)
     events = sse_events(resp)
     conn.close()
-    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
-    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    return events, time.perf_counter() - t0
+
+
+def test_sigterm_past_the_timeout_ends_the_stream_with_an_error(model_dir, tmp_path_factory):
+    """--shutdown-timeout 0: a stream still running when SIGTERM's drain times out ends with an
+    error event (shutting_down), its usage and [DONE]; no traceback, exit 0."""
+    server = start_server([str(model_dir), *PLAN, "--served-model-name", NAME, "--shutdown-timeout", "0"],
+                          tmp_path_factory.mktemp("server-cut") / "server.log")
+    try:
+        events, took = stream_then_signal(server, signal.SIGTERM)
+        assert events[-3] == _err("the server stopped before this request finished (its --shutdown-timeout ran out); retry.",
+                                  type="server_error", code="shutting_down")
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and 0 < events[-2]["usage"]["completion_tokens"] < 120
+        assert took < 5 and server.proc.wait(30) == 0
+        log = server.output()
+        assert "1 requests still running after 0.0 s (--shutdown-timeout): aborting them" in log
+        assert "stopped" in log and "Traceback" not in log and "CancelledError" not in log
+    finally:
+        stop_server(server)
+
+
+# --- last: the module's server stops -------------------------------------------------------------
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server):
+    """SIGTERM while a request streams: the server keeps listening and answers new requests
+    (and /health) with 503 shutting_down while the stream runs to its end (final chunk, usage,
+    [DONE]); then it drains, stops listening and exits 0, with no traceback."""
+    events, took = stream_then_signal(server, signal.SIGTERM)
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 120
+    assert events[-3]["choices"][0]["finish_reason"] == "length" and took < SHUTDOWN_TIMEOUT
     # the interpreter's own teardown (torch and friends) takes 1-6 s on a busy machine after serve returns
     assert server.proc.wait(SHUTDOWN_TIMEOUT + 20) == 0
-    assert "stopped" in server.output() and "Traceback" not in server.output()
+    log = server.output()
+    assert "signal SIGTERM: new requests get 503; finishing 1 in-flight ones" in log and "drained in" in log
+    assert "stopped" in log and "Traceback" not in log
+
+
+if __name__ == "__main__":
+    sys.stdout.write(bad_input_table() + "\n")

@@ -7,6 +7,7 @@
   requests and receive their token events through thread-safe queues.
 - ``metrics``: the Prometheus metrics of one app (its own registry).
 - ``app``: the FastAPI app (``make_app``): /v1/completions, /v1/chat/completions, /v1/models,
-  /health, /metrics, /tokenize, /detokenize.
-- ``serve``: uvicorn with a graceful stop on SIGINT/SIGTERM.
+  /v1/models/{id}, /health (GET, HEAD), /metrics, /tokenize, /detokenize.
+- ``serve``: uvicorn on a port bound before anything loads; SIGINT/SIGTERM drain in-flight
+  requests (new ones get 503) before the process exits.
 """

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's
-/tokenize and /detokenize, /health and /metrics.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions, /v1/models and
+/v1/models/{id}, vLLM's /tokenize and /detokenize, /health (GET and HEAD) and /metrics.
 
 Every request is validated here, before it reaches the engine (types by pydantic, values by
 neuronfx's named checks: ``SamplingParams``, ``scheduler.check_request``, the stop strings), so
@@ -8,7 +8,10 @@ one bad request never reaches a batch. Every error is OpenAI's error JSON; bad i
 
 Streaming is Server-Sent Events through Starlette's StreamingResponse, which cancels the stream
 when the client disconnects (the request is then aborted and its slot freed at the next step);
-a non-streaming request whose client disconnects is aborted too.
+a non-streaming request whose client disconnects is aborted too. With vLLM's
+``stream_options.continuous_usage_stats`` (and ``include_usage``) every chunk carries the usage
+so far. A stream whose request ends without an answer (the server's stop aborted it, or the
+engine failed) ends with an error event, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
     _add_error_handlers(app)
     created = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         _served(engine)
         return JSONResponse({"status": "ok"})
@@ -67,9 +70,13 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         served = _served(engine)
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "neuronfx", "root": model_name, "parent": None,
-            "max_model_len": served.runtime.plan.inference.sequence_length}]})
+        return JSONResponse({"object": "list", "data": [_model_card(model_name, created, served)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        served = _served(engine)
+        _check_model(model_id, model_name)
+        return JSONResponse(_model_card(model_name, created, served))
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -80,8 +87,7 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
         max_tokens = p.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         requests = [_engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt") for k, ids in enumerate(prompts)]
         job = _Job(engine=engine, served=served, model=model_name, kind="text_completion", id=p.new_id("cmpl"),
-                   requests=requests, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   token_ids_as_text=body.return_tokens_as_token_ids)
+                   requests=requests, usage=_stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
         return await job.respond(request, body.stream)
 
     @app.post("/v1/chat/completions")
@@ -96,8 +102,7 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _Job(engine=engine, served=served, model=model_name, kind="chat.completion", id=p.new_id("chatcmpl"),
                    requests=[_engine_request(body, ids, 0, served, logprobs, max_tokens, "messages")],
-                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   token_ids_as_text=body.return_tokens_as_token_ids)
+                   usage=_stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
         return await job.respond(request, body.stream)
 
     @app.post("/tokenize")
@@ -131,18 +136,26 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
 # --- errors -------------------------------------------------------------------------------------
 
 
+class ErrorJSON(JSONResponse):
+    """An error's JSON with every non-ASCII character escaped: its message may quote the request,
+    whose strings JSON lets hold a lone surrogate, which UTF-8 cannot encode."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """OpenAI's error JSON for every error: ApiError as raised, FastAPI's 422 as a 400, unknown
     paths (404) and methods (405), and a 500 without a traceback for anything unexpected."""
 
     @app.exception_handler(p.ApiError)
     async def api_error(request: Request, exc: p.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return ErrorJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = p.validation_message(exc.errors())
-        return JSONResponse(p.error_body(message, "invalid_request_error", param), status_code=400)
+        return ErrorJSON(p.error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -151,15 +164,17 @@ def _add_error_handlers(app: FastAPI) -> None:
             body = p.error_body(f"Invalid URL ({where}): no such endpoint; see /docs.", "invalid_request_error", code="unknown_url")
         elif exc.status_code == 405:
             body = p.error_body(f"Method not allowed ({where}); see /docs.", "invalid_request_error", code="method_not_allowed")
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI: not JSON, not UTF-8
+            body = p.error_body("the request body could not be read: send a JSON object as UTF-8 text.", "invalid_request_error")
         else:
             body = p.error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return ErrorJSON(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(p.error_body("internal server error; see the server's log.", "server_error", code="internal_error"),
-                            status_code=500)
+        return ErrorJSON(p.error_body("internal server error; see the server's log.", "server_error", code="internal_error"),
+                         status_code=500)
 
 
 def _served(engine: Engine) -> Served:
@@ -173,7 +188,23 @@ def _served(engine: Engine) -> Served:
     return served
 
 
+def _stream_usage(body: p.GenerationRequest) -> str | None:
+    """Where a stream reports usage: None, "last" (include_usage: one last chunk) or "every"
+    (vLLM's continuous_usage_stats with include_usage: every chunk too, so far)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return None
+    return "every" if options.continuous_usage_stats else "last"
+
+
+def _model_card(model_name: str, created: int, served: Served) -> dict:
+    """The served model as /v1/models lists it (OpenAI's model object and vLLM's extras)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "neuronfx", "root": model_name, "parent": None,
+            "max_model_len": served.runtime.plan.inference.sequence_length}
+
+
 def _check_model(name: str | None, served_name: str) -> None:
+    """ApiError 404 (OpenAI's model_not_found) when ``name`` is given and is not the served model."""
     if name is not None and name != served_name:
         raise p.ApiError(404, f"The model `{name}` does not exist; this server serves `{served_name}` (GET /v1/models).",
                          param="model", code="model_not_found")
@@ -237,7 +268,7 @@ def _engine_request(body: p.GenerationRequest, prompt: list[int], index: int, se
     """The scheduler request for one prompt, checked as the scheduler would check it
     (``check_request``) and its stop strings against the tokenizer; ApiError 400 otherwise."""
     sampling = p.sampling_params(body, logprobs, max_tokens)
-    request = EngineRequest(prompt=tuple(prompt), sampling=sampling, max_tokens=max_tokens)
+    request = EngineRequest(prompt=tuple(prompt), sampling=sampling)  # sampling.max_tokens is the budget
     try:
         check_stop_strings(sampling, served.tokenizer)
         check_request(served.runtime, index, request)
@@ -294,7 +325,7 @@ class _Job:
     kind: str  # "text_completion" or "chat.completion"
     id: str
     requests: list[EngineRequest]
-    include_usage: bool
+    usage: str | None  # streamed usage: None, "last" (a last chunk) or "every" (every chunk too: vLLM's continuous_usage_stats)
     token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -362,8 +393,9 @@ class _Job:
 
     async def _chunks(self, sink: Sink, ids: list[int]) -> AsyncIterator[str]:
         """The SSE stream: a chunk per text delta (chat: a first one with the role), the last
-        with the finish_reason, the usage chunk when asked, then ``data: [DONE]``. A client that
-        disconnects cancels it: its requests are aborted."""
+        with the finish_reason, the usage chunk when asked, then ``data: [DONE]``; a choice that
+        fails in the engine or is aborted by the server's stop gives an error event instead of
+        its last chunk. A client that disconnects cancels it: its requests are aborted."""
         chunk_kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
         choices = [_Choice() for _ in self.requests]
         done = 0
@@ -371,27 +403,31 @@ class _Job:
             if self.kind == "chat.completion":
                 for k in range(len(choices)):
                     first = p.chat_delta_choice(k, {"role": "assistant", "content": ""}, None, None, None)
-                    yield _sse(p.response_body(chunk_kind, self.id, self.created, self.model, [first], None))
+                    yield _sse(p.response_body(chunk_kind, self.id, self.created, self.model, [first], self._chunk_usage(k, choices)))
             while done < len(choices):
                 k, event = await sink.queue.get()
                 choice = choices[k]
                 offset = len(choice.text)
                 choice.add(event)
                 done += event.finish_reason is not None
-                if event.finish_reason == "error":
-                    yield _sse(p.error_body("the model produced no valid token (NaN/inf logits) or the engine failed; see the "
-                                            "server's log.", "server_error", code="internal_error"))
+                if event.finish_reason in _ENDED:
+                    yield _sse(_ENDED[event.finish_reason])
                     continue
                 if not event.text and event.finish_reason is None:
                     continue  # held back (a partial character or a possible stop string): its logprobs go with the next
                 yield _sse(p.response_body(chunk_kind, self.id, self.created, self.model, [self._delta(k, choice, event, offset)],
-                                           None))
-            if self.include_usage:
+                                           self._chunk_usage(k, choices)))
+            if self.usage is not None:
                 yield _sse(p.response_body(chunk_kind, self.id, self.created, self.model, [], self._usage(choices)))
             yield "data: [DONE]\n\n"
         finally:
             if done < len(choices):  # cancelled: the client went away
                 self.engine.abort(ids)
+
+    def _chunk_usage(self, k: int, choices: Sequence[_Choice]) -> dict | None:
+        """The usage a chunk of choice ``k`` carries: its prompt and tokens so far under vLLM's
+        continuous_usage_stats, else None."""
+        return p.usage(len(self.requests[k].prompt), choices[k].num_tokens) if self.usage == "every" else None
 
     def _delta(self, k: int, choice: _Choice, event: TokenEvent, offset: int) -> dict:
         """The streamed choice of ``event`` (its text delta, the logprobs of the tokens since the
@@ -404,6 +440,16 @@ class _Job:
             return p.chat_delta_choice(k, delta, logprobs, event.finish_reason, event.stop_reason)
         logprobs = p.completion_logprobs(pending, self._decode, offset) if wants else None
         return p.completion_choice(k, event.text, logprobs, event.finish_reason, event.stop_reason)
+
+
+_ENDED = {
+    "error": p.error_body("the model produced no valid token (NaN/inf logits) or the engine failed; see the server's log.",
+                          "server_error", code="internal_error"),
+    "abort": p.error_body("the server stopped before this request finished (its --shutdown-timeout ran out); retry.",
+                          "server_error", code="shutting_down"),
+}
+"""The error event a stream sends for a choice that ends without an answer, by finish_reason
+(an abort streams only at a server's stop: a client that went away reads nothing)."""
 
 
 def _raise_ended(choices: Sequence[_Choice]) -> None:

@@ -100,6 +100,11 @@ class _Abort:
 
 
 @attrs.frozen
+class _AbortAll:
+    pass
+
+
+@attrs.frozen
 class _Stop:
     pass
 
@@ -203,6 +208,17 @@ class Engine:
         with self._lock:
             self._accepting = False
 
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not finished yet (running or waiting)."""
+        with self._lock:
+            return self._in_flight
+
+    def abort_all(self) -> None:
+        """Abort every request running or waiting now (finish_reason "abort"); the engine serves
+        on (a draining server's timeout)."""
+        self._inbox.put(_AbortAll())
+
     def stop(self, timeout: float) -> None:
         """Stop: abort what still runs or waits (finish_reason "abort"), end the engine thread
         (waiting at most ``timeout`` seconds for it)."""
@@ -273,13 +289,13 @@ class Engine:
                 return commands
 
     def _apply(self, command: object, runtime: Runtime, state: Flight, queue: Queue) -> tuple[Flight, Queue]:
-        """Queue a submit's requests or abort requests; returns the new (state, queue)."""
+        """Queue a submit's requests or abort requests (some or all); returns the new (state, queue)."""
         if isinstance(command, _Submit):
             for choice, (index, request) in enumerate(zip(command.ids, command.requests)):
                 queue = submit(queue, index, request)
                 self._live[index] = _Live(sink=command.sink, choice=choice, prompt_len=len(request.prompt), arrival=command.arrival)
-        elif isinstance(command, _Abort):
-            for index in command.ids:
+        elif isinstance(command, _Abort | _AbortAll):
+            for index in command.ids if isinstance(command, _Abort) else list(self._live):
                 if index in self._live:  # else it finished already
                     state, queue = overlap_abort(runtime, state, queue, index)
                     self._finish(index, _ended(index, "abort"))

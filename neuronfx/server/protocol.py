@@ -3,9 +3,14 @@
 Requests are pydantic models with strict types (no "0.5" for a float, no ``true`` for an int)
 and unknown fields rejected, as OpenAI rejects them ("Unrecognized request argument"); vLLM's
 sampling extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output) and return_tokens_as_token_ids are accepted in the body. OpenAI fields neuronfx does not implement
-(n > 1, echo, suffix, best_of > 1, logit_bias, tools, response_format other than text) are
-accepted only at their neutral value and otherwise answered with a 400 naming the field.
+include_stop_str_in_output) and return_tokens_as_token_ids are accepted in the body. An optional
+field given as null takes its default, as OpenAI's and vLLM's servers do (clients send null for
+"not set"). Every string is checked for lone UTF-16 surrogates (JSON allows ``"\\ud800"``; no
+tokenizer takes one): a 400 naming the field and the character. Chat messages take OpenAI's
+tool-calling shapes (an assistant message's ``tool_calls``, a tool message's ``tool_call_id``),
+which go to the chat template (:func:`chat_messages`). OpenAI fields neuronfx does not implement (n > 1, echo,
+suffix, best_of > 1, logit_bias, tools, response_format other than text) are accepted only at
+their neutral value and otherwise answered with a 400 naming the field.
 
 Ranges are not checked here: :func:`sampling_params` builds a :class:`neuronfx.SamplingParams`,
 whose named checks raise the 400s. Responses are plain dicts (what is serialized).
@@ -13,12 +18,14 @@ whose named checks raise the 400s. Responses are plain dicts (what is serialized
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import SamplingParamsError
@@ -52,31 +59,60 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 # --- requests -----------------------------------------------------------------------------------
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str) -> str:
+    """``text`` itself; PydanticCustomError "lone_surrogate" (a 400 through
+    :func:`validation_message`) naming the first lone UTF-16 surrogate and its character
+    position: JSON's ``"\\ud800"`` decodes to one, which no tokenizer and no UTF-8 encoder takes."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise PydanticCustomError("lone_surrogate", "a lone UTF-16 surrogate U+{code} at character {position}",
+                                  {"code": f"{ord(found.group()):04X}", "position": found.start()})
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(check_text)]
+"""A request string: strictly a JSON string, valid Unicode (:func:`check_text`)."""
+
+
 class _Forbid(BaseModel):
-    """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied")."""
+    """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied"); an optional
+    field given as null takes its default (OpenAI's and vLLM's servers accept null for every
+    optional field; clients send it for "not set")."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic answers "a valid dictionary" for it
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Forbid):
     include_usage: StrictBool = False  # one last chunk with the usage (and "usage": null on the others)
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class GenerationRequest(_Forbid):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    model: StrictStr | None = None  # None: the served model (vLLM); another name is a 404
+    model: Text | None = None  # None: the served model (vLLM); another name is a 404
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None  # None: DEFAULT_TEMPERATURE
     top_p: StrictFloat = 1.0
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
     n: StrictInt = 1
-    user: StrictStr | None = None  # an end-user id: accepted and ignored (as vLLM)
+    user: Text | None = None  # an end-user id: accepted and ignored (as vLLM)
     logit_bias: dict[str, StrictFloat] | None = None  # not supported: only empty
     # vLLM's extras
     top_k: StrictInt = 0
@@ -92,22 +128,51 @@ class GenerationRequest(_Forbid):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions: one choice per prompt (a list of prompts gives several choices)."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None  # top-N logprobs per token
     echo: StrictBool = False  # not supported: only false
-    suffix: StrictStr | None = None  # not supported: only null
+    suffix: Text | None = None  # not supported: only null
     best_of: StrictInt | None = None  # not supported: only 1
 
 
 class TextPart(_Forbid):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
+
+
+class FunctionCall(_Forbid):
+    name: Text
+    arguments: Text  # the arguments as a JSON string (OpenAI's)
+
+
+class ToolCall(_Forbid):
+    """One call in an assistant message's ``tool_calls`` (OpenAI's shape)."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class ChatMessage(_Forbid):
+    """One chat message. ``tool_calls`` only on an assistant message (its content may then be
+    null), ``tool_call_id`` only on a tool message; both go to the chat template
+    (:func:`chat_messages`). Another role with either is a 400 naming the message."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # role "assistant": the calls it made
+    tool_call_id: Text | None = None  # role "tool": the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_field_role", "tool_calls is only allowed on a message with role 'assistant' "
+                                      "(this one has role '{role}')", {"role": self.role})
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError("tool_field_role", "tool_call_id is only allowed on a message with role 'tool' "
+                                      "(this one has role '{role}')", {"role": self.role})
+        return self
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -118,15 +183,15 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None  # needs logprobs: true
     tools: list[dict[str, Any]] | None = None  # not supported: only empty
-    tool_choice: StrictStr | None = None  # not supported: only "none"
+    tool_choice: Text | None = None  # not supported: only "none"
     response_format: dict[str, Any] | None = None  # not supported: only {"type": "text"}
 
 
 class TokenizeRequest(_Forbid):
     """POST /tokenize (vLLM): ``prompt`` text, or ``messages`` through the chat template."""
 
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (vLLM)
     add_generation_prompt: StrictBool = True
@@ -136,7 +201,7 @@ class TokenizeRequest(_Forbid):
 class DetokenizeRequest(_Forbid):
     """POST /detokenize (vLLM): token ids back to text."""
 
-    model: StrictStr | None = None
+    model: Text | None = None
     tokens: list[StrictInt]
 
 
@@ -152,13 +217,18 @@ FIELD_SHAPES = {
 
 def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a request body (FastAPI's 422 made a 400): the
-    first error, named by its field path; a union field's several member errors become one line
-    saying what the field accepts (FIELD_SHAPES)."""
-    first = errors[0]
+    first error, named by its field path (a lone surrogate first: a union field's other members
+    fail on the same string only because it is a string); a union field's several member errors
+    become one line saying what the field accepts (FIELD_SHAPES)."""
+    first = next((e for e in errors if e["type"] == "lone_surrogate"), errors[0])
     loc = [str(part) for part in first["loc"]]
     if first["type"] == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}.", None
     path = loc[1:] if loc and loc[0] == "body" else loc
+    if first["type"] == "string_unicode" and isinstance(first.get("input"), str):  # pydantic's own check of a field name
+        where = f"in {'.'.join(path)}" if path else "of the request body"
+        return (f"a field name {where} has a lone UTF-16 surrogate (got {first['input']!r:.40}); send valid Unicode (a surrogate only "
+                "as one half of a pair)."), path[0] if path else None
     if not path:
         return f"the request body must be a JSON object ({first['msg']}; got {first.get('input')!r:.60}).", None
     param = path[0]
@@ -167,6 +237,8 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     if first["type"] == "missing":
         return f"{'.'.join(path)} is required.", ".".join(path)
     where = ".".join(p for p in path if not _is_union_tag(p))
+    if first["type"] == "lone_surrogate":
+        return f"{where} has {first['msg']}; send valid Unicode (a surrogate only as one half of a pair).", param
     shape = next((FIELD_SHAPES[p] for p in reversed(path) if p in FIELD_SHAPES), None)
     if shape is not None and any(_is_union_tag(p) for p in path):
         return f"{where} must be {shape}; got {first.get('input')!r:.80}.", param
@@ -246,13 +318,31 @@ def sampling_param_name(req: GenerationRequest, exc: SamplingParamsError) -> str
     return name
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a chat template reads them: text parts joined by newlines (vLLM)."""
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: text parts joined by newlines and null content
+    as "" (vLLM); ``name``, ``tool_calls`` and ``tool_call_id`` when given, each call's
+    ``arguments`` as the JSON value its string holds (transformers' templates read a dict; vLLM
+    does the same; a string that is not JSON stays a string)."""
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
-        out.append({"role": m.role, "content": content or ""} | ({"name": m.name} if m.name is not None else {}))
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls is not None:
+            message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 # --- responses ----------------------------------------------------------------------------------
