@@ -65,7 +65,10 @@ def compile(
     ``inductor``) and not for ``eager``; True uses it, False does not; a path uses the cache in
     that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
     plan loads its graphs instead of compiling them; the cache holds graph files only, never
-    weights: the runtime always runs on ``state_dict``. Raises ConfigError when no weights are
+    weights: the runtime always runs on ``state_dict`` (``runtime.from_cache`` says whether it
+    hit). ``progress``: a bar per compile and one line per cache event (hit, miss and why, slow
+    load or write, corrupt entry) on stderr; False: no bar, the same lines through the
+    ``neuronfx.cache`` and ``neuronfx.compile`` loggers (a corrupt entry as a WARNING). Raises ConfigError when no weights are
     given, ``cache`` is not one of those or the plan's CUDA device is not on this machine (before
     anything loads), CheckpointError for missing/extra/mis-shaped
     tensors, BackendUnavailableError for a backend whose optional dependencies are missing.

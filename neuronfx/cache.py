@@ -2,31 +2,40 @@
 
 An entry is keyed by a content hash (:func:`cache_key`) of the model config, the inference
 config, the backend, the versions of neuronfx, torch and Python, a fingerprint of neuronfx's
-source, the machine and torch's thread count. It holds graph files only (the layout of a saved runtime without
-weights: ``plan.json``, ``manifest.json``, ``graphs/*.pt2`` or ``inductor/``): weights are
-graph inputs, never baked into compiled code, so a hit runs on the caller's weights.
+source, the machine and what the backend bakes in (inductor: torch's thread count). It holds
+graph files only (the layout of a saved runtime without weights: ``plan.json``,
+``manifest.json``, ``graphs/*.pt2`` or ``inductor/``) and ``key.json``, the key's components:
+weights are graph inputs, never baked into compiled code (nor kept as an exported program's
+example inputs), so a hit runs on the caller's weights. A miss on a plan that has an entry
+built under other components names them (:func:`explain_miss`: another thread count, torch, ...).
+
+What happens is reported as one line per event: on stderr (``neuronfx: ...``) with
+``progress``, else through the ``neuronfx.cache`` logger (INFO; a corrupt entry: WARNING).
 
 Location: ``$NEURONFX_CACHE_DIR``, default ``~/.cache/neuronfx``; ``<root>/<key>/`` per entry.
 Concurrency: a process holds ``<root>/<key>.lock`` (``filelock``) while it checks, builds or
 loads that entry; a new entry is written to ``<root>/.tmp-<key>-*`` and renamed into place, so
 an entry is complete or absent and a crash leaves only a temp directory (``clear`` removes it).
 A corrupt or half-written entry (sha256 mismatch, missing file, unreadable plan or graph) is
-reported with a RuntimeWarning naming the entry and the reason, moved aside, and rebuilt.
+reported (one line naming the entry and the reason), moved aside, and rebuilt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
-import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +52,12 @@ from neuronfx.graphs.layers import Weights
 from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime
 
 ENV_VAR = "NEURONFX_CACHE_DIR"
+KEY_FILE = "key.json"
+"""An entry's key components (:func:`key_components`) and how long its compile took."""
+ANNOUNCE_AFTER_S = 2.0
+"""A cache load, write or lock wait still running after this many seconds says what it is doing."""
 _ENTRY_ERRORS = (NeuronfxError, OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
-
-
-class CacheEntryWarning(RuntimeWarning):
-    """A compile-cache entry was corrupt or half-written; it was moved aside and rebuilt."""
+logger = logging.getLogger("neuronfx.cache")
 
 
 def default_cache_dir() -> Path:
@@ -68,21 +78,98 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
     raise ConfigError(f"cache={cache!r} must be None (default), True, False or a directory path.")
 
 
-def cache_key(plan: Plan) -> str:
-    """sha256 hex of the canonical JSON of (model config, inference config, tensor-parallel
-    rank, environment, torch's intra-op thread count (compiled inductor code guards on it and
-    refuses to run under another), what the backend chose on this machine (``Backend.choices``:
-    the inductor backend's 16-bit prefill path)); ``plan.checkpoint`` is left out: entries hold
-    no weights."""
+def key_components(plan: Plan) -> dict[str, Any]:
+    """What :func:`cache_key` hashes, as JSON values: model config, inference config,
+    tensor-parallel rank, environment (:func:`neuronfx.artifacts.environment`: versions, source
+    fingerprint, machine) and what the backend bakes in here (``Backend.choices``: inductor's
+    thread count, as its compiled code guards on it and refuses to run under another, and its
+    16-bit prefill path). ``plan.checkpoint`` is left out: entries hold no weights."""
     content = {
         "model": unstructure(plan.model),
         "inference": unstructure(plan.inference),
         "rank": plan.rank,
         "environment": environment(plan.inference.backend),
-        "num_threads": torch.get_num_threads(),
         "choices": get_backend(plan.inference.backend).choices(plan),
     }
-    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return json.loads(_canonical(content))  # tuples as lists: what key.json reads back
+
+
+def _canonical(content: object) -> str:
+    return json.dumps(content, sort_keys=True, separators=(",", ":"))
+
+
+def cache_key(plan: Plan) -> str:
+    """sha256 hex of the canonical JSON of :func:`key_components`."""
+    return _digest(key_components(plan))
+
+
+def _digest(components: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(components).encode()).hexdigest()
+
+
+_PLAN_PARTS = ("model", "inference", "rank")
+"""The key components that make the plan; the others say where and how it was compiled."""
+
+
+def _spread(components: dict[str, Any]) -> dict[str, object]:
+    """``components`` with the environment and the backend's choices spread into one item each
+    (``environment.torch``, ``choices.num_threads``), so a difference names the one that differs."""
+    out = {part: components[part] for part in _PLAN_PARTS}
+    for part in ("environment", "choices"):
+        out |= {f"{part}.{name}": value for name, value in components[part].items()}
+    return out
+
+
+def _shown(name: str, value: object) -> str:
+    """One key component for a person: "2 threads", "torch 2.13.0", "no widen_16bit"."""
+    short = name.rsplit(".", 1)[-1]
+    if value is None:
+        return f"no {short}"
+    if name == "choices.num_threads":
+        return f"{value} thread{'' if value == 1 else 's'}"
+    if name == "environment.neuronfx_source":
+        return f"neuronfx source {str(value)[:12]}"
+    return f"{short} {value}"
+
+
+def explain_miss(root: Path, plan: Plan) -> str | None:
+    """Why ``plan`` has no entry under ``root`` when entries of the same plan (model, inference
+    config, rank) were compiled under other key components, naming those of the nearest (fewest
+    differences), e.g. "no entry for this plan with 1 thread; an entry exists for 2 threads (run
+    with OMP_NUM_THREADS=2 to use it; entry 3f2a..., compiled in 186 s)"; None when there is
+    none. Entries without a readable ``key.json`` (older or damaged) are skipped."""
+    return _explain(root, key_components(plan))
+
+
+def _explain(root: Path, components: dict[str, Any]) -> str | None:
+    """:func:`explain_miss` of the plan whose key components are ``components``."""
+    ours = _spread(components)
+    best: tuple[list[str], Path, dict, dict] | None = None
+    for entry in _entries(root):
+        try:
+            recorded = json.loads((entry / KEY_FILE).read_text())
+            theirs = _spread(recorded["components"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if any(theirs[part] != ours[part] for part in _PLAN_PARTS):
+            continue
+        differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+        if differ and (best is None or len(differ) < len(best[0])):
+            best = (differ, entry, recorded, theirs)
+    if best is None:
+        return None
+    differ, entry, recorded, theirs = best
+    hints = []
+    if "choices.num_threads" in differ:
+        hints.append(f"run with OMP_NUM_THREADS={theirs['choices.num_threads']} to use it")
+    if "environment.neuronfx_source" in differ:
+        hints.append("another checkout or an edit of neuronfx/graphs or neuronfx/config")
+    if isinstance(recorded.get("compile_s"), (int, float)):
+        hints.append(f"entry {entry.name[:16]}, compiled in {recorded['compile_s']:.0f} s")
+    else:
+        hints.append(f"entry {entry.name[:16]}")
+    return (f"no entry for this plan with {', '.join(_shown(n, ours.get(n)) for n in differ)}; an entry exists for "
+            f"{', '.join(_shown(n, theirs.get(n)) for n in differ)} ({'; '.join(hints)})")
 
 
 KERNELS = "kernels"
@@ -108,34 +195,67 @@ def kernel_store(root: Path, plan: Plan) -> Path:
 
 def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bool = True) -> Runtime:
     """The runtime of ``plan`` on ``weights``: graphs loaded from the cache entry under ``root``
-    when there is a good one, else built (and, with a root, written as a new entry). With
-    ``progress``, one line on stderr says which happened and what the next run will do."""
+    when there is a good one, else built (and, with a root, written as a new entry). Reports
+    (:func:`_report`) a hit with its time; a miss before compiling, with why when an entry of
+    the plan exists under other key components (:func:`explain_miss`); the compile's time
+    once the entry is written; and a lock wait, load or write that takes more than
+    :data:`ANNOUNCE_AFTER_S` while it runs."""
     if root is None:
         return build_runtime(plan, weights, build_graphs(plan, weights, progress))
-    key = cache_key(plan)
+    components = key_components(plan)
+    key = _digest(components)
     root.mkdir(parents=True, exist_ok=True)
-    entry = root / key
-    t0 = time.perf_counter()
-    with FileLock(str(root / f"{key}.lock")):
+    entry, n = root / key, len(plan.graphs)
+    lock = FileLock(str(root / f"{key}.lock"))
+    with _announced(progress, f"waiting for {lock.lock_file}: another process is compiling or loading this plan ..."):
+        lock.acquire()
+    try:
         if entry.exists():
-            loaded = _load_entry(entry, plan, weights)
+            t0 = time.perf_counter()
+            with _announced(progress, f"loading {n} graphs from the compile cache (entry {entry}) ..."):
+                loaded = _load_entry(entry, plan, weights, progress)
             if loaded is not None:
-                _report(progress, f"loaded {len(plan.graphs)} compiled graphs from the compile cache ({entry}) "
-                        f"in {time.perf_counter() - t0:.1f} s")
-                return build_runtime(plan, weights, loaded, key)
+                _report(progress, f"loaded {n} graphs from the compile cache (entry {entry}) in {time.perf_counter() - t0:.1f} s")
+                return build_runtime(plan, weights, loaded, key, from_cache=True)
+        why = _explain(root, components) or f"no entry for this plan in {root}"
+        _report(progress, f"compile cache: {why}; compiling {n} {plan.inference.backend} graphs")
+        t0 = time.perf_counter()
         runtime = build_runtime(plan, weights, build_graphs(plan, weights, progress, kernel_store(root, plan)), key)
-        if _write_entry(root, key, runtime):
-            _report(progress, f"compiled {len(plan.graphs)} graphs in {time.perf_counter() - t0:.0f} s and saved them "
-                    f"in the compile cache ({entry}): the next run of this plan loads them in seconds")
+        compile_s = time.perf_counter() - t0
+        with _announced(progress, f"writing the compile cache entry {entry} ..."):
+            written = _write_entry(root, components, runtime, compile_s, progress)
+        if written:
+            _report(progress, f"compiled {n} graphs in {compile_s:.1f} s and saved them in the compile cache (entry {entry}): "
+                    "the next run of this plan loads them in seconds")
         return runtime
+    finally:
+        lock.release()
 
 
-def _report(progress: bool, line: str) -> None:
+def _report(progress: bool, line: str, level: int = logging.INFO) -> None:
+    """One line on what the cache did: on stderr with ``progress`` (the CLI, and the Python API
+    by default), else through the ``neuronfx.cache`` logger (a server's log; WARNING lines
+    Python prints on stderr even where logging is not configured: one line, no source line)."""
     if progress:
-        print(f"neuronfx: {line}", file=sys.stderr, flush=True)
+        print(f"neuronfx: {'warning: ' if level >= logging.WARNING else ''}{line}", file=sys.stderr, flush=True)
+    else:
+        logger.log(level, line)
 
 
-def _load_entry(entry: Path, plan: Plan, weights: Weights) -> Built | None:
+@contextlib.contextmanager
+def _announced(progress: bool, line: str) -> Iterator[None]:
+    """Report ``line`` if the block still runs after :data:`ANNOUNCE_AFTER_S`: a quick step
+    stays quiet, a slow one is never a silence."""
+    timer = threading.Timer(ANNOUNCE_AFTER_S, _report, (progress, line))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _load_entry(entry: Path, plan: Plan, weights: Weights, progress: bool) -> Built | None:
     """The entry's graphs, or None after reporting and moving aside a bad entry (lock held)."""
     try:
         manifest = read_manifest(entry)
@@ -143,12 +263,15 @@ def _load_entry(entry: Path, plan: Plan, weights: Weights) -> Built | None:
             raise ArtifactError(f"{entry / PLAN} is another plan than the one its key names")
         return get_backend(plan.inference.backend).load(plan, weights, entry)
     except _ENTRY_ERRORS as exc:
-        warnings.warn(
-            f"neuronfx compile cache entry {entry} is unusable ({type(exc).__name__}: {exc}); moved aside and rebuilt.",
-            CacheEntryWarning, stacklevel=4,
-        )
+        _report(progress, f"compile cache entry {entry} is unusable ({type(exc).__name__}: {_one_line(exc)}); moved it aside, "
+                "compiling the plan again", logging.WARNING)
         _discard(entry)
         return None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (some, e.g. torch's load errors, span several)."""
+    return " ".join(str(exc).split())
 
 
 def _without_checkpoint(plan: Plan) -> Plan:
@@ -165,20 +288,24 @@ def _discard(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _write_entry(root: Path, key: str, runtime: Runtime) -> bool:
-    """Write the entry to a temp directory and rename it into place (lock held); whether it
-    was written. Failing to write only costs the cache (warned); the compiled runtime is still
-    returned."""
+def _write_entry(root: Path, components: dict[str, Any], runtime: Runtime, compile_s: float, progress: bool) -> bool:
+    """Write the entry of key ``components`` (its graphs, plan, ``key.json`` with the components
+    and ``compile_s``, manifest) to a temp directory and rename it into place (lock held);
+    whether it was written. Failing to write only costs the cache (reported); the compiled
+    runtime is still returned."""
+    key = _digest(components)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         plan = _without_checkpoint(runtime.plan)
         files = write_graph_files(runtime, tmp)
         (tmp / PLAN).write_text(plan_to_json(plan))
-        write_manifest(tmp, plan, files + [PLAN])
+        (tmp / KEY_FILE).write_text(json.dumps({"components": components, "compile_s": round(compile_s, 1)},
+                                               indent=2, sort_keys=True))
+        write_manifest(tmp, plan, files + [PLAN, KEY_FILE])
         os.rename(tmp, root / key)
     except (*_ENTRY_ERRORS, pickle.PicklingError, TypeError, AttributeError) as exc:
-        warnings.warn(f"could not write neuronfx compile cache entry {root / key} ({type(exc).__name__}: {exc}); the runtime is fine, "
-                      "the next compile of this plan compiles again.", CacheEntryWarning, stacklevel=3)
+        _report(progress, f"could not write the compile cache entry {root / key} ({type(exc).__name__}: {_one_line(exc)}); "
+                "the runtime is fine, the next compile of this plan compiles again", logging.WARNING)
         shutil.rmtree(tmp, ignore_errors=True)
         return False
     return True
@@ -237,13 +364,15 @@ def _find(root: Path, key: str) -> Path:
 
 
 def inspect_entry(key: str, root: Path | None = None) -> dict[str, Any]:
-    """The manifest and plan of the entry whose key starts with ``key``, and whether it verifies
+    """The manifest, plan and ``key.json`` of the entry whose key starts with ``key``, and whether it verifies
     (``ok``; ``error`` says why not). Raises ArtifactError when the prefix matches no or several entries."""
     entry = _find(root or default_cache_dir(), key)
     info: dict[str, Any] = {"key": entry.name, "path": str(entry), "bytes": _size(entry)}
     try:
         info["manifest"] = read_manifest(entry)
         info["plan"] = json.loads((entry / PLAN).read_text())
+        if (entry / KEY_FILE).is_file():
+            info["key_file"] = json.loads((entry / KEY_FILE).read_text())
         info["ok"] = True
     except (ArtifactError, OSError, ValueError) as exc:
         info |= {"ok": False, "error": str(exc)}
@@ -273,13 +402,15 @@ def clear(key: str | None = None, root: Path | None = None) -> list[str]:
 
 __all__ = [
     "ENV_VAR",
-    "CacheEntryWarning",
+    "KEY_FILE",
     "cache_key",
     "clear",
     "compile_graphs",
     "default_cache_dir",
+    "explain_miss",
     "inspect_entry",
     "kernel_store",
+    "key_components",
     "list_entries",
     "resolve_cache",
 ]

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import attrs
@@ -42,6 +43,11 @@ def test_round_trip_identical_tokens_and_logits(hf, backend, request, tmp_path):
     neuronfx.save(rt, tmp_path / "rt")
     if backend == "inductor":  # the compiled kernels ship: loading compiles no C++
         assert any(p.suffix == ".so" for p in (tmp_path / "rt" / INDUCTOR_DIR).rglob("*"))
+    if backend == "export":  # a .pt2 is its program; the weights are in weights.safetensors only (they were in each)
+        weight_bytes = (tmp_path / "rt" / WEIGHTS).stat().st_size
+        for graph in (tmp_path / "rt" / "graphs").glob("*.pt2"):
+            data = sum(m.file_size for m in zipfile.ZipFile(graph).infolist() if m.filename.split("/", 1)[1].startswith("data/"))
+            assert data < 16 * 1024 < weight_bytes / 10
     loaded = neuronfx.load(tmp_path / "rt")
     assert loaded.plan == rt.plan
     tokens, logits = outputs(loaded)

@@ -6,11 +6,15 @@ push and offline hub load. Export backend with one prefill and one decode bucket
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import attrs
@@ -59,7 +63,7 @@ def test_hit_loads_graphs_and_runs_on_the_callers_weights(hf, filled):
     root, key, want = filled
     before = snapshot(root / key)
     rt = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
-    assert rt.cache_key == key and same(outputs(rt), want)
+    assert rt.cache_key == key and rt.from_cache and same(outputs(rt), want)
     other = tiny_hf_model("llama", seed=11)  # same config, other weights: same entry, its own outputs
     rt2 = neuronfx.compile(tiny_plan(other, "export", **SMALL), other.state_dict(), progress=False, cache=root)
     eager = neuronfx.compile(tiny_plan(other, "eager", **SMALL), other.state_dict(), progress=False)
@@ -70,6 +74,29 @@ def test_hit_loads_graphs_and_runs_on_the_callers_weights(hf, filled):
     assert [e["key"] for e in cache.list_entries(root)] == [key]
 
 
+def data_bytes(pt2: Path) -> int:
+    """Bytes of a .pt2 archive's tensor data (``data/``: sample inputs, weights, constants)."""
+    return sum(m.file_size for m in zipfile.ZipFile(pt2).infolist() if m.filename.split("/", 1)[1].startswith("data/"))
+
+
+def test_export_entry_holds_programs_not_weights(hf, filled):
+    """torch.export.save writes a program's example inputs into its .pt2, and the weights and
+    the KV cache were graph inputs: every graph file held a copy of the weights (SmolLM2 batch 2:
+    609 MB of 612 MB). Now an entry's example inputs are meta tensors (structure only), and the
+    whole entry is about its programs' JSON; a hit still gives the compile's tokens (above)."""
+    root, key, _ = filled
+    weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
+    graphs = sorted((root / key / "graphs").glob("*.pt2"))
+    assert len(graphs) == 2
+    for graph in graphs:
+        assert data_bytes(graph) < 16 * 1024 < weight_bytes / 10
+        program = zipfile.ZipFile(graph).getinfo(f"{graph.stem}/models/model.json").file_size
+        assert graph.stat().st_size < program + 64 * 1024  # the program, little else
+    for ep in (neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root).graphs.values()):
+        assert all(t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(ep.program.example_inputs)
+                   if isinstance(t, torch.Tensor))  # loaded: no copy of the weights kept per graph either
+
+
 def test_key_covers_plan_and_versions_not_checkpoint(hf, monkeypatch):
     plan = tiny_plan(hf, "export", **SMALL)
     assert cache.cache_key(plan) == cache.cache_key(attrs.evolve(plan, checkpoint="/elsewhere"))
@@ -77,6 +104,22 @@ def test_key_covers_plan_and_versions_not_checkpoint(hf, monkeypatch):
     before = cache.cache_key(plan)
     monkeypatch.setattr(torch, "__version__", "1.0.0")
     assert cache.cache_key(plan) != before
+
+
+def test_thread_count_keys_inductor_entries_only(hf):
+    """Inductor's generated C++ is compiled for torch's thread count (its compiled functions
+    refuse to run under another): part of an inductor key. An exported program runs ATen ops
+    whatever the thread count: running with OMP_NUM_THREADS=1 must not miss an export entry."""
+    export, inductor = tiny_plan(hf, "export", **SMALL), tiny_plan(hf, "inductor", **SMALL)
+    threads = torch.get_num_threads()
+    keys = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            keys[n] = (cache.cache_key(export), cache.cache_key(inductor))
+    finally:
+        torch.set_num_threads(threads)
+    assert keys[1][0] == keys[2][0] and keys[1][1] != keys[2][1]
 
 
 def test_cache_argument(tmp_path, monkeypatch):
@@ -144,7 +187,7 @@ def _half_written(entry: Path) -> None:
     (_flip_byte_in_graph, "is corrupt"), (_other_torch, "torch '1.0.0'"),  # a truncated graph: the same hash check
     (_unknown_plan_key, "bogus"), (_half_written, "no manifest.json"),
 ])
-def test_damaged_entry_is_reported_and_rebuilt(hf, filled, tmp_path, damage, reason):
+def test_damaged_entry_is_reported_and_rebuilt(hf, filled, tmp_path, damage, reason, caplog):
     root0, key, want = filled
     root = tmp_path / "cache"
     shutil.copytree(root0, root)
@@ -153,9 +196,11 @@ def test_damaged_entry_is_reported_and_rebuilt(hf, filled, tmp_path, damage, rea
     good_key = cache.cache_key(good)
     before = snapshot(root / good_key)
     damage(root / key)
-    with pytest.warns(cache.CacheEntryWarning, match=f"{key}.*{reason}.*rebuilt"):
+    with caplog.at_level(logging.INFO, logger="neuronfx.cache"):
         rt = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
-    assert same(outputs(rt), want)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and re.search(f"{key}.*{reason}.*moved it aside, compiling the plan again", warned[0]), warned
+    assert same(outputs(rt), want) and not rt.from_cache
     read_manifest(root / key)  # rebuilt and good
     assert snapshot(root / good_key) == before
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([key, good_key])
@@ -208,9 +253,14 @@ def test_cli_compile_then_generate_from_dir_and_hub(hf, tmp_path, capsys, monkey
     want = json.loads(capsys.readouterr().out)["token_ids"]
     assert main(["compile", str(model), "--out", str(out), *PLAN_ARGS, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["graphs"] == 2 and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert summary["graphs"] == 2 and summary["from_cache"] and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert all(data_bytes(f) < 16 * 1024 for f in (out / "graphs").iterdir())  # the weights once, in weights.safetensors
     assert main(["generate", "--model", str(out), *gen]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main(["generate", "--model", str(model), *PLAN_ARGS, *gen[:-1]]) == 0  # not --json: progress and timing lines
+    err = capsys.readouterr().err
+    assert f"neuronfx: loaded 2 graphs from the compile cache (entry {tmp_path / 'cache' / summary['cache_key']}) in" in err
+    assert re.search(r"; load \d+\.\d s, graphs from the compile cache \d+\.\d s\]", err), err
     assert main(["generate", "--model", str(out), "--batch-size", "2", *gen]) == 2
     assert "compiled with 1" in capsys.readouterr().err
 
@@ -227,6 +277,36 @@ def test_cli_compile_then_generate_from_dir_and_hub(hf, tmp_path, capsys, monkey
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
     with pytest.raises(ArtifactError, match="nobody/missing"):
         neuronfx.load("nobody/missing")
+
+
+def test_serve_log_says_where_the_graphs_came_from(hf, filled, caplog):
+    """`neuronfx serve` builds without progress bars: the cache's lines go to the
+    "neuronfx.cache" logger (the server's log), and the CLI's summary line says compiled or
+    loaded from the compile cache."""
+    from neuronfx.cli import LoadedRuntime
+
+    root, key, _ = filled
+    with caplog.at_level(logging.INFO, logger="neuronfx.cache"):
+        hit = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [f"loaded 2 graphs from the compile cache (entry {root / key})"]
+    built = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=False)
+    summary = {rt.from_cache: LoadedRuntime(runtime=rt, tokenizer=None, model="m", load_s=2.0, compile_s=1.5).summary()
+               for rt in (hit, built)}
+    assert summary[True] == f"checkpoint loaded in 2.0 s; 2 graphs loaded from the compile cache (entry {key[:16]}) in 1.5 s"
+    assert summary[False] == "checkpoint loaded in 2.0 s; 2 graphs compiled in 1.5 s"
+
+
+def test_compile_without_progress_logs_each_graph(hf, tmp_path, caplog):
+    """Without progress bars (serve), a compile says what it does in the log: the miss, one line
+    per graph, the compile's time."""
+    plan = tiny_plan(hf, "eager", batch_size=1, **SMALL)
+    with caplog.at_level(logging.INFO, logger="neuronfx"):
+        neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"compile cache: no entry for this plan in {tmp_path}; compiling 2 eager graphs"
+    assert re.fullmatch(r"compile \(eager\): 1 of 2 graphs done after \d+\.\d s; prefill 1x32", lines[1]), lines
+    assert re.fullmatch(r"compile \(eager\): 2 of 2 graphs done after \d+\.\d s; decode 1x64", lines[2]), lines
+    assert lines[3].startswith("compiled 2 graphs in ") and len(lines) == 4
 
 
 def test_push_to_hub_uploads_the_verified_folder(hf, tmp_path, monkeypatch):
@@ -273,9 +353,73 @@ def test_progress_says_compiled_then_loaded(hf, tmp_path, capsys):
     assert f"compiled {len(plan.graphs)} graphs in" in err and "the next run of this plan loads them in seconds" in err
     neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
     err = capsys.readouterr().err
-    assert f"loaded {len(plan.graphs)} compiled graphs from the compile cache" in err and "compile (eager)" not in err
+    assert f"loaded {len(plan.graphs)} graphs from the compile cache (entry {tmp_path / cache.cache_key(plan)}) in" in err
+    assert "compile (eager)" not in err
     neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
     assert capsys.readouterr().err == ""
+
+
+def test_damaged_entry_is_one_line_on_stderr(hf, tmp_path, capsys):
+    """With progress (the CLI), a corrupt entry is one line on stderr: no Python source line
+    under it, as warnings.warn printed."""
+    plan = tiny_plan(hf, "eager", batch_size=1, **SMALL)
+    neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
+    (tmp_path / cache.cache_key(plan) / PLAN).write_text("{}")
+    capsys.readouterr()
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    warned = [i for i, line in enumerate(lines) if "unusable" in line]
+    assert len(warned) == 1 and lines[warned[0]].startswith("neuronfx: warning: compile cache entry "), lines
+    assert "is corrupt" in lines[warned[0]] and lines[warned[0]].endswith("moved it aside, compiling the plan again")
+    assert lines[warned[0] + 1].startswith("neuronfx: compile cache: no entry for this plan"), lines  # no source line between
+
+
+def test_miss_names_the_entry_of_the_plan_built_otherwise(hf, tmp_path, capsys, monkeypatch):
+    """A miss on a plan that has an entry compiled under other key components says which ones,
+    before compiling: another torch here; another thread count for an inductor entry (its
+    key.json written as a 2-thread process would), with the OMP_NUM_THREADS that uses it."""
+    plan = tiny_plan(hf, "eager", batch_size=1, **SMALL)
+    neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
+    assert cache.explain_miss(tmp_path, plan) is None  # the same components: nothing to explain
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    err = capsys.readouterr().err
+    assert re.search(r"neuronfx: compile cache: no entry for this plan with torch 9\.9\.9; an entry exists for torch "
+                     r"\S+ \(entry [0-9a-f]{16}, compiled in \d+ s\); compiling 2 eager graphs", err), err
+    monkeypatch.undo()
+
+    inductor = tiny_plan(hf, "inductor", **SMALL)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        components = cache.key_components(inductor)
+    finally:
+        torch.set_num_threads(threads)
+    entry = tmp_path / ("ab" * 32)
+    entry.mkdir()
+    (entry / cache.KEY_FILE).write_text(json.dumps({"components": components, "compile_s": 186.4}))
+    torch.set_num_threads(1)
+    try:
+        why = cache.explain_miss(tmp_path, inductor)
+    finally:
+        torch.set_num_threads(threads)
+    assert why == ("no entry for this plan with 1 thread; an entry exists for 2 threads (run with OMP_NUM_THREADS=2 to use "
+                   f"it; entry {'ab' * 8}, compiled in 186 s)")
+
+
+def test_slow_cache_steps_say_what_they_do(hf, tmp_path, capsys, monkeypatch):
+    """A write or load of an entry that takes longer than ANNOUNCE_AFTER_S says so while it
+    runs (a 5.8 GB write once sat silent for 110 s after the bar)."""
+    plan = tiny_plan(hf, "eager", batch_size=1, **SMALL)
+    monkeypatch.setattr(cache, "ANNOUNCE_AFTER_S", 0.05)
+    for name in ("_write_entry", "_load_entry"):
+        slow = getattr(cache, name)
+        monkeypatch.setattr(cache, name, lambda *a, _f=slow: time.sleep(0.5) or _f(*a))
+    entry = tmp_path / cache.cache_key(plan)
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    assert f"neuronfx: writing the compile cache entry {entry} ...\n" in capsys.readouterr().err
+    neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
+    assert f"neuronfx: loading 2 graphs from the compile cache (entry {entry}) ...\n" in capsys.readouterr().err
 
 
 def test_kernel_store_is_keyed_by_model_shape(hf):

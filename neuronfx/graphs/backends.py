@@ -8,7 +8,8 @@ of output tensors. :data:`BACKENDS` is the one table keyed by backend name; noth
 - eager: the GraphModule itself with the reference ops; the reference for every test.
 - export: ``torch.export.export`` per (phase, batch, bucket) with the reference ops; the KV
   cache is updated in place (the exported program keeps the ``index_put_`` on the input) and
-  weights are inputs, so all programs share one copy. Saved as ``graphs/*.pt2``.
+  weights are inputs, so all programs share one copy. Saved as ``graphs/*.pt2``, each holding
+  its program only (its example inputs are kept as meta tensors: no weights, no KV cache).
 - inductor: ``torch.compile`` (inductor) of each part of a phase with the CPU kernel ops,
   precompiled so it saves and loads without re-tracing (``graphs/inductor.py``); the default.
   On CUDA: torch ops and Triton kernels, each graph captured as a CUDA graph
@@ -18,13 +19,18 @@ of output tensors. :data:`BACKENDS` is the one table keyed by backend name; noth
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import time
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
 import torch
+from torch.utils._pytree import tree_map_only
 from tqdm.auto import tqdm
 
 from neuronfx.config.inputs import leaves
@@ -39,6 +45,7 @@ from neuronfx.graphs.phases import FlatGraphModule, build_module
 
 Graph = Callable[..., dict[str, torch.Tensor]]
 GraphKey = tuple[str, int, int]
+logger = logging.getLogger("neuronfx.compile")
 
 
 @attrs.frozen(kw_only=True)
@@ -73,8 +80,10 @@ class Backend:
     - ``prepare()``: start, in the background, the work every build needs first (inductor: the
       C++ kernel library, compiler probes, precompiled header), so that it overlaps the
       checkpoint load; ``build`` waits for it. Call after ``check``.
-    - ``choices(plan) -> dict``: what this machine decided that the built graphs bake in (part
-      of the compile-cache key: graphs built under one choice are not served under another).
+    - ``choices(plan) -> dict``: what this machine or process decided that the built graphs bake
+      in (part of the compile-cache key: graphs built under one choice are not served under
+      another; inductor: the thread count, the 16-bit prefill path; export and eager: nothing,
+      their graphs run the same ATen ops whatever the thread count).
     """
 
     name: str
@@ -87,9 +96,33 @@ class Backend:
     choices: Callable[[Plan], dict[str, object]] = attrs.field(default=lambda plan: {})  # none by default
 
 
-def _bar(plan: Plan, progress: bool, total: int | None = None) -> tqdm:
-    """The progress bar of a plan's compile: one step per graph."""
-    return tqdm(total=total, desc=f"compile ({plan.inference.backend})", disable=not progress, unit="graph")
+def _bar(plan: Plan, progress: bool, total: int | None = None) -> tqdm | LogBar:
+    """The progress of a plan's compile, one step per graph: a bar on stderr with ``progress``,
+    else one INFO line per graph through the ``neuronfx.compile`` logger (a server's log)."""
+    if not progress:
+        return LogBar(f"compile ({plan.inference.backend})", total)
+    return tqdm(total=total, desc=f"compile ({plan.inference.backend})", unit="graph")
+
+
+class LogBar:
+    """A progress bar's ``update`` / ``set_postfix_str`` / ``close`` as log lines, one per step:
+    "compile (export): 3 of 10 graphs done after 12.3 s; prefill 2x256" (the bar's status text
+    as it was then; it changes while a step runs, so it is only remembered)."""
+
+    def __init__(self, desc: str, total: int | None) -> None:
+        self.desc, self.total, self.n, self.postfix = desc, total, 0, ""
+        self.t0 = time.perf_counter()
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        logger.info("%s: %d of %s graphs done after %.1f s%s", self.desc, self.n, self.total, time.perf_counter() - self.t0,
+                    f"; {self.postfix}" if self.postfix else "")
+
+    def close(self) -> None:
+        return None
 
 
 def build_each(plan: Plan, weights: Weights, builder: Callable[[Plan, GraphSpec, Weights, KVCache], Graph],
@@ -148,12 +181,38 @@ class ExportedGraph:
         return self.module(weights, [(layer.k, layer.v) for layer in kv], *leaves(inputs))
 
 
+_DEBUG_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node")
+"""Node metadata saying where each op came from in neuronfx's source: 45% of a saved SmolLM2
+program (checkout paths included), read back and kept by every load, never used to run it."""
+
+
+def _exported(program: torch.export.ExportedProgram) -> ExportedGraph:
+    """``program`` and its runnable module, made light to keep, save and load:
+
+    - example inputs replaced by meta tensors of the same structure, shapes and dtypes. They are
+      the weights and the template KV cache: ``torch.export.save`` wrote them into every graph
+      file (SmolLM2, batch 2: 609 MB of each 612 MB .pt2) and every load read a copy back;
+    - debug metadata (:data:`_DEBUG_META`) dropped;
+    - the module built without export's input guards and checks: they check every input's shape
+      on every call (a generated assert per input dimension, hundreds per graph, and building
+      them costs 0.6 s per SmolLM2 graph), while the runtime builds each graph's inputs from its
+      GraphSpec (the weights from the plan's model config, which the compile-cache key holds).
+    """
+    if program.example_inputs is not None:
+        program.example_inputs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), program.example_inputs)
+    for node in program.graph.nodes:
+        for key in _DEBUG_META:
+            node.meta.pop(key, None)
+    module = program.module(check_guards=False)
+    module.validate_inputs = False
+    return ExportedGraph(program=program, module=module)
+
+
 def _export_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache) -> Graph:
     # ``kv`` is the template cache, not a live state: tracing may write into it.
     module = FlatGraphModule(build_module(plan, spec, REFERENCE_OPS), spec.record)
     args = (weights, [(layer.k, layer.v) for layer in kv], *leaves(example_inputs(plan, spec)))
-    program = torch.export.export(module, args, strict=False)
-    return ExportedGraph(program=program, module=program.module())
+    return _exported(torch.export.export(module, args, strict=False))
 
 
 def _export_build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = None) -> Built:
@@ -174,12 +233,49 @@ def _export_save(plan: Plan, graphs: Mapping[GraphKey, Graph], compiled_dir: str
 
 def _export_load(plan: Plan, weights: Weights, src: Path) -> Built:
     graphs, seconds = {}, {}
-    for spec in plan.graphs:
-        t0 = time.perf_counter()
-        program = torch.export.load(str(src / _export_file(spec)))
-        graphs[spec.key] = ExportedGraph(program=program, module=program.module())
-        seconds[spec.key] = time.perf_counter() - t0
+    with _cached_schema_hints():
+        for spec in plan.graphs:
+            t0 = time.perf_counter()
+            graphs[spec.key] = _exported(torch.export.load(str(src / _export_file(spec))))  # files saved with data shed it here
+            seconds[spec.key] = time.perf_counter() - t0
     return Built(graphs=graphs, seconds=seconds)
+
+
+def _typing_with_cached_hints() -> types.ModuleType:
+    """A copy of the ``typing`` module whose ``get_type_hints`` is cached. Torch's export
+    deserializer resolves the hints of the same few dozen schema classes for every node it reads
+    (about 100,000 times per SmolLM2 graph, half of ``torch.export.load``'s time; pytorch issue
+    196452); the classes are fixed, so the cached hints are the ones it would compute."""
+    module = types.ModuleType("typing")
+    module.__dict__.update(vars(typing))
+    hints: dict[tuple, dict] = {}
+
+    def get_type_hints(obj: object, globalns: dict | None = None, localns: dict | None = None,
+                       include_extras: bool = False) -> dict:
+        key = (obj, id(globalns), id(localns), include_extras)
+        if key not in hints:
+            hints[key] = typing.get_type_hints(obj, globalns, localns, include_extras)
+        return hints[key]
+
+    module.get_type_hints = get_type_hints  # type: ignore[attr-defined]
+    return module
+
+
+@contextlib.contextmanager
+def _cached_schema_hints() -> Iterator[None]:
+    """Loads in this block resolve torch's export schema type hints once
+    (:func:`_typing_with_cached_hints`); a torch whose deserializer no longer reads them through
+    its module's ``typing`` is left as it is."""
+    from torch._export.serde import serialize
+
+    if getattr(serialize, "typing", None) is not typing:
+        yield
+        return
+    serialize.typing = _typing_with_cached_hints()
+    try:
+        yield
+    finally:
+        serialize.typing = typing
 
 
 EXPORT = Backend(name="export", check=_nothing_to_check, build=_export_build, save=_export_save, load=_export_load, cached=True)
@@ -214,10 +310,15 @@ def _inductor_load(plan: Plan, weights: Weights, src: Path) -> Built:
 
 
 def _inductor_choices(plan: Plan) -> dict[str, object]:
-    """The 16-bit prefill path of a 16-bit plan (:func:`neuronfx.graphs.ops.cpu_kernel_ops`),
-    measured once per machine (graphs/gemm_choice.py); nothing on CUDA (no CPU kernel is bound)."""
+    """torch's intra-op thread count (inductor's generated C++ is compiled for it and its
+    compiled functions guard on it: they refuse to run under another), and the 16-bit prefill
+    path of a 16-bit CPU plan (:func:`neuronfx.graphs.ops.cpu_kernel_ops`), measured once per
+    machine (graphs/gemm_choice.py; none on CUDA, where no CPU kernel is bound)."""
+    choices: dict[str, object] = {"num_threads": torch.get_num_threads()}
     dtype = plan.inference.dtype
-    return {} if dtype == "float32" or plan.inference.device != "cpu" else {"widen_16bit": widen_16bit_prefill(dtype)}
+    if dtype != "float32" and plan.inference.device == "cpu":
+        choices["widen_16bit"] = widen_16bit_prefill(dtype)
+    return choices
 
 
 INDUCTOR = Backend(name="inductor", check=compile_workers.check_env, build=_inductor_build, save=inductor.save,

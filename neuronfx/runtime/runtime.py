@@ -33,6 +33,8 @@ class Runtime:
     - ``compiled_dir``: the backend's private directory of compiled files the graphs use
       (inductor: its kernel cache); removed when the runtime is collected; None when none.
     - ``cache_key``: the compile-cache key the graphs came from or went into (None: no cache).
+    - ``from_cache``: whether the graphs were loaded from the compile-cache entry ``cache_key``
+      (False: built here, or loaded from a saved runtime).
     - ``draft``: a draft runtime for speculative decoding (:func:`with_draft`), else None.
     - ``prefix_key``: derived, not passed: what prefix-cache hashes start from
       (``prefix_pool.identity_key``: sha256 of the plan and every weight byte; b"" without
@@ -46,6 +48,7 @@ class Runtime:
     compile_s: Mapping[GraphKey, float]
     compiled_dir: str | None = None
     cache_key: str | None = None
+    from_cache: bool = False
     draft: Runtime | None = None
     _owner: object = attrs.field(default=None, alias="owner", repr=False)  # removes compiled_dir when the last copy goes
     prefix_key: bytes = attrs.field(init=False, repr=False,
@@ -59,15 +62,15 @@ class Runtime:
         return inf.speculation_length >= 2 and (inf.draft_layers > 0 or self.draft is not None)
 
 
-def build_runtime(plan: Plan, weights: Weights, built: Built, cache_key: str | None = None) -> Runtime:
+def build_runtime(plan: Plan, weights: Weights, built: Built, cache_key: str | None = None, from_cache: bool = False) -> Runtime:
     """The runtime of ``plan`` over ``weights`` with the graphs of ``built``; it owns (and
-    removes when collected) ``built.compiled_dir``."""
+    removes when collected) ``built.compiled_dir``. ``cache_key`` / ``from_cache``: see Runtime."""
     owner = None
     if built.compiled_dir is not None:
         owner = _DirOwner()  # shared by every attrs.evolve copy of the runtime
         weakref.finalize(owner, shutil.rmtree, built.compiled_dir, True)
     return Runtime(plan=plan, weights=weights, graphs=built.graphs, compile_s=built.seconds,
-                   compiled_dir=built.compiled_dir, cache_key=cache_key, owner=owner)
+                   compiled_dir=built.compiled_dir, cache_key=cache_key, from_cache=from_cache, owner=owner)
 
 
 class _DirOwner:
