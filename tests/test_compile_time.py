@@ -10,6 +10,7 @@ guard-split case (two versions)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -130,6 +131,33 @@ def test_failed_worker_is_reported_and_its_graphs_built_here(monkeypatch, tmp_pa
     assert sorted(built) == sorted(s.key for s in plan.graphs) and graphs == {s.key: s.key for s in plan.graphs}
     [warning] = [w for w in caught if w.category is compile_workers.CompileWorkerWarning]
     assert "exit status 3" in str(warning.message) and "no compiler here" in str(warning.message)
+
+
+def test_waiting_for_a_worker_says_for_what(monkeypatch, tmp_path):
+    """While the caller waits for a worker, the bar's status names the worker, its graphs, what
+    it is waiting for (graphs still compiling, or the worker saving them and exiting) and the
+    seconds so far, refreshed each second (a bar once sat at 5/5 for 43 s saying only "waiting
+    for compile worker"). The fake worker reports its graph done, then takes 2.5 s to exit."""
+    hf = tiny_hf_model("llama", seed=21)
+    plan = tiny_plan(hf, "inductor", **LADDERS)
+    monkeypatch.setenv(compile_workers.ENV_VAR, "1")
+    monkeypatch.setattr(compile_workers, "_WORKER_MAIN", (
+        "import pickle, sys, time; job = pickle.load(open(sys.argv[1], 'rb')); "
+        "[print('done', *key, 0.1, flush=True) for key in job['keys']]; time.sleep(2.5); sys.exit(3)"))
+    shown = []
+
+    class Bar:
+        def update(self, n): pass
+        def set_postfix_str(self, s): shown.append(s)
+        def close(self): pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", compile_workers.CompileWorkerWarning)  # it exits 3: its graph is built here
+        compile_workers.build(plan, {"embed": torch.zeros(4)}, Path(tmp_path), lambda p, spec, w, kv: spec.key, lambda total: Bar())
+    waiting = [s for s in shown if s.startswith("waiting for compile worker 1 (decode 1x16)")]
+    exiting = [int(s.rsplit(", ", 1)[1][:-2]) for s in waiting if "to save its graphs and exit, " in s]
+    assert len(exiting) >= 2 and exiting == sorted(exiting) and exiting[-1] >= 2, shown  # counting while it waits
+    assert all(re.search(r", \d+ s$", s) for s in waiting) and any(s.startswith("loading the 1 graphs of compile worker 1") for s in shown)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values are Linux's")

@@ -16,6 +16,7 @@ costs only time: its graphs are compiled in the calling process, with a warning 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -176,7 +177,7 @@ class Worker:
 
     def __init__(self, index: int, plan: Plan, weights_description: tuple, directory: Path, specs: list[GraphSpec],
                  on_done: Callable[[tuple, float], None]):
-        self.plan, self.specs, self.on_done = plan, specs, on_done
+        self.index, self.plan, self.specs, self.on_done = index, plan, specs, on_done
         self.out = Path(tempfile.mkdtemp(prefix=f"neuronfx-compile-worker-{index}-"))  # parts, job and log; removed once loaded
         job = self.out / "job.pkl"
         job.write_bytes(pickle.dumps({"plan": plan, "weights": weights_description, "directory": str(directory),
@@ -197,11 +198,23 @@ class Worker:
                 self.seconds[key] = float(fields[4])
                 self.on_done(key, self.seconds[key])
 
+    def status(self) -> str:
+        """What waiting for this worker waits for, for a progress bar."""
+        what = f"compile worker {self.index} ({graph_names(self.specs)})"
+        if len(self.seconds) < len(self.specs):
+            return f"waiting for {what}: {len(self.seconds)} of {len(self.specs)} graphs done"
+        return f"waiting for {what} to save its graphs and exit"
+
+    def finish(self) -> int:
+        """Wait until the process has exited and its output is read; its exit status."""
+        code = self.proc.wait()
+        self.reader.join()
+        return code
+
     def result(self) -> dict[tuple, inductor.GraphModule] | None:
         """Its graphs, loaded (call inside the private directory); None, with a
         :class:`CompileWorkerWarning`, when it failed."""
-        code = self.proc.wait()
-        self.reader.join()
+        code = self.finish()
         try:
             if code != 0 or len(self.seconds) != len(self.specs):
                 raise RuntimeError(f"exit status {code}, {len(self.seconds)} of {len(self.specs)} graphs done")
@@ -252,9 +265,10 @@ def build(plan: Plan, weights: Weights, directory: Path, builder: Callable[..., 
         seconds[spec.key] = time.perf_counter() - t0
         done(spec.key, seconds[spec.key])
     for worker in workers:
-        with lock:
-            bar.set_postfix_str(f"waiting for compile worker {worker.out.name}")
-        loaded = inductor.in_dir(directory, worker.result)
+        with _status(bar, lock, worker.status):
+            worker.finish()
+        with _status(bar, lock, lambda w=worker: f"loading the {len(w.specs)} graphs of compile worker {w.index}"):
+            loaded = inductor.in_dir(directory, worker.result)
         if loaded is None:  # compile its graphs here (they count again on the bar)
             for spec in worker.specs:
                 t0 = time.perf_counter()
@@ -265,6 +279,38 @@ def build(plan: Plan, weights: Weights, directory: Path, builder: Callable[..., 
             seconds |= worker.seconds
     bar.close()
     return graphs, seconds
+
+
+def graph_names(specs: list[GraphSpec]) -> str:
+    """Graphs by unit, for a person: "prefill 1x16,32,64; decode 1x128"."""
+    buckets: dict[tuple[str, int], list[str]] = {}
+    for spec in specs:
+        buckets.setdefault((spec.phase, spec.batch_size), []).append(str(spec.bucket))
+    return "; ".join(f"{phase} {batch}x{','.join(b)}" for (phase, batch), b in buckets.items())
+
+
+@contextlib.contextmanager
+def _status(bar: object, lock: threading.Lock, text: Callable[[], str]) -> Iterator[None]:
+    """Show ``text()`` and the seconds spent so far on the bar's postfix, refreshed every second
+    while the block runs: a wait on another process shows what it waits for, never a bar that
+    looks stuck."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def tick() -> None:
+        while True:
+            with lock:
+                bar.set_postfix_str(f"{text()}, {time.perf_counter() - t0:.0f} s")
+            if done.wait(1.0):
+                return
+
+    thread = threading.Thread(target=tick, name="neuronfx-compile-status", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # --- the worker side ---------------------------------------------------------------------------------
