@@ -312,7 +312,7 @@ def chunk(c, chunks, final=None, rt=None):
 
 
 def request(prompt, max_tokens=4, sampling=GREEDY):
-    return Request(prompt=tuple(prompt), sampling=sampling, max_tokens=max_tokens)
+    return Request(prompt=tuple(prompt), sampling=attrs.evolve(sampling, max_tokens=max_tokens))
 
 
 MAX_SEED = 2**63 - 1
@@ -349,9 +349,9 @@ CASES: dict[str, Case] = {
     "config-speculation-length-whole-cache": Case(ConfigError, "`speculation_length=64` with `sequence_length=64` (no room after a prompt)",
                                                   lambda c: inference(speculation_length=64),
                                                   ("speculation_length=64", "[2, sequence_length - 1 = 63]")),
-    "config-prefix-caching-without-chunks": Case(ConfigError, "`enable_prefix_caching=True` without `prefill_chunk_size`",
-                                                 lambda c: inference(enable_prefix_caching=True),
-                                                 ("enable_prefix_caching=True", "needs prefill_chunk_size", "set prefill_chunk_size")),
+    "config-prefix-caching-with-speculation": Case(ConfigError, "`enable_prefix_caching=True` with `speculation_length=4`",
+                                                   lambda c: inference(enable_prefix_caching=True, speculation_length=4),
+                                                   ("enable_prefix_caching=True", "speculation_length=4", "drop one of them")),
     "config-prefix-block-not-dividing-chunk": Case(ConfigError, "`prefix_block_size=6` with `prefill_chunk_size=16`",
                                                    lambda c: inference(enable_prefix_caching=True, prefill_chunk_size=16,
                                                                        prefix_block_size=6),
@@ -405,9 +405,9 @@ CASES: dict[str, Case] = {
     "model-kv-heads-not-dividing": Case(ConfigError, "`num_key_value_heads=3` with `num_attention_heads=4`",
                                         lambda c: model_config(num_key_value_heads=3),
                                         ("num_key_value_heads=3", "num_attention_heads=4", "fix the model config")),
-    "model-moe-dense-layers": Case(UnsupportedModelError, "qwen3_moe config with `mlp_only_layers=[1]` (a dense layer among MoE layers)",
-                                   lambda c: ModelConfig.from_hf(Qwen3MoeConfig(**TINY, num_experts=4, mlp_only_layers=[1])),
-                                   ("mlp_only_layers=[1]", "every layer is a mixture of experts")),
+    "model-moe-no-moe-layer": Case(UnsupportedModelError, "qwen3_moe config with `mlp_only_layers=[0, 1]` (every layer dense)",
+                                   lambda c: ModelConfig.from_hf(Qwen3MoeConfig(**TINY, num_experts=4, mlp_only_layers=[0, 1])),
+                                   ("mlp_only_layers=[0, 1]", "no mixture-of-experts layer", "at least one MoE layer")),
     "model-moe-top-k-above-experts": Case(ConfigError, "`num_experts_per_tok=5` with `num_experts=4`",
                                           lambda c: model_config(model_type="mixtral", num_experts=4, num_experts_per_tok=5,
                                                                  moe_intermediate_size=64),
