@@ -153,10 +153,11 @@ class Soak:
     def valid_request(self) -> Request:
         r = self.rng
         prompt = random_prompt(r.randint(1, MAX_PROMPT), seed=r.randrange(40))  # few prompts: solo cache hits
-        req = Request(prompt=tuple(prompt), sampling=attrs.evolve(self.sampling(), max_tokens=r.randint(1, MAX_TOKENS)))
+        sampling = self.sampling()
+        req = Request(prompt=tuple(prompt), sampling=attrs.evolve(sampling, max_tokens=r.randint(max(1, sampling.min_tokens), MAX_TOKENS)))
         if r.random() < 0.15:  # a stop id from its own greedy output: it really stops early
-            base = attrs.evolve(req, sampling=SamplingParams())
-            req = attrs.evolve(base, sampling=SamplingParams(stop_token_ids=(r.choice(self.solo(base)),)))
+            base = attrs.evolve(req, sampling=SamplingParams(max_tokens=req.sampling.max_tokens))
+            req = attrs.evolve(base, sampling=attrs.evolve(base.sampling, stop_token_ids=(r.choice(self.solo(base)),)))
         return req
 
     def record(self, events: list) -> None:
@@ -199,8 +200,8 @@ class Soak:
             (PromptTooLongError, attrs.evolve(good, prompt=tuple(random_prompt(r.randint(33, 40), 1)))),
             (TokenOutOfVocabError, attrs.evolve(good, prompt=good.prompt + (VOCAB + r.randrange(5),))),
             (TokenOutOfVocabError, attrs.evolve(good, prompt=(-1,) + good.prompt)),
-            (SequenceLengthExceededError, attrs.evolve(good, prompt=tuple(random_prompt(30, 2)), max_tokens=40)),
-            (InputError, attrs.evolve(good, max_tokens=0)),
+            (SequenceLengthExceededError, attrs.evolve(good, prompt=tuple(random_prompt(30, 2)),
+                                                       sampling=attrs.evolve(good.sampling, max_tokens=40))),
             (SamplingParamsError, None),  # the request's SamplingParams are built inside the call
         ]
         error, req = r.choice(cases)
