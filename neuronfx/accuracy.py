@@ -30,9 +30,9 @@ import attrs
 import torch
 
 import neuronfx
-from neuronfx.checkpoints import Checkpoint
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import CheckpointError, ConfigError, InputError, SequenceLengthExceededError
+from neuronfx.io.checkpoints import Checkpoint
 from neuronfx.runtime.generate import normalize_prompts
 from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, check_prompts, decode_step, prefill_step
@@ -213,7 +213,7 @@ def _divergence_text(d: Divergence | None) -> str:
 
 
 def reference_model(source: Checkpoint | Any, state_dict: dict[str, Tensor]) -> Any:
-    """transformers' causal LM for ``source`` (a :class:`~neuronfx.checkpoints.Checkpoint`, or a
+    """transformers' causal LM for ``source`` (a :class:`~neuronfx.io.checkpoints.Checkpoint`, or a
     transformers ``PretrainedConfig``) with the HF-named ``state_dict`` as its weights, in
     float32, eval mode. Built by transformers' own loader (``from_pretrained(None, config=...,
     state_dict=...)``), so both checkpoint layouts of MoE experts and tied embeddings load as
@@ -226,7 +226,7 @@ def reference_model(source: Checkpoint | Any, state_dict: dict[str, Tensor]) -> 
 
     hf_config = source.hf_config if isinstance(source, Checkpoint) else source
     if hf_config is None:
-        raise CheckpointError("the checkpoint carries no transformers config; load it with neuronfx.checkpoints.load_checkpoint.")
+        raise CheckpointError("the checkpoint carries no transformers config; load it with neuronfx.io.checkpoints.load_checkpoint.")
     not_tensors = [name for name, t in state_dict.items() if not isinstance(t, torch.Tensor)]
     if not_tensors:
         raise CheckpointError(f"state_dict values {not_tensors[:3]} are not tensors (a lazy checkpoint?); "

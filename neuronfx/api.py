@@ -12,9 +12,6 @@ from collections.abc import Mapping
 
 import torch
 
-from neuronfx.artifacts import load, push_to_hub, save
-from neuronfx.cache import compile_graphs, resolve_cache
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import Plan, plan_for_rank
 from neuronfx.config.quantization import quantized_formats
@@ -23,9 +20,12 @@ from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.device import check_device, plan_device, to_device
 from neuronfx.graphs.quant import BLOCK_TYPES
-from neuronfx.graphs.weights import convert_hf_state_dict, weights_fingerprint
+from neuronfx.io.artifacts import load, push_to_hub, save
+from neuronfx.io.cache import compile_graphs, resolve_cache
+from neuronfx.io.checkpoints import load_checkpoint
+from neuronfx.io.weights import convert_hf_state_dict, weights_fingerprint
 from neuronfx.memory import trim_heap
-from neuronfx.parallel import check_agreement, digest, init_tensor_parallel, launch
+from neuronfx.runtime.distributed import check_agreement, digest, init_tensor_parallel, launch
 from neuronfx.runtime.runtime import Runtime
 
 __all__ = ["compile", "launch", "load", "push_to_hub", "save"]
@@ -61,14 +61,14 @@ def compile(
 
     ``state_dict``: HF-named tensors (e.g. ``model.state_dict()`` of a transformers model); when
     None the weights are loaded from ``plan.checkpoint``. ``cache``: the compile cache
-    (:mod:`neuronfx.cache`): None (default) uses it for the compiled backends (``export``,
+    (:mod:`neuronfx.io.cache`): None (default) uses it for the compiled backends (``export``,
     ``inductor``) and not for ``eager``; True uses it, False does not; a path uses the cache in
     that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
     plan loads its graphs instead of compiling them; the cache holds graph files only, never
     weights: the runtime always runs on ``state_dict`` (``runtime.from_cache`` says whether it
     hit). ``progress``: a bar per compile and one line per cache event (hit, miss and why, slow
     load or write, corrupt entry) on stderr; False: no bar, the same lines through the
-    ``neuronfx.cache`` and ``neuronfx.compile`` loggers (a corrupt entry as a WARNING). Raises ConfigError when no weights are
+    ``neuronfx.io.cache`` and ``neuronfx.compile`` loggers (a corrupt entry as a WARNING). Raises ConfigError when no weights are
     given, ``cache`` is not one of those or the plan's CUDA device is not on this machine (before
     anything loads), CheckpointError for missing/extra/mis-shaped
     tensors, BackendUnavailableError for a backend whose optional dependencies are missing.

@@ -810,7 +810,7 @@ def run_tp_bench(
     """
     import os
 
-    from neuronfx.checkpoints import load_checkpoint
+    from neuronfx.io.checkpoints import load_checkpoint
     from neuronfx.memory import trim_heap
 
     model = load_checkpoint(model_path, lazy=True).config  # a GGUF is dequantized here once, then dropped

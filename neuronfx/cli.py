@@ -22,8 +22,6 @@ from tqdm.auto import tqdm
 
 import neuronfx
 from neuronfx.accuracy import DEFAULT_CHATS, FAIL_ON, AccuracyReport, chat_prompts, check_accuracy, reference_model
-from neuronfx.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
-from neuronfx.artifacts import load_tokenizer as load_saved_tokenizer
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
 from neuronfx.config.inference import (
     ACTIVATION_FORMATS,
@@ -49,8 +47,10 @@ from neuronfx.errors import (
 )
 from neuronfx.graphs.backends import check_backend, prepare_backend
 from neuronfx.graphs.device import check_device
-from neuronfx.graphs.weights import dequantized_state_dict
-from neuronfx.parallel import under_launcher
+from neuronfx.io.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
+from neuronfx.io.artifacts import load_tokenizer as load_saved_tokenizer
+from neuronfx.io.weights import dequantized_state_dict
+from neuronfx.runtime.distributed import under_launcher
 from neuronfx.runtime.generate import collect
 
 
@@ -263,7 +263,7 @@ def bench_serving_command(args: argparse.Namespace) -> dict:
     """``neuronfx bench-serving --server URL ...``: build the workload (checked first), run it
     against each server; returns the JSON-able rows and workload summary."""
     from neuronfx.bench_serving import check_range, default_text, format_table, import_openai, make_workload, parse_server, run_benchmark
-    from neuronfx.checkpoints import default_model_path, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_tokenizer
 
     import_openai()  # missing: say so before the tokenizer is read
     prompt_range, gen_range = check_range("prompt-lens", args.prompt_lens, 1), check_range("gen-lens", args.gen_lens, 1)
@@ -372,7 +372,7 @@ def _llama_cpp_model(args: argparse.Namespace, model_path: str) -> str | None:
 
 def bench_command(args: argparse.Namespace) -> dict:
     from neuronfx.bench import BenchResult, comparison_table, format_bandwidth, format_rounds, plot, run_bench
-    from neuronfx.checkpoints import default_model_path, load_checkpoint
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
     for name in ("batch_sizes", "prompt_lens", "gen_lens"):
         bad = [v for v in getattr(args, name) if v < 1 or (name == "gen_lens" and v < 2)]
@@ -406,7 +406,7 @@ def bench_command(args: argparse.Namespace) -> dict:
     ckpt = load_checkpoint(model_path, dtype=torch_dtype(args.dtype), gguf_blocks=args.weight_format == "gguf")
     if args.speculate:
         from neuronfx.bench import run_speculative_bench
-        from neuronfx.checkpoints import load_tokenizer
+        from neuronfx.io.checkpoints import load_tokenizer
 
         draft = load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype)) if args.draft_model else None
         return run_speculative_bench(ckpt, load_tokenizer(model_path), args.backend, args.dtype,
@@ -577,7 +577,7 @@ def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tu
     check_device(inference)
     check_backend(inference.backend)
     if saved is None:
-        from neuronfx.checkpoints import default_model_path
+        from neuronfx.io.checkpoints import default_model_path
 
         neuronfx.api.check_weight_source(inference, args.model or default_model_path())
     return saved, inference
@@ -586,7 +586,7 @@ def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tu
 def load_runtime(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, progress: bool) -> LoadedRuntime:
     """Load a saved runtime, or load ``args.model`` (default: the embedded SmolLM2) and compile
     it (through the compile cache) for ``inference``; ``progress`` shows tqdm bars."""
-    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     model_path = args.model or default_model_path()
     t0 = time.perf_counter()
@@ -690,7 +690,7 @@ def run_generate(args: argparse.Namespace) -> dict:
 def _compile_draft(args: argparse.Namespace, inference: InferenceConfig, progress: bool) -> neuronfx.Runtime:
     """The --draft-model runtime: the target's capacities, no speculation of its own, logits on
     (``with_draft`` needs them for sampled rows)."""
-    from neuronfx.checkpoints import load_checkpoint
+    from neuronfx.io.checkpoints import load_checkpoint
 
     ckpt = load_checkpoint(args.draft_model, dtype=torch_dtype(inference.dtype))
     draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
@@ -713,7 +713,7 @@ def compile_command(args: argparse.Namespace) -> dict:
     """``neuronfx compile [MODEL] --out DIR``: compile MODEL (default: the embedded SmolLM2)
     through the compile cache unless --no-cache, and save it with the tokenizer; returns a
     JSON-able summary."""
-    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     inference = _inference(args)
     check_device(inference)
@@ -746,7 +746,7 @@ def check_accuracy_command(args: argparse.Namespace) -> list[AccuracyReport]:
     quantized plan's dequantized weights) and, for a plan quantized at load (int8, int4), one
     against the float model (a gguf plan's kept blocks dequantized are the checkpoint's float
     weights: one report). Options are checked before the (slow) load."""
-    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     inference = attrs.evolve(_inference(args), output_logits=True)
     if inference.tp_degree > 1:
@@ -783,7 +783,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engine thread loads or compiles the runtime; returns the exit status."""
     import logging
 
-    from neuronfx.checkpoints import default_model_path
+    from neuronfx.io.checkpoints import default_model_path
     from neuronfx.server.engine import Served
     from neuronfx.server.serve import serve
 
@@ -853,7 +853,7 @@ def chat_command(args: argparse.Namespace) -> int:
 
 def cache_command(args: argparse.Namespace) -> None:
     """``neuronfx cache list | inspect KEY | clear [KEY]``: prints the result."""
-    from neuronfx import cache
+    from neuronfx.io import cache
 
     root = Path(args.dir).expanduser() if args.dir else cache.default_cache_dir()
     if args.action == "list":

@@ -24,7 +24,7 @@ import tempfile
 CHILD = r"""
 import json, sys, time
 import neuronfx
-from neuronfx.checkpoints import default_model_path, load_checkpoint
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 from neuronfx.config.dtypes import DTYPES
 mode, backend, dtype, out = sys.argv[1:5]
 prompt = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]]

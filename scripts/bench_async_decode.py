@@ -32,8 +32,8 @@ import torch
 
 import neuronfx
 from neuronfx.bench import percentile
-from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 from neuronfx.config.sampling import SamplingParams
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
 QUESTIONS = [
     "Explain how a transformer language model generates text, step by step.",

@@ -11,7 +11,7 @@ import argparse
 import time
 
 import neuronfx
-from neuronfx.checkpoints import default_model_path, load_checkpoint
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import attrs
 import torch
 
 import neuronfx
-from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 from neuronfx.runtime.scheduler import Queue, Request, step, submit
 
 TEXT = (Path(neuronfx.__file__).parent / "data" / "bench_text.txt").read_text()

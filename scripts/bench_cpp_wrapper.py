@@ -21,8 +21,8 @@ import torch
 
 import neuronfx
 from neuronfx.bench import ab_rounds, bench_plan, format_ab, random_prompts
-from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.graphs import inductor
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step, release
 
 

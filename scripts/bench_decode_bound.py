@@ -31,8 +31,8 @@ import torch
 import neuronfx
 from neuronfx.bench import alternate, bench_plan, random_prompts, time_neuronfx
 from neuronfx.bench_llama_cpp import import_llama_cpp, load_model, time_llama_cpp
-from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.graphs import kernels
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
 
 def products_step(weights: dict, int8_x: bool) -> None:

@@ -11,9 +11,9 @@ import argparse
 import time
 
 import neuronfx
-from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.config.dtypes import DTYPES
 from neuronfx.config.sampling import SamplingParams
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step
 
 

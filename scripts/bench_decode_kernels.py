@@ -23,9 +23,9 @@ import torch
 
 import neuronfx
 from neuronfx.bench import ab_rounds, bench_plan, format_ab, random_prompts
-from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.config.plan import Plan
 from neuronfx.graphs import kernels, ops
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 from neuronfx.runtime.runtime import Runtime
 
 

@@ -21,8 +21,8 @@ import torch
 
 import neuronfx
 from neuronfx.bench import ab_rounds, bench_plan, format_ab, random_prompts
-from neuronfx.checkpoints import default_model_path, load_checkpoint
 from neuronfx.graphs import kernels
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
 
 def greedy_tokens(runtime: neuronfx.Runtime, prompts: list[list[int]], steps: int = 16) -> list[list[int]]:

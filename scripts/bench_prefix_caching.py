@@ -30,7 +30,7 @@ import attrs
 import torch
 
 import neuronfx
-from neuronfx.checkpoints import default_model_path, load_checkpoint
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 from neuronfx.runtime.prefix import prefix_stats
 from neuronfx.runtime.scheduler import Queue, Request, step, submit
 

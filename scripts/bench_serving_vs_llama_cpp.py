@@ -42,7 +42,7 @@ from pathlib import Path
 import attrs
 
 from neuronfx.bench_serving import check_range, default_text, format_table, make_workload, run_benchmark
-from neuronfx.checkpoints import default_model_path, load_tokenizer
+from neuronfx.io.checkpoints import default_model_path, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ import json
 import torch
 
 from neuronfx.bench import format_bandwidth, run_bench
-from neuronfx.checkpoints import default_model_path, load_checkpoint
+from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
 FORMATS = ("float", "int8", "int4", "gguf")
 

@@ -128,7 +128,7 @@ class RealModel:
 def smollm2() -> RealModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from neuronfx.checkpoints import default_model_path, load_checkpoint, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint, load_tokenizer
 
     path = default_model_path()
     start = time.perf_counter()

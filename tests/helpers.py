@@ -174,7 +174,7 @@ def smollm2_vocab_model(path: str, seed: int = 7) -> tuple[PreTrainedModel, obje
     vocabulary, bos and eos, saved to ``path`` with SmolLM2's real tokenizer and chat template
     (read from the default model's GGUF by neuronfx's loader): a model directory the CLI and the
     server load like any checkpoint, whose text is real text."""
-    from neuronfx.checkpoints import default_model_path, load_tokenizer
+    from neuronfx.io.checkpoints import default_model_path, load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     hf = tiny_hf_model("llama", seed=seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -8,8 +8,8 @@ import pytest
 from helpers import tiny_hf_model
 
 from neuronfx.bench import percentile, plot, run_bench, summarize
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.cli import main
+from neuronfx.io.checkpoints import load_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -23,10 +23,10 @@ import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan
 
 import neuronfx
-from neuronfx import cache
-from neuronfx.artifacts import MANIFEST, PLAN, read_manifest, sha256
 from neuronfx.cli import main
 from neuronfx.errors import ArtifactError, ConfigError
+from neuronfx.io import cache
+from neuronfx.io.artifacts import MANIFEST, PLAN, read_manifest, sha256
 
 SMALL = dict(prefill_buckets=(32,), decode_buckets=(64,))
 PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]

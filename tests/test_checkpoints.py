@@ -13,10 +13,10 @@ import torch
 from helpers import GGUF_CHAT_TEMPLATE, GGUF_SPECIALS, tiny_hf_model, write_tiny_gguf
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from neuronfx.checkpoints import Checkpoint, default_model_path, load_checkpoint, load_tokenizer
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks
+from neuronfx.io.checkpoints import Checkpoint, default_model_path, load_checkpoint, load_tokenizer
 
 TINY = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -130,7 +130,7 @@ def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, caps
 def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """`neuronfx compile --out DIR` compiles the default model (SmolLM2's GGUF; here a tiny one
     in its place), as generate, serve and chat do."""
-    monkeypatch.setattr("neuronfx.checkpoints.default_model_path", lambda: str(tiny_model_dir))
+    monkeypatch.setattr("neuronfx.io.checkpoints.default_model_path", lambda: str(tiny_model_dir))
     out = tmp_path / "saved"
     assert main(["compile", "--out", str(out), "--backend", "eager", "--batch-size", "1", "--max-context-length", "32",
                  "--sequence-length", "64"]) == 0

@@ -74,7 +74,7 @@ def test_batch_of_chat_prompts_matches_transformers(smollm2, smollm2_eager):
 def smollm2_gguf(smollm2):
     """SmolLM2 with the GGUF's Q4_1 (layers) and Q8_0 (tied embeddings and head) blocks kept,
     eager: every product dequantizes its blocks (the reference ops)."""
-    from neuronfx.checkpoints import default_model_path, load_checkpoint
+    from neuronfx.io.checkpoints import default_model_path, load_checkpoint
 
     ckpt = load_checkpoint(default_model_path(), gguf_blocks=True)
     inference = neuronfx.InferenceConfig(batch_size=3, max_context_length=64, sequence_length=128, backend="eager",

@@ -21,8 +21,8 @@ from test_cli import run_json
 from test_lowp import BF16_LOGIT_BOUND
 
 import neuronfx
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config.model import ModelConfig
+from neuronfx.io.checkpoints import load_checkpoint
 
 FAMILIES = {"smollm3": {"use_sliding_window": True, "sliding_window": 6}, "llama4_text": {},
             "granite": {"attention_bias": True, "mlp_bias": True}}

@@ -32,13 +32,13 @@ from transformers import Gemma3Config, Gemma3TextConfig
 
 import neuronfx
 from neuronfx import InferenceConfig, ModelConfig, PrefillBatch, make_plan
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.cli import main
 from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL, attention_layout
 from neuronfx.config.model import RopeScaling
 from neuronfx.errors import UnsupportedModelError
 from neuronfx.graphs.ops import REFERENCE_OPS
 from neuronfx.graphs.phases import prefill_prologue
+from neuronfx.io.checkpoints import load_checkpoint
 
 ATOL = 1e-4
 WINDOW = GEMMA3["sliding_window"]

@@ -1,6 +1,6 @@
 """The layers import one way and no module imports itself back through others.
 
-config <- graphs <- runtime <- (checkpoints, gguf_file, artifacts, cache) <- api <- (cli, bench, accuracy, server, the package).
+config <- graphs <- runtime <- io (checkpoints, gguf_file, weights, artifacts, cache) <- api <- (cli, bench, accuracy, server, the package).
 Every import counts, lazy ones inside functions included; ``errors``, ``memory`` and ``version``
 are leaves anyone may import.
 """
@@ -17,7 +17,7 @@ ROOT = Path(neuronfx.__file__).parent
 RANKS = {
     "neuronfx.version": 0, "neuronfx.errors": 0, "neuronfx.memory": 0,
     "neuronfx.config": 1, "neuronfx.graphs": 2, "neuronfx.runtime": 3,
-    "neuronfx.checkpoints": 4, "neuronfx.gguf_file": 4, "neuronfx.artifacts": 4, "neuronfx.cache": 4, "neuronfx.parallel": 4,
+    "neuronfx.io": 4,
     "neuronfx.api": 5, "neuronfx.cli": 6, "neuronfx.server": 6, "neuronfx.bench": 6, "neuronfx.accuracy": 6, "neuronfx": 6,
 }
 
@@ -123,7 +123,7 @@ def test_graph_math_never_asks_whether_it_is_compiled():
 def test_io_modules_know_no_backend():
     """Saving, loading and caching go through the backend records (graphs/backends.py): no
     branch on a backend's name, no probe of a backend's graph types."""
-    for name in ("artifacts.py", "cache.py", "api.py"):
+    for name in ("io/artifacts.py", "io/cache.py", "api.py"):
         text = (ROOT / name).read_text()
         for needle in ("backend ==", "GraphModule", "PrecompiledPart", "ExportedGraph", "parts.prologue", "graphs.inductor",
                        '"inductor"', '"export"', '"eager"'):

@@ -36,7 +36,6 @@ from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Re
 from neuronfx.accuracy import check_accuracy, reference_model
 from neuronfx.bench_serving import ServingRequest, bench_server, check_range, make_workload, parse_server
 from neuronfx.chat import ChatOptions, chat_loop
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
     ArtifactError,
@@ -54,6 +53,7 @@ from neuronfx.errors import (
     TokenOutOfVocabError,
     UnsupportedModelError,
 )
+from neuronfx.io.checkpoints import load_checkpoint
 from neuronfx.runtime.overlap import decode_finish, decode_launch
 from neuronfx.runtime.prefix import load_prefix
 from neuronfx.runtime.scheduler import Queue, abort, submit

@@ -31,14 +31,14 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 import neuronfx
 from neuronfx import ModelConfig, PrefillBatch
-from neuronfx.checkpoints import load_checkpoint
 from neuronfx.cli import main
 from neuronfx.config.attention import layer_kinds
 from neuronfx.config.sharding import rank_shard
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuronfx.graphs import quant
 from neuronfx.graphs.moe import dense_experts, gathered_experts, route, use_gather
-from neuronfx.graphs.weights import convert_hf_state_dict, dequantized_state_dict
+from neuronfx.io.checkpoints import load_checkpoint
+from neuronfx.io.weights import convert_hf_state_dict, dequantized_state_dict
 
 ATOL = 1e-4
 FAMILIES = ["mixtral", "qwen3_moe"]

@@ -21,7 +21,7 @@ import neuronfx
 from neuronfx import DecodeBatch, ModelConfig, PrefillBatch
 from neuronfx.config.sharding import rank_shard
 from neuronfx.graphs.layers import row_inv_freq
-from neuronfx.graphs.weights import convert_hf_state_dict
+from neuronfx.io.weights import convert_hf_state_dict
 from neuronfx.runtime.steps import refill_step
 
 ATOL = 1e-4
@@ -146,8 +146,8 @@ def phi3_dir(hf, tmp_path_factory):
 
 
 def test_checkpoint_dir_loads_and_generates(hf, phi3_dir, greedy_refs, capsys):
-    from neuronfx.checkpoints import load_checkpoint
     from neuronfx.cli import main
+    from neuronfx.io.checkpoints import load_checkpoint
 
     ckpt = load_checkpoint(phi3_dir)
     assert (ckpt.config.model_type, ckpt.config.rotary_dim, ckpt.config.rope_scaling) == ("phi3", 12, ModelConfig.from_hf(hf.config).rope_scaling)
@@ -163,7 +163,7 @@ def test_lazy_tensor_parallel_reads_split_the_fused_tensors(hf, phi3_dir):
     """Each rank's weights read lazily from the saved files (only its rows of qkv_proj and
     gate_up_proj) equal its shard of the in-memory weights, and the parts of each fused tensor
     are transformers' q/k/v and gate/up rows."""
-    from neuronfx.checkpoints import load_checkpoint
+    from neuronfx.io.checkpoints import load_checkpoint
 
     cfg = ModelConfig.from_hf(hf.config)
     lazy = load_checkpoint(phi3_dir, lazy=True).state_dict

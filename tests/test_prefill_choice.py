@@ -63,8 +63,8 @@ def test_compile_cache_key_follows_the_verdict(monkeypatch):
     plans never ask for it (no measurement)."""
     from helpers import tiny_hf_model, tiny_plan
 
-    from neuronfx import cache
     from neuronfx.graphs import backends
+    from neuronfx.io import cache
 
     hf = tiny_hf_model("llama", seed=0)
     bf16 = tiny_plan(hf, "inductor", dtype="bfloat16")

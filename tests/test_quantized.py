@@ -17,7 +17,7 @@ import neuronfx
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.quantization import quantized_formats
 from neuronfx.graphs import quant
-from neuronfx.graphs.weights import dequantized_state_dict
+from neuronfx.io.weights import dequantized_state_dict
 
 PROMPTS = [random_prompt(11, seed=3), random_prompt(5, seed=4)]
 ATOL = 1e-4

@@ -30,8 +30,8 @@ from helpers import ServerProcess, http_request, rss_bytes, server_metrics, smol
 import neuronfx
 from neuronfx import InferenceConfig, Request, SamplingParams, make_plan
 from neuronfx.bench_serving import bench_server, default_text, inter_token_latencies, make_workload, ttft
-from neuronfx.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.cli import main
+from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.server.app import make_app
 from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Served, Sink
 from neuronfx.server.metrics import make_metrics

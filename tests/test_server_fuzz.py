@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 import neuronfx
 from neuronfx import InferenceConfig, make_plan
-from neuronfx.checkpoints import load_checkpoint, load_tokenizer
+from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.server.app import make_app
 from neuronfx.server.engine import Engine, Served
 from neuronfx.server.metrics import make_metrics

@@ -21,7 +21,7 @@ from neuronfx.config.sharding import (
     weight_split,
 )
 from neuronfx.errors import ConfigError
-from neuronfx.graphs.weights import expected_shapes, read_shard
+from neuronfx.io.weights import expected_shapes, read_shard
 
 SETTINGS = settings(max_examples=60, deadline=None)
 KV_NAMES = frozenset(n for n, (kind, _) in WEIGHT_RULES.items() if kind == "kv_heads")

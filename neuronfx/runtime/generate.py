@@ -132,7 +132,7 @@ def check_tokenizer(tokenizer: Any) -> None:
         text = tokenizer.decode([], skip_special_tokens=True)
     except (AttributeError, TypeError) as exc:
         raise InputError(f"tokenizer={tokenizer!r:.60} cannot decode token ids ({exc}); pass a transformers tokenizer, "
-                         "e.g. neuronfx.checkpoints.load_tokenizer(path).") from exc
+                         "e.g. neuronfx.io.checkpoints.load_tokenizer(path).") from exc
     if not isinstance(text, str):
         raise InputError(f"tokenizer.decode returned a {type(text).__name__}, not text; pass a transformers tokenizer.")
 
@@ -180,7 +180,7 @@ def make_requests(
     for sp in params:
         check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
         if sp.stop and tokenizer is None:
-            raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.checkpoints.load_tokenizer).")
+            raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.io.checkpoints.load_tokenizer).")
         if sp.stop:
             check_stop_strings(sp, tokenizer)
     eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, plan.model.vocab_size)

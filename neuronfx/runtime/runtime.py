@@ -79,7 +79,7 @@ class _DirOwner:
 
 def build_graphs(plan: Plan, weights: Weights, progress: bool = True, kernels: Path | None = None) -> Built:
     """Build every graph of ``plan`` with its backend, starting from the kernel store
-    ``kernels`` (a directory, see ``neuronfx.cache.kernel_store``) when given."""
+    ``kernels`` (a directory, see ``neuronfx.io.cache.kernel_store``) when given."""
     return get_backend(plan.inference.backend).build(plan, weights, progress, kernels)
 
 

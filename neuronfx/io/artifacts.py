@@ -10,7 +10,7 @@ manifest and every file before anything runs.
 The graph files are whatever the plan's backend record writes and reads
 (``neuronfx.graphs.backends``): ``export`` one ExportedProgram per graph, ``inductor`` each
 graph part's precompiled function and its kernel directory (so loading compiles nothing),
-``eager`` none. A compile-cache entry (:mod:`neuronfx.cache`) is the same layout without
+``eager`` none. A compile-cache entry (:mod:`neuronfx.io.cache`) is the same layout without
 weights, tokenizer and generation config.
 """
 
@@ -31,15 +31,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from neuronfx import parallel
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.device import check_device, plan_device, to_device
 from neuronfx.graphs.quant import QUANTIZED_TYPES
-from neuronfx.graphs.weights import nest
-from neuronfx.parallel import init_tensor_parallel
+from neuronfx.io.weights import nest
+from neuronfx.runtime import distributed
+from neuronfx.runtime.distributed import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__
 
@@ -206,7 +206,7 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
-        parallel.check_agreement("save directory", parallel.digest(str(Path(directory).resolve())))
+        distributed.check_agreement("save directory", distributed.digest(str(Path(directory).resolve())))
     return out
 
 
@@ -356,7 +356,7 @@ def load_tokenizer(source: str | os.PathLike) -> Any:
     src = first_dir(resolve(source))
     if not (src / TOKENIZER_DIR).is_dir():
         raise ArtifactError(f"{src} has no {TOKENIZER_DIR}/; save the runtime with neuronfx.save(runtime, dir, tokenizer=tok).")
-    from neuronfx.checkpoints import load_tokenizer as load_dir_tokenizer
+    from neuronfx.io.checkpoints import load_tokenizer as load_dir_tokenizer
 
     return load_dir_tokenizer(src / TOKENIZER_DIR)
 

@@ -10,7 +10,7 @@ example inputs), so a hit runs on the caller's weights. A miss on a plan that ha
 built under other components names them (:func:`explain_miss`: another thread count, torch, ...).
 
 What happens is reported as one line per event: on stderr (``neuronfx: ...``) with
-``progress``, else through the ``neuronfx.cache`` logger (INFO; a corrupt entry: WARNING).
+``progress``, else through the ``neuronfx.io.cache`` logger (INFO; a corrupt entry: WARNING).
 
 Location: ``$NEURONFX_CACHE_DIR``, default ``~/.cache/neuronfx``; ``<root>/<key>/`` per entry.
 Concurrency: a process holds ``<root>/<key>.lock`` (``filelock``) while it checks, builds or
@@ -43,12 +43,12 @@ import attrs
 import torch
 from filelock import FileLock
 
-from neuronfx.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_to_json, unstructure
 from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
 from neuronfx.graphs.backends import Built, get_backend
 from neuronfx.graphs.layers import Weights
+from neuronfx.io.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
 from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime
 
 ENV_VAR = "NEURONFX_CACHE_DIR"
@@ -80,7 +80,7 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
 
 def key_components(plan: Plan) -> dict[str, Any]:
     """What :func:`cache_key` hashes, as JSON values: model config, inference config,
-    tensor-parallel rank, environment (:func:`neuronfx.artifacts.environment`: versions, source
+    tensor-parallel rank, environment (:func:`neuronfx.io.artifacts.environment`: versions, source
     fingerprint, machine) and what the backend bakes in here (``Backend.choices``: inductor's
     thread count, as its compiled code guards on it and refuses to run under another, and its
     16-bit prefill path). ``plan.checkpoint`` is left out: entries hold no weights."""
@@ -234,7 +234,7 @@ def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bo
 
 def _report(progress: bool, line: str, level: int = logging.INFO) -> None:
     """One line on what the cache did: on stderr with ``progress`` (the CLI, and the Python API
-    by default), else through the ``neuronfx.cache`` logger (a server's log; WARNING lines
+    by default), else through the ``neuronfx.io.cache`` logger (a server's log; WARNING lines
     Python prints on stderr even where logging is not configured: one line, no source line)."""
     if progress:
         print(f"neuronfx: {'warning: ' if level >= logging.WARNING else ''}{line}", file=sys.stderr, flush=True)

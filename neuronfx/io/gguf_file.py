@@ -12,7 +12,7 @@ dequantization of the types decoded here by :func:`dequantize` with ``gguf.quant
 Metadata values are what transformers' legacy reader (``integrations/ggml.py``
 ``_gguf_parse_value``) makes of them: ints, floats (float32 values as Python floats), bools,
 UTF-8 strings, and arrays as lists. Nothing here knows about transformers or HF names
-(``neuronfx.checkpoints`` maps them). Errors: :class:`GGUFFormatError` (a ValueError) for a
+(``neuronfx.io.checkpoints`` maps them). Errors: :class:`GGUFFormatError` (a ValueError) for a
 truncated or corrupt file, naming what is wrong.
 """
 

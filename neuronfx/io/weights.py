@@ -304,7 +304,7 @@ def _base(name: str) -> str:
 
 def read_shard(source: object, split: Split, dtype: str) -> torch.Tensor:
     """One rank's part of a weight: ``source`` (a tensor, or anything indexable with slices that
-    has a ``shape``, e.g. ``neuronfx.checkpoints.LazyTensor``) read block by block along
+    has a ``shape``, e.g. ``neuronfx.io.checkpoints.LazyTensor``) read block by block along
     ``split.dim`` with zeros for padding blocks, as a new contiguous tensor in ``dtype`` (never
     a view that would keep the whole weight alive)."""
     shape = tuple(source.shape)  # type: ignore[attr-defined]

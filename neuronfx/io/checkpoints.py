@@ -22,14 +22,14 @@ import numpy as np
 import safetensors
 import torch
 
-from neuronfx import gguf_file
 from neuronfx.config.families import SUPPORTED_MODEL_TYPES, unsupported_model_type
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
 from neuronfx.graphs.models import model_module
 from neuronfx.graphs.moe import STACKED_NAMES
 from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, QuantizedWeight
-from neuronfx.graphs.weights import check_state_dict, expand_key_map
+from neuronfx.io import gguf_file
+from neuronfx.io.weights import check_state_dict, expand_key_map
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -91,7 +91,7 @@ def load_checkpoint(
     """Read a checkpoint: an HF directory (safetensors, single or sharded) or a ``.gguf`` file.
 
     ``dtype`` is the floating dtype every tensor is cast to. A GGUF file is memory-mapped
-    (``neuronfx.gguf_file``), its config and tensor names mapped with transformers' own tables
+    (``neuronfx.io.gguf_file``), its config and tensor names mapped with transformers' own tables
     and tensor processors (llama.cpp's Q/K row permutation undone) and its tensors dequantized
     vectorised, so they equal bitwise what ``AutoModelForCausalLM.from_pretrained(dir,
     gguf_file=name)`` holds. ``gguf_blocks``: keep every 2-D Q4_0 / Q4_1 / Q8_0 GGUF tensor as
@@ -279,7 +279,7 @@ def _read_safetensors_file(file: Path, dtype: torch.dtype, lazy: bool = False) -
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF files: read by neuronfx.gguf_file, mapped with transformers' own tables
+# GGUF files: read by neuronfx.io.gguf_file, mapped with transformers' own tables
 # (modeling_gguf_pytorch_utils.load_gguf_checkpoint, integrations/ggml.py, integrations/gguf/)
 
 
