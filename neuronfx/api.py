@@ -19,6 +19,7 @@ from neuronfx.config.serialization import unstructure
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
 from neuronfx.graphs.device import check_device, plan_device, to_device
+from neuronfx.graphs.layers import Weights
 from neuronfx.graphs.quant import BLOCK_TYPES
 from neuronfx.io.artifacts import load, push_to_hub, save
 from neuronfx.io.cache import compile_graphs, resolve_cache
@@ -51,45 +52,11 @@ def check_blocks(plan: Plan, state_dict: Mapping[str, object]) -> None:
         )
 
 
-def compile(
-    plan: Plan,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-    progress: bool = True,
-    cache: bool | str | os.PathLike | None = None,
-) -> Runtime:
-    """Compile every (phase, batch, bucket) graph of ``plan`` with its backend.
-
-    ``state_dict``: HF-named tensors (e.g. ``model.state_dict()`` of a transformers model); when
-    None the weights are loaded from ``plan.checkpoint``. ``cache``: the compile cache
-    (:mod:`neuronfx.io.cache`): None (default) uses it for the compiled backends (``export``,
-    ``inductor``) and not for ``eager``; True uses it, False does not; a path uses the cache in
-    that directory instead of ``$NEURONFX_CACHE_DIR`` (default ``~/.cache/neuronfx``). A cached
-    plan loads its graphs instead of compiling them; the cache holds graph files only, never
-    weights: the runtime always runs on ``state_dict`` (``runtime.from_cache`` says whether it
-    hit). ``progress``: a bar per compile and one line per cache event (hit, miss and why, slow
-    load or write, corrupt entry) on stderr; False: no bar, the same lines through the
-    ``neuronfx.io.cache`` and ``neuronfx.compile`` loggers (a corrupt entry as a WARNING). Raises ConfigError when no weights are
-    given, ``cache`` is not one of those or the plan's CUDA device is not on this machine (before
-    anything loads), CheckpointError for missing/extra/mis-shaped
-    tensors, BackendUnavailableError for a backend whose optional dependencies are missing.
-
-    Tensor parallel (``plan.inference.tp_degree`` > 1): call it on every rank (under torchrun
-    or :func:`launch`); each rank joins the process group, gets the plan of its rank
-    (``runtime.plan.rank``) and keeps only its shard of the weights, read from a safetensors
-    checkpoint slice by slice (a GGUF file or a given ``state_dict`` is read whole, then
-    sliced). The ranks then check that they were given the same plan and weights. Raises
-    ConfigError when this process is not one of ``tp_degree`` ranks, TensorParallelError when
-    the ranks disagree.
-    """
-    check_device(plan.inference)  # a CUDA device this machine lacks: before anything loads
-    backend = get_backend(plan.inference.backend)
-    backend.check()  # before the (slow) checkpoint read
-    if plan.inference.device == "cpu":  # the CPU kernels and compiler probes; CUDA needs none of them
-        backend.prepare()  # overlaps it
-    root = resolve_cache(cache, plan.inference.backend)
+def _rank_weights(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None) -> Weights:
+    """This rank's neuronfx weights of ``state_dict`` (read from ``plan.checkpoint`` when None:
+    a safetensors checkpoint under tensor parallelism slice by slice), on the plan's device;
+    the ranks check they were given the same weights. Raises what :func:`compile` documents."""
     tp = plan.inference.tp_degree
-    plan = plan_for_rank(plan, init_tensor_parallel(tp))
-    check_agreement("plans", digest(repr((unstructure(plan.model), unstructure(plan.inference)))))
     if state_dict is None:
         if plan.checkpoint is None:
             raise ConfigError("compile(plan) needs weights: pass state_dict= or build the plan with a checkpoint path.")
@@ -100,8 +67,44 @@ def compile(
         check_agreement("weights", weights_fingerprint(state_dict))
     weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard,
                                     quantized_formats(plan.inference), plan.inference.weight_group_size)
-    weights = to_device(weights, plan_device(plan))
-    del state_dict  # a checkpoint read here: only this rank's shard stays resident
+    return to_device(weights, plan_device(plan))  # a checkpoint read here: only this rank's shard stays resident
+
+
+def compile(
+    plan: Plan,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    progress: bool = True,
+    cache: bool | str | os.PathLike | None = None,
+) -> Runtime:
+    """Compile every (phase, batch, bucket) graph of ``plan`` with its backend.
+
+    ``state_dict``: HF-named tensors (e.g. ``model.state_dict()`` of a transformers model); None
+    loads ``plan.checkpoint``. ``cache``: the compile cache (:mod:`neuronfx.io.cache`): None
+    (default) uses it for ``export`` and ``inductor``, True / False turn it on / off, a path
+    picks its directory (default ``$NEURONFX_CACHE_DIR``, else ``~/.cache/neuronfx``). A cached
+    plan loads its graphs; entries hold no weights, so the runtime always runs on ``state_dict``
+    (``runtime.from_cache`` says whether it hit). ``progress``: a bar per compile and one line
+    per cache event on stderr; False: the same lines through the ``neuronfx.cache`` and
+    ``neuronfx.compile`` loggers. Raises ConfigError when no weights are given, ``cache`` is none
+    of those or the plan's CUDA device is missing (before anything loads), CheckpointError for
+    missing/extra/mis-shaped tensors, BackendUnavailableError for a backend whose optional
+    dependencies are missing.
+
+    Tensor parallel (``tp_degree`` > 1): call it on every rank (under torchrun or
+    :func:`launch`); each rank gets its plan (``runtime.plan.rank``) and keeps only its shard,
+    read slice by slice from a safetensors checkpoint (a GGUF file or a ``state_dict`` is read
+    whole, then sliced); the ranks check they got the same plan and weights. Raises ConfigError
+    when this process is not one of ``tp_degree`` ranks, TensorParallelError on disagreement.
+    """
+    check_device(plan.inference)  # a CUDA device this machine lacks: before anything loads
+    backend = get_backend(plan.inference.backend)
+    backend.check()  # before the (slow) checkpoint read
+    if plan.inference.device == "cpu":  # the CPU kernels and compiler probes; CUDA needs none of them
+        backend.prepare()  # overlaps it
+    root = resolve_cache(cache, plan.inference.backend)
+    plan = plan_for_rank(plan, init_tensor_parallel(plan.inference.tp_degree))
+    check_agreement("plans", digest(repr((unstructure(plan.model), unstructure(plan.inference)))))
+    weights = _rank_weights(plan, state_dict)
     trim_heap()
     runtime = compile_graphs(plan, weights, root, progress)
     trim_heap()  # tracing and codegen garbage would otherwise stay resident

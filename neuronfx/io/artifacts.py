@@ -193,21 +193,27 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
         out = out / rank_dir_name(runtime.plan.rank)
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{str(out)!r} is a file; save to a directory (new, or one holding a saved runtime).")
+    _write_then_move(runtime, out, tokenizer)
+    if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
+        distributed.check_agreement("save directory", distributed.digest(str(Path(directory).resolve())))
+    return out
+
+
+def _write_then_move(runtime: Runtime, out: Path, tokenizer: Any) -> None:
+    """Write every file into a temporary directory beside ``out``, then move them into ``out``,
+    the manifest last: a failure leaves what ``out`` held as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-saving-", dir=out.parent))
     try:
         _write_all(runtime, tmp, tokenizer)
         out.mkdir(exist_ok=True)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):  # the manifest last
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):
             target = out / item.name
             if target.is_dir():
                 shutil.rmtree(target)
             os.replace(item, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
-        distributed.check_agreement("save directory", distributed.digest(str(Path(directory).resolve())))
-    return out
 
 
 def _write_all(runtime: Runtime, out: Path, tokenizer: Any) -> None:

@@ -10,7 +10,7 @@ example inputs), so a hit runs on the caller's weights. A miss on a plan that ha
 built under other components names them (:func:`explain_miss`: another thread count, torch, ...).
 
 What happens is reported as one line per event: on stderr (``neuronfx: ...``) with
-``progress``, else through the ``neuronfx.io.cache`` logger (INFO; a corrupt entry: WARNING).
+``progress``, else through the ``neuronfx.cache`` logger (INFO; a corrupt entry: WARNING).
 
 Location: ``$NEURONFX_CACHE_DIR``, default ``~/.cache/neuronfx``; ``<root>/<key>/`` per entry.
 Concurrency: a process holds ``<root>/<key>.lock`` (``filelock``) while it checks, builds or
@@ -44,16 +44,15 @@ import torch
 from filelock import FileLock
 
 from neuronfx.config.plan import Plan
-from neuronfx.config.serialization import plan_to_json, unstructure
+from neuronfx.config.serialization import plan_to_json
 from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
 from neuronfx.graphs.backends import Built, get_backend
 from neuronfx.graphs.layers import Weights
 from neuronfx.io.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
+from neuronfx.io.cache_key import KEY_FILE, cache_key, digest, explain, key_components
 from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime
 
 ENV_VAR = "NEURONFX_CACHE_DIR"
-KEY_FILE = "key.json"
-"""An entry's key components (:func:`key_components`) and how long its compile took."""
 ANNOUNCE_AFTER_S = 2.0
 """A cache load, write or lock wait still running after this many seconds says what it is doing."""
 _ENTRY_ERRORS = (NeuronfxError, OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
@@ -78,98 +77,13 @@ def resolve_cache(cache: bool | str | os.PathLike | None, backend: str) -> Path 
     raise ConfigError(f"cache={cache!r} must be None (default), True, False or a directory path.")
 
 
-def key_components(plan: Plan) -> dict[str, Any]:
-    """What :func:`cache_key` hashes, as JSON values: model config, inference config,
-    tensor-parallel rank, environment (:func:`neuronfx.io.artifacts.environment`: versions, source
-    fingerprint, machine) and what the backend bakes in here (``Backend.choices``: inductor's
-    thread count, as its compiled code guards on it and refuses to run under another, and its
-    16-bit prefill path). ``plan.checkpoint`` is left out: entries hold no weights."""
-    content = {
-        "model": unstructure(plan.model),
-        "inference": unstructure(plan.inference),
-        "rank": plan.rank,
-        "environment": environment(plan.inference.backend),
-        "choices": get_backend(plan.inference.backend).choices(plan),
-    }
-    return json.loads(_canonical(content))  # tuples as lists: what key.json reads back
-
-
-def _canonical(content: object) -> str:
-    return json.dumps(content, sort_keys=True, separators=(",", ":"))
-
-
-def cache_key(plan: Plan) -> str:
-    """sha256 hex of the canonical JSON of :func:`key_components`."""
-    return _digest(key_components(plan))
-
-
-def _digest(components: dict[str, Any]) -> str:
-    return hashlib.sha256(_canonical(components).encode()).hexdigest()
-
-
-_PLAN_PARTS = ("model", "inference", "rank")
-"""The key components that make the plan; the others say where and how it was compiled."""
-
-
-def _spread(components: dict[str, Any]) -> dict[str, object]:
-    """``components`` with the environment and the backend's choices spread into one item each
-    (``environment.torch``, ``choices.num_threads``), so a difference names the one that differs."""
-    out = {part: components[part] for part in _PLAN_PARTS}
-    for part in ("environment", "choices"):
-        out |= {f"{part}.{name}": value for name, value in components[part].items()}
-    return out
-
-
-def _shown(name: str, value: object) -> str:
-    """One key component for a person: "2 threads", "torch 2.13.0", "no widen_16bit"."""
-    short = name.rsplit(".", 1)[-1]
-    if value is None:
-        return f"no {short}"
-    if name == "choices.num_threads":
-        return f"{value} thread{'' if value == 1 else 's'}"
-    if name == "environment.neuronfx_source":
-        return f"neuronfx source {str(value)[:12]}"
-    return f"{short} {value}"
-
-
 def explain_miss(root: Path, plan: Plan) -> str | None:
     """Why ``plan`` has no entry under ``root`` when entries of the same plan (model, inference
     config, rank) were compiled under other key components, naming those of the nearest (fewest
     differences), e.g. "no entry for this plan with 1 thread; an entry exists for 2 threads (run
     with OMP_NUM_THREADS=2 to use it; entry 3f2a..., compiled in 186 s)"; None when there is
     none. Entries without a readable ``key.json`` (older or damaged) are skipped."""
-    return _explain(root, key_components(plan))
-
-
-def _explain(root: Path, components: dict[str, Any]) -> str | None:
-    """:func:`explain_miss` of the plan whose key components are ``components``."""
-    ours = _spread(components)
-    best: tuple[list[str], Path, dict, dict] | None = None
-    for entry in _entries(root):
-        try:
-            recorded = json.loads((entry / KEY_FILE).read_text())
-            theirs = _spread(recorded["components"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if any(theirs[part] != ours[part] for part in _PLAN_PARTS):
-            continue
-        differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
-        if differ and (best is None or len(differ) < len(best[0])):
-            best = (differ, entry, recorded, theirs)
-    if best is None:
-        return None
-    differ, entry, recorded, theirs = best
-    hints = []
-    if "choices.num_threads" in differ:
-        hints.append(f"run with OMP_NUM_THREADS={theirs['choices.num_threads']} to use it")
-    if "environment.neuronfx_source" in differ:
-        hints.append("another checkout or an edit of neuronfx/graphs or neuronfx/config")
-    if isinstance(recorded.get("compile_s"), (int, float)):
-        hints.append(f"entry {entry.name[:16]}, compiled in {recorded['compile_s']:.0f} s")
-    else:
-        hints.append(f"entry {entry.name[:16]}")
-    return (f"no entry for this plan with {', '.join(_shown(n, ours.get(n)) for n in differ)}; an entry exists for "
-            f"{', '.join(_shown(n, theirs.get(n)) for n in differ)} ({'; '.join(hints)})")
+    return explain(_entries(root), key_components(plan))
 
 
 KERNELS = "kernels"
@@ -203,7 +117,7 @@ def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bo
     if root is None:
         return build_runtime(plan, weights, build_graphs(plan, weights, progress))
     components = key_components(plan)
-    key = _digest(components)
+    key = digest(components)
     root.mkdir(parents=True, exist_ok=True)
     entry, n = root / key, len(plan.graphs)
     lock = FileLock(str(root / f"{key}.lock"))
@@ -217,7 +131,7 @@ def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bo
             if loaded is not None:
                 _report(progress, f"loaded {n} graphs from the compile cache (entry {entry}) in {time.perf_counter() - t0:.1f} s")
                 return build_runtime(plan, weights, loaded, key, from_cache=True)
-        why = _explain(root, components) or f"no entry for this plan in {root}"
+        why = explain(_entries(root), components) or f"no entry for this plan in {root}"
         _report(progress, f"compile cache: {why}; compiling {n} {plan.inference.backend} graphs")
         t0 = time.perf_counter()
         runtime = build_runtime(plan, weights, build_graphs(plan, weights, progress, kernel_store(root, plan)), key)
@@ -234,7 +148,7 @@ def compile_graphs(plan: Plan, weights: Weights, root: Path | None, progress: bo
 
 def _report(progress: bool, line: str, level: int = logging.INFO) -> None:
     """One line on what the cache did: on stderr with ``progress`` (the CLI, and the Python API
-    by default), else through the ``neuronfx.io.cache`` logger (a server's log; WARNING lines
+    by default), else through the ``neuronfx.cache`` logger (a server's log; WARNING lines
     Python prints on stderr even where logging is not configured: one line, no source line)."""
     if progress:
         print(f"neuronfx: {'warning: ' if level >= logging.WARNING else ''}{line}", file=sys.stderr, flush=True)
@@ -293,7 +207,7 @@ def _write_entry(root: Path, components: dict[str, Any], runtime: Runtime, compi
     and ``compile_s``, manifest) to a temp directory and rename it into place (lock held);
     whether it was written. Failing to write only costs the cache (reported); the compiled
     runtime is still returned."""
-    key = _digest(components)
+    key = digest(components)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         plan = _without_checkpoint(runtime.plan)
