@@ -130,14 +130,6 @@ def test_io_modules_know_no_backend():
             assert needle not in text, f"{name} mentions {needle}"
 
 
-def test_readme_step_input_tables_come_from_the_records():
-    from neuronfx.config.inputs import describe
-
-    readme = (ROOT.parent / "README.md").read_text()
-    block = readme.split("<!-- step-inputs:begin -->\n")[1].split("\n<!-- step-inputs:end -->")[0]
-    assert block == describe(), "regenerate the README's step-input tables with neuronfx.config.inputs.describe()"
-
-
 def test_backend_names_agree():
     from neuronfx.config.inference import BACKENDS as NAMES
     from neuronfx.graphs.backends import BACKENDS
