@@ -23,10 +23,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from test_quant import FORMATS, _tolerance  # noqa: E402
 
-from neuronfx.graphs import kernels  # noqa: E402
-from neuronfx.graphs import quant as Q  # noqa: E402
+from neuronfx.graphs.kernels import library as kernels  # noqa: E402
+from neuronfx.graphs.models import quant as Q  # noqa: E402
 
-SOURCE = ROOT / "neuronfx" / "graphs" / "csrc" / "quant_gemm.cpp"
+SOURCE = next(s for s in kernels.SOURCES if s.name == "quant_gemm.cpp")
 PATHS = {"avx2": "-DNFX_QUANT_AVX2", "scalar": "-DNFX_QUANT_SCALAR"}
 
 

@@ -1,4 +1,4 @@
-"""``neuronfx check-accuracy`` and ``neuronfx.accuracy``: NxDI's tolerance map on exact values, a
+"""``neuronfx check-accuracy`` and ``neuronfx.bench.accuracy``: NxDI's tolerance map on exact values, a
 float plan that matches transformers, a perturbed weight that the check catches, perplexity
 against a naive computation, and the CLI on a tiny checkpoint directory (eager, tiny llama)."""
 
@@ -15,16 +15,8 @@ import torch
 from helpers import hf_greedy, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime, write_tiny_gguf
 
 import neuronfx
-from neuronfx import cli
-from neuronfx.accuracy import (
-    TOLERANCE_BANDS,
-    check_accuracy,
-    compare_logits,
-    first_divergence,
-    perplexity,
-    position_errors,
-    reference_model,
-)
+from neuronfx.bench.accuracy import check_accuracy, perplexity, reference_model
+from neuronfx.bench.accuracy_report import TOLERANCE_BANDS, compare_logits, first_divergence, position_errors
 from neuronfx.cli import main
 from neuronfx.errors import CheckpointError, ConfigError
 
@@ -185,7 +177,7 @@ def test_cli_check_accuracy(word_model_dir, capsys, monkeypatch):
         sd = dict(sd) | {"lm_head.weight": sd["lm_head.weight"] + 0.01 * torch.randn(sd["lm_head.weight"].shape)}
         return reference_model(source, sd)
 
-    monkeypatch.setattr(cli, "reference_model", off)
+    monkeypatch.setattr("neuronfx.bench.accuracy.reference_model", off)
     assert main([*args, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)[0]
     assert not data["greedy_identical"] and not data["tolerance_passed"] and data["logits"]["positions"] == 12

@@ -1,21 +1,32 @@
-"""neuronfx bench: metric formulas on exact inputs, and a tiny end-to-end run with --compare."""
+"""``neuronfx bench latency`` and what the benchmarks share: metric formulas on exact inputs, a
+tiny end-to-end run against transformers, llama.cpp's code paths on a stand-in library, the
+alternating rounds and their report, the older ``neuronfx bench`` spelling; and the in-process
+throughput, speculative and tensor-parallel benchmarks on tiny models."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-from helpers import tiny_hf_model
+from fake_llama_cpp import FakeLlamaCpp
+from helpers import smollm2_vocab_model, tiny_hf_model, write_tiny_gguf
 
-from neuronfx.bench import percentile, plot, run_bench, summarize
+from neuronfx.bench.bandwidth import bandwidth_rows, decode_weight_bytes
+from neuronfx.bench.latency_run import LatencySpec, quant_path, run_bench
+from neuronfx.bench.llama_cpp import gguf_decode_bytes, gguf_weight_type
+from neuronfx.bench.plot import plot
+from neuronfx.bench.rounds import alternate, comparison_table, format_ab, median_round, round_ratios
+from neuronfx.bench.timing import percentile, summarize, transformers_engine
 from neuronfx.cli import main
+from neuronfx.cli.bench import legacy_argv
 from neuronfx.io.checkpoints import load_checkpoint
 
 
 @pytest.fixture(autouse=True)
 def small_read_probe(monkeypatch):
-    """Every run_bench measures the read bandwidth; 4 MiB instead of 128 keeps these tests fast."""
-    monkeypatch.setattr("neuronfx.bench.READ_PROBE_BYTES", 4 * 2**20)
+    """Every latency run measures the read bandwidth; 4 MiB instead of 128 keeps these tests fast."""
+    monkeypatch.setattr("neuronfx.bench.bandwidth.READ_PROBE_BYTES", 4 * 2**20)
 
 
 def test_summarize_follows_vllm_definitions():
@@ -43,69 +54,190 @@ def tiny_checkpoint(tmp_path_factory):
     return load_checkpoint(directory)
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"), tiny_hf_model("llama", seed=5))
+
+
 def test_run_bench_compares_engines_in_one_run(tiny_checkpoint, tmp_path):
-    data = run_bench(tiny_checkpoint, "eager", "float32", [1, 2], [8], [4], compare_transformers=True, log=lambda s: None)
+    spec = LatencySpec(backend="eager", dtype="float32", batch_sizes=(1, 2), prompt_lens=(8,), gen_lens=(4,))
+    data = run_bench(tiny_checkpoint, spec, lambda: transformers_engine(tiny_checkpoint, "float32"), log=lambda s: None)
     engines = sorted((r["engine"], r["batch_size"]) for r in data["results"])
     assert engines == [("neuronfx", 1), ("neuronfx", 2), ("transformers", 1), ("transformers", 2)]
     assert all(r["gen_len"] == 4 and r["prompt_len"] == 8 for r in data["results"])
-    assert len(data["ratios"]) == 2 and all(r["decode_tok_s_ratio"] > 0 for r in data["ratios"])
+    assert len(data["ratios"]) == 2 and all(r["decode_tok_s_ratio"] > 0 and r["reference"] == "transformers" for r in data["ratios"])
     assert [m["batch_size"] for m in data["memory"]] == [1, 2]
     assert data["memory"][1]["kv_bytes"] > data["memory"][0]["kv_bytes"]
     # eager fp32 weights, tied head: every tensor once, plus 1 or 2 embedding rows
     rows = {r["batch_size"]: r for r in data["bandwidth"]}
     assert sorted(rows) == [1, 2] and all(r["engine"] == "neuronfx" for r in data["bandwidth"])
     assert rows[2]["weight_bytes_per_step"] - rows[1]["weight_bytes_per_step"] in (0, 4 * tiny_checkpoint.config.hidden_size)
-    assert data["read_bandwidth"]["bytes_per_s"] > 0 and data["prefill_16bit"] is None  # eager: reference ops
+    assert data["read_bandwidth"]["bytes_per_s"] > 0 and data["prefill_16bit"] is None and data["rounds"] == []  # eager: reference ops
     json.dumps(data)
     plot(data, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_cli_json(tiny_checkpoint, capsys):
-    assert main(["bench", "--model", tiny_checkpoint.source, "--backend", "eager", "--batch-sizes", "1", "--prompt-lens", "8",
+@pytest.mark.parametrize("command", [["bench", "latency"], ["bench"]], ids=["latency", "older-spelling"])
+def test_bench_cli_json(tiny_checkpoint, capsys, command):
+    assert main([*command, "--model", tiny_checkpoint.source, "--backend", "eager", "--batch-sizes", "1", "--prompt-lens", "8",
                  "--gen-lens", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in data["results"]] == ["neuronfx"] and data["results"][0]["gen_len"] == 3
 
 
-def test_workload_is_seeded_and_in_range():
-    from neuronfx.bench import make_workload
+def test_older_bench_flags_pick_their_benchmark():
+    assert legacy_argv([]) == ["latency"]
+    assert legacy_argv(["--batch-sizes", "1"]) == ["latency", "--batch-sizes", "1"]
+    assert legacy_argv(["--serving", "--slots", "4"]) == ["throughput", "--slots", "4"]
+    assert legacy_argv(["--speculate", "--draft-layers", "2"]) == ["speculative", "--draft-layers", "2"]
+    assert legacy_argv(["--tp-degree", "1", "2", "--speculate"]) == ["tensor-parallel", "--tp-degree", "1", "2", "--speculate"]
+    assert legacy_argv(["latency", "--serving"]) == ["latency", "--serving"]  # a name given: as it is
+    assert legacy_argv(["-h"]) == ["-h"]
 
-    a = make_workload(256, 20, (32, 64), (2, 9), seed=3)
-    assert a == make_workload(256, 20, (32, 64), (2, 9), seed=3)
-    assert a != make_workload(256, 20, (32, 64), (2, 9), seed=4)
-    assert all(32 <= len(p) <= 64 for p in a.prompts) and all(2 <= g <= 9 for g in a.gen_lens)
-    assert all(3 <= t < 256 for p in a.prompts for t in p)
+
+def test_bench_rejects_bad_sizes(capsys):
+    assert main(["bench", "--gen-lens", "1", "--model", "/nonexistent"]) == 2
+    assert "InputError: --gen-lens has [1]; each value must be >= 2." in capsys.readouterr().err
 
 
-def test_serving_bench_tiny(tiny_checkpoint):
-    from neuronfx.bench import run_serving_bench
+@pytest.mark.parametrize("args, error, names", [
+    (["--device", "cuda:99"], "ConfigError", "device='cuda:99'"),  # no such GPU, here or on a lent one
+    (["--device", "cuda", "--weight-format", "int8"], "ConfigError", "weight_format='int8'"),
+    (["--device", "cuda", "--compare", "llama.cpp"], "InputError", "llama.cpp runs on the CPU"),
+    (["--weight-format", "gguf", "--compare", "transformers"], "InputError", "transformers cannot run the kept blocks"),
+    (["--rounds", "3"], "InputError", "--rounds=3"),
+    (["--rounds", "0", "--compare", "transformers"], "InputError", "--rounds=0"),
+])
+def test_bench_checks_options_before_loading(args, error, names, capsys):
+    assert main(["bench", "latency", "--model", "/nonexistent.gguf", *args]) == 2  # the checkpoint would be a CheckpointError
+    err = capsys.readouterr().err
+    assert f"error: {error}:" in err and names in err
 
-    data = run_serving_bench(tiny_checkpoint, "eager", "float32", num_requests=10, slots=4,
-                             prompt_range=(4, 40), gen_range=(2, 12), log=lambda s: None)
-    assert data["num_requests"] == 10 and data["slots"] == 4
+
+def test_benchmark_options_are_their_own(capsys):
+    """--device belongs to latency: the throughput benchmark refuses it as argparse does."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--serving", "--device", "cuda"])
+    assert exc.value.code == 2 and "unrecognized arguments: --device cuda" in capsys.readouterr().err
+
+
+def test_throughput_tiny(tiny_checkpoint, capsys):
+    """The older `bench --serving` spelling: the scheduler against transformers' static batches."""
+    assert main(["bench", "--serving", "--model", tiny_checkpoint.source, "--backend", "eager", "--num-requests", "10", "--slots",
+                 "4", "--prompt-lens", "4", "40", "--gen-lens", "2", "12", "--compare", "transformers", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_requests"] == 10 and data["slots"] == 4 and 20 <= data["generated_tokens"] <= 120
     assert data["neuronfx_tok_s"] > 0 and data["transformers_tok_s"] > 0
     assert data["ratio"] == pytest.approx(data["neuronfx_tok_s"] / data["transformers_tok_s"])
-    json.dumps(data)
+
+
+def test_speculative_tiny(tmp_path, capsys):
+    """Self-speculation with the first layer of two and the model as its own draft: every row
+    decodes; the draft model's acceptance is 1 (it is the target) and emits k tokens per pass."""
+    smollm2_vocab_model(tmp_path)
+    assert main(["bench", "speculative", "--model", str(tmp_path), "--backend", "eager", "--speculation-length", "3",
+                 "--draft-layers", "1", "--draft-model", str(tmp_path), "--gen-lens", "9", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in data["rows"]]
+    assert names == ["plain decode", "self-speculation N=1 k=3", "draft model k=3"] and data["rows"][0]["speedup"] == 1.0
+    draft = data["rows"][2]
+    assert draft["acceptance_rate"] == 1.0 and draft["mean_accepted_length"] > 2.5
+    assert 0 <= data["rows"][1]["acceptance_rate"] <= 1
 
 
 def test_tp_bench_cli_json(tiny_checkpoint, capsys):
-    """``bench --tp-degree 1 2``: one launch per degree, every figure the issue asks for in one
-    JSON object; the tiny model's tp=2 ranks each hold about half the weights (4 heads, 2 KV
-    heads and vocabulary 256 split evenly: only the norms are replicated)."""
-    assert main(["bench", "--model", tiny_checkpoint.source, "--backend", "eager", "--tp-degree", "1", "2", "--batch-sizes", "1",
-                 "--prompt-lens", "8", "--gen-lens", "2", "--json"]) == 0
+    """``bench tensor-parallel --tp-degree 2``: one launch of two ranks, every figure in one JSON
+    object; against the tp=1 configuration (run here in this process: a launch costs about 10 s
+    of the suite) each rank of the tiny model holds about half the weights (4 heads, 2 KV heads
+    and vocabulary 256 split evenly: only the norms are replicated)."""
+    from neuronfx.bench.tensor_parallel import format_tp_ratio, tp_bench_rank, tp_ratio
+
+    assert main(["bench", "tensor-parallel", "--model", tiny_checkpoint.source, "--backend", "eager", "--tp-degree", "2",
+                 "--batch-sizes", "1", "--prompt-lens", "8", "--gen-lens", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    runs = {r["tp_degree"]: r for r in data["runs"]}
-    assert sorted(runs) == [1, 2]
-    assert [m["rank"] for m in runs[2]["ranks"]] == [0, 1]
-    assert set(runs[2]["decode"]) == {"1"} and runs[2]["ttft_sp_s"] > 0 and "sp_error" not in runs[2]
-    assert runs[1]["profile"]["collective_share"] == 0 < runs[2]["profile"]["collective_share"] < 1
-    (ratio,) = data["ratios"]
+    (two,) = data["runs"]
+    assert data["ratios"] == [] and two["tp_degree"] == 2 and [m["rank"] for m in two["ranks"]] == [0, 1]
+    assert set(two["decode"]) == {"1"} and two["ttft_sp_s"] > 0 and "sp_error" not in two
+    assert 0 < two["profile"]["collective_share"] < 1 and two["profile"]["steps"] == 10 - 1 - 2  # the slot's room after warm-up
+    one = tp_bench_rank(tiny_checkpoint.config, tiny_checkpoint.source, 1, "eager", "float32", (1,), 2, 8)
+    assert one["profile"]["collective_share"] == 0 and [m["rank"] for m in one["ranks"]] == [0] and "ttft_sp_s" not in one
+    ratio = tp_ratio(two, one)
     assert 0.5 < ratio["weights_bytes_ratio"] < 0.52
+    assert ratio["decode_tok_s_ratio"]["1"] == two["decode"]["1"]["decode_tok_s"] / one["decode"]["1"]["decode_tok_s"]
+    assert format_tp_ratio(ratio, two).startswith(f"tp=2 / tp=1: decode tok/s B=1 x{ratio['decode_tok_s_ratio']['1']:.2f}")
 
 
-# --- compare llama.cpp, bandwidth: no llama.cpp needed -------------------------------------------
+def test_collective_figures_on_exact_events():
+    """Collective time: the self time of collective events on the thread that ran the marked
+    steps, per step and as a share of the steps' wall time; other threads are left out."""
+    from types import SimpleNamespace as Event
+
+    from neuronfx.bench.tensor_parallel import collective_figures
+
+    events = [Event(name="step", thread=1, cpu_time_total=1000, self_cpu_time_total=0)] * 2 + [
+        Event(name="_c10d_functional::all_gather_into_tensor", thread=1, cpu_time_total=0, self_cpu_time_total=150),
+        Event(name="_c10d_functional::wait_tensor", thread=1, cpu_time_total=0, self_cpu_time_total=250),
+        Event(name="_c10d_functional::wait_tensor", thread=2, cpu_time_total=0, self_cpu_time_total=9999),  # gloo's thread
+        Event(name="aten::mm", thread=1, cpu_time_total=0, self_cpu_time_total=500),
+    ]
+    f = collective_figures(events, "step")
+    assert f["step_wall_s"] == 1000e-6 and f["collective_s_per_step"] == 200e-6 and f["collective_share"] == 0.2
+    assert f["collective_calls_per_step"] == {"_c10d_functional::all_gather_into_tensor": 0.5, "_c10d_functional::wait_tensor": 0.5}
+
+
+# --- llama.cpp on a stand-in library, bandwidth, the comparison report ----------------------------
+
+
+def test_llama_cpp_rows_and_rounds(tiny_gguf, capsys, monkeypatch):
+    """``--compare llama.cpp`` through llama-cpp-python's calls on a stand-in: each case's prompts
+    go in one batch (row b as sequence b, logits of each last token only), then one token per row
+    per step at the next position, the argmax of the previous step; --rounds alternates the
+    engines case by case and reports one ratio per round."""
+    fake = FakeLlamaCpp(vocab=256)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert main(["bench", "latency", "--model", tiny_gguf, "--weight-format", "gguf", "--backend", "eager", "--compare", "llama.cpp",
+                 "--batch-sizes", "2", "--prompt-lens", "5", "--gen-lens", "4", "--rounds", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["engine"], r["dtype"]) for r in data["results"]] == [("neuronfx", "float32/gguf"), ("llama.cpp", gguf_weight_type(tiny_gguf))]
+    (row,) = data["rounds"]
+    assert row["reference"] == "llama.cpp" and len(row["decode_tok_s_ratios"]) == 3 and data["ratios"][0]["reference"] == "llama.cpp"
+    assert {r["engine"]: r["weight_bytes_per_step"] for r in data["bandwidth"]}["llama.cpp"] == gguf_decode_bytes(tiny_gguf, 2)
+    prefill, *steps = fake.decodes[-4:]  # the last round: a prefill and 3 decode steps
+    assert [(pos, seq, wanted) for _, pos, seq, wanted in prefill] == [(p, b, p == 4) for b in range(2) for p in range(5)]
+    last = [prefill[4][0], prefill[9][0]]
+    for i, step in enumerate(steps):
+        assert step == [((t + 1) % 256, 5 + i, b, True) for b, t in enumerate(last)]
+        last = [tok for tok, *_ in step]
+    assert fake.contexts[-1].n_seq_max == 2 and fake.contexts[-1].kv_unified is False and fake.freed[-1] == "model"
+
+
+def test_llama_cpp_after_neuronfx_without_rounds(tiny_gguf, monkeypatch):
+    """Without --rounds llama.cpp runs every case after neuronfx's, on the same prompts."""
+    fake = FakeLlamaCpp(vocab=256)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert main(["bench", "--model", tiny_gguf, "--weight-format", "gguf", "--backend", "eager", "--compare", "llama.cpp",
+                 "--batch-sizes", "1", "2", "--prompt-lens", "6", "--gen-lens", "3"]) == 0
+    prefills = [d for d in fake.decodes if len(d) > 2]
+    assert [len(d) for d in prefills] == [8, 6, 16, 12]  # per batch size: the 8-token warm-up, then the case
+    assert fake.loaded == [tiny_gguf.encode()]
+
+
+def test_compare_llama_cpp_without_the_package(monkeypatch, capsys, tmp_path):
+    """Missing llama-cpp-python: a named error with the extra to install, before any checkpoint is read."""
+    from neuronfx.bench.llama_cpp import import_llama_cpp
+    from neuronfx.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    with pytest.raises(BackendUnavailableError, match=r"neuronfx\[bench\]"):
+        import_llama_cpp()
+    assert main(["bench", "--compare", "llama.cpp", "--model", str(tmp_path / "absent.gguf")]) == 2
+    assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
+
+
+def test_compare_llama_cpp_needs_a_gguf(tiny_checkpoint, capsys):
+    assert main(["bench", "--compare", "llama.cpp", "--model", tiny_checkpoint.source]) == 2
+    assert "--model must be a .gguf file" in capsys.readouterr().err
 
 
 def _result(engine: str, batch: int, ttft: float, itl: list[float]):
@@ -114,8 +246,6 @@ def _result(engine: str, batch: int, ttft: float, itl: list[float]):
 
 def test_comparison_table_side_by_side():
     """neuronfx at 50 tok/s and TTFT 100 ms against 25 tok/s and 200 ms: x2.00 and x0.50."""
-    from neuronfx.bench import comparison_table
-
     results = [_result("neuronfx", 1, 0.1, [0.02] * 3), _result("llama.cpp", 1, 0.2, [0.04] * 3),
                _result("neuronfx", 8, 0.5, [0.1] * 3)]  # no llama.cpp B=8: no rows
     lines = comparison_table(results, "llama.cpp")
@@ -136,8 +266,7 @@ def test_decode_weight_bytes_counts_leaves_once():
     embedding B rows, or nothing more when it is the (tied) LM head."""
     import torch
 
-    from neuronfx.bench import decode_weight_bytes
-    from neuronfx.graphs.quant import Int8Weight
+    from neuronfx.graphs.models.quant import Int8Weight
 
     embed = torch.zeros(100, 8)  # 3200 bytes, 32 per row
     layer = {"q": Int8Weight(torch.zeros(8, 8, dtype=torch.int8), torch.zeros(8)), "norm": torch.zeros(8, dtype=torch.bfloat16)}
@@ -148,37 +277,14 @@ def test_decode_weight_bytes_counts_leaves_once():
 
 
 def test_bandwidth_rows():
-    from neuronfx.bench import bandwidth_rows
-
     rows = bandwidth_rows([_result("neuronfx", 1, 0.1, [0.02, 0.02]), _result("llama.cpp", 1, 0.1, [0.01])],
                           {("neuronfx", 1): 10**8}, read_bytes_s=10**10)
     assert len(rows) == 1 and rows[0]["bytes_per_s"] == pytest.approx(5e9) and rows[0]["share_of_read_bandwidth"] == pytest.approx(0.5)
 
 
-def test_compare_llama_cpp_without_the_package(monkeypatch, capsys, tmp_path):
-    """Missing llama-cpp-python: a named error with the extra to install, before any checkpoint is read."""
-    import sys
-
-    from neuronfx.bench_llama_cpp import import_llama_cpp
-    from neuronfx.errors import BackendUnavailableError
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
-    with pytest.raises(BackendUnavailableError, match=r"neuronfx\[bench\]"):
-        import_llama_cpp()
-    assert main(["bench", "--compare", "llama.cpp", "--model", str(tmp_path / "absent.gguf")]) == 2
-    assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
-
-
-def test_compare_llama_cpp_needs_a_gguf(tiny_checkpoint, capsys):
-    assert main(["bench", "--compare", "llama.cpp", "--model", tiny_checkpoint.source]) == 2
-    assert "--model must be a .gguf file" in capsys.readouterr().err
-
-
 def test_rounds_alternate_the_engines_and_report_the_median_round():
-    """--rounds: round i runs the engines in turn, the first one alternating; each engine's
-    reported result is its median round by decode tok/s, and the ratios pair rounds."""
-    from neuronfx.bench import alternate, median_round, round_ratios
-
+    """Round i runs the runners in turn, the first one alternating; each engine's reported
+    result is its median round by decode tok/s, and the ratios pair rounds."""
     calls = []
     out = alternate({"a": lambda: calls.append("a") or len(calls), "b": lambda: calls.append("b") or len(calls)}, 4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
@@ -191,14 +297,7 @@ def test_rounds_alternate_the_engines_and_report_the_median_round():
     assert row["reference"] == "llama.cpp" and row["batch_size"] == 1
 
 
-def test_rounds_need_llama_cpp(capsys):
-    assert main(["bench", "--rounds", "3"]) == 2
-    assert "--rounds=3" in capsys.readouterr().err
-
-
 def test_format_ab_reports_medians_and_same_round_ratios():
-    from neuronfx.bench import format_ab
-
     lines = format_ab("batch 1", {"new": [0.010, 0.020, 0.012], "old": [0.011, 0.030, 0.012]}, "old", "new")
     assert lines[0].endswith("10.00 20.00 12.00; median 12.00") and lines[0].startswith("batch 1 new")
     assert lines[1].endswith("11.00 30.00 12.00; median 12.00")
@@ -206,15 +305,18 @@ def test_format_ab_reports_medians_and_same_round_ratios():
 
 
 def test_quant_path_line_names_the_kernels_path_of_quantized_inductor_plans_only():
-    from neuronfx.bench import _quant_path
-    from neuronfx.graphs import kernels
+    from neuronfx.graphs.kernels import library as kernels
 
-    assert _quant_path("eager", "cpu", "gguf", "float") is None
-    assert _quant_path("inductor", "cpu", "float", "float") is None
-    assert _quant_path("inductor", "cuda", "int8", "float") is None
+    def spec(backend, device, weights, activations):
+        return LatencySpec(backend=backend, dtype="float32", batch_sizes=(1,), device=device, weight_format=weights,
+                           activation_format=activations)
+
+    assert quant_path(spec("eager", "cpu", "gguf", "float")) is None
+    assert quant_path(spec("inductor", "cpu", "float", "float")) is None
+    assert quant_path(spec("inductor", "cuda", "int8", "float")) is None
     if not kernels.small_gemm_available():
-        assert "fallback" in _quant_path("inductor", "cpu", "gguf", "float")
+        assert "fallback" in quant_path(spec("inductor", "cpu", "gguf", "float"))
         return
-    assert _quant_path("inductor", "cpu", "gguf", "float") == f"quantized decode products: {kernels.quant_isa()} path"
-    assert _quant_path("inductor", "cpu", "int4", "int8") == (
+    assert quant_path(spec("inductor", "cpu", "gguf", "float")) == f"quantized decode products: {kernels.quant_isa()} path"
+    assert quant_path(spec("inductor", "cpu", "int4", "int8")) == (
         f"quantized decode products: {kernels.quant_int8_x_isa()} (int8 activations) path")

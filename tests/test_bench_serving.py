@@ -1,5 +1,6 @@
-"""``neuronfx bench-serving``: the statistics on exact timestamps, the workload, option errors
-and an unreachable server. The client against a real ``neuronfx serve`` runs in
+"""``neuronfx bench serving`` (and its older name ``bench-serving``): the statistics on exact
+timestamps, the workload, option errors, an unreachable server, and the servers ``--launch``
+starts (a stand-in HTTP server here). The client against a real ``neuronfx serve`` runs in
 test_server.py (``test_bench_serving_client``), on that module's server."""
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ import pytest
 from helpers import smollm2_vocab_model
 
 import neuronfx
-from neuronfx.bench_serving import (
+from neuronfx.bench.serving_client import (
     RequestTiming,
     base_url,
-    default_text,
     format_table,
     inter_token_latencies,
-    make_workload,
     parse_server,
     summarize,
+    text_workload,
     tpot,
     ttft,
 )
+from neuronfx.bench.spawn import ServerCommand, launched, server_command
+from neuronfx.bench.workload import WorkloadRequest, default_text, make_workload
 from neuronfx.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,9 +82,9 @@ def tiny_dir(tmp_path_factory):
 
 def test_workload_is_seeded_real_text_within_the_ranges(tiny_dir):
     tok = tiny_dir[2]
-    work = make_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=0)
-    assert work == make_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=0)
-    assert work != make_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=1)
+    work = text_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=0)
+    assert work == text_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=0)
+    assert work != text_workload(tok, default_text(), 16, (32, 512), (16, 256), seed=1)
     assert all(30 <= r.prompt_len <= 512 and 16 <= r.max_tokens <= 256 for r in work)
     assert max(r.prompt_len for r in work) > 300 and min(r.max_tokens for r in work) < 100  # the ranges are used
     assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in work)
@@ -92,12 +94,18 @@ def test_workload_is_seeded_real_text_within_the_ranges(tiny_dir):
 @pytest.mark.parametrize("args, error", [
     (["--prompt-lens", "64", "32"], "InputError: --prompt-lens=[64, 32] must be two lengths MIN MAX"),
     (["--gen-lens", "0", "4"], "InputError: --gen-lens=[0, 4]"),
-    (["--concurrency", "0"], "InputError: --num-requests=64 and --concurrency=0 must be >= 1"),
+    (["--concurrency", "0"], "InputError: --concurrency has [0]; each value must be >= 1"),
     (["--text-file", "/nonexistent.txt"], "InputError: --text-file '/nonexistent.txt' cannot be read"),
 ])
-def test_cli_rejects_bad_options(capsys, args, error):
-    assert main(["bench-serving", "--server", "http://127.0.0.1:9", *args]) == 2
+@pytest.mark.parametrize("command", [["bench-serving"], ["bench", "serving"]])
+def test_cli_rejects_bad_options(capsys, args, error, command):
+    assert main([*command, "--server", "http://127.0.0.1:9", *args]) == 2
     assert f"neuronfx: error: {error}" in capsys.readouterr().err
+
+
+def test_cli_needs_a_server(capsys):
+    assert main(["bench", "serving"]) == 2
+    assert "InputError: no server to load: give --server URL (repeatable) or --launch" in capsys.readouterr().err
 
 
 def free_port() -> int:
@@ -111,3 +119,55 @@ def test_unreachable_server_is_a_clear_error(tiny_dir, capsys):
     args = ["bench-serving", "--server", url, "--tokenizer", str(tiny_dir[0]), "--num-requests", "2", "--prompt-lens", "8", "16"]
     assert main(args) == 2
     assert f"neuronfx: error: InputError: cannot reach the server at {url}" in capsys.readouterr().err
+
+
+def test_workload_windows_of_the_ids():
+    """One draw per request from random.Random(seed): lengths in the ranges, each prompt a
+    contiguous window of the (repeated) ids."""
+    ids = list(range(100, 150))
+    work = make_workload(ids, 12, (4, 60), (2, 9), seed=3)
+    assert work == make_workload(ids, 12, (4, 60), (2, 9), seed=3) != make_workload(ids, 12, (4, 60), (2, 9), seed=4)
+    assert all(4 <= len(r.prompt_ids) <= 60 and 2 <= r.max_tokens <= 9 for r in work)
+    assert all(b == 100 + (a - 100 + 1) % 50 for r in work for a, b in zip(r.prompt_ids, r.prompt_ids[1:]))
+    assert make_workload([7], 2, (3, 3), (1, 1)) == (WorkloadRequest(prompt_ids=(7, 7, 7), max_tokens=1),) * 2
+    with pytest.raises(neuronfx.errors.InputError, match="no tokens"):
+        make_workload([], 1, (1, 2), (1, 1))
+    with pytest.raises(neuronfx.errors.InputError, match=r"--gen-lens=\[3, 2\]"):
+        make_workload([1], 1, (1, 2), (3, 2))
+
+
+def test_launched_server_commands():
+    """The command lines --launch starts: neuronfx serve with the workload's plan, llama.cpp's
+    server with its thread count and a context of at least 2048."""
+    nfx = server_command("neuronfx", "m.gguf", 8001, 2, 4, 512, 768, "--weight-format gguf")
+    assert nfx.argv[1:] == ("-m", "neuronfx", "serve", "m.gguf", "--host", "127.0.0.1", "--port", "8001", "--batch-size", "4",
+                            "--max-context-length", "512", "--sequence-length", "768", "--weight-format", "gguf")
+    assert (nfx.url, nfx.ready_url) == ("http://127.0.0.1:8001", "http://127.0.0.1:8001/health")
+    cpp = server_command("llama.cpp", "m.gguf", 8002, 3, 4, 512, 768)
+    assert cpp.argv[1:] == ("-m", "llama_cpp.server", "--model", "m.gguf", "--n_threads", "3", "--host", "127.0.0.1", "--port",
+                            "8002", "--n_ctx", "2048", "--interrupt_requests", "False")
+    assert cpp.ready_url == "http://127.0.0.1:8002/v1/models"
+
+
+def test_launched_server_is_ready_then_stopped(tmp_path):
+    """A stand-in server (python's http.server) is waited for, then stopped when the block ends;
+    one that exits at once is an error carrying its log."""
+    import sys
+    import urllib.request
+
+    port = free_port()
+    (tmp_path / "health").write_text("ok")
+    lines = []
+    server = ServerCommand(label="stand-in", argv=(sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                                    "--directory", str(tmp_path)),
+                           url=f"http://127.0.0.1:{port}", ready_url=f"http://127.0.0.1:{port}/health")
+    with launched(server, 1, 60, lines.append) as ready:
+        assert urllib.request.urlopen(ready.ready_url, timeout=5).read() == b"ok"
+    assert lines[0].startswith("starting stand-in: ") and "http.server" in lines[0] and lines[1] == "stand-in ready"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(ready.ready_url, timeout=5)  # stopped: nothing listens any more
+    failing = ServerCommand(label="failing", argv=(sys.executable, "-c", "print('no model here'); raise SystemExit(3)"),
+                            url="http://127.0.0.1:9", ready_url="http://127.0.0.1:9/health")
+    with pytest.raises(neuronfx.errors.NeuronfxError, match=r"(?s)failing exited with 3; its log ends:.*no model here"), \
+            launched(failing, 1, 60, lines.append):
+        pass

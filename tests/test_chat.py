@@ -14,8 +14,8 @@ from helpers import smollm2_vocab_model, tiny_runtime
 
 import neuronfx
 from neuronfx import SamplingParams
-from neuronfx.chat import ChatOptions, Turn, chat_loop, conversation_ids
 from neuronfx.cli import main
+from neuronfx.cli.chat import ChatOptions, Turn, chat_loop, conversation_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = dict(batch_size=1, max_context_length=64, sequence_length=96, prefill_buckets=(32, 64), decode_buckets=(64, 96),

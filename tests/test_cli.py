@@ -37,7 +37,6 @@ from neuronfx.cli import main
         (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
-        (["--async-decode", "--speculation-length", "4", "--draft-layers", "1"], "ConfigError"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, error, capsys):
@@ -48,20 +47,31 @@ def test_generate_rejects_bad_options_before_loading(args, error, capsys):
     assert f"error: {error}:" in err
 
 
-def test_bench_rejects_bad_sizes(capsys):
-    assert main(["bench", "--gen-lens", "1", "--model", "/nonexistent"]) == 2
-    assert "gen-lens" in capsys.readouterr().err
+def test_commands_and_benchmarks_are_one_module_each():
+    """Each module of neuronfx/cli/ exporting COMMAND is listed once in COMMANDS (and each of
+    neuronfx/bench/ exporting BENCHMARK in BENCHMARKS): adding one is a module and an entry."""
+    import importlib
+    import pkgutil
+
+    import neuronfx.bench
+    import neuronfx.cli
+    from neuronfx.bench import BENCHMARKS
+    from neuronfx.cli import COMMANDS
+
+    for package, listed, name in ((neuronfx.cli, COMMANDS, "COMMAND"), (neuronfx.bench, BENCHMARKS, "BENCHMARK")):
+        exported = [getattr(m, name) for info in pkgutil.iter_modules(package.__path__)
+                    if hasattr(m := importlib.import_module(f"{package.__name__}.{info.name}"), name)]
+        assert sorted(e.name for e in exported) == sorted(e.name for e in listed) and len({e.name for e in listed}) == len(listed)
 
 
-@pytest.mark.parametrize("args, error, names", [
-    (["--device", "cuda:99"], "ConfigError", "device='cuda:99'"),  # no such GPU, here or on a lent one
-    (["--device", "cuda", "--weight-format", "int8"], "ConfigError", "weight_format='int8'"),
-    (["--device", "cuda", "--serving"], "InputError", "plain batches only"),
-])
-def test_bench_device_checked_before_loading(args, error, names, capsys):
-    assert main(["bench", "--model", "/nonexistent", *args]) == 2  # the checkpoint would be a CheckpointError
-    err = capsys.readouterr().err
-    assert f"error: {error}:" in err and names in err
+@pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["compile"], ["plan"], ["cache", "list"], ["check-accuracy"],
+                                  ["bench"], ["bench-serving"], *[["bench", name] for name in (
+                                      "latency", "serving", "throughput", "speculative", "tensor-parallel", "weight-formats",
+                                      "prefix-caching", "chunked-prefill", "async", "moe", "kernels", "artifacts")]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith(f"usage: neuronfx {' '.join(argv)}".rstrip())
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +105,9 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     plain = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS)
     spec = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
-    if draft[0] == "--draft-layers":  # overlapped decode (no speculation): the same tokens
-        overlapped = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--async-decode")
-        assert overlapped["token_ids"] == plain["token_ids"] and overlapped["text"] == plain["text"]
+    overlapped = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft,
+                          "--async-decode")  # overlapped scheduling, speculating: the same tokens
+    assert overlapped["token_ids"] == plain["token_ids"] and overlapped["text"] == plain["text"]
     assert [len(t) for t in spec["token_ids"]] == [12, 12]
     assert plain["speculation"] is None and all(s["emitted"] == 11 for s in spec["speculation"])
     for a, b in zip(spec["logprobs"], plain["logprobs"], strict=True):
@@ -136,6 +146,23 @@ def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys
                  "--sequence-length", "64"]) == 0
     assert json.loads((out / "plan.json").read_text())["checkpoint"] == str(tiny_model_dir)
     assert f"saved 2 eager graphs to {out}" in capsys.readouterr().out
+
+
+def test_plan_lists_the_graphs_compile_builds(tiny_model_dir, tmp_path, capsys):
+    """`neuronfx plan`: one graph per (phase, batch bucket, length bucket) and the KV cache of 3
+    slots (2 and the scratch slot) x 2 layers x K and V x 2 KV heads x 64 positions x 16 dims
+    in fp32; a saved runtime of those options shows the same plan, and compile builds those graphs."""
+    plan = ["--backend", "eager", "--batch-size", "2", "--max-context-length", "32", "--sequence-length", "64"]
+    assert main(["plan", str(tiny_model_dir), *plan, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["graphs"] == [["prefill", 1, 32], ["prefill", 2, 32], ["decode", 1, 64], ["decode", 2, 64]]
+    assert data["kv_bytes"] == 3 * 2 * 2 * 2 * 64 * 16 * 4 and (data["batch_buckets"], data["layers"]) == ([1, 2], 2)
+    assert main(["compile", str(tiny_model_dir), "--out", str(tmp_path / "saved"), *plan, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["graphs"] == 4
+    assert main(["plan", str(tmp_path / "saved"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == data
+    assert main(["plan", str(tiny_model_dir), *plan]) == 0
+    assert "KV cache 0.1 MiB; 4 graphs: 2 prefill, 2 decode\n  prefill  batch 1   bucket 32\n" in capsys.readouterr().out
 
 
 def test_chat_without_a_template_and_missing_draft_model(tiny_model_dir, capsys):

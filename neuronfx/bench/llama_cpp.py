@@ -1,4 +1,4 @@
-"""llama.cpp as a compared engine of ``neuronfx bench --compare llama.cpp``, through
+"""llama.cpp as a compared engine of ``neuronfx bench latency --compare llama.cpp``, through
 llama-cpp-python's low-level API (ctypes bindings of ``llama.h``).
 
 Only the benchmark needs it: llama-cpp-python is in the ``[bench]`` extra, never a runtime
@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from neuronfx.bench.timing import Engine
 from neuronfx.errors import BackendUnavailableError
 
 INSTALL_HINT = ("pip install 'neuronfx[bench]' (the benchmark extra; it builds llama.cpp from source with cmake and a C++ "
@@ -36,7 +37,7 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError as exc:
-        raise BackendUnavailableError(f"bench --compare llama.cpp needs llama-cpp-python: {INSTALL_HINT}.") from exc
+        raise BackendUnavailableError(f"bench latency --compare llama.cpp needs llama-cpp-python: {INSTALL_HINT}.") from exc
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log goes to stderr otherwise
     return llama_cpp
 
@@ -76,7 +77,7 @@ def new_context(lib: Any, model: Any, batch_size: int, ctx_per_seq: int, max_bat
         lib.llama_free(ctx)
 
 
-def _fill(batch: Any, rows: list[list[int]], start: list[int]) -> list[int]:
+def fill_batch(batch: Any, rows: list[list[int]], start: list[int]) -> list[int]:
     """Put ``rows[b]`` (token ids) at positions ``start[b]``... into ``batch`` under seq id b,
     logits for each row's last token only. Returns the batch index of each row's last token."""
     i, last = 0, []
@@ -93,7 +94,7 @@ def _fill(batch: Any, rows: list[list[int]], start: list[int]) -> list[int]:
     return last
 
 
-def _decode_greedy(lib: Any, ctx: Any, batch: Any, last: list[int], n_vocab: int) -> list[int]:
+def decode_greedy(lib: Any, ctx: Any, batch: Any, last: list[int], n_vocab: int) -> list[int]:
     """One ``llama_decode`` of the filled ``batch``, then the argmax of the logits at each
     row's last batch index ``last[b]``."""
     rc = lib.llama_decode(ctx, batch)
@@ -111,15 +112,15 @@ def time_llama_cpp(lib: Any, model: Any, prompts: list[list[int]], gen_len: int,
     with new_context(lib, model, b, ctx_per_seq, max(b * p, b), threads) as ctx:
         batch = lib.llama_batch_init(max(b * p, b), 0, 1)
         try:
-            last = _fill(batch, prompts, [0] * b)  # filled before the clock: python's loop over b * p tokens is not llama.cpp's
+            last = fill_batch(batch, prompts, [0] * b)  # filled before the clock: python's loop over b * p tokens is not llama.cpp's
             t0 = time.perf_counter()
-            tokens = _decode_greedy(lib, ctx, batch, last, n_vocab)
+            tokens = decode_greedy(lib, ctx, batch, last, n_vocab)
             ttft = time.perf_counter() - t0
             itl = []
             for step in range(gen_len - 1):
                 t0 = time.perf_counter()
-                last = _fill(batch, [[t] for t in tokens], [p + step] * b)
-                tokens = _decode_greedy(lib, ctx, batch, last, n_vocab)
+                last = fill_batch(batch, [[t] for t in tokens], [p + step] * b)
+                tokens = decode_greedy(lib, ctx, batch, last, n_vocab)
                 itl.append(time.perf_counter() - t0)
         finally:
             lib.llama_batch_free(batch)
@@ -149,3 +150,14 @@ def gguf_weight_type(path: str) -> str:
 
     types = Counter(t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2)
     return types.most_common(1)[0][0] if types else "unknown"
+
+
+@contextmanager
+def llama_cpp_engine(path: str, threads: int) -> Iterator[Engine]:
+    """llama.cpp on the GGUF at ``path`` with ``threads`` threads, its model held while the block
+    runs. Raises BackendUnavailableError (naming the extra) when llama-cpp-python is missing."""
+    lib = import_llama_cpp()
+    with load_model(lib, path) as model:
+        yield Engine(name="llama.cpp", backend="ggml-cpu", dtype=gguf_weight_type(path),
+                     time=lambda prompts, gen_len: time_llama_cpp(lib, model, prompts, gen_len, threads),
+                     decode_bytes=lambda batch_size: gguf_decode_bytes(path, batch_size))

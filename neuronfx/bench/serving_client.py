@@ -1,4 +1,4 @@
-"""``neuronfx bench-serving``: load an OpenAI-compatible server (``neuronfx serve``,
+"""``neuronfx bench serving``'s client: load an OpenAI-compatible server (``neuronfx serve``,
 llama.cpp's, vLLM's, ...) over HTTP with the official ``openai`` client and measure what its
 users see.
 
@@ -27,19 +27,15 @@ seconds.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 import attrs
 
-from neuronfx.bench import percentile
+from neuronfx.bench.timing import percentile
+from neuronfx.bench.workload import make_workload, token_ids
 from neuronfx.errors import BackendUnavailableError, InputError
-
-DEFAULT_TEXT = "bench_text.txt"
-"""The default prompt text, in ``neuronfx/data``."""
 
 PERCENTILES = (50, 90, 99)
 
@@ -101,6 +97,7 @@ class ServingResult:
 
 
 def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean; nan for no values."""
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -159,39 +156,20 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}" if seconds == seconds else "-"  # nan: no value
 
 
-# --- workload ------------------------------------------------------------------------------------
+# --- the workload as text ------------------------------------------------------------------------
 
 
-def default_text() -> str:
-    """The default prompt text: public-domain English passages shipped with neuronfx."""
-    return resources.files("neuronfx").joinpath("data").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")  # one name a call: Python 3.10
-
-
-def check_range(name: str, bounds: Sequence[int], low: int) -> tuple[int, int]:
-    """(lo, hi) of an inclusive length range; InputError unless low <= lo <= hi."""
-    if len(bounds) != 2 or not low <= bounds[0] <= bounds[1]:
-        raise InputError(f"--{name}={list(bounds)} must be two lengths MIN MAX with {low} <= MIN <= MAX.")
-    return bounds[0], bounds[1]
-
-
-def make_workload(tokenizer: Any, text: str, num_requests: int, prompt_range: tuple[int, int], gen_range: tuple[int, int],
+def text_workload(tokenizer: Any, text: str, num_requests: int, prompt_range: tuple[int, int], gen_range: tuple[int, int],
                   seed: int = 0) -> list[ServingRequest]:
-    """``num_requests`` requests drawn from ``random.Random(seed)``: a prompt length and a
-    generation length uniform in the inclusive ranges (tokens), and a window of that many tokens
-    of ``text`` (repeated as needed) at a random offset, decoded to text. ``prompt_len`` is the
-    window's text encoded again (it can differ from the drawn length by a token where the window
-    cuts a word; it never exceeds ``prompt_range[1]``). Raises InputError for a text of no tokens."""
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if not ids:
-        raise InputError("the prompt text has no tokens; give a --text-file with some text.")
-    ids = ids * (1 + prompt_range[1] // len(ids))  # room for a window of the longest prompt anywhere
-    rng = random.Random(seed)
+    """:func:`~neuronfx.bench.workload.make_workload` over ``text``'s tokens, each window decoded
+    to text. ``prompt_len`` is the window's text encoded again (it can differ from the drawn
+    length by a token where the window cuts a word; it never exceeds ``prompt_range[1]``).
+    Raises InputError for a text of no tokens or a bad range."""
+    work = make_workload(token_ids(tokenizer, text), num_requests, prompt_range, gen_range, seed)
     requests = []
-    for _ in range(num_requests):
-        n, gen = rng.randint(*prompt_range), rng.randint(*gen_range)
-        start = rng.randrange(len(ids) - n + 1)
-        prompt, n_tokens = _window(tokenizer, ids[start:start + n], prompt_range[1])
-        requests.append(ServingRequest(prompt=prompt, prompt_len=n_tokens, max_tokens=gen))
+    for r in work:
+        prompt, n_tokens = _window(tokenizer, list(r.prompt_ids), prompt_range[1])
+        requests.append(ServingRequest(prompt=prompt, prompt_len=n_tokens, max_tokens=r.max_tokens))
     return requests
 
 
@@ -214,7 +192,7 @@ def import_openai() -> Any:
     try:
         import openai
     except ImportError as exc:
-        raise BackendUnavailableError("bench-serving drives servers with the official openai client, which is not installed: "
+        raise BackendUnavailableError("bench serving drives servers with the official openai client, which is not installed: "
                                       "pip install 'neuronfx[bench]' (or pip install openai).") from exc
     return openai
 

@@ -1,4 +1,4 @@
-"""``neuronfx chat``: an interactive multi-turn conversation with a compiled runtime, the front end
+"""``neuronfx chat [MODEL]``: an interactive multi-turn conversation with a compiled runtime, the front end
 people know from ``llama-cli``, ``mlx_lm.chat`` and ``transformers chat``.
 
 Each user line joins the conversation, the whole conversation goes through the tokenizer's chat
@@ -17,12 +17,26 @@ replies.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
 
 import neuronfx
+from neuronfx.cli.loading import load_runtime, plan_inference, with_draft_model
+from neuronfx.cli.options import (
+    MODEL_HELP,
+    add_draft_options,
+    add_plan_options,
+    add_sampling_options,
+    check_cli_flags,
+    check_request_options,
+)
+from neuronfx.cli.types import Subcommand
+from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, NeuronfxError
 from neuronfx.runtime.generate import check_stop_strings
@@ -31,7 +45,7 @@ from neuronfx.runtime.state import State
 
 PROMPT = "> "
 
-COMMANDS = {
+SLASH_COMMANDS = {
     "/help": "list these commands",
     "/reset": "forget the conversation (the --system message stays)",
     "/exit": "leave (so do /quit and end of input, Ctrl-D)",
@@ -116,7 +130,8 @@ def stream_reply(runtime: Runtime, state: State, tokenizer: Any, prompt_ids: Seq
 
 
 def help_text() -> str:
-    return "".join(f"{name:8s} {what}\n" for name, what in COMMANDS.items()) + "Any other line is your message.\n"
+    """The /help text: one line per command."""
+    return "".join(f"{name:8s} {what}\n" for name, what in SLASH_COMMANDS.items()) + "Any other line is your message.\n"
 
 
 def chat_loop(runtime: Runtime, tokenizer: Any, options: ChatOptions, read_line: Callable[[str], str | None],
@@ -216,3 +231,64 @@ def line_reader(stream: TextIO, out: TextIO, interactive: bool) -> Callable[[str
         return line.rstrip("\n")
 
     return read_pipe
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+DESCRIPTION = ("Chat with a model: each line you type is a user message; the reply is streamed as it is generated. Commands: "
+               "/help, /reset (forget the conversation), /exit (or end of input). Reads piped stdin too (one message per "
+               "line). The whole conversation is the prompt of each reply, so it must fit --max-context-length, and with "
+               "--max-new-tokens, --sequence-length.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL, the system message, the sampling, draft and plan options."""
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the same as MODEL")
+    p.add_argument("--system", default=None, metavar="PROMPT", help="system message that starts the conversation (and every /reset)")
+    add_sampling_options(p, max_new_tokens=256)
+    add_draft_options(p)
+    add_plan_options(p)
+    # generate's options that a chat reply does not take (sampling_from_args reads them)
+    p.set_defaults(ignore_eos=False, logprobs=None)
+
+
+def check_chat_options(args: argparse.Namespace) -> tuple[ChatOptions, Path | None, InferenceConfig]:
+    """chat's options checked before the load: (ChatOptions, saved runtime or None, inference
+    config). Raises InputError (the model given twice, --tp-degree > 1) and the errors of the
+    shared checks."""
+    if args.model is not None and args.model_option is not None:
+        raise InputError(f"the model is given twice ({args.model!r} and --model {args.model_option!r}); give it once.")
+    args.model = args.model if args.model is not None else args.model_option
+    check_cli_flags(args)
+    saved, inference = plan_inference(args)
+    if inference.tp_degree > 1:
+        raise InputError(f"chat runs in one process; --tp-degree={inference.tp_degree} is not supported (use neuronfx "
+                         "generate --chat MESSAGE, which launches the ranks).")
+    options = ChatOptions(sampling=check_request_options(args, inference), max_new_tokens=args.max_new_tokens,
+                          system=args.system, speculative=not args.no_speculation)
+    return options, saved, inference
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load (or compile) the runtime, then converse on stdin/stdout until /exit or end of
+    input; returns the exit status (130 after Ctrl-C at the prompt)."""
+    options, saved, inference = check_chat_options(args)
+    interactive, progress = sys.stdin.isatty(), sys.stderr.isatty()
+    loaded = load_runtime(args, saved, inference, progress=progress)
+    runtime = with_draft_model(args, loaded.runtime, inference, progress)
+    if interactive:
+        print(f"neuronfx chat: {loaded.model} ({inference.backend}, {inference.dtype}; conversations up to "
+              f"{inference.max_context_length} tokens, replies up to {args.max_new_tokens}). /help lists the commands, "
+              "/exit or Ctrl-D leaves.", file=sys.stderr)
+    try:
+        chat_loop(runtime, loaded.tokenizer, options, line_reader(sys.stdin, sys.stdout, interactive), sys.stdout, sys.stderr,
+                  seed=args.seed)
+    except KeyboardInterrupt:  # Ctrl-C at the prompt (during a reply it only stops the reply)
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+COMMAND = Subcommand(name="chat", help="interactive multi-turn chat through the model's chat template, replies streamed",
+                     description=DESCRIPTION, add_arguments=add_arguments, run=run)

@@ -1,0 +1,147 @@
+"""``neuronfx bench latency``: TTFT, TPOT, ITL percentiles and tok/s of neuronfx per (batch size,
+prompt length, generation length), greedy, with compile time, resident memory and the weight
+bytes a decode step reads against this machine's read bandwidth. ``--compare transformers``
+or ``--compare llama.cpp`` (the same .gguf, the ``[bench]`` extra) runs another engine on the
+same prompts and thread count; ``--rounds N`` alternates the engines case by case. ``--against
+REF`` compares this tree with another checkout instead (:mod:`neuronfx.bench.checkout_ab`)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+import torch
+
+from neuronfx.api import check_weight_source
+from neuronfx.bench import checkout_ab
+from neuronfx.bench.bandwidth import format_bandwidth, format_memory
+from neuronfx.bench.latency_run import LatencySpec, OpenEngine, run_bench
+from neuronfx.bench.llama_cpp import import_llama_cpp, llama_cpp_engine
+from neuronfx.bench.options import add_model, check_at_least, logger
+from neuronfx.bench.plot import plot
+from neuronfx.bench.rounds import comparison_table, format_rounds
+from neuronfx.bench.timing import BenchResult, transformers_engine
+from neuronfx.bench.types import Benchmark
+from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
+from neuronfx.config.inference import (
+    ACTIVATION_FORMATS,
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEVICES,
+    WEIGHT_FORMATS,
+    WEIGHT_GROUP_SIZES,
+    InferenceConfig,
+)
+from neuronfx.errors import InputError
+from neuronfx.graphs.phases.device import check_device
+from neuronfx.io import checkpoints
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The cases, the plans' options, the compared engine, --rounds, the A/B mode and --plot."""
+    add_model(p)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128], help="prompt tokens")
+    p.add_argument("--gen-lens", type=int, nargs="+", default=[128], help="generated tokens")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="float32")
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND)
+    p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)}: where neuronfx and the compared transformers model run "
+                   "(default cpu)")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float",
+                   help="weights of neuronfx's plans: float (in --dtype), int8, int4, gguf (the .gguf file's blocks kept)")
+    p.add_argument("--weight-group-size", type=int, choices=WEIGHT_GROUP_SIZES, default=32, help="int4 group size")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
+                   help="float (default), or int8: llama.cpp-style int8 activations in the 4-bit decode products "
+                        "(--weight-format int4 / gguf; inductor only)")
+    p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+                   help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
+                        "runs the same .gguf --model on the same prompts and thread count")
+    p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None, help="dtype of the compared transformers model (default: --dtype)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="with --compare or --against: run each case N times in both, alternating, and report each side's median "
+                        "round and the per-round ratios (this machine's speed drifts between runs; default 1, with --against 5)")
+    checkout_ab.add_arguments(p)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="plot decode tok/s vs batch size")
+
+
+def check_options(args: argparse.Namespace) -> LatencySpec:
+    """The options checked before anything loads: the spec of the run. Raises InputError
+    (sizes, --rounds, combinations), ConfigError (device, weight source) and
+    BackendUnavailableError (llama-cpp-python missing for --compare llama.cpp)."""
+    check_at_least("batch_sizes", args.batch_sizes, 1)
+    check_at_least("prompt_lens", args.prompt_lens, 1)
+    check_at_least("gen_lens", args.gen_lens, 2)
+    rounds = args.rounds if args.rounds is not None else 5 if args.against else 1
+    if rounds < 1 or (rounds > 1 and not (args.compare or args.against)):
+        raise InputError(f"--rounds={rounds}: N >= 1, and N > 1 only with --compare or --against (the sides alternate case by "
+                         "case); drop --rounds or add one of them.")
+    if args.weight_format == "gguf" and args.compare == "transformers":
+        raise InputError("--weight-format gguf with --compare transformers: transformers cannot run the kept blocks; compare "
+                         "with --compare llama.cpp (same file), or run transformers with --weight-format float.")
+    if args.device != "cpu" and args.compare == "llama.cpp":
+        raise InputError(f"--device {args.device} with --compare llama.cpp: llama.cpp runs on the CPU here; drop --device.")
+    check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format,
+                                 activation_format=args.activation_format))
+    check_weight_source(InferenceConfig(weight_format=args.weight_format), args.model or checkpoints.default_model_path())
+    return LatencySpec(backend=args.backend, dtype=args.dtype, batch_sizes=tuple(args.batch_sizes), prompt_lens=tuple(args.prompt_lens),
+                       gen_lens=tuple(args.gen_lens), weight_format=args.weight_format, weight_group_size=args.weight_group_size,
+                       device=args.device, activation_format=args.activation_format, rounds=rounds)
+
+
+def compared_engine(args: argparse.Namespace, checkpoint: Any) -> OpenEngine | None:
+    """The engine --compare asks for, opened later (after neuronfx's cases unless --rounds)."""
+    if args.compare == "transformers":
+        return functools.partial(transformers_engine, checkpoint, args.compare_dtype or args.dtype, args.device)
+    if args.compare == "llama.cpp":
+        return functools.partial(llama_cpp_engine, str(args.model or checkpoints.default_model_path()), torch.get_num_threads())
+    return None
+
+
+def check_llama_cpp(args: argparse.Namespace) -> None:
+    """--compare llama.cpp runs the same .gguf: InputError for another --model or --compare-dtype,
+    BackendUnavailableError (naming the extra) when llama-cpp-python is missing."""
+    model = str(args.model or checkpoints.default_model_path())
+    if not model.endswith(".gguf"):
+        raise InputError(f"--compare llama.cpp runs llama.cpp on the same weights: --model must be a .gguf file, not {model!r} "
+                         "(the default is SmolLM2's Q4_1 .gguf).")
+    if args.compare_dtype:
+        raise InputError("--compare llama.cpp takes no --compare-dtype: llama.cpp runs the file's own types.")
+    import_llama_cpp()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the options, read the checkpoint once (in the plans' dtype, so it and the runtimes
+    share one copy of the weights), measure, print the report; returns the figures."""
+    spec = check_options(args)
+    log = logger(args)
+    if args.against:
+        checkout_ab.check_combination(args)
+        return checkout_ab.run_against(args, spec, log)
+    if args.compare == "llama.cpp":
+        check_llama_cpp(args)
+    ckpt = checkpoints.load_checkpoint(args.model or checkpoints.default_model_path(), dtype=torch_dtype(args.dtype),
+                                       gguf_blocks=args.weight_format == "gguf")
+    data = run_bench(ckpt, spec, compared_engine(args, ckpt), log)
+    if not args.json:
+        for line in report_lines(data, args.compare):
+            print(line)
+    if args.plot:
+        plot(data, args.plot)
+    return data
+
+
+def report_lines(data: dict[str, Any], compare: str | None) -> list[str]:
+    """The summary after the per-case lines: bandwidth, compile, memory, the comparison table."""
+    lines = [format_bandwidth(row) for row in data["bandwidth"]]
+    lines += [f"compile B={c['batch_size']}: {c['compile_s']:.1f} s for {c['graphs']} graphs" for c in data["compile"]]
+    lines += [format_memory(m) for m in data["memory"]]
+    if compare:
+        lines.append(f"both engines on {data['threads']} threads")
+        lines += comparison_table([BenchResult(**r) for r in data["results"]], compare)
+        lines += [format_rounds(row) for row in data["rounds"]]  # each engine's row above is its median round
+    return lines
+
+
+BENCHMARK = Benchmark(name="latency", help="TTFT, TPOT, ITL and tok/s per batch size, prompt and generation length; against "
+                      "transformers, llama.cpp or another checkout", description=__doc__, add_arguments=add_arguments, run=run)

