@@ -20,7 +20,7 @@ from helpers import GREEDY, random_prompt, tiny_hf_model, tiny_runtime
 import neuronfx
 from neuronfx import DecodeBatch, PrefillBatch, SamplingParams
 from neuronfx.errors import StateConsumedError
-from neuronfx.runtime import steps
+from neuronfx.runtime import pipeline
 from neuronfx.runtime.scheduler import Queue, Request, step, submit
 
 LIVE = {0: random_prompt(7, seed=50), 2: random_prompt(12, seed=51)}
@@ -141,7 +141,7 @@ def test_interrupt_while_updating_host_tensors_consumes_the_state(rt, monkeypatc
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(steps, "count_tokens", interrupted)
+    monkeypatch.setattr(pipeline, "count_tokens", interrupted)
     with pytest.raises(KeyboardInterrupt):
         if phase == "prefill":
             neuronfx.prefill_step(rt, state, P([1], [NEW]))
@@ -165,16 +165,23 @@ def drain(rt, state, queue) -> dict[int, list[int | None]]:
     return tokens
 
 
+def started(rt, state) -> tuple[neuronfx.State, Queue]:
+    """Two requests prefilled by a first iteration, then a third submitted: the next iteration
+    prefills it and decodes the first two."""
+    reqs, queue = requests(), Queue()
+    for i, req in enumerate(reqs[:2]):
+        queue = submit(queue, i, req, runtime=rt)
+    _, state, queue = step(rt, state, queue, NO_EOS)
+    return state, submit(queue, 2, reqs[2], runtime=rt)
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_fault_inside_a_scheduler_iteration(rt, phase):
     """A scheduler iteration that fails keeps the caller's (state, queue) values: after a
-    prefill fault they run on exactly as without it; after a decode fault that followed a
-    successful prefill in the same iteration, the state is consumed and says so."""
-    queue = Queue()
-    for i, req in enumerate(requests()):
-        queue = submit(queue, i, req, runtime=rt)
-    want = drain(rt, neuronfx.init_state(rt), queue)
-    state = neuronfx.init_state(rt)
+    prefill fault (its first step) they run on exactly as without it; after a decode fault that
+    followed a successful prefill in the same iteration, the state is consumed and says so."""
+    want = drain(rt, *started(rt, neuronfx.init_state(rt)))
+    state, queue = started(rt, neuronfx.init_state(rt))
     with pytest.raises(Injected):
         step(faulty(rt, phase, Injected, True), state, queue, NO_EOS)
     if phase == "prefill":
@@ -229,7 +236,7 @@ def test_scheduler_finishes_a_nan_request_with_error(rt):
         events, state, queue = step(rt, state, queue, NO_EOS)
     assert reasons == {0: "length", 1: "error", 2: "length"}
     assert got[0] == want[0] and got[2] == want[2]
-    assert got[1] == want[1][:2] + [None]  # two good tokens, then the error event
+    assert got[1] == want[1][:1] + [None]  # its prefill's token, then the error event of its first decode
     assert state.free_slots == (0, 1, 2, 3)
 
 

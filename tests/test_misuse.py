@@ -33,9 +33,10 @@ from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Confi
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
-from neuronfx.accuracy import check_accuracy, reference_model
-from neuronfx.bench_serving import ServingRequest, bench_server, check_range, make_workload, parse_server
-from neuronfx.chat import ChatOptions, chat_loop
+from neuronfx.bench.accuracy import check_accuracy, reference_model
+from neuronfx.bench.serving_client import ServingRequest, bench_server, parse_server, text_workload
+from neuronfx.bench.workload import check_range
+from neuronfx.cli.chat import ChatOptions, chat_loop
 from neuronfx.config import RopeScaling, plan_from_json, structure
 from neuronfx.errors import (
     ArtifactError,
@@ -54,7 +55,7 @@ from neuronfx.errors import (
     UnsupportedModelError,
 )
 from neuronfx.io.checkpoints import load_checkpoint
-from neuronfx.runtime.overlap import decode_finish, decode_launch
+from neuronfx.runtime.overlap import finish, overlap_step
 from neuronfx.runtime.prefix import load_prefix
 from neuronfx.runtime.scheduler import Queue, abort, submit
 
@@ -218,24 +219,12 @@ def speculate(c, batch=None, rt=None):
     return neuronfx.speculate_step(rt or c.rt, c.state, batch)
 
 
-def async_with_speculation(c):
-    """generate(async_decode=True) on a runtime that speculates (its own state)."""
-    rt = speculating_runtime(c)
-    return neuronfx.generate(rt, neuronfx.init_state(rt), [[1, 2]], async_decode=True)
-
-
-def async_with_chunks(c):
-    """generate(async_decode=True) on a runtime with chunked prefill (its own state)."""
-    rt = tiny_runtime(c.hf, prefill_chunk_size=8, prefill_buckets=None)
-    return neuronfx.generate(rt, neuronfx.init_state(rt), [[1, 2]], async_decode=True)
-
-
 def finish_twice(c):
-    """decode_finish of one Pending twice (its own state)."""
-    out, state = neuronfx.prefill_step(c.rt, neuronfx.init_state(c.rt), P([1], [[1, 2]]))
-    pending = decode_launch(c.rt, state, D([1], list(out.tokens)))
-    decode_finish(pending)
-    return decode_finish(pending)
+    """finish of one Pending twice (an overlapped prefill on its own state)."""
+    queue = submit(Queue(), 0, request([1, 2]), runtime=c.rt)
+    _, pending, _ = overlap_step(c.rt, neuronfx.init_state(c.rt), queue, frozenset())
+    finish(pending)
+    return finish(pending)
 
 
 def speculating_runtime(c, **overrides):
@@ -292,7 +281,7 @@ def graph_input_of_wrong_shape(c):
     from neuronfx.runtime.batch import call_graph
 
     spec = c.rt.plan.graph("decode", 1, 16)
-    good = neuronfx.graphs.inputs.example_inputs(c.rt.plan, spec)
+    good = neuronfx.graphs.phases.inputs.example_inputs(c.rt.plan, spec)
     bad = DecodeInputs(input_ids=torch.zeros(1, 2, dtype=torch.int32), position_ids=good.position_ids,
                        seq_ids=good.seq_ids, sampler=good.sampler)
     return call_graph(c.rt, c.state.kv, "decode", 1, 16, bad)
@@ -651,13 +640,13 @@ CASES: dict[str, Case] = {
                                           ("stop='zz'", "cannot be produced", "'w0'", "fix the stop string")),
     "generate-async-decode-not-bool": Case(InputError, "`generate(..., async_decode=\"yes\")`",
                                            lambda c: gen(c, [[1, 2]], async_decode="yes"), ("async_decode='yes'", "True or False")),
-    "generate-async-decode-with-speculation": Case(ConfigError, "`generate(..., async_decode=True)` on a runtime that speculates",
-                                                   async_with_speculation, ("async_decode=True", "speculates", "speculative=False")),
-    "generate-async-decode-with-chunked-prefill": Case(ConfigError, "`generate(..., async_decode=True)` on a runtime with `prefill_chunk_size=8`",
-                                                       async_with_chunks, ("async_decode=True", "prefill_chunk_size=8", "drop async_decode")),
-    "overlap-launch-free-slot": Case(SlotError, "`decode_launch` of slot 1, which is free (raised before the state is handed over)",
-                                     lambda c: decode_launch(c.rt, c.state, D([0, 1], [5, 5])), ("slot 1", "free slots are [1, 3]")),
-    "overlap-finish-twice": Case(StateConsumedError, "`decode_finish` of a Pending that was already finished",
+    "overlap-step-bad-budget": Case(InputError, "`overlap_step(..., max_num_batched_tokens=0)` (raised before the state is handed over)",
+                                    lambda c: overlap_step(c.rt, c.state, Queue(), frozenset(), max_num_batched_tokens=0),
+                                    ("max_num_batched_tokens=0", "int >= 1")),
+    "overlap-step-consumed-state": Case(StateConsumedError, "`overlap_step` on a state a step already consumed",
+                                        lambda c: overlap_step(c.rt, c.consumed, Queue(), frozenset()),
+                                        ("already consumed", "use the new state")),
+    "overlap-finish-twice": Case(StateConsumedError, "`finish` of a Pending that was already finished",
                                  finish_twice, ("already finished", "use the value")),
     "speculate-without-graphs": Case(ConfigError, "`speculate_step` on a runtime compiled without speculation",
                                      speculate, ("speculation_length=k >= 2",)),
@@ -786,7 +775,7 @@ CASES: dict[str, Case] = {
     "bench-serving-bad-range": Case(InputError, "`--prompt-lens 64 32` (MIN > MAX)",
                                     lambda c: check_range("prompt-lens", [64, 32], 1), ("[64, 32]", "1 <= MIN <= MAX")),
     "bench-serving-empty-text": Case(InputError, "a workload cut from an empty text",
-                                     lambda c: make_workload(c.extras["tokenizer"], "", 2, (4, 8), (2, 4)), ("no tokens", "--text-file")),
+                                     lambda c: text_workload(c.extras["tokenizer"], "", 2, (4, 8), (2, 4)), ("no tokens", "--text-file")),
     "bench-serving-unreachable": Case(InputError, "`bench_server` of a loopback port nothing listens on",
                                       lambda c: bench_server(f"http://127.0.0.1:{closed_port()}", [ServingRequest(prompt="w1", prompt_len=1,
                                                                                                            max_tokens=2)], 1),

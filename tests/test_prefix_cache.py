@@ -246,16 +246,16 @@ def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
 def test_cli_plan_options() -> None:
     import argparse
 
-    from neuronfx import cli
+    from neuronfx.cli.options import add_plan_options, inference_from_args
 
     p = argparse.ArgumentParser()
-    cli._plan_options(p)
+    add_plan_options(p)
     args = p.parse_args(["--enable-prefix-caching", "--prefill-chunk-size", "32", "--prefix-block-size", "8",
                          "--max-prefix-blocks", "100"])
-    inf = cli._inference(args)
+    inf = inference_from_args(args)
     assert (inf.enable_prefix_caching, inf.prefill_chunk_size, inf.prefix_block_size, inf.max_prefix_blocks) == (True, 32, 8, 100)
-    assert not cli._inference(p.parse_args([])).enable_prefix_caching
-    alone = cli._inference(p.parse_args(["--enable-prefix-caching"]))  # the chunk size is picked: 128 of 256 context tokens
+    assert not inference_from_args(p.parse_args([])).enable_prefix_caching
+    alone = inference_from_args(p.parse_args(["--enable-prefix-caching"]))  # the chunk size is picked: 128 of 256 context tokens
     assert (alone.prefill_chunk_size, alone.prefix_block_size, alone.max_context_length) == (128, 16, 256)
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuronfx.errors import InputError
-from neuronfx.graphs.inputs import LayerKV
+from neuronfx.graphs.phases.inputs import LayerKV
 from neuronfx.runtime import prefix_store as ps
 from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
 

@@ -20,18 +20,17 @@ from neuronfx.config.kv import speculate_access
 from neuronfx.config.masks import decode_mask
 from neuronfx.config.sampling import pack_sampling
 from neuronfx.errors import BucketOverflowError, ConfigError
-from neuronfx.graphs.sampling import distribution
-from neuronfx.runtime.batch import seeded_uniform
-from neuronfx.runtime.speculate import (
+from neuronfx.graphs.phases.sampling import distribution
+from neuronfx.runtime.acceptance import (
     Proposal,
-    Rows,
+    RowFacts,
     Uniforms,
-    _accept,
+    accept,
     accept_greedy,
     accept_sampled,
-    drafter_of,
     position_sampler,
 )
+from neuronfx.runtime.batch import seeded_uniform
 
 NO_EOS: list[int] = []
 ALPHA = 1e-3  # significance of the chi-square tests
@@ -349,7 +348,7 @@ def test_acceptance_keeps_the_target_distribution_with_penalties(self_rt):
     counts[0, :40:3] = 2  # tokens the request generated before
     prompt_mask = torch.zeros(1, vocab, dtype=torch.bool)
     prompt_mask[0, 100:140] = True
-    rows = Rows(slots=[0], params=[sp], generated=[5], counts=counts, prompt_mask=prompt_mask)
+    rows = RowFacts(slots=[0], params=[sp], generated=[5], counts=counts, prompt_mask=prompt_mask)
     target = torch.randn(1, k, vocab, generator=g)
     target[0, 0, :40:3] += 2.0  # penalized tokens among the likely ones: the penalty must show
     draft_logits = [torch.randn(1, vocab, generator=g) for _ in range(k - 1)]
@@ -367,7 +366,7 @@ def test_acceptance_keeps_the_target_distribution_with_penalties(self_rt):
             samplers.append(sampler)
         proposal = Proposal(tokens=drafts, logits=draft_logits, samplers=samplers, targets=samplers)
         u = Uniforms(draft=torch.zeros(1, k - 1), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
-        hits[_accept(self_rt, drafter_of(self_rt), rows, proposal, target, u)[0][0]] += 1
+        hits[accept(self_rt, self_rt.plan.topk_width, rows, proposal, target, u)[0][0]] += 1
     assert hits[expected == 0].sum() == 0  # never a token the target's sampler drops
     p_value = chi_square_p_value(hits[expected > 0], expected[expected > 0] * n)
     assert p_value > ALPHA, f"p={p_value:.2g}"

@@ -3,13 +3,15 @@ and generate. Compiling (which reads checkpoints and the compile cache) is ``neu
 
 from neuronfx.runtime.chunked import ChunkBatch, chunk_step
 from neuronfx.runtime.generate import GenerateResult, generate, stream_generate
+from neuronfx.runtime.pipeline import Logprobs, StepOutput
 from neuronfx.runtime.prefix import prefill_cached, prefix_stats
 from neuronfx.runtime.prefix_store import PrefixStats
+from neuronfx.runtime.requests import Finished, Request, TokenEvent
 from neuronfx.runtime.runtime import Runtime, init_state, with_draft
-from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, schedule
+from neuronfx.runtime.scheduler import schedule
 from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats, speculate_step
 from neuronfx.runtime.state import State
-from neuronfx.runtime.steps import DecodeBatch, Logprobs, PrefillBatch, StepOutput, decode_step, prefill_step, release
+from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode_step, prefill_step, release
 
 __all__ = [
     "ChunkBatch",

@@ -1,7 +1,7 @@
-"""Filling a graph's step-input record (``config.inputs``): one padding builder for every phase
-(:func:`token_inputs`), the sampler's inputs (:func:`sampler_inputs`, :func:`min_tokens_bias`),
-the random numbers of a step (:func:`draws`, :func:`seeded_uniform`), and the checked graph
-call (:func:`call_graph`). The step functions (``steps.py``, ``speculate.py``) build on these.
+"""The host side of a graph call: the sampler's inputs (:func:`sampler_inputs`,
+:func:`min_tokens_bias`), the random numbers of a step (:func:`draws`, :func:`seeded_uniform`),
+and the checked graph call (:func:`call_graph`, the one place graph-input tensors are checked).
+The step pipeline (``pipeline.py``) builds on these.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
-from neuronfx.config.inputs import SamplerInputs, check_inputs, dense_strides, from_leaves, leaves
+from neuronfx.config.inputs import SamplerInputs, check_inputs, dense_strides
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import InputError
-from neuronfx.graphs.device import device_scope, plan_device, to_device, to_host
-from neuronfx.graphs.inputs import KVCache
+from neuronfx.graphs.phases.device import device_scope, plan_device, to_device, to_host
+from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.runtime.runtime import Runtime
 
 Tensor = torch.Tensor
@@ -58,27 +58,12 @@ def draws(key: int, params: Sequence[SamplingParams], generated: Sequence[int], 
     return rand, int(torch.randint(0, 2**62, (1,), generator=g))
 
 
-# --- step inputs: one padding builder for every phase -------------------------------------------
+# --- the sampler's inputs ------------------------------------------------------------------------
 
 
 def pad(rows: Sequence, n: int, fill: object) -> list:
     """``rows`` with ``fill`` appended up to ``n`` entries."""
     return list(rows) + [fill] * (n - len(rows))
-
-
-def token_inputs(runtime: Runtime, bsz: int, width: int, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
-                 starts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """(input_ids (bsz, width) int32, position_ids (bsz, width) int32, seq_ids (bsz,) int32) of
-    any phase: row b holds ``tokens[b]`` right-padded with 0 at positions ``starts[b]`` ..
-    ``starts[b] + width - 1`` in slot ``seq_ids[b]``; rows past ``len(seq_ids)`` are padding:
-    token 0 at positions 0 .. width - 1 in the scratch slot (their writes land nowhere else)."""
-    ids = torch.zeros(bsz, width, dtype=torch.int32)
-    for b, row in enumerate(tokens):
-        ids[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    start = torch.tensor(pad(starts, bsz, 0), dtype=torch.int32)
-    positions = (start[:, None] + torch.arange(width, dtype=torch.int32)[None, :]).contiguous()
-    slots = torch.tensor(pad(seq_ids, bsz, runtime.plan.kv.scratch_slot), dtype=torch.int32)
-    return ids, positions, slots
 
 
 def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
@@ -127,13 +112,18 @@ def _pad_rows(t: Tensor, bsz: int) -> Tensor:
     return out
 
 
+def dense_record(value: tuple) -> tuple:
+    """Step-input record ``value`` (nested records included) with every tensor :func:`dense`."""
+    return type(value)(*(dense_record(v) if isinstance(v, tuple) else dense(v) if isinstance(v, Tensor) else v for v in value))
+
+
 def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int, inputs: object) -> dict[str, Tensor]:
     """Run graph (phase, bsz, bucket) of ``runtime`` on ``kv`` after checking ``inputs`` against
     its GraphSpec. Raises InputError for a graph the plan does not have, ``inputs`` that are not
     the phase's record, or a tensor whose shape, dtype or layout does not match (naming the
-    field). Token ids, slots and positions are the caller's to check (the steps validate them
-    before they build the record). ``inputs`` are host tensors: on a CUDA plan they are copied
-    to its device without waiting (``graphs/device.py``) and the outputs come back to the host,
+    field). Token ids, slots and positions are the caller's to check (the public steps check
+    them once, before anything runs). ``inputs`` are host tensors: on a CUDA plan they are copied
+    to its device without waiting (``graphs/phases/device.py``) and the outputs come back to the host,
     the step's one wait for the device; on the CPU nothing moves. A tensor of the right shape
     and dtype whose strides are not dense row-major (a strided view) is copied first
     (:func:`dense`): no input reaches a compiled part that its guards would refuse."""
@@ -144,7 +134,7 @@ def call_graph(runtime: Runtime, kv: KVCache, phase: str, bsz: int, bucket: int,
         raise InputError(f"the plan has no {phase!r} graph for batch {bsz} and bucket {bucket}; it has {graphs}.") from None
     if not isinstance(inputs, spec.record):
         raise InputError(f"{phase} graph inputs are a {type(inputs).__name__}; build a {spec.record.__name__} from its GraphSpec.")
-    inputs = from_leaves(spec.record, [dense(t) if isinstance(t, Tensor) else t for t in leaves(inputs)])
+    inputs = dense_record(inputs)
     check_inputs(spec.inputs, inputs, f"{phase} graph (batch {bsz}, bucket {bucket})")
     plan = runtime.plan
     with torch.no_grad(), device_scope(plan):  # inference only; compiled graphs are specialised for no-grad

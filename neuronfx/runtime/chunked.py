@@ -17,38 +17,12 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from neuronfx.config.buckets import select_bucket
-from neuronfx.config.inputs import ChunkInputs
-from neuronfx.config.kv import chunk_positions
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import EmptyPromptError, InputError, PromptTooLongError, SlotError
-from neuronfx.runtime.batch import call_graph, draws, min_tokens_bias, pad, sampler_inputs
+from neuronfx.runtime.checks import check_batch, check_params, check_rows, check_slot_ids, check_token_ids, row_values, token_rows
+from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_rows, token_step
 from neuronfx.runtime.runtime import Runtime, check_state
-from neuronfx.runtime.state import State, advance
-from neuronfx.runtime.steps import (
-    StepOutput,
-    _outputs,
-    check_batch,
-    check_params,
-    check_rows,
-    check_slot_ids,
-    check_token_ids,
-    count_tokens,
-    row_finite,
-    row_values,
-)
-
-NO_TOKEN = -1
-"""``StepOutput.tokens`` of a row whose chunk was not its prompt's last: it produced no token
-(an id no vocabulary has, so feeding it to a decode step fails loudly)."""
-
-
-def _chunks(value: object) -> tuple[tuple[int, ...], ...]:
-    rows = row_values("chunks")(value)
-    for b, row in enumerate(rows):
-        if not isinstance(row, (list, tuple)):
-            raise InputError(f"chunk of row {b} is {type(row).__name__}; each chunk is a list of token ids.")
-    return tuple(tuple(r) for r in rows)
+from neuronfx.runtime.state import State
 
 
 def _optional_rows(value: object) -> tuple | None:
@@ -67,7 +41,7 @@ class ChunkBatch:
     """
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] free slots or live ones still prefilling
-    chunks: tuple[tuple[int, ...], ...] = attrs.field(converter=_chunks)  # [n][len_b] ids, 1 <= len_b <= prefill_chunk_size
+    chunks: tuple[tuple[int, ...], ...] = attrs.field(converter=token_rows("chunks", "chunk"))  # [n][len_b] ids, 1 <= len_b <= prefill_chunk_size
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
     final: tuple[bool, ...] = attrs.field(converter=row_values("final"))  # [n] last chunk of the row's prompt
     prompt_lens: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_rows)  # [n] or None
@@ -82,8 +56,7 @@ def check_chunk_batch(runtime: Runtime, state: State, batch: ChunkBatch) -> None
     """Every check of :func:`chunk_step`, before anything changes; raises what it documents."""
     check_state(runtime, state)
     check_batch(batch, ChunkBatch)
-    plan = runtime.plan
-    size = plan.inference.prefill_chunk_size
+    size = runtime.plan.inference.prefill_chunk_size
     if size is None:
         raise InputError("this runtime has no chunk graphs; compile it with InferenceConfig(prefill_chunk_size=C).")
     for what, rows in (("chunks", batch.chunks), ("sampling", batch.sampling), ("final", batch.final)):
@@ -95,24 +68,29 @@ def check_chunk_batch(runtime: Runtime, state: State, batch: ChunkBatch) -> None
         if state.live[s] and state.generated[s]:
             raise SlotError(f"slot {s} is decoding (it generated {state.generated[s]} tokens); a chunk goes to a free slot "
                             "or to a live one whose prompt is still being prefilled (generated 0).")
-    limit = plan.inference.max_context_length
-    starts = chunk_starts(state, batch.seq_ids)
-    for b, (chunk, start, final) in enumerate(zip(batch.chunks, starts, batch.final)):
-        if not isinstance(final, bool):
-            raise InputError(f"final[{b}]={final!r} must be True or False.")
-        if not chunk:
-            raise EmptyPromptError(f"chunk of row {b} is empty; every chunk needs at least one token.")
-        if len(chunk) > size:
-            raise PromptTooLongError(f"chunk of row {b} has {len(chunk)} tokens > prefill_chunk_size={size}; split it.")
-        if start + len(chunk) > limit:
-            raise PromptTooLongError(
-                f"row {b}: slot {batch.seq_ids[b]} holds {start} prompt tokens + a chunk of {len(chunk)} > max_context_length="
-                f"{limit}; shorten the prompt or compile with a larger max_context_length."
-            )
-        check_token_ids(chunk, plan.model.vocab_size)
-        if batch.prompt_lens is not None:
-            _check_prompt_len(b, batch.prompt_lens[b], start + len(chunk), final, limit)
+    for b, start in enumerate(chunk_starts(state, batch.seq_ids)):
+        _check_chunk(runtime, b, batch, start)
     check_params(runtime, batch.sampling)
+
+
+def _check_chunk(runtime: Runtime, b: int, batch: ChunkBatch, start: int) -> None:
+    """Row ``b``'s chunk, final flag and prompt length, for a slot holding ``start`` tokens."""
+    chunk, final = batch.chunks[b], batch.final[b]
+    size, limit = runtime.plan.inference.prefill_chunk_size, runtime.plan.inference.max_context_length
+    if not isinstance(final, bool):
+        raise InputError(f"final[{b}]={final!r} must be True or False.")
+    if not chunk:
+        raise EmptyPromptError(f"chunk of row {b} is empty; every chunk needs at least one token.")
+    if len(chunk) > size:
+        raise PromptTooLongError(f"chunk of row {b} has {len(chunk)} tokens > prefill_chunk_size={size}; split it.")
+    if start + len(chunk) > limit:
+        raise PromptTooLongError(
+            f"row {b}: slot {batch.seq_ids[b]} holds {start} prompt tokens + a chunk of {len(chunk)} > max_context_length="
+            f"{limit}; shorten the prompt or compile with a larger max_context_length."
+        )
+    check_token_ids(chunk, runtime.plan.model.vocab_size)
+    if batch.prompt_lens is not None:
+        _check_prompt_len(b, batch.prompt_lens[b], start + len(chunk), final, limit)
 
 
 def _check_prompt_len(b: int, prompt_len: object, end: int, final: bool, limit: int) -> None:
@@ -144,46 +122,23 @@ def chunk_step(runtime: Runtime, state: State, batch: ChunkBatch) -> tuple[StepO
     StateMismatchError.
     """
     check_chunk_batch(runtime, state, batch)
-    plan = runtime.plan
-    size, vocab = plan.inference.prefill_chunk_size, plan.model.vocab_size
-    slots, n = list(batch.seq_ids), len(batch.seq_ids)
+    return chunk(runtime, state, batch)
+
+
+def chunk(runtime: Runtime, state: State, batch: ChunkBatch) -> tuple[StepOutput, State]:
+    """:func:`chunk_step` without its checks (``batch`` must be valid for ``state``): T =
+    ``prefill_chunk_size`` tokens per row from each slot's cache_len; the rows (re)start their
+    requests, holding their prompts so far (a continued prompt keeps its earlier tokens' mask)."""
+    plan, slots = runtime.plan, batch.seq_ids
     starts = chunk_starts(state, slots)
-    lens = [len(c) for c in batch.chunks]
-    ends = [s + k for s, k in zip(starts, lens)]
-    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
-    bucket = select_bucket(plan.chunk_buckets, max(ends), "attended KV length")
-
-    ids = torch.zeros(bsz, size, dtype=torch.int32)
-    for b, chunk in enumerate(batch.chunks):
-        ids[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
-    chunk_lens = torch.tensor(pad(lens, bsz, 1), dtype=torch.int32)
-    positions = chunk_positions(torch.tensor(pad(starts, bsz, 0), dtype=torch.int32), chunk_lens, size)
-    seq_ids = torch.tensor(pad(slots, bsz, plan.kv.scratch_slot), dtype=torch.int32)
-    seq_lens = torch.tensor(pad(ends if batch.prompt_lens is None else batch.prompt_lens, bsz, 1), dtype=torch.int32)
-    prompt_mask = torch.zeros(bsz, vocab, dtype=torch.bool)
-    for b, (s, chunk) in enumerate(zip(slots, batch.chunks)):
+    rows = plan_rows(runtime, "chunk", plan.chunk_buckets, slots, batch.chunks, starts, width=plan.inference.prefill_chunk_size,
+                     seq_lens=batch.prompt_lens)
+    mask = torch.zeros(rows.bsz, plan.model.vocab_size, dtype=torch.bool)
+    for b, (s, tokens) in enumerate(zip(slots, batch.chunks)):
         if state.live[s]:  # a prompt being continued: the tokens of its earlier chunks (or of a reused prefix)
-            prompt_mask[b] = state.prompt_mask[s]
-        prompt_mask[b, list(chunk)] = True
-    rand, next_key = draws(state.rng_key, batch.sampling, [0] * n, bsz)
-    bias = min_tokens_bias(runtime, batch.sampling, [0] * n, bsz)
-    sampler = sampler_inputs(runtime, batch.sampling, torch.zeros(bsz, vocab, dtype=torch.int32), prompt_mask, bias, rand, bsz)
-    inputs = ChunkInputs(input_ids=ids, position_ids=positions, seq_ids=seq_ids, chunk_lens=chunk_lens, seq_lens=seq_lens,
-                         sampler=sampler)
-
-    out = call_graph(runtime, state.kv, "chunk", bsz, bucket, inputs)
-    sampled, logits, logprobs = _outputs(runtime, out, batch.sampling, sampler)
-    tokens = tuple(t if f else NO_TOKEN for t, f in zip(sampled, batch.final))
-    new_tokens = tuple((t,) if f else () for t, f in zip(sampled, batch.final))
-    logprobs = tuple(lp if f else None for lp, f in zip(logprobs, batch.final))
-    cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
-    for s, end, final in zip(slots, ends, batch.final):
-        cache_lens[s], generated[s], live[s] = end, int(final), True
-    # The lease is revoked before the shared host tensors change (see prefill_step).
-    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=tuple(live), rng_key=next_key)
-    new.prompt_mask[slots] = prompt_mask[:n]
-    new.output_counts[slots] = 0
-    done = [(s, row) for s, row in zip(slots, new_tokens) if row]
-    count_tokens(new, [s for s, _ in done], [row for _, row in done])
-    return StepOutput(tokens=tokens, new_tokens=new_tokens, logits=logits, logprobs=logprobs, bucket=bucket, batch_size=bsz,
-                      finite=row_finite(out, n), num_drafted=(0,) * n), new
+            mask[b] = state.prompt_mask[s]
+        mask[b, list(tokens)] = True
+    sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(slots), fresh_mask=mask)
+    out = run_rows(runtime, state.kv, rows, sampler)
+    ends = [p + len(c) for p, c in zip(starts, batch.chunks)]
+    return token_step(runtime, state, rows, batch.sampling, out, sampler, key, ends, fresh_mask=mask, keep=batch.final)

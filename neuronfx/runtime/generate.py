@@ -12,12 +12,14 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
-from neuronfx.runtime.overlap import check_async, overlap_schedule
+from neuronfx.runtime.checks import check_prompts
+from neuronfx.runtime.overlap import overlap_schedule
+from neuronfx.runtime.pipeline import Logprobs
+from neuronfx.runtime.requests import Finished, Request, TokenEvent, check_budget
 from neuronfx.runtime.runtime import Runtime, check_state
-from neuronfx.runtime.scheduler import Finished, Request, TokenEvent, check_budget, schedule
+from neuronfx.runtime.scheduler import schedule
 from neuronfx.runtime.speculate import SpeculationStats
 from neuronfx.runtime.state import State
-from neuronfx.runtime.steps import Logprobs, check_prompts
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 
@@ -147,14 +149,12 @@ def make_requests(
 
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
     SamplingParams or one per prompt, stop strings without a tokenizer, a tokenizer that cannot
-    decode, ``speculative`` or ``async_decode`` not a bool), ConfigError (``async_decode`` with a
-    runtime it cannot run: ``overlap.check_async``), BatchTooLargeError (no free slot),
+    decode, ``speculative`` or ``async_decode`` not a bool), BatchTooLargeError (no free slot),
     SequenceLengthExceededError (prompt + max tokens > sequence_length), SamplingParamsError
     (including stop strings the tokenizer cannot produce, min_tokens over the token budget),
     TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
     """
     check_state(runtime, state)
-    plan = runtime.plan
     prompts = normalize_prompts(ids)
     if not prompts:
         raise InputError("no prompts given; pass at least one list of token ids.")
@@ -165,39 +165,46 @@ def make_requests(
         raise BatchTooLargeError(
             f"all {state.num_slots} slots are live; release some or use a state with free slots (neuronfx.init_state)."
         )
-    if not isinstance(speculative, bool):
-        raise InputError(f"speculative={speculative!r} must be True or False.")
-    if not isinstance(async_decode, bool):
-        raise InputError(f"async_decode={async_decode!r} must be True or False.")
-    if async_decode:
-        check_async(runtime, speculative)
+    for name, flag in (("speculative", speculative), ("async_decode", async_decode)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name}={flag!r} must be True or False.")
     check_tokenizer(tokenizer)
-    params = (sampling,) * len(prompts) if isinstance(sampling, SamplingParams) else tuple(sampling)
-    if len(params) != len(prompts) or not all(isinstance(sp, SamplingParams) for sp in params):
-        raise InputError(
-            f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({len(prompts)})."
-        )
+    params = request_params(runtime, sampling, len(prompts), tokenizer)
+    eos = runtime.plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, runtime.plan.model.vocab_size)
+    if eos_token_ids is not None:
+        # The caller's eos ids replace the model's (the steps hold back the model's while
+        # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
+        params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
+                       for sp in params)
+    return [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))], frozenset(eos)
+
+
+def request_params(runtime: Runtime, sampling: SamplingParams | Sequence[SamplingParams], n: int, tokenizer: Any,
+                   ) -> tuple[SamplingParams, ...]:
+    """The ``n`` requests' SamplingParams (one for all, or one each), checked against the plan
+    and, for stop strings, the tokenizer. Raises InputError or SamplingParamsError."""
+    params = (sampling,) * n if isinstance(sampling, SamplingParams) else tuple(sampling)
+    if len(params) != n or not all(isinstance(sp, SamplingParams) for sp in params):
+        raise InputError(f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({n}).")
+    plan = runtime.plan
     for sp in params:
         check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
         if sp.stop and tokenizer is None:
             raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.io.checkpoints.load_tokenizer).")
         if sp.stop:
             check_stop_strings(sp, tokenizer)
-    eos = plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, plan.model.vocab_size)
-    if eos_token_ids is not None:
-        # The caller's eos ids replace the model's (the steps hold back the model's while
-        # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
-        params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
-                       for sp in params)
-    requests = []
-    for b, (p, sp) in enumerate(zip(prompts, params)):
-        budget = max_new_tokens if sp.max_tokens is None else sp.max_tokens
-        check_budget(runtime, b, len(p), budget)
-        if sp.min_tokens > budget:
-            raise SamplingParamsError(f"SamplingParams.min_tokens={sp.min_tokens} of prompt {b} is > its token budget {budget} "
-                                      "(max_tokens or max_new_tokens); lower min_tokens or raise the budget.")
-        requests.append(Request(prompt=tuple(p), sampling=attrs.evolve(sp, max_tokens=budget)))
-    return requests, frozenset(eos)
+    return params
+
+
+def budgeted(runtime: Runtime, b: int, prompt: Sequence[int], sp: SamplingParams, max_new_tokens: int) -> Request:
+    """Request ``b`` with its token budget (``sp.max_tokens``, else ``max_new_tokens``) checked
+    against the slot (SequenceLengthExceededError) and ``min_tokens`` (SamplingParamsError)."""
+    budget = max_new_tokens if sp.max_tokens is None else sp.max_tokens
+    check_budget(runtime, b, len(prompt), budget)
+    if sp.min_tokens > budget:
+        raise SamplingParamsError(f"SamplingParams.min_tokens={sp.min_tokens} of prompt {b} is > its token budget {budget} "
+                                  "(max_tokens or max_new_tokens); lower min_tokens or raise the budget.")
+    return Request(prompt=tuple(prompt), sampling=attrs.evolve(sp, max_tokens=budget))
 
 
 def generate(
@@ -223,9 +230,10 @@ def generate(
     draws from the state's RNG key; a request with ``seed`` draws from its own. A runtime that
     can speculate (``Runtime.can_speculate``) decodes with ``speculate_step`` unless
     ``speculative=False``; every option works either way and the result then carries
-    per-request ``speculation`` statistics. ``async_decode=True`` overlaps each decode step with
-    the delivery of the previous step's tokens (``runtime/overlap.py``: greedy and seeded tokens
-    are the same; no speculation). Raises before any state change: see :func:`make_requests`.
+    per-request ``speculation`` statistics. ``async_decode=True`` overlaps each scheduler
+    iteration with the delivery of the previous one's tokens (``runtime/overlap.py``: greedy and
+    seeded tokens are the same, with every option). Raises before any state change: see
+    :func:`make_requests`.
     """
     events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode)
@@ -253,9 +261,8 @@ def stream_generate(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
         speculative=speculative, async_decode=async_decode,
     )
-    if async_decode:
-        return overlap_schedule(runtime, state, requests, eos, tokenizer)
-    return schedule(runtime, state, requests, eos, tokenizer, speculative)
+    run = overlap_schedule if async_decode else schedule
+    return run(runtime, state, requests, eos, tokenizer, speculative)
 
 
 def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[GenerateResult, State]:

@@ -11,8 +11,10 @@ wholly prefilled, :func:`store_prefix` inserts its full blocks (evicting least r
 unused blocks to stay within the pool) and drops the references the lookup took. A request
 aborted in between gives them back with :func:`drop_prefix`.
 
-Every function validates before it changes anything and consumes its input state (the pool and
-the KV cache are updated in place), like the steps.
+Each public function checks its input before it changes anything and consumes its input state
+(the pool and the KV cache are updated in place), like the steps; the scheduler calls their
+unchecked pipelines (:func:`load`, :func:`store`, :func:`drop`, :func:`prefill_reusing`,
+:func:`cache_sequences`), its requests having been checked at submit.
 """
 
 from __future__ import annotations
@@ -24,21 +26,14 @@ import torch
 
 from neuronfx.errors import InputError
 from neuronfx.runtime import prefix_store
-from neuronfx.runtime.chunked import ChunkBatch, chunk_step
+from neuronfx.runtime.checks import check_batch, check_params, check_prompts, check_rows, check_slots
+from neuronfx.runtime.chunked import ChunkBatch, chunk
+from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
 from neuronfx.runtime.prefix_store import Match, PrefixStats
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State, advance
-from neuronfx.runtime.steps import (
-    PrefillBatch,
-    StepOutput,
-    check_batch,
-    check_params,
-    check_prompts,
-    check_rows,
-    check_slots,
-    prefill_step,
-)
+from neuronfx.runtime.steps import PrefillBatch, prefill
 
 
 def check_prefix(runtime: Runtime, state: State) -> None:
@@ -60,6 +55,12 @@ def _check_rows(seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], matche
         raise InputError(f"give one Match per slot: {len(seq_ids)} seq_ids, {len(matches)} matches.")
 
 
+def _with_store(state: State, store: prefix_store.PrefixStore, **counts: tuple) -> State:
+    """Revoke ``state``'s lease; the state with prefix store ``store`` (and any new host counts)."""
+    counts = {"cache_lens": state.cache_lens, "generated": state.generated, "live": state.live} | counts
+    return advance(state, rng_key=state.rng_key, prefix=attrs.evolve(state.prefix, store=store), **counts)
+
+
 def load_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]],
                 ) -> tuple[tuple[Match, ...], State]:
     """Look each prompt up and copy its cached leading blocks (at most ``len - 1`` tokens' worth)
@@ -75,16 +76,20 @@ def load_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts:
     _check_rows(seq_ids, prompts)
     check_slots(state, seq_ids, live=False)
     check_prompts(runtime, prompts)
-    store, matches = state.prefix.store, []
+    return load(runtime, state, seq_ids, prompts)
+
+
+def load(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> tuple[tuple[Match, ...], State]:
+    """:func:`load_prefix` without its checks (free slots, valid prompts)."""
+    blocks, matches = state.prefix.store, []
     for prompt in prompts:
-        store, hit = prefix_store.match(store, prompt, runtime.prefix_key)
+        blocks, hit = prefix_store.match(blocks, prompt, runtime.prefix_key)
         matches.append(hit)
     cache_lens, live = list(state.cache_lens), list(state.live)
     hits = [(s, p, m) for s, p, m in zip(seq_ids, prompts, matches) if m.num_blocks]
     for s, _, m in hits:
         cache_lens[s], live[s] = m.num_tokens, True
-    new = advance(state, cache_lens=tuple(cache_lens), generated=state.generated, live=tuple(live), rng_key=state.rng_key,
-                  prefix=attrs.evolve(state.prefix, store=store))
+    new = _with_store(state, blocks, cache_lens=tuple(cache_lens), live=tuple(live))
     for s, p, m in hits:  # after the lease is revoked: an interrupt leaves the old state consumed, never half-updated
         copy_to_slot(new.kv, new.prefix.pool, s, m.blocks)
         new.prompt_mask[s] = False
@@ -113,15 +118,19 @@ def store_prefix(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts
                              "once it is prefilled.")
         if not isinstance(m, Match) or m.hashes != prefix_store.block_hashes(p, b, runtime.prefix_key):
             raise InputError(f"slot {s}: pass the Match load_prefix returned for this prompt on this runtime.")
-    store = state.prefix.store
+    return store(runtime, state, seq_ids, prompts, matches)
+
+
+def store(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequence[Sequence[int]], matches: Sequence[Match]) -> State:
+    """:func:`store_prefix` without its checks (live slots holding their prompts, their matches)."""
+    blocks = state.prefix.store
     for m in matches:
-        store = prefix_store.release(store, m.hashes[: m.num_blocks])
+        blocks = prefix_store.release(blocks, m.hashes[: m.num_blocks])
     placed = []
     for p, m in zip(prompts, matches):
-        store, placements = prefix_store.insert(store, p, m.hashes, runtime.prefix_key)
+        blocks, placements = prefix_store.insert(blocks, p, m.hashes, runtime.prefix_key)
         placed.append(placements)
-    new = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
-                  prefix=attrs.evolve(state.prefix, store=store))
+    new = _with_store(state, blocks)
     for s, placements in zip(seq_ids, placed):
         copy_to_pool(new.kv, new.prefix.pool, s, placements)
     return new
@@ -131,11 +140,15 @@ def drop_prefix(runtime: Runtime, state: State, matches: Sequence[Match]) -> Sta
     """Drop the references of ``matches`` without caching anything (a request aborted before
     its prompt was prefilled). Raises InputError (no prefix cache, a reference not held)."""
     check_prefix(runtime, state)
-    store = state.prefix.store
+    return drop(state, matches)
+
+
+def drop(state: State, matches: Sequence[Match]) -> State:
+    """:func:`drop_prefix` without its checks (raises InputError for a reference not held)."""
+    blocks = state.prefix.store
     for m in matches:
-        store = prefix_store.release(store, m.hashes[: m.num_blocks])
-    return advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
-                   prefix=attrs.evolve(state.prefix, store=store))
+        blocks = prefix_store.release(blocks, m.hashes[: m.num_blocks])
+    return _with_store(state, blocks)
 
 
 def prefix_stats(state: State) -> PrefixStats | None:
@@ -152,8 +165,9 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
     largest prefill bucket, are prefilled from their offset by ``chunk_step`` in chunks of at most
     ``prefill_chunk_size`` tokens (all such rows together, one chunk each per step); the other rows
     by one ``prefill_step``, as without prefix caching. Then every prompt's full blocks are cached
-    (:func:`store_prefix`), except a row whose logits were NaN/inf. The output's rows are the batch's; ``bucket`` and ``batch_size`` are
-    those of the last graph run. Prompts may be as long as ``max_context_length``.
+    (:func:`store_prefix`), except a row whose logits were NaN/inf. The output's rows are the
+    batch's; ``bucket`` and ``batch_size`` are those of the last graph run. Prompts may be as
+    long as ``max_context_length``.
 
     Raises (before any change) what :func:`prefill_step` raises (InputError, BatchTooLargeError,
     SlotError, EmptyPromptError, PromptTooLongError, TokenOutOfVocabError, SamplingParamsError,
@@ -166,40 +180,51 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
     check_slots(state, batch.seq_ids, live=False)
     check_prompts(runtime, batch.prompts)
     check_params(runtime, batch.sampling)
+    return prefill_reusing(runtime, state, batch)
 
-    slots, prompts, n = list(batch.seq_ids), list(batch.prompts), len(batch.seq_ids)
-    matches, state = load_prefix(runtime, state, slots, prompts)
+
+def prefill_reusing(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:
+    """:func:`prefill_cached` without its checks (``batch`` must be valid for ``state``)."""
+    slots, prompts, n = batch.seq_ids, batch.prompts, len(batch.seq_ids)
+    matches, state = load(runtime, state, slots, prompts)
     whole = [r for r in range(n) if not matches[r].num_blocks and len(prompts[r]) <= runtime.plan.prefill_buckets[-1]]
     rows: dict[int, tuple] = {}  # row -> (token, logits, logprobs, finite)
     last = None
     if whole:
         sub = PrefillBatch(seq_ids=[slots[r] for r in whole], prompts=[prompts[r] for r in whole],
                            sampling=[batch.sampling[r] for r in whole])
-        last, state = prefill_step(runtime, state, sub)
-        for i, r in enumerate(whole):
-            rows[r] = _row(last, i)
-    done = {r: m.num_tokens for r, m in enumerate(matches) if r not in rows}  # row -> prompt tokens in its slot
-    size = runtime.plan.inference.prefill_chunk_size
-    while any(done[r] < len(prompts[r]) for r in done):
-        todo = [r for r in done if done[r] < len(prompts[r])]
-        chunks = [prompts[r][done[r]:done[r] + size] for r in todo]
-        final = [done[r] + len(c) == len(prompts[r]) for r, c in zip(todo, chunks)]
-        cb = ChunkBatch(seq_ids=[slots[r] for r in todo], chunks=chunks, sampling=[batch.sampling[r] for r in todo], final=final,
-                        prompt_lens=[len(prompts[r]) for r in todo])
-        last, state = chunk_step(runtime, state, cb)
-        for i, (r, c) in enumerate(zip(todo, chunks)):
-            done[r] += len(c)
-            if final[i]:
-                rows[r] = _row(last, i)
+        last, state = prefill(runtime, state, sub)
+        rows |= {r: _row(last, i) for i, r in enumerate(whole)}
+    rest = [r for r in range(n) if r not in rows]
+    if rest:
+        last, state = _chunk_rest(runtime, state, batch, rest, [matches[r].num_tokens for r in rest], rows)
     ordered = [rows[r] for r in range(n)]
     ok = [r for r in range(n) if ordered[r][3]]  # a row whose logits were NaN/inf caches nothing
-    state = store_prefix(runtime, state, [slots[r] for r in ok], [prompts[r] for r in ok], [matches[r] for r in ok])
+    state = store(runtime, state, [slots[r] for r in ok], [prompts[r] for r in ok], [matches[r] for r in ok])
     if len(ok) < n:
-        state = drop_prefix(runtime, state, [matches[r] for r in range(n) if r not in ok])
+        state = drop(state, [matches[r] for r in range(n) if r not in ok])
     logits = None if last.logits is None else torch.stack([row[1] for row in ordered])
     return StepOutput(tokens=tuple(row[0] for row in ordered), new_tokens=tuple((row[0],) for row in ordered), logits=logits,
                       logprobs=tuple(row[2] for row in ordered), bucket=last.bucket, batch_size=last.batch_size,
                       finite=tuple(row[3] for row in ordered), num_drafted=(0,) * n), state
+
+
+def _chunk_rest(runtime: Runtime, state: State, batch: PrefillBatch, rest: list[int], done: list[int], rows: dict[int, tuple],
+                ) -> tuple[StepOutput, State]:
+    """Prefill rows ``rest`` of ``batch`` by chunks from ``done[i]`` tokens (their hits), all
+    together, one chunk each per step; each row's last chunk's output goes to ``rows``. Returns
+    the last step's output and the state."""
+    size, prompts = runtime.plan.inference.prefill_chunk_size, batch.prompts
+    todo = list(zip(rest, done))
+    while todo:
+        chunks = [prompts[r][d:d + size] for r, d in todo]
+        final = [d + len(c) == len(prompts[r]) for (r, d), c in zip(todo, chunks)]
+        cb = ChunkBatch(seq_ids=[batch.seq_ids[r] for r, _ in todo], chunks=chunks, sampling=[batch.sampling[r] for r, _ in todo],
+                        final=final, prompt_lens=[len(prompts[r]) for r, _ in todo])
+        last, state = chunk(runtime, state, cb)
+        rows |= {r: _row(last, i) for i, (r, _) in enumerate(todo) if final[i]}
+        todo = [(r, d + len(c)) for (r, d), c, f in zip(todo, chunks, final) if not f]
+    return last, state
 
 
 def _row(out: StepOutput, i: int) -> tuple:
@@ -220,8 +245,8 @@ def cache_sequences(runtime: Runtime, state: State, seq_ids: Sequence[int], sequ
     """Cache the full blocks of each live slot's ``sequences[r]`` (the tokens its cache holds, in
     order: prompt, then generated ones), e.g. when its request finishes, so that the next turn of
     a conversation (this prompt, this answer, a new message) reuses the answer's KV too, as vLLM
-    caches decoded blocks. Raises what :func:`store_prefix` raises."""
-    check_prefix(runtime, state)
+    caches decoded blocks. Unchecked (the scheduler's retire): live slots holding at least their
+    sequences, on a state with a prefix cache."""
     b = state.prefix.store.block_size
     matches = [Match(hashes=prefix_store.block_hashes(seq, b, runtime.prefix_key), blocks=(), block_size=b) for seq in sequences]
-    return store_prefix(runtime, state, seq_ids, sequences, matches)
+    return store(runtime, state, seq_ids, sequences, matches)

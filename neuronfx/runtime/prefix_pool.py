@@ -26,7 +26,7 @@ from neuronfx.config.dtypes import dtype_bytes, torch_dtype
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import unstructure
-from neuronfx.graphs.inputs import KVCache, LayerKV
+from neuronfx.graphs.phases.inputs import KVCache, LayerKV
 from neuronfx.runtime.prefix_store import PrefixStore, empty_store
 
 

@@ -17,7 +17,7 @@ import attrs
 from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
-from neuronfx.graphs.layers import Weights
+from neuronfx.graphs.models.layers import Weights
 from neuronfx.runtime.prefix_pool import identity_key
 from neuronfx.runtime.state import State, check_usable, empty_state
 

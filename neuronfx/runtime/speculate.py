@@ -1,21 +1,19 @@
 """Speculative decoding as a step: ``speculate_step`` drafts k - 1 tokens per row, verifies them
-(plus the row's last token) in one "speculate" pass of k query tokens, and accepts 1 to k tokens.
+(plus the row's last token) in one "speculate" pass of T = k tokens per row, and accepts 1 to k
+tokens (``acceptance.py``); and :func:`follow_draft`, which keeps a draft runtime's cache in
+step with the target's through any other step.
 
 Drafts, behind one small interface (:class:`Drafter`, chosen once by :func:`drafter_of`;
-:func:`propose`): self-speculation (the runtime's own
-"draft" graphs: its first ``draft_layers`` layers, final norm and LM head, sharing its weights
-and KV cache) or a draft runtime attached with ``neuronfx.with_draft`` (its own KV cache in
-``State.draft``, slot for slot).
+:func:`propose`): self-speculation (the runtime's own "draft" graphs: its first
+``draft_layers`` layers, final norm and LM head, sharing its weights and KV cache) or a draft
+runtime attached with ``neuronfx.with_draft`` (its own KV cache in ``State.draft``, slot for
+slot).
 
 Acceptance applies every SamplingParams field at every verified position exactly as a decode
 step would: the logit bias of min_tokens, the penalties over the counts including the tokens
-accepted before that position, temperature, top-k, min_p, top-p. Greedy rows accept the longest
-prefix of drafts equal to the target's argmax, plus the target's next token: token-identical to
-plain greedy decoding. Sampled rows use rejection sampling (Leviathan et al. 2023, "Fast
-Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023): accept
-draft x with probability min(1, p(x) / q(x)), else resample from normalise(max(p - q, 0)); the
-output distribution is the target's. A seeded row draws every uniform from (seed, token index,
-stream), so a seeded speculative request is reproducible whatever shares its batch.
+accepted before that position, temperature, top-k, min_p, top-p. A seeded row draws every
+uniform from (seed, token index, stream), so a seeded speculative request is reproducible
+whatever shares its batch.
 
 KV consistency without copies: a verify pass writes k positions; the slot's cache_len is then
 set to the accepted length, and positions past it are never attended (masks are
@@ -24,33 +22,33 @@ set to the accepted length, and positions past it are never attended (masks are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
-from neuronfx.config.buckets import select_bucket
-from neuronfx.config.inputs import SamplerInputs, SpeculateInputs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError
-from neuronfx.graphs.inputs import KVCache
-from neuronfx.graphs.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs, sample
-from neuronfx.runtime.batch import call_graph, min_tokens_bias, sampler_inputs, seeded_uniform, token_inputs
-from neuronfx.runtime.runtime import Runtime, check_runtime
-from neuronfx.runtime.state import State, advance
-from neuronfx.runtime.steps import (
-    Logprobs,
-    StepOutput,
-    check_decode,
-    check_params,
-    check_room,
-    count_tokens,
-    one_token,
-    row_logprobs,
-    row_values,
+from neuronfx.graphs.phases.inputs import KVCache
+from neuronfx.graphs.phases.sampling import sample
+from neuronfx.runtime.acceptance import (
+    Proposal,
+    RowFacts,
+    Uniforms,
+    accept,
+    emitted_logprobs,
+    position_sampler,
+    speculation_uniforms,
 )
+from neuronfx.runtime.batch import sampler_inputs
+from neuronfx.runtime.checks import check_decode, check_room, row_values
+from neuronfx.runtime.pipeline import Rows, StepOutput, commit, plan_rows, run_rows
+from neuronfx.runtime.runtime import Runtime, check_runtime
+from neuronfx.runtime.state import State, advance, with_draft_state
 
 Tensor = torch.Tensor
+GREEDY = SamplingParams()
 
 
 @attrs.frozen(kw_only=True)
@@ -82,99 +80,20 @@ class SpeculationStats:
         return self.emitted / self.target_passes if self.target_passes else 0.0
 
 
-# --- acceptance (pure) -------------------------------------------------------------------------
+# --- the draft runtime follows every other step -------------------------------------------------
 
 
-def accept_greedy(drafts: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
-    """Emitted tokens: drafts d_1..d_{k-1} accepted while d_i == argmax after position i - 1,
-    then the target's own next token. ``target_argmax``: k ids (after x0, d_1, ..., d_{k-1})."""
-    out = []
-    for d, t in zip(drafts, target_argmax):
-        if d != t:
-            break
-        out.append(d)
-    out.append(target_argmax[len(out)])
-    return out
-
-
-def accept_sampled(drafts: Sequence[int], q: Tensor, p: Tensor, accept_u: Tensor, final_u: Tensor) -> list[int]:
-    """Rejection sampling. q: (k-1, V) draft distributions the drafts were drawn from; p: (k, V)
-    target distributions; accept_u: (k-1,) and final_u: (k,) uniforms in [0, 1), the latter
-    drawing the resampled (or bonus) token at its position by inverse CDF. Returns the emitted
-    tokens (1..k)."""
-    out = []
-    for i, d in enumerate(drafts):
-        if accept_u[i] * q[i, d] < p[i, d]:  # accept with min(1, p/q); q[i, d] > 0 (d was drawn from q)
-            out.append(d)
-            continue
-        residual = (p[i] - q[i]).clamp(min=0)
-        target = residual if residual.sum() > 0 else p[i]  # p == q everywhere: rejection had probability 0
-        out.append(int(inverse_cdf(target[None], final_u[i : i + 1])[0]))
-        return out
-    k = len(drafts)
-    out.append(int(inverse_cdf(p[k][None], final_u[k : k + 1])[0]))
-    return out
-
-
-# --- random numbers -----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Uniforms:
-    """The uniforms of one speculate step: ``draft`` (n, k-1) for drafting, ``accept`` (n, k-1)
-    for acceptance tests, ``final`` (n, k) for the resampled or bonus token at each position."""
-
-    draft: Tensor
-    accept: Tensor
-    final: Tensor
-
-
-def speculation_uniforms(key: int, params: Sequence[SamplingParams], generated: Sequence[int], k: int) -> tuple[Uniforms, int]:
-    """(the step's uniforms, next RNG key). Unseeded rows draw from the state's key; a seeded
-    row's uniform for position i comes from (seed, generated + i, stream) (streams 1, 2, 3)."""
-    n = len(params)
-    g = torch.Generator().manual_seed(key)
-    u = Uniforms(draft=torch.rand(n, k - 1, generator=g), accept=torch.rand(n, k - 1, generator=g), final=torch.rand(n, k, generator=g))
-    for r, (sp, done) in enumerate(zip(params, generated)):
-        if sp.seed is None:
-            continue
-        for i in range(k):
-            if i < k - 1:
-                u.draft[r, i] = seeded_uniform(sp.seed, done + i, 1)
-                u.accept[r, i] = seeded_uniform(sp.seed, done + i, 2)
-            u.final[r, i] = seeded_uniform(sp.seed, done + i, 3)
-    return u, int(torch.randint(0, 2**62, (1,), generator=g))
-
-
-# --- the sampler at each speculated position ----------------------------------------------------
-
-
-@attrs.frozen
-class Rows:
-    """Host facts of the n rows of one speculate step."""
-
-    slots: list[int]
-    params: list[SamplingParams]
-    generated: list[int]  # tokens each row's request generated before this step
-    counts: Tensor  # (n, V) int32 their output counts before this step
-    prompt_mask: Tensor  # (n, V) bool
-
-
-def position_sampler(runtime: Runtime, rows: Rows, drafts: Sequence[Sequence[int]], i: int, rand: Tensor) -> SamplerInputs:
-    """The sampler inputs (n rows) for the token at speculated position ``i``: output counts
-    including drafts d_1..d_i (the tokens emitted before it when they are accepted) and the
-    min_tokens bias at index generated + i."""
-    counts = rows.counts.clone()
-    for r, row in enumerate(drafts):
-        for t in row[:i]:
-            counts[r, t] += 1
-    bias = min_tokens_bias(runtime, rows.params, [g + i for g in rows.generated])
-    return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params))
-
-
-def _stack(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
-    """Row r, position i -> row r * k + i of one record (k = len(samplers))."""
-    return SamplerInputs(*(torch.stack(column, 1).flatten(0, 1) for column in zip(*samplers)))
+def follow_draft(step: Callable[[Runtime, State, Any], tuple[StepOutput, State]], runtime: Runtime, state: State,
+                 batch: Any) -> tuple[StepOutput, State]:
+    """``step(runtime, state, batch)`` (a pipeline of the target alone: prefill, refill, decode);
+    with a draft runtime, then the same step of the draft runtime on ``state.draft`` with greedy
+    sampling (its tokens are not used), so the draft's cache holds what the target's holds,
+    slot for slot. ``batch`` is an attrs record with a ``sampling`` field."""
+    out, new = step(runtime, state, batch)
+    if runtime.draft is None:
+        return out, new
+    greedy = attrs.evolve(batch, sampling=(GREEDY,) * len(batch.seq_ids))
+    return out, with_draft_state(new, step(runtime.draft, state.draft, greedy)[1])
 
 
 # --- drafts -------------------------------------------------------------------------------------
@@ -208,67 +127,50 @@ def drafter_of(runtime: Runtime) -> Drafter:
     return Drafter(runtime=runtime, phase="draft", own_cache=False)
 
 
-@attrs.frozen
-class Proposal:
-    """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
-    logits (n, V), the sampler inputs (n rows) it drew with, from which q is computed, and the
-    target's sampler inputs at that position (the same counts and bias, ``top_k`` packed for the
-    target's width), which acceptance reuses."""
-
-    tokens: list[list[int]]
-    logits: list[Tensor]
-    samplers: list[SamplerInputs]
-    targets: list[SamplerInputs]
-
-
-def propose(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, x0: Sequence[int], u: Uniforms) -> Proposal:
+def propose(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], u: Uniforms) -> Proposal:
     """k - 1 draft tokens per row after ``x0`` at positions cache_len .. cache_len + k - 2, from
-    ``drafter``'s graphs on its KV cache. Each draft token is sampled with the row's parameters
-    and the same penalty counts and bias the target applies at that position (``top_k`` packed
-    for the drafter's static width)."""
-    k, n = runtime.plan.inference.speculation_length, len(rows.slots)
-    kv, phase, drafter_rt = drafter.kv(state), drafter.phase, drafter.runtime
-    bsz = select_bucket(drafter_rt.plan.batch_buckets, n, "batch rows")
+    ``drafter``'s graphs on its KV cache (one token per row per pass). Each draft token is
+    sampled with the row's parameters and the same penalty counts and bias the target applies at
+    that position (``top_k`` packed for the drafter's static width)."""
+    k, n, drt = runtime.plan.inference.speculation_length, len(rows.slots), drafter.runtime
     proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[])
     for i in range(k - 1):
-        last = [x if i == 0 else row[-1] for x, row in zip(x0, proposal.tokens)]
-        positions = [state.cache_lens[s] + i for s in rows.slots]
+        last = [(x if i == 0 else row[-1],) for x, row in zip(x0, proposal.tokens)]
+        step = plan_rows(drt, drafter.phase, drt.plan.decode_buckets, rows.slots, last,
+                         [state.cache_lens[s] + i for s in rows.slots], width=1)
         target = position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i])
-        sampler = sampler_inputs(drafter_rt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias,
-                                 target.rand, bsz)
-        out, _, _ = one_token(drafter_rt, kv, phase, rows.slots, last, positions, sampler, n)
-        if not drafter_rt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
-            out = out | sample(out["logits"], sampler, drafter_rt.plan.topk_width, 0)
+        sampler = sampler_inputs(drt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand,
+                                 step.bsz)
+        out = run_rows(drt, drafter.kv(state), step, sampler)
+        if not drt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
+            out = out | sample(out["logits"], sampler, drt.plan.topk_width, 0)
         for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
             row.append(t)
         proposal.logits.append(out["logits"][:n])
-        proposal.samplers.append(SamplerInputs(*(t[:n] for t in sampler)))
+        proposal.samplers.append(type(sampler)(*(t[:n] for t in sampler)))
         proposal.targets.append(target)
     return proposal
 
 
-def _sync_draft(runtime: Runtime, drafter: Drafter, state: State, rows: Rows, drafts: list[list[int]], new_lens: list[int],
-                ) -> State | None:
-    """A drafter with its own cache, after the target accepted ``new_lens``: a row that
+def sync_draft(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list[int]], ends: list[int], k: int) -> State | None:
+    """A drafter with its own cache, after the target accepted up to ``ends``: a row that
     accepted every draft feeds the last one (the draft never consumed it), then every row's
     draft cache_len is set to the target's (positions past it are stale and never read).
     Returns the draft's new state, or None for a drafter sharing the target's cache."""
     if not drafter.own_cache:
         return None
-    draft, dstate, k = drafter.runtime, state.draft, runtime.plan.inference.speculation_length
-    full = [r for r, s in enumerate(rows.slots) if new_lens[r] == state.cache_lens[s] + k]
+    draft, dstate = drafter.runtime, state.draft
+    full = [r for r, s in enumerate(rows.slots) if ends[r] == state.cache_lens[s] + k]
     if full:
         slots = [rows.slots[r] for r in full]
-        n = len(full)
-        bsz = select_bucket(draft.plan.batch_buckets, n, "batch rows")
-        greedy = [SamplingParams()] * n
-        zeros = torch.zeros(n, draft.plan.model.vocab_size)
-        sampler = sampler_inputs(draft, greedy, zeros.int(), zeros.bool(), zeros, torch.zeros(n), bsz)
-        one_token(draft, dstate.kv, "decode", slots, [drafts[r][-1] for r in full], [dstate.cache_lens[s] + k - 1 for s in slots],
-                  sampler, n)
+        step = plan_rows(draft, "decode", draft.plan.decode_buckets, slots, [(drafts[r][-1],) for r in full],
+                         [dstate.cache_lens[s] + k - 1 for s in slots], width=1)
+        zeros = torch.zeros(len(full), draft.plan.model.vocab_size)
+        run_rows(draft, dstate.kv, step, sampler_inputs(draft, [GREEDY] * len(full), zeros.int(), zeros.bool(), zeros,
+                                                        torch.zeros(len(full)), step.bsz))
     lens = list(dstate.cache_lens)
-    for s, new in zip(rows.slots, new_lens):
-        lens[s] = new
+    for s, end in zip(rows.slots, ends):
+        lens[s] = end
     return advance(dstate, cache_lens=tuple(lens), generated=dstate.generated, live=dstate.live, rng_key=dstate.rng_key)
 
 
@@ -290,89 +192,48 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     ``batch.input_ids``: k - 1 drafted tokens (:func:`propose`) and the last token are verified
     in one (speculate, batch bucket >= n rows, KV bucket >= longest cache_len + k) pass, and
     every row accepts 1 to k tokens (``StepOutput.new_tokens``; ``tokens`` holds each row's last,
-    the next step's input). Every SamplingParams field applies as in :func:`decode_step`;
+    the next step's input). Every SamplingParams field applies as in ``decode_step``;
     logprobs come one per new token. The slot's cache_len grows by the accepted count.
 
     Raises (before any change) ConfigError (no speculate graphs or no draft), the errors of
-    :func:`decode_step`, and SequenceLengthExceededError when a slot has no room for k more
+    ``decode_step``, and SequenceLengthExceededError when a slot has no room for k more
     tokens (decode that row with ``decode_step``).
     """
     check_runtime(runtime)
     check_speculate(runtime)
-    plan = runtime.plan
     check_decode(runtime, state, batch, SpeculateBatch)
-    k = plan.inference.speculation_length
-    check_room(state, batch.seq_ids, k, plan.inference.sequence_length,
+    k = runtime.plan.inference.speculation_length
+    check_room(state, batch.seq_ids, k, runtime.plan.inference.sequence_length,
                f"speculation writes k={k} positions: decode that row with decode_step instead.")
-    check_params(runtime, batch.sampling)
+    return speculate(runtime, state, batch)
 
-    slots, n = list(batch.seq_ids), len(batch.seq_ids)
-    rows = Rows(slots=slots, params=list(batch.sampling), generated=[state.generated[s] for s in slots],
-                counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
-    u, next_key = speculation_uniforms(state.rng_key, rows.params, rows.generated, k)
+
+def verify(runtime: Runtime, state: State, slots: Sequence[int], x0: Sequence[int], drafts: list[list[int]]) -> tuple[Rows, Tensor]:
+    """The verify pass: T = k tokens per row (its last token, then its drafts) from its slot's
+    cache_len; (its Rows, the target's logits (n, k, V) float32)."""
+    k = runtime.plan.inference.speculation_length
+    rows = plan_rows(runtime, "speculate", runtime.plan.decode_buckets, slots, [[x, *d] for x, d in zip(x0, drafts)],
+                     [state.cache_lens[s] for s in slots], width=k)
+    return rows, run_rows(runtime, state.kv, rows)["logits"][: len(slots)]
+
+
+def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[StepOutput, State]:
+    """:func:`speculate_step` without its checks (``batch`` must be valid for ``state``)."""
+    k, slots = runtime.plan.inference.speculation_length, list(batch.seq_ids)
+    facts = RowFacts(slots=slots, params=list(batch.sampling), generated=[state.generated[s] for s in slots],
+                     counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
+    u, key = speculation_uniforms(state.rng_key, facts.params, facts.generated, k)
     drafter = drafter_of(runtime)
-    proposal = propose(runtime, drafter, state, rows, batch.input_ids, u)
-    drafts = proposal.tokens
-
-    start = [state.cache_lens[s] for s in slots]
-    bsz = select_bucket(plan.batch_buckets, n, "batch rows")
-    bucket = select_bucket(plan.decode_buckets, max(start) + k, "attended KV length")
-    seqs = [[x, *row] for x, row in zip(batch.input_ids, drafts)]
-    ids, pos, seq_ids = token_inputs(runtime, bsz, k, slots, seqs, start)
-    logits = call_graph(runtime, state.kv, "speculate", bsz, bucket, SpeculateInputs(input_ids=ids, position_ids=pos, seq_ids=seq_ids))
-    logits = logits["logits"][:n]  # (n, k, V)
-
-    emitted = _accept(runtime, drafter, rows, proposal, logits, u)
-    logprobs = _logprobs(rows, logits, emitted)
-    new_lens = [c + len(e) for c, e in zip(start, emitted)]
-    draft = _sync_draft(runtime, drafter, state, rows, drafts, new_lens)
-    cache_lens, generated = list(state.cache_lens), list(state.generated)
-    for s, e in zip(slots, emitted):
-        cache_lens[s] += len(e)
-        generated[s] += len(e)
+    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u)
+    rows, logits = verify(runtime, state, slots, batch.input_ids, proposal.tokens)
+    emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
+    ends = [start + len(e) for start, e in zip(rows.starts, emitted)]
+    draft = sync_draft(drafter, state, facts, proposal.tokens, ends, k)
+    new = commit(state, slots, ends, emitted, key)
+    n = len(slots)
     # Finiteness of the positions the row's tokens came from (a NaN past them is a rejected draft's).
     finite = tuple(bool(torch.isfinite(logits[r, : len(e)]).all()) for r, e in enumerate(emitted))
-    new = advance(state, cache_lens=tuple(cache_lens), generated=tuple(generated), live=state.live, rng_key=next_key, draft=draft)
-    count_tokens(new, slots, emitted)
-    new_tokens = tuple(tuple(e) for e in emitted)
-    return StepOutput(tokens=tuple(e[-1] for e in emitted), new_tokens=new_tokens, logits=None, logprobs=logprobs,
-                      bucket=bucket, batch_size=bsz, finite=finite, num_drafted=(k - 1,) * n), new
-
-
-def _accept(runtime: Runtime, drafter: Drafter, rows: Rows, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
-    """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
-    penalized logits at every position, sampled rows by :func:`accept_sampled` with the target's
-    p and the draft's q computed with the sampler inputs of each position."""
-    n, k = logits.shape[:2]
-    drafts = proposal.tokens
-    samplers = [*proposal.targets, position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n))]
-    stacked = _stack(samplers)
-    flat_logits = logits.reshape(n * k, -1)
-    argmax = penalized_logits(flat_logits, stacked).argmax(-1).reshape(n, k).tolist()
-    sampled = [r for r, sp in enumerate(rows.params) if not sp.greedy]
-    p = q = None
-    if sampled:
-        p = distribution(flat_logits, stacked, runtime.plan.topk_width).reshape(n, k, -1)
-        width = drafter.runtime.plan.topk_width
-        q = torch.stack([distribution(lg, s, width) for lg, s in zip(proposal.logits, proposal.samplers)], 1)  # (n, k-1, V)
-    out = []
-    for r, sp in enumerate(rows.params):
-        if sp.greedy:
-            out.append(accept_greedy(drafts[r], argmax[r]))
-        else:
-            out.append(accept_sampled(drafts[r], q[r], p[r], u.accept[r], u.final[r]))
-    return out
-
-
-def _logprobs(rows: Rows, logits: Tensor, emitted: list[list[int]]) -> tuple[tuple[Logprobs, ...] | None, ...]:
-    """Raw logprobs of every emitted token at its position, for rows that asked."""
-    out: list[tuple[Logprobs, ...] | None] = []
-    for r, (sp, tokens) in enumerate(zip(rows.params, emitted)):
-        if sp.logprobs is None:
-            out.append(None)
-            continue
-        m = len(tokens)
-        raw = torch.log_softmax(logits[r, :m], dim=-1)  # (m, V)
-        lp = raw_logprobs(raw, torch.tensor(tokens, dtype=torch.int32), max(sp.logprobs, 1))
-        out.append(tuple(row_logprobs(lp, i, t, sp.logprobs) for i, t in enumerate(tokens)))
-    return tuple(out)
+    out = StepOutput(tokens=tuple(e[-1] for e in emitted), new_tokens=tuple(tuple(e) for e in emitted), logits=None,
+                     logprobs=emitted_logprobs(facts, logits, emitted), bucket=rows.bucket, batch_size=rows.bsz, finite=finite,
+                     num_drafted=(k - 1,) * n)
+    return out, new if draft is None else with_draft_state(new, draft)

@@ -14,13 +14,14 @@ from neuronfx.config.dtypes import dtype_name
 from neuronfx.config.plan import Plan
 from neuronfx.config.sampling import MAX_SEED
 from neuronfx.errors import InputError, StateConsumedError, StateMismatchError
-from neuronfx.graphs.inputs import KVCache, empty_kv
+from neuronfx.graphs.phases.inputs import KVCache, empty_kv
 from neuronfx.runtime.prefix_pool import PrefixCache, empty_prefix_cache
 
 
 @attrs.define
-class _Lease:
-    """The one mutable cell: whether the state holding it may still be used."""
+class Lease:
+    """The one mutable cell: whether the value holding it (a State, an overlapped step's
+    ``Pending``) may still be used."""
 
     valid: bool = True
 
@@ -58,7 +59,7 @@ class State:
     plan_key: int
     draft: State | None = None
     prefix: PrefixCache | None = None
-    _lease: _Lease = attrs.field(factory=_Lease, alias="lease")
+    _lease: Lease = attrs.field(factory=Lease, alias="lease")
 
     @property
     def num_slots(self) -> int:
@@ -147,3 +148,10 @@ def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, 
         generated=generated, live=live, rng_key=rng_key, plan_key=state.plan_key,
         draft=state.draft if draft is None else draft, prefix=state.prefix if prefix is None else prefix,
     )
+
+
+def with_draft_state(state: State, draft: State) -> State:
+    """Revoke ``state``'s lease; the same state with ``draft`` as its draft runtime's state (a
+    step of the draft runtime followed the target's, ``speculate.follow_draft``)."""
+    return advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key,
+                   draft=draft)

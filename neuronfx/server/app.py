@@ -30,10 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from neuronfx.errors import InputError, PromptTooLongError, SamplingParamsError, SequenceLengthExceededError
+from neuronfx.runtime.checks import check_prompts, check_token_ids
 from neuronfx.runtime.generate import check_stop_strings
-from neuronfx.runtime.scheduler import Request as EngineRequest
-from neuronfx.runtime.scheduler import TokenEvent, check_request
-from neuronfx.runtime.steps import Logprobs, check_prompts, check_token_ids
+from neuronfx.runtime.pipeline import Logprobs
+from neuronfx.runtime.requests import Request as EngineRequest
+from neuronfx.runtime.requests import TokenEvent, check_request
 from neuronfx.server import protocol as p
 from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Served, Sink
 from neuronfx.version import __version__

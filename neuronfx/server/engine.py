@@ -11,8 +11,8 @@ it only when nothing runs), run one :func:`neuronfx.runtime.scheduler.step`, and
 event to its request's sink with ``loop.call_soon_threadsafe``, which never waits for a client.
 
 With ``async_decode`` the loop runs :func:`neuronfx.runtime.overlap.overlap_step` instead: a
-step returns while the next decode step runs in a worker thread, so routing its events overlaps
-that step (``runtime/overlap.py``).
+step returns while the next scheduler iteration runs in a worker thread, so routing its events
+overlaps that iteration (``runtime/overlap.py``).
 
 Admission is bounded: at most ``batch_size`` requests run and ``max_waiting`` wait; a submit
 beyond that raises :class:`EngineOverloaded` at once and queues nothing.
@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError
-from neuronfx.runtime.overlap import Flight, busy, check_async, overlap_abort, overlap_step, settle
+from neuronfx.runtime.overlap import Flight, busy, overlap_abort, overlap_step, settle
 from neuronfx.runtime.prefix import prefix_stats
 from neuronfx.runtime.prefix_pool import pool_nbytes
 from neuronfx.runtime.prefix_store import PrefixStats
@@ -125,8 +125,7 @@ class Engine:
     """Runs requests through the scheduler in its own thread (see the module doc).
 
     ``build`` returns the :class:`Served` runtime and tokenizer (called in the engine thread);
-    ``on_failure`` is called there when ``build`` raises (the server should exit), or when
-    ``async_decode`` cannot run on the runtime built (ConfigError, ``overlap.check_async``).
+    ``on_failure`` is called there when ``build`` raises (the server should exit).
     ``max_num_batched_tokens``: the scheduler's token budget per iteration under chunked prefill
     (None: derived). Raises InputError for a negative ``max_waiting``, a budget that is not
     None or an int >= 1, or an ``async_decode`` that is not a bool.
@@ -232,8 +231,6 @@ class Engine:
     def _run(self) -> None:
         try:
             served = self._build()
-            if self.async_decode:
-                check_async(served.runtime, speculative=True)  # the synchronous engine speculates when it can
         except BaseException as exc:  # the server cannot serve: report it and let it exit
             self.failure = exc
             with self._lock:
@@ -265,8 +262,9 @@ class Engine:
             events: list[TokenEvent] = []
             if busy(state, queue):
                 try:
-                    if self.async_decode:  # check_async refused chunked plans: no token budget to pass
-                        events, state, queue = overlap_step(runtime, state, queue, eos, served.tokenizer)
+                    if self.async_decode:
+                        events, state, queue = overlap_step(runtime, state, queue, eos, served.tokenizer,
+                                                            max_num_batched_tokens=self.max_num_batched_tokens)
                     else:
                         events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
                                                     max_num_batched_tokens=self.max_num_batched_tokens)
@@ -334,7 +332,7 @@ class Engine:
         self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
-        stats = None if self.async_decode else prefix_stats(state)  # async runtimes have no prefix cache (check_async)
+        stats = prefix_stats(state)  # a Pending carries its launched state's prefix cache
         if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
             seen, m = self._prefix_seen, self.metrics
             m.prefix_queries.inc(stats.queries - seen.queries)

@@ -29,7 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import SamplingParamsError
-from neuronfx.runtime.steps import Logprobs
+from neuronfx.runtime.pipeline import Logprobs
 
 DEFAULT_TEMPERATURE = 1.0
 """Temperature of a request that gives none: OpenAI's and vLLM's 1.0 (not neuronfx's greedy 0)."""
