@@ -229,53 +229,74 @@ class Engine:
     # --- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            served = self._build()
-        except BaseException as exc:  # the server cannot serve: report it and let it exit
-            self.failure = exc
-            with self._lock:
-                self._accepting = False
-            self._on_failure(exc)
+        served = self._build_served()
+        if served is None:
             return
         runtime = served.runtime
         eos = frozenset(runtime.plan.model.eos_token_ids)
         state: Flight = init_state(runtime)
         queue = Queue()
-        self.metrics.slots.set(state.num_slots)
-        with self._lock:
-            self._served = served
-        logger.info("ready: %d slots, max_context_length %d, sequence_length %d, backend %s", state.num_slots,
-                    runtime.plan.inference.max_context_length, runtime.plan.inference.sequence_length, runtime.plan.inference.backend)
-        if state.prefix is not None:
-            logger.info("prefix caching: %d blocks of %d tokens (%.0f MiB)", state.prefix.store.num_blocks,
-                        state.prefix.store.block_size, pool_nbytes(runtime.plan) / 2**20)
+        self._announce_ready(served, state)
         while True:
             for command in self._commands(block=not busy(state, queue)):
                 if isinstance(command, _Stop):
-                    for index in list(self._live):
-                        state, queue = overlap_abort(runtime, state, queue, index)
-                        self._finish(index, _ended(index, "abort"))
-                    with contextlib.suppress(Exception):  # a decode step in flight ends before the engine does
-                        settle(state)
+                    self._abort_all_live(runtime, state, queue)
                     return
                 state, queue = self._apply(command, runtime, state, queue)
             events: list[TokenEvent] = []
             if busy(state, queue):
-                try:
-                    if self.async_decode:
-                        events, state, queue = overlap_step(runtime, state, queue, eos, served.tokenizer,
-                                                            max_num_batched_tokens=self.max_num_batched_tokens)
-                    else:
-                        events, state, queue = step(runtime, state, queue, eos, served.tokenizer,
-                                                    max_num_batched_tokens=self.max_num_batched_tokens)
-                except Exception:  # a bug, not bad input (requests were checked): fail these requests, serve on
-                    logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
-                    for index in list(self._live):
-                        self._finish(index, _ended(index, "error"))
-                    state, queue = init_state(runtime), Queue()
-                    self._prefix_seen = PrefixStats()
+                events, state, queue = self._step(served, state, queue, eos)
             self._gauges(state, queue)  # before the events go out: a client that has its answer sees its slot free
             self._route(events)
+
+    def _build_served(self) -> Served | None:
+        """``build()``, or None after reporting its failure (the server should exit)."""
+        try:
+            return self._build()
+        except BaseException as exc:  # the server cannot serve: report it and let it exit
+            self.failure = exc
+            with self._lock:
+                self._accepting = False
+            self._on_failure(exc)
+            return None
+
+    def _announce_ready(self, served: Served, state: Flight) -> None:
+        """Publish ``served`` (handlers start submitting) and log the runtime's capacities."""
+        runtime = served.runtime
+        self.metrics.slots.set(state.num_slots)
+        with self._lock:
+            self._served = served
+        inf = runtime.plan.inference
+        logger.info("ready: %d slots, max_context_length %d, sequence_length %d, backend %s", state.num_slots,
+                    inf.max_context_length, inf.sequence_length, inf.backend)
+        if state.prefix is not None:
+            logger.info("prefix caching: %d blocks of %d tokens (%.0f MiB)", state.prefix.store.num_blocks,
+                        state.prefix.store.block_size, pool_nbytes(runtime.plan) / 2**20)
+
+    def _abort_all_live(self, runtime: Runtime, state: Flight, queue: Queue) -> None:
+        """The engine's stop: abort every live request (finish_reason "abort") and let a step in
+        flight end."""
+        for index in list(self._live):
+            state, queue = overlap_abort(runtime, state, queue, index)
+            self._finish(index, _ended(index, "abort"))
+        with contextlib.suppress(Exception):  # a decode step in flight ends before the engine does
+            settle(state)
+
+    def _step(self, served: Served, state: Flight, queue: Queue, eos: frozenset[int]) -> tuple[list[TokenEvent], Flight, Queue]:
+        """One scheduler iteration (overlapped with ``async_decode``); a step that raises is a
+        bug, not bad input (requests were checked): its requests end with an error, the engine
+        serves on from a fresh state."""
+        runtime, budget = served.runtime, self.max_num_batched_tokens
+        try:
+            if self.async_decode:
+                return overlap_step(runtime, state, queue, eos, served.tokenizer, max_num_batched_tokens=budget)
+            return step(runtime, state, queue, eos, served.tokenizer, max_num_batched_tokens=budget)
+        except Exception:
+            logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
+            for index in list(self._live):
+                self._finish(index, _ended(index, "error"))
+            self._prefix_seen = PrefixStats()
+            return [], init_state(runtime), Queue()
 
     def _commands(self, block: bool) -> list[object]:
         """Every command in the inbox; waits for one first when ``block`` (nothing to run)."""

@@ -13,15 +13,14 @@ suffix, best_of > 1, logit_bias, tools, response_format other than text) are acc
 their neutral value and otherwise answered with a 400 naming the field.
 
 Ranges are not checked here: :func:`sampling_params` builds a :class:`neuronfx.SamplingParams`,
-whose named checks raise the 400s. Responses are plain dicts (what is serialized).
+whose named checks raise the 400s. Responses are built in ``server/responses.py``.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
@@ -29,7 +28,6 @@ from pydantic_core import PydanticCustomError
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import SamplingParamsError
-from neuronfx.runtime.pipeline import Logprobs
 
 DEFAULT_TEMPERATURE = 1.0
 """Temperature of a request that gives none: OpenAI's and vLLM's 1.0 (not neuronfx's greedy 0)."""
@@ -343,63 +341,3 @@ def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     except ValueError:
         arguments = call.function.arguments
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
-
-
-# --- responses ----------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    """A response id: ``cmpl-...`` or ``chatcmpl-...`` and 32 hex digits."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str], offset: int) -> dict:
-    """The legacy completions logprobs object for ``entries`` (one per token): token strings,
-    their logprobs, the top-N as {token string: logprob} and each token's text offset from
-    ``offset`` (characters)."""
-    tokens = [decode(e.token_id) for e in entries]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str]) -> dict:
-    """Chat's logprobs object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-
-    def entry(token_id: int, logprob: float) -> dict:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs)]}
-                        for e in entries]}
-
-
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-
-def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: int | str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-
-def response_body(kind: str, id: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
-    """A whole response (``kind`` "text_completion" or "chat.completion") or a streamed chunk
-    ("chat.completion.chunk"; completions chunks are "text_completion" too)."""
-    return {"id": id, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}

@@ -1,0 +1,124 @@
+"""HTTP requests to engine requests (llama.cpp's server "task"): the served model and its checks,
+prompts tokenized or put through the chat template, and one scheduler request per prompt, checked
+as the scheduler checks it; every failure an ApiError with OpenAI's status and JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from neuronfx.errors import InputError, PromptTooLongError, SamplingParamsError, SequenceLengthExceededError
+from neuronfx.runtime.checks import check_prompts
+from neuronfx.runtime.generate import check_stop_strings
+from neuronfx.runtime.requests import Request as EngineRequest
+from neuronfx.runtime.requests import check_request
+from neuronfx.server import protocol as p
+from neuronfx.server.engine import Engine, Served
+
+
+def served_by(engine: Engine) -> Served:
+    """The engine's runtime and tokenizer; ApiError 503 while it loads or after it stopped."""
+    served = engine.served
+    if served is None:
+        message = "the model is still loading or compiling; retry when GET /health answers 200."
+        raise p.ApiError(503, message, type="server_error", code="model_not_ready", headers={"Retry-After": "5"})
+    if not engine.ready:
+        raise p.ApiError(503, "the server is shutting down; it takes no new request.", type="server_error", code="shutting_down")
+    return served
+
+
+def stream_usage(body: p.GenerationRequest) -> str | None:
+    """Where a stream reports usage: None, "last" (include_usage: one last chunk) or "every"
+    (vLLM's continuous_usage_stats with include_usage: every chunk too, so far)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return None
+    return "every" if options.continuous_usage_stats else "last"
+
+
+def model_card(model_name: str, created: int, served: Served) -> dict:
+    """The served model as /v1/models lists it (OpenAI's model object and vLLM's extras)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "neuronfx", "root": model_name, "parent": None,
+            "max_model_len": served.runtime.plan.inference.sequence_length}
+
+
+def check_model(name: str | None, served_name: str) -> None:
+    """ApiError 404 (OpenAI's model_not_found) when ``name`` is given and is not the served model."""
+    if name is not None and name != served_name:
+        raise p.ApiError(404, f"The model `{name}` does not exist; this server serves `{served_name}` (GET /v1/models).",
+                         param="model", code="model_not_found")
+
+
+def completion_prompts(body: p.CompletionRequest, served: Served) -> list[list[int]]:
+    """Token ids of each prompt: text is tokenized (special tokens added, as vLLM); ids pass."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif not prompt:
+        raise p.ApiError(400, "prompt is an empty list; give a string, a list of strings or token ids.", param="prompt")
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    return [list(served.tokenizer(x)["input_ids"]) if isinstance(x, str) else list(x) for x in prompts]
+
+
+def chat_ids(messages: Sequence[p.ChatMessage], served: Served, add_generation_prompt: bool,
+              add_special_tokens: bool = False) -> list[int]:
+    """The messages through the model's chat template, as token ids; ApiError 400 for no
+    messages, a template that refuses them (e.g. roles out of order) or no template."""
+    from jinja2 import TemplateError
+
+    if not messages:
+        raise p.ApiError(400, "messages is empty; give at least one message.", param="messages")
+    tokenizer = served.tokenizer
+    try:
+        ids = tokenizer.apply_chat_template(p.chat_messages(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    except TemplateError as exc:
+        raise p.ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
+    except ValueError as exc:  # transformers: no chat template
+        raise p.ApiError(400, f"this model's tokenizer has no chat template ({exc}); use /v1/completions.", param="messages") from exc
+    ids = list(ids)
+    if add_special_tokens:  # /tokenize's option; the template writes the special tokens it wants
+        ids = list(tokenizer.build_inputs_with_special_tokens(ids))
+    return ids
+
+
+def room(prompt: Sequence[int], served: Served) -> int:
+    """Tokens left in a slot after ``prompt`` (chat's default max_tokens); ApiError 400 when none."""
+    try:
+        check_prompts(served.runtime, [prompt])
+    except InputError as exc:
+        raise prompt_error(exc, "messages") from exc
+    room = served.runtime.plan.inference.sequence_length - len(prompt)
+    if room < 1:
+        raise p.ApiError(400, f"the messages take {len(prompt)} tokens, which leaves no room to generate in sequence_length="
+                              f"{served.runtime.plan.inference.sequence_length}; shorten them.", param="messages",
+                         code="context_length_exceeded")
+    return room
+
+
+def engine_request(body: p.GenerationRequest, prompt: list[int], index: int, served: Served, logprobs: int | None,
+                    max_tokens: int, prompt_field: str) -> EngineRequest:
+    """The scheduler request for one prompt, checked as the scheduler would check it
+    (``check_request``) and its stop strings against the tokenizer; ApiError 400 otherwise."""
+    sampling = p.sampling_params(body, logprobs, max_tokens)
+    request = EngineRequest(prompt=tuple(prompt), sampling=sampling)  # sampling.max_tokens is the budget
+    try:
+        check_stop_strings(sampling, served.tokenizer)
+        check_request(served.runtime, index, request)
+    except SamplingParamsError as exc:
+        raise p.ApiError(400, str(exc), param=p.sampling_param_name(body, exc)) from exc
+    except InputError as exc:
+        raise prompt_error(exc, prompt_field) from exc
+    return request
+
+
+def prompt_error(exc: InputError, prompt_field: str) -> p.ApiError:
+    """The 400 of a prompt the plan cannot take: too long (OpenAI's "context_length_exceeded"),
+    empty, or ids outside the vocabulary."""
+    if isinstance(exc, SequenceLengthExceededError):
+        return p.ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded")
+    if isinstance(exc, PromptTooLongError):
+        return p.ApiError(400, str(exc), param=prompt_field, code="context_length_exceeded")
+    return p.ApiError(400, str(exc), param=prompt_field)

@@ -1,0 +1,270 @@
+"""Engine events to OpenAI responses: a whole response once every choice finished, or a stream of
+Server-Sent Events (a chunk per text delta, the usage, ``data: [DONE]``), and the JSON shapes
+both are made of (completions and chat choices, logprobs objects, usage).
+
+A client that disconnects aborts its requests (Starlette cancels the stream; a whole response
+watches for the disconnect). With vLLM's ``stream_options.continuous_usage_stats`` (and
+``include_usage``) every chunk carries the usage so far. A stream whose request ends without
+an answer (the server's stop aborted it, or the engine failed) ends with an error event, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import attrs
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from neuronfx.runtime.pipeline import Logprobs
+from neuronfx.runtime.requests import Request as EngineRequest
+from neuronfx.runtime.requests import TokenEvent
+from neuronfx.server import protocol as p
+from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Served, Sink
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_id(prefix: str) -> str:
+    """A response id: ``cmpl-...`` or ``chatcmpl-...`` and 32 hex digits."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str], offset: int) -> dict:
+    """The legacy completions logprobs object for ``entries`` (one per token): token strings,
+    their logprobs, the top-N as {token string: logprob} and each token's text offset from
+    ``offset`` (characters)."""
+    tokens = [decode(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{decode(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[Logprobs], decode: Callable[[int], str]) -> dict:
+    """Chat's logprobs object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in zip(e.top_ids, e.top_logprobs)]}
+                        for e in entries]}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def response_body(kind: str, id: str, created: int, model: str, choices: list[dict], usage: dict | None) -> dict:
+    """A whole response (``kind`` "text_completion" or "chat.completion") or a streamed chunk
+    ("chat.completion.chunk"; completions chunks are "text_completion" too)."""
+    return {"id": id, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage}
+
+
+@attrs.define
+class Choice:
+    """One choice as its events arrive."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[Logprobs] = attrs.Factory(list)  # every token's
+    pending: list[Logprobs] = attrs.Factory(list)  # not yet streamed
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.text += event.text
+        if event.token_id is not None:
+            self.num_tokens += 1
+        if event.logprobs is not None:
+            self.logprobs.append(event.logprobs)
+            self.pending.append(event.logprobs)
+        if event.finish_reason is not None:
+            self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Job:
+    """One HTTP generation request in the engine: submits its requests, then answers with the
+    whole response or a stream of chunks."""
+
+    engine: Engine
+    served: Served
+    model: str
+    kind: str  # "text_completion" or "chat.completion"
+    id: str
+    requests: list[EngineRequest]
+    usage: str | None  # streamed usage: None, "last" (a last chunk) or "every" (every chunk too: vLLM's continuous_usage_stats)
+    token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    created: int = attrs.Factory(lambda: int(time.time()))
+
+    async def respond(self, request: Request, stream: bool) -> Response:
+        limit = self.served.runtime.plan.inference.batch_size + self.engine.max_waiting
+        if len(self.requests) > limit:
+            raise p.ApiError(400, f"{len(self.requests)} prompts in one request > {limit} (slots + --max-waiting) the server ever "
+                                  "holds; send fewer per request.", param="prompt")
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            ids = self.engine.submit(self.requests, sink)
+        except EngineOverloaded as exc:
+            raise p.ApiError(503, str(exc), type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+        except EngineNotReady as exc:
+            raise p.ApiError(503, str(exc), type="server_error", code="model_not_ready", headers={"Retry-After": "5"}) from exc
+        except EngineStopping as exc:
+            raise p.ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
+        if stream:
+            return StreamingResponse(self._chunks(sink, ids), media_type="text/event-stream", headers=SSE_HEADERS)
+        return await self._whole(request, sink, ids)
+
+    def _decode(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:<id>"."""
+        return f"token_id:{token_id}" if self.token_ids_as_text else self.served.tokenizer.decode([token_id])
+
+    def _usage(self, choices: Sequence[Choice]) -> dict:
+        return usage(sum(len(r.prompt) for r in self.requests), sum(c.num_tokens for c in choices))
+
+    async def _collect(self, sink: Sink) -> list[Choice]:
+        choices = [Choice() for _ in self.requests]
+        done = 0
+        while done < len(choices):
+            k, event = await sink.queue.get()
+            choices[k].add(event)
+            done += event.finish_reason is not None
+        return choices
+
+    async def _whole(self, request: Request, sink: Sink, ids: list[int]) -> Response:
+        """The whole response once every choice finished; a client that disconnects first
+        aborts its requests."""
+        collect = asyncio.ensure_future(self._collect(sink))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away (or the server cancels this task): free the slots
+                collect.cancel()
+                self.engine.abort(ids)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        choices = collect.result()
+        _raise_ended(choices)
+        body = [self._choice(k, c) for k, c in enumerate(choices)]
+        return JSONResponse(response_body(self.kind, self.id, self.created, self.model, body, self._usage(choices)))
+
+    def _choice(self, k: int, choice: Choice) -> dict:
+        """Choice ``k`` of the whole response, with its logprobs when the request asked."""
+        wants = self.requests[k].sampling.logprobs is not None
+        if self.kind == "chat.completion":
+            logprobs = chat_logprobs(choice.logprobs, self._decode) if wants else None
+            return chat_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+        logprobs = completion_logprobs(choice.logprobs, self._decode, 0) if wants else None
+        return completion_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+
+    async def _chunks(self, sink: Sink, ids: list[int]) -> AsyncIterator[str]:
+        """The SSE stream: a chunk per text delta (chat: a first one with the role), the last
+        with the finish_reason, the usage chunk when asked, then ``data: [DONE]``; a choice that
+        fails in the engine or is aborted by the server's stop gives an error event instead of
+        its last chunk. A client that disconnects cancels it: its requests are aborted."""
+        chunk_kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        choices = [Choice() for _ in self.requests]
+        done = 0
+        try:
+            if self.kind == "chat.completion":
+                for k in range(len(choices)):
+                    first = chat_delta_choice(k, {"role": "assistant", "content": ""}, None, None, None)
+                    yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [first], self._chunk_usage(k, choices)))
+            while done < len(choices):
+                k, event = await sink.queue.get()
+                choice = choices[k]
+                offset = len(choice.text)
+                choice.add(event)
+                done += event.finish_reason is not None
+                if event.finish_reason in _ENDED:
+                    yield _sse(_ENDED[event.finish_reason])
+                    continue
+                if not event.text and event.finish_reason is None:
+                    continue  # held back (a partial character or a possible stop string): its logprobs go with the next
+                yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [self._delta(k, choice, event, offset)],
+                                           self._chunk_usage(k, choices)))
+            if self.usage is not None:
+                yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [], self._usage(choices)))
+            yield "data: [DONE]\n\n"
+        finally:
+            if done < len(choices):  # cancelled: the client went away
+                self.engine.abort(ids)
+
+    def _chunk_usage(self, k: int, choices: Sequence[Choice]) -> dict | None:
+        """The usage a chunk of choice ``k`` carries: its prompt and tokens so far under vLLM's
+        continuous_usage_stats, else None."""
+        return usage(len(self.requests[k].prompt), choices[k].num_tokens) if self.usage == "every" else None
+
+    def _delta(self, k: int, choice: Choice, event: TokenEvent, offset: int) -> dict:
+        """The streamed choice of ``event`` (its text delta, the logprobs of the tokens since the
+        last chunk, its finish_reason), clearing the pending logprobs."""
+        wants = self.requests[k].sampling.logprobs is not None
+        pending, choice.pending = choice.pending, []
+        if self.kind == "chat.completion":
+            logprobs = chat_logprobs(pending, self._decode) if wants else None
+            delta = {"content": event.text} if event.text else {}
+            return chat_delta_choice(k, delta, logprobs, event.finish_reason, event.stop_reason)
+        logprobs = completion_logprobs(pending, self._decode, offset) if wants else None
+        return completion_choice(k, event.text, logprobs, event.finish_reason, event.stop_reason)
+
+
+_ENDED = {
+    "error": p.error_body("the model produced no valid token (NaN/inf logits) or the engine failed; see the server's log.",
+                          "server_error", code="internal_error"),
+    "abort": p.error_body("the server stopped before this request finished (its --shutdown-timeout ran out); retry.",
+                          "server_error", code="shutting_down"),
+}
+"""The error event a stream sends for a choice that ends without an answer, by finish_reason
+(an abort streams only at a server's stop: a client that went away reads nothing)."""
+
+
+def _raise_ended(choices: Sequence[Choice]) -> None:
+    """ApiError for a whole response whose requests ended without an answer: aborted (the
+    server is stopping) or failed in the engine."""
+    reasons = {c.finish_reason for c in choices}
+    if "abort" in reasons:
+        raise p.ApiError(503, "the server stopped before this request finished; retry.", type="server_error", code="shutting_down")
+    if "error" in reasons:
+        raise p.ApiError(500, "the model produced no valid token (NaN/inf logits) or the engine failed; see the server's log.",
+                         type="server_error", code="internal_error")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the request body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
