@@ -18,9 +18,9 @@ from neuronfx.config.quantization import quantized_formats
 from neuronfx.config.serialization import unstructure
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import get_backend
-from neuronfx.graphs.device import check_device, plan_device, to_device
-from neuronfx.graphs.layers import Weights
-from neuronfx.graphs.quant import BLOCK_TYPES
+from neuronfx.graphs.models.layers import Weights
+from neuronfx.graphs.models.quant import BLOCK_TYPES
+from neuronfx.graphs.phases.device import check_device, plan_device, to_device
 from neuronfx.io.artifacts import load, push_to_hub, save
 from neuronfx.io.cache import compile_graphs, resolve_cache
 from neuronfx.io.checkpoints import load_checkpoint

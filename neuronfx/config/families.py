@@ -1,28 +1,34 @@
 """The registry of supported model families: one entry per HF ``model_type``.
 
 Config, graphs and checkpoints all read this table. An entry says which :class:`ModelConfig`
-fields the family sets from its transformers config beyond the ones every family shares; its
-math lives in ``neuronfx/graphs/<model_type>.py`` (the file name is the model type). Adding a
-family is one entry here plus that one file.
+fields the family sets from its transformers config beyond the ones every family shares, which
+options of its own it has (an extras record, ``config/extras.py``) and how its own weights
+split under tensor parallelism. Its math lives in ``neuronfx/graphs/models/<file>.py``, the
+file named by the model type, or for a type whose math is another's, by
+:data:`MODEL_REMAPPING` (mlx-lm's table of the same name). Adding a family is one entry here
+plus that one file (or one remap line).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from neuronfx.config.extras import Gemma3Extras, GraniteExtras, Llama4Extras
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Family:
     """One supported HF ``model_type``.
 
     ``options(hf_config) -> dict``: the family's own ModelConfig fields, read from its
-    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm); it raises
-    UnsupportedModelError for an option of the family neuronfx does not implement.
+    transformers config (e.g. qwen2's always-on q/k/v biases, qwen3's q/k norm), its extras
+    record under "extras"; it raises UnsupportedModelError for an option of the family
+    neuronfx does not implement.
+    ``extras``: the class of ``ModelConfig.extras`` for this family (None: it has none).
     ``activations``: the MLP activations (transformers' ``ACT2FN`` names) its file implements.
     ``partial_rotary``: transformers' family applies ``partial_rotary_factor`` (RoPE on the
     first dims of each head only); elsewhere a factor below 1 is refused.
@@ -31,19 +37,25 @@ class Family:
     ``prepare_inputs_for_generation``); the scheduler does the same (``refill_step``). Other
     families keep the keys cached before the switch, as transformers does for them.
     ``moe``: the family's MLPs are mixtures of experts (``ModelConfig.num_experts`` > 0), every
-    layer's or, where ``ModelConfig.moe_layers`` lists some (llama4, qwen3_moe), those layers'
-    (the others dense); else none is.
+    layer's or, where ``ModelConfig.moe_layers`` lists some, those layers' (the others dense);
+    else none is.
     ``tensor_parallel``: the sharding plan covers every weight of the family (else tp_degree > 1
     is refused before any rank starts).
+    ``shard_rules`` / ``replicated``: the tensor-parallel rules of the family's own per-layer
+    weights, beside the ones every family shares (``config.sharding.WEIGHT_RULES`` and
+    ``REPLICATED``): weight name -> (what is split, dimension), and the names held whole.
     """
 
     model_type: str
     options: Callable[[Any], dict[str, Any]]
+    extras: type | None = None
     activations: tuple[str, ...] = ("silu",)
     partial_rotary: bool = False
     recompute_at_rope_switch: bool = False
     moe: bool = False
     tensor_parallel: bool = True
+    shard_rules: Mapping[str, tuple[str, int]] = attrs.field(factory=dict)
+    replicated: frozenset[str] = frozenset()
 
 
 def _flag(hf_config: Any, name: str) -> bool:
@@ -79,14 +91,13 @@ def _qwen3(hf_config: Any) -> dict[str, Any]:
 
 
 def _granite(hf_config: Any) -> dict[str, Any]:
-    return {
-        **_attention_biases(hf_config),
-        "mlp_bias": _flag(hf_config, "mlp_bias"),  # GraniteMLP: Llama's
-        "embedding_multiplier": float(getattr(hf_config, "embedding_multiplier", 1.0)),
-        "residual_multiplier": float(getattr(hf_config, "residual_multiplier", 1.0)),
-        "attention_multiplier": float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
-        "logits_scaling": float(getattr(hf_config, "logits_scaling", 1.0)),
-    }
+    extras = GraniteExtras(
+        embedding_multiplier=float(getattr(hf_config, "embedding_multiplier", 1.0)),
+        residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
+        attention_multiplier=float(getattr(hf_config, "attention_multiplier", 1.0)),  # GraniteAttention: scaling
+        logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
+    )
+    return {**_attention_biases(hf_config), "mlp_bias": _flag(hf_config, "mlp_bias"), "extras": extras}  # GraniteMLP: Llama's
 
 
 def _smollm3(hf_config: Any) -> dict[str, Any]:
@@ -111,17 +122,10 @@ def _gemma3_text(hf_config: Any) -> dict[str, Any]:
                 f"{name}={getattr(hf_config, name)!r} is not supported for gemma3_text; neuronfx runs Gemma3ForCausalLM "
                 f"with {name} unset (None / False), as the released Gemma 3 text models are."
             )
-    hidden = hf_config.hidden_size
-    return {
-        "hidden_act": hf_config.hidden_activation,
-        "qk_norm": True,
-        "norm_unit_offset": True,  # Gemma3RMSNorm: x * (1 + w) in fp32, then the cast
-        "embedding_multiplier": float(hidden) ** 0.5,  # Gemma3TextScaledWordEmbedding
-        "embedding_multiplier_rounded": True,  # transformers casts the scale to the weights' dtype
-        "attention_multiplier": float(hf_config.query_pre_attn_scalar) ** -0.5,  # Gemma3Attention.scaling
-        "final_logit_softcapping": getattr(hf_config, "final_logit_softcapping", None),
-        "sliding_window": getattr(hf_config, "sliding_window", None),
-    }
+    extras = Gemma3Extras(query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),  # Gemma3Attention.scaling
+                          final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None))
+    return {"hidden_act": hf_config.hidden_activation, "qk_norm": True, "sliding_window": getattr(hf_config, "sliding_window", None),
+            "extras": extras}
 
 
 # model types transformers knows that neuronfx refuses with a specific fix
@@ -148,10 +152,8 @@ def _llama4_text(hf_config: Any) -> dict[str, Any]:
         "num_experts": hf_config.num_local_experts,
         "num_experts_per_tok": hf_config.num_experts_per_tok,
         "moe_intermediate_size": hf_config.intermediate_size,  # experts and the shared expert alike
-        "qk_l2_norm": _flag(hf_config, "use_qk_norm"),
-        "attn_temperature_tuning": _flag(hf_config, "attn_temperature_tuning"),
-        "floor_scale": float(hf_config.floor_scale),
-        "attn_scale": float(hf_config.attn_scale),
+        "extras": Llama4Extras(qk_l2_norm=_flag(hf_config, "use_qk_norm"), attn_temperature_tuning=_flag(hf_config, "attn_temperature_tuning"),
+                               floor_scale=float(hf_config.floor_scale), attn_scale=float(hf_config.attn_scale)),
     }
 
 
@@ -203,19 +205,44 @@ def _qwen3_moe(hf_config: Any) -> dict[str, Any]:
     }
 
 
+QK_NORMS = frozenset({"q_norm", "k_norm"})
+"""Per-head norms of q and k (qwen3's, gemma3's): whole on every rank, as every rank's heads
+are whole heads."""
+EXPERT_RULES = {"experts_gate": ("expert_intermediate", 1), "experts_up": ("expert_intermediate", 1),
+                "experts_down": ("expert_intermediate", 2)}
+"""Stacked experts split as a dense MLP per expert (gate / up (E, I, H) column, down (E, H, I)
+row); the router is replicated: every rank routes every token."""
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", _llama),
-    Family("mistral", _mistral),
-    Family("qwen2", _qwen2),
-    Family("qwen3", _qwen3),
-    Family("granite", _granite),
-    Family("smollm3", _smollm3),
-    Family("gemma3_text", _gemma3_text, activations=("gelu_pytorch_tanh",)),
-    Family("llama4_text", _llama4_text, moe=True, tensor_parallel=False),  # experts in transformers' own layout
-    Family("phi3", _phi3, partial_rotary=True, recompute_at_rope_switch=True),
-    Family("mixtral", _mixtral, moe=True),
-    Family("qwen3_moe", _qwen3_moe, moe=True),
+    Family(model_type="llama", options=_llama),
+    Family(model_type="mistral", options=_mistral),
+    Family(model_type="qwen2", options=_qwen2),
+    Family(model_type="qwen3", options=_qwen3, replicated=QK_NORMS),
+    Family(model_type="granite", options=_granite, extras=GraniteExtras),
+    Family(model_type="smollm3", options=_smollm3),
+    Family(model_type="gemma3_text", options=_gemma3_text, extras=Gemma3Extras, activations=("gelu_pytorch_tanh",),
+           replicated=QK_NORMS | {"post_attn_norm", "post_mlp_norm"}),  # its norms of each block's output
+    Family(model_type="llama4_text", options=_llama4_text, extras=Llama4Extras, moe=True,
+           tensor_parallel=False),  # experts in transformers' own layout
+    Family(model_type="phi3", options=_phi3, partial_rotary=True, recompute_at_rope_switch=True),
+    Family(model_type="mixtral", options=_mixtral, moe=True, shard_rules=EXPERT_RULES, replicated=frozenset({"router"})),
+    Family(model_type="qwen3_moe", options=_qwen3_moe, moe=True, shard_rules=EXPERT_RULES, replicated=QK_NORMS | {"router"}),
 )}
+
+MODEL_REMAPPING: dict[str, str] = {"mistral": "llama", "qwen2": "llama", "smollm3": "llama"}
+"""Model types whose math is another type's file (mlx-lm's ``MODEL_REMAPPING``): Mistral differs
+from Llama only in its sliding window, Qwen2 in its always-on q/k/v biases, SmolLM3 in its NoPE
+and sliding layers; their registry entries read those into the shared fields the Llama file
+(and the attention layout, ``config/attention.py``) already reads."""
+
+
+def math_file(model_type: str) -> str:
+    """The name of the file under ``neuronfx/graphs/models/`` implementing ``model_type``'s math
+    (through :data:`MODEL_REMAPPING`); UnsupportedModelError for a type outside the registry."""
+    if model_type not in FAMILIES:
+        raise unsupported_model_type(model_type)
+    return MODEL_REMAPPING.get(model_type, model_type)
+
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 

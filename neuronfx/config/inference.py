@@ -172,7 +172,7 @@ class InferenceConfig:
       rank r of a tensor-parallel plan takes cuda:r) or "cuda:N" (one rank only). CUDA plans
       run the eager or inductor backend (inductor replays each graph as a CUDA graph) with float
       weights; whether the device exists is checked when the runtime is compiled or loaded
-      (``graphs/device.py``), not here (a plan is a pure value, written anywhere).
+      (``graphs/phases/device.py``), not here (a plan is a pure value, written anywhere).
     - ``prefill_chunk_size``: C >= 1 prefills a prompt longer than C in chunks of at most C
       tokens ("chunk" graphs: C new tokens per row against the slot's cache, one per batch bucket
       and decode bucket >= C); the prefill buckets then stop at C (:func:`prefill_limit`), so

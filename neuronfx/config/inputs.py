@@ -4,10 +4,10 @@ A record is a NamedTuple; each field is one tensor whose symbolic shape, dtype a
 written on its annotation (``Annotated[Tensor, "B T", "int32", "what it holds"]``, with the shape
 repeated as a comment), or a nested record. From the record come the plan's
 :class:`TensorSpec` tuple for every graph (:func:`input_specs`), the
-trace example inputs and the flat argument order of compiled graphs (``neuronfx.graphs.inputs``),
+trace example inputs and the flat argument order of compiled graphs (``neuronfx.graphs.phases.inputs``),
 the runtime's call (the step functions fill the fields by name) and the docs
 (:func:`describe`). Besides its step inputs every graph takes the shared weights and the KV
-cache (per layer a named K and V, ``neuronfx.graphs.inputs.LayerKV``).
+cache (per layer a named K and V, ``neuronfx.graphs.phases.inputs.LayerKV``).
 
 Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (prefill: the
 prompt bucket; decode and draft: 1; speculate: ``speculation_length``; chunk:
@@ -46,7 +46,7 @@ class TensorSpec:
 
 
 class SamplerInputs(NamedTuple):
-    """What the in-graph sampler reads for each row (``neuronfx.graphs.sampling.sample``)."""
+    """What the in-graph sampler reads for each row (``neuronfx.graphs.phases.sampling.sample``)."""
 
     sampling_params: Annotated[Tensor, "B P", "float32", "the row's SamplingParams, columns PARAM_COLUMNS"]  # (B, P)
     output_counts: Annotated[Tensor, "B V", "int32", "times the row's request generated each token"]  # (B, V)

@@ -6,6 +6,7 @@ from typing import Any
 
 import attrs
 
+from neuronfx.config.extras import FamilyExtras
 from neuronfx.config.families import FAMILIES, SUPPORTED_MODEL_TYPES, unsupported_model_type
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int, positive_number
 from neuronfx.errors import ConfigError, UnsupportedModelError
@@ -41,7 +42,7 @@ def _factors(inst: RopeScaling, attribute: attrs.Attribute, value: tuple[float, 
 @attrs.frozen(kw_only=True)
 class RopeScaling:
     """RoPE frequency scaling (HF ``rope_scaling`` / ``rope_parameters``); the math is in
-    ``graphs/layers.py`` (``rope_inv_freq``, ``rope_tables``), after transformers'
+    ``graphs/models/layers.py`` (``rope_inv_freq``, ``rope_tables``), after transformers'
     ``modeling_rope_utils.py``.
 
     - "linear": every frequency divided by ``factor``.
@@ -108,6 +109,8 @@ def _check_activation(inst: ModelConfig, attribute: attrs.Attribute, value: str)
         raise UnsupportedModelError(
             f"hidden_act={value!r} is not supported for {inst.model_type}; only {', '.join(map(repr, supported))} MLPs are."
         )
+
+
 def _check_experts(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     moe = FAMILIES[inst.model_type].moe
     if moe != (value > 0):
@@ -138,6 +141,21 @@ def _check_expert_width(inst: ModelConfig, attribute: attrs.Attribute, value: in
         raise ConfigError("ModelConfig.moe_intermediate_size=0 with num_experts > 0; pass each expert's MLP width.")
 
 
+def _default_extras(inst: ModelConfig) -> FamilyExtras | None:
+    """The family's extras record with its defaults (None for a family without one, or an
+    unknown type, which the model_type validator then refuses)."""
+    family = FAMILIES.get(inst.model_type)
+    return None if family is None or family.extras is None else family.extras()
+
+
+def _check_extras(inst: ModelConfig, attribute: attrs.Attribute, value: object) -> None:
+    want = FAMILIES[inst.model_type].extras
+    if type(value) is not (type(None) if want is None else want):
+        name = "None" if want is None else f"a {want.__name__}"
+        raise ConfigError(f"ModelConfig.extras={value!r} for model_type={inst.model_type!r} must be {name} (the family's own "
+                          "options, config/extras.py); build the config with ModelConfig.from_hf or leave extras out.")
+
+
 def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> None:
     if inst.num_attention_heads % value:
         raise ConfigError(
@@ -148,45 +166,32 @@ def _check_heads(inst: ModelConfig, attribute: attrs.Attribute, value: int) -> N
 
 @attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
 class ModelConfig:
-    """Architecture of a decoder of one of the registered families (``config/families.py``).
+    """Architecture of a decoder of one of the registered families (``config/families.py``):
+    what every family shares; a family's own options are its ``extras`` record.
 
     Sizes are counts (``num_*``) or widths in elements; ``rope_theta`` is the RoPE base;
     ``eos_token_ids`` come from the checkpoint's generation config (else its config).
-    Family options: ``attention_bias`` (q/k/v projection biases: qwen2, llama with
-    ``attention_bias``), ``qk_norm`` (per-head RMSNorm of q and k before RoPE: qwen3),
-    ``layer_types`` (one per layer, transformers' "full_attention" / "sliding_attention" /
-    "chunked_attention"; empty = all full) with ``sliding_window`` and ``attention_chunk_size``
-    (tokens: a sliding layer attends the last ``sliding_window`` positions, itself included; a
-    chunked one the positions of its own chunk), ``rope_layers`` (one bool per layer, False =
-    no RoPE; empty = all RoPE: smollm3, llama4), ``sliding_rope_theta`` (the RoPE base of
-    sliding layers when it differs from ``rope_theta``: gemma3's local base), all read by
-    ``config.attention.attention_layout``;
-    granite's ``embedding_multiplier`` (embeddings scaled by it), ``residual_multiplier``
-    (each block's output scaled by it before the residual add), ``attention_multiplier`` (the
-    attention scale instead of 1/sqrt(head_dim); None = the default) and ``logits_scaling``
-    (logits divided by it); mixture-of-experts layers: ``num_experts`` (0: a dense MLP) and
-    ``num_experts_per_tok`` (top-k); llama4's ``qk_l2_norm`` (q and k L2-normalised after RoPE
-    on RoPE layers), ``attn_temperature_tuning`` with ``floor_scale`` (tokens) and
-    ``attn_scale`` (q scaled on NoPE layers by position, see ``graphs/llama4_text.py``);
-    ``partial_rotary_factor`` (RoPE on the first ``rotary_dim`` dims of
-    each head: phi3), ``mlp_bias`` (gate/up/down biases: llama with ``mlp_bias``), ``attention_output_bias``
-    (the o_proj bias, which transformers ties to ``attention_bias`` in llama, qwen3, granite,
-    smollm3, llama4, qwen3_moe and gemma3, and which qwen2 lacks).
-    Mixture of experts (mixtral, qwen3_moe; names as in transformers): ``num_experts`` experts
-    per layer (0 = a dense model), of which the router picks ``num_experts_per_tok`` per token;
-    ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1
-    (mixtral always, qwen3_moe per its config); ``moe_intermediate_size`` is each expert's
-    SwiGLU width (mixtral's is its ``intermediate_size``; 0 for a dense model); ``moe_layers``
-    (llama4, qwen3_moe: the MoE layers when others are dense, whose MLPs are
-    ``dense_intermediate_size`` wide, qwen3_moe's its ``intermediate_size``; () = every layer
-    MoE; ``config.attention.layer_kinds`` names each layer's kind).
-    Gemma3's: ``hidden_act`` (the MLP's gate activation, transformers' ``ACT2FN`` name; each
-    family implements its registry entry's ``activations``), ``norm_unit_offset`` (RMSNorm
-    weights are offsets from 1: ``(x * (1 + w))`` in fp32, then cast, transformers'
-    ``Gemma3RMSNorm``; the final norm reads it), ``embedding_multiplier_rounded`` (the embedding
-    multiplier is first rounded to the weights' dtype), ``attention_multiplier`` (there
-    ``query_pre_attn_scalar ** -0.5``) and ``final_logit_softcapping`` (logits become
-    ``tanh(logits / cap) * cap``; None = off).
+    Attention: ``attention_bias`` (q/k/v projection biases), ``attention_output_bias`` (the
+    o_proj bias, which transformers ties to ``attention_bias`` in most families), ``qk_norm``
+    (per-head RMSNorm of q and k before RoPE), ``partial_rotary_factor`` (RoPE on the first
+    ``rotary_dim`` dims of each head), ``layer_types`` (one per layer, transformers'
+    "full_attention" / "sliding_attention" / "chunked_attention"; empty = all full) with
+    ``sliding_window`` and ``attention_chunk_size`` (tokens: a sliding layer attends the last
+    ``sliding_window`` positions, itself included; a chunked one the positions of its own
+    chunk), ``rope_layers`` (one bool per layer, False = no RoPE; empty = all RoPE) and
+    ``sliding_rope_theta`` (the RoPE base of sliding layers when it differs from
+    ``rope_theta``), the last four read by ``config.attention.attention_layout``.
+    MLP: ``hidden_act`` (the gate activation, transformers' ``ACT2FN`` name; each family
+    implements its registry entry's ``activations``), ``mlp_bias`` (gate/up/down biases).
+    Mixture of experts (names as in transformers): ``num_experts`` experts per layer (0 = a
+    dense model), of which the router picks ``num_experts_per_tok`` per token;
+    ``norm_topk_prob`` renormalises the picked experts' softmax probabilities to sum to 1;
+    ``moe_intermediate_size`` is each expert's SwiGLU width (0 for a dense model);
+    ``moe_layers``: the MoE layers when others are dense, whose MLPs are
+    ``dense_intermediate_size`` wide (() = every layer MoE; ``config.attention.layer_kinds``
+    names each layer's kind).
+    ``extras``: the family's own options (``config/extras.py``; None for a family without
+    any), by default the record's defaults.
     Build it with :meth:`from_hf`; field errors raise :class:`ConfigError`.
     """
 
@@ -213,24 +218,14 @@ class ModelConfig:
     partial_rotary_factor: float = attrs.field(default=1.0, validator=[positive_number, _check_rotary])
     mlp_bias: bool = attrs.field(default=False, validator=boolean)
     attention_output_bias: bool = attrs.field(default=False, validator=boolean)
-    embedding_multiplier: float = attrs.field(default=1.0, validator=positive_number)
-    residual_multiplier: float = attrs.field(default=1.0, validator=positive_number)
-    attention_multiplier: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
-    logits_scaling: float = attrs.field(default=1.0, validator=positive_number)
     hidden_act: str = attrs.field(default="silu", validator=[one_of(ACTIVATIONS), _check_activation])
-    norm_unit_offset: bool = attrs.field(default=False, validator=boolean)
-    embedding_multiplier_rounded: bool = attrs.field(default=False, validator=boolean)
-    final_logit_softcapping: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive_number))
     num_experts: int = attrs.field(default=0, validator=[non_negative_int, _check_experts])
     num_experts_per_tok: int = attrs.field(default=0, validator=[non_negative_int, _check_topk])
     norm_topk_prob: bool = attrs.field(default=False, validator=boolean)
     moe_intermediate_size: int = attrs.field(default=0, validator=[non_negative_int, _check_expert_width])
     moe_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_check_moe_layers)
     dense_intermediate_size: int = attrs.field(default=0, validator=non_negative_int)
-    qk_l2_norm: bool = attrs.field(default=False, validator=boolean)
-    attn_temperature_tuning: bool = attrs.field(default=False, validator=boolean)
-    floor_scale: float = attrs.field(default=8192.0, validator=positive_number)
-    attn_scale: float = attrs.field(default=0.1, validator=positive_number)
+    extras: FamilyExtras | None = attrs.field(default=attrs.Factory(_default_extras, takes_self=True), validator=_check_extras)
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     @property
@@ -261,21 +256,10 @@ class ModelConfig:
         model_type = hf_config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise unsupported_model_type(model_type)
-        # gemma names it hidden_activation; the family's options pass it on as hidden_act
-        act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
-        if act not in FAMILIES[model_type].activations:
-            supported = ", ".join(map(repr, FAMILIES[model_type].activations))
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type}; only {supported} MLPs are.")
+        _check_activation_hf(hf_config, model_type)
         theta, scaling, partial, sliding_theta = _rope_from_hf(hf_config)
         options = {"layer_types": _layer_types(hf_config), "sliding_rope_theta": sliding_theta} | FAMILIES[model_type].options(hf_config)
-        if getattr(hf_config, "mlp_bias", False) and not options.get("mlp_bias"):
-            raise UnsupportedModelError(f"mlp_bias=True is not supported for model_type={model_type!r}; "
-                                        "only llama and granite read MLP biases.")
-        if partial != 1.0 and not FAMILIES[model_type].partial_rotary:
-            raise UnsupportedModelError(
-                f"partial_rotary_factor={partial!r} is not supported for model_type={model_type!r}: transformers' "
-                f"{model_type} rotates the whole head; only phi3 applies a partial rotary factor."
-            )
+        _check_family_options(hf_config, model_type, options, partial)
         num_heads = hf_config.num_attention_heads
         return cls(
             model_type=model_type,
@@ -294,6 +278,29 @@ class ModelConfig:
             partial_rotary_factor=partial,
             eos_token_ids=_eos_ids(hf_config, generation_config),
             **options,
+        )
+
+
+def _check_activation_hf(hf_config: Any, model_type: str) -> None:
+    """UnsupportedModelError when the config's MLP activation is not one the family implements
+    (gemma names it ``hidden_activation``; its options pass it on as ``hidden_act``)."""
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    if act not in FAMILIES[model_type].activations:
+        supported = ", ".join(map(repr, FAMILIES[model_type].activations))
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type}; only {supported} MLPs are.")
+
+
+def _check_family_options(hf_config: Any, model_type: str, options: dict[str, Any], partial: float) -> None:
+    """UnsupportedModelError for MLP biases the family's options did not read, or a partial
+    rotary factor of a family that rotates whole heads."""
+    if getattr(hf_config, "mlp_bias", False) and not options.get("mlp_bias"):
+        raise UnsupportedModelError(f"mlp_bias=True is not supported for model_type={model_type!r}; "
+                                    "only llama and granite read MLP biases.")
+    if partial != 1.0 and not FAMILIES[model_type].partial_rotary:
+        partial_ones = ", ".join(t for t, f in FAMILIES.items() if f.partial_rotary)
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={partial!r} is not supported for model_type={model_type!r}: transformers' "
+            f"{model_type} rotates the whole head; only {partial_ones} applies a partial rotary factor."
         )
 
 

@@ -168,47 +168,35 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
         )
     check_prefix_rope(model, inference)
     prefill, decode = bucket_plan(inference)
+    chunks = () if inference.prefill_chunk_size is None else chunk_buckets(inference.prefill_chunk_size, decode)
     batches = batch_bucket_plan(inference)
+    kv = KVLayout(num_layers=model.num_hidden_layers, num_slots=inference.batch_size + 1, num_kv_heads=shard.num_kv_heads,
+                  sequence_length=inference.sequence_length, head_dim=model.head_dim, dtype=inference.dtype)
+    return Plan(
+        model=model, inference=inference, batch_buckets=batches, prefill_buckets=prefill, decode_buckets=decode, kv=kv,
+        topk_width=min(inference.max_topk, model.vocab_size), graphs=graph_specs(model, inference, batches, prefill, decode, chunks),
+        shard=shard, local_model=local_model(model, shard), layout=attention_layout(model), checkpoint=checkpoint, rank=rank,
+        chunk_buckets=chunks,
+    )
+
+
+def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],
+                decode: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[GraphSpec, ...]:
+    """One GraphSpec per (phase, batch bucket, length bucket), in that order: prefill and decode,
+    speculate with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets."""
     phases = [("prefill", prefill), ("decode", decode)]
     if inference.speculation_length:
         phases.append(("speculate", decode))
     if inference.draft_layers:
         phases.append(("draft", decode))
-    chunks = () if inference.prefill_chunk_size is None else chunk_buckets(inference.prefill_chunk_size, decode)
     if chunks:
         phases.append(("chunk", chunks))
-    graphs = tuple(
+    return tuple(
         GraphSpec(phase=phase, bucket=k, batch_size=b,
-                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length,
-                                     inference.prefill_chunk_size or 0))
+                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length, inference.prefill_chunk_size or 0))
         for phase, ladder in phases
         for b in batches
         for k in ladder
-    )
-    b = inference.batch_size
-    kv = KVLayout(
-        num_layers=model.num_hidden_layers,
-        num_slots=b + 1,
-        num_kv_heads=shard.num_kv_heads,
-        sequence_length=inference.sequence_length,
-        head_dim=model.head_dim,
-        dtype=inference.dtype,
-    )
-    return Plan(
-        model=model,
-        inference=inference,
-        batch_buckets=batches,
-        prefill_buckets=prefill,
-        decode_buckets=decode,
-        kv=kv,
-        topk_width=min(inference.max_topk, model.vocab_size),
-        graphs=graphs,
-        shard=shard,
-        local_model=local_model(model, shard),
-        layout=attention_layout(model),
-        checkpoint=checkpoint,
-        rank=rank,
-        chunk_buckets=chunks,
     )
 
 

@@ -2,7 +2,7 @@
 their packing into the graphs' (B, P) float32 parameter tensor (one column per PARAM_COLUMNS).
 
 The numeric knobs (temperature, top_k, top_p, min_p and the three penalties) run inside the
-graph (:func:`neuronfx.graphs.sampling.sample`); the rest (seed, min/max tokens, stop strings
+graph (:func:`neuronfx.graphs.phases.sampling.sample`); the rest (seed, min/max tokens, stop strings
 and ids, ignore_eos, logprobs) is host-side bookkeeping that the runtime turns into the graph's
 random numbers, logit bias and stopping decisions.
 """
@@ -23,7 +23,7 @@ PARAM_COLUMNS = (
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )
 """Column order of a :func:`pack_sampling` row and of the graphs' (B, P) ``sampling_params``
-tensor; graph code reads a column by its name (``neuronfx.graphs.sampling.column``)."""
+tensor; graph code reads a column by its name (``neuronfx.graphs.phases.sampling.column``)."""
 
 NUM_PARAM_COLUMNS = len(PARAM_COLUMNS)  # 7
 

@@ -1,7 +1,9 @@
 """JSON (de)serialization of configs and plans through a private cattrs converter.
 
 Unknown keys are errors (``forbid_extra_keys=True``); every failure becomes a ConfigError that
-names the class, the key path and the offending value.
+names the class, the key path and the offending value. A ModelConfig's ``extras`` is
+structured as its family's record (``config.families.Family.extras``), chosen by its
+``model_type``.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
 from cattrs.errors import BaseValidationError, ClassValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn, override
 
+from neuronfx.config.families import FAMILIES
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import Plan, make_plan
@@ -38,6 +43,25 @@ def _strict(kind: type) -> Any:
 
 for _kind in (bool, int, float, str):
     _converter.register_structure_hook(_kind, _strict(_kind))
+
+_model_fields = make_dict_structure_fn(ModelConfig, _converter, _cattrs_forbid_extra_keys=True, extras=override(omit=True))
+
+
+def _structure_model(data: Any, cls: type) -> ModelConfig:
+    """ModelConfig from plain data: every field but ``extras``, then ``extras`` (when given) as
+    the record of the family its ``model_type`` names (None for a family without one)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+    model = _model_fields({k: v for k, v in data.items() if k != "extras"}, cls)
+    if "extras" not in data:
+        return model
+    kind = FAMILIES[model.model_type].extras
+    if kind is None and data["extras"] is not None:
+        raise TypeError(f"extras={data['extras']!r}: model_type={model.model_type!r} has no extras (pass null)")
+    return attrs.evolve(model, extras=None if kind is None else _converter.structure(data["extras"], kind))
+
+
+_converter.register_structure_hook(ModelConfig, _structure_model)
 
 
 def _describe(exc: BaseException) -> str:

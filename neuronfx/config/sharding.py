@@ -3,7 +3,7 @@
 One pure function, :func:`rank_shard` of (ModelConfig, tp_degree, rank), says which query and KV
 heads, which rows of the MLP and which vocabulary ids a rank holds; :func:`weight_split` turns
 that into the blocks of every weight it reads. The rule is Megatron-LM's (Shoeybi et al. 2019),
-as gpt-fast's ``tp.py`` and transformers' ``base_model_tp_plan`` apply it to Llama:
+as gpt-fast's ``tp.py`` and transformers' ``base_model_tp_plan`` apply it:
 
 =============  =====================  ====================================================
 weight          split                  neuronx-distributed layer
@@ -23,6 +23,11 @@ bdown           replicated             ``RowParallelLinear``'s bias, added after
 norms           replicated             plain (``sequence_parallel_enabled`` on SP prefill)
 =============  =====================  ====================================================
 
+The rules of the weights every family's layers share are :data:`WEIGHT_RULES` and
+:data:`REPLICATED`; a family's own weights (stacked experts and router, per-head q/k norms,
+extra norms) have theirs in its registry entry (``config.families.Family.shard_rules`` and
+``replicated``).
+
 Row-parallel outputs are summed over ranks (all-reduce; reduce-scatter along the sequence in
 sequence-parallel prefill); vocabulary-parallel logits are gathered and the padded ids dropped,
 so a padded id is never sampled.
@@ -35,7 +40,7 @@ Heads (GQA, ``G = num_attention_heads / num_key_value_heads`` query heads per KV
   each holding an equal part of its group; a group is padded with zero query heads to a
   multiple of the replication.
 - otherwise: KV heads padded to a multiple of tp with zero heads, each with a group of zero
-  query heads. SmolLM2-135M (9 query, 3 KV heads) at tp=2 runs 4 KV heads and 12 query heads
+  query heads. A model of 9 query and 3 KV heads at tp=2 runs 4 KV heads and 12 query heads
   (2 and 6 per rank): attention weights and KV cache 4/3 of the model's, which is cheaper than
   NxDI's convert-to-MHA (9 KV heads, padded to 10: 3.3x the KV cache). A zero query head
   attends uniformly to zero values and its output meets zero columns of ``wo``, so padding
@@ -68,15 +73,22 @@ WEIGHT_RULES: dict[str, tuple[str, int]] = {
     "gate": ("intermediate", 0), "up": ("intermediate", 0),
     "bgate": ("intermediate", 0), "bup": ("intermediate", 0),
     "down": ("intermediate", 1),
-    "experts_gate": ("expert_intermediate", 1), "experts_up": ("expert_intermediate", 1),
-    "experts_down": ("expert_intermediate", 2),
     "embed": ("vocab", 0), "lm_head": ("vocab", 0),
 }
-"""Split weights: neuronfx weight name (per-layer names without ``layers.{i}.``) -> (what is
-split, dimension)."""
-REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "bdown", "bo", "router", "rope_index", "mask_index",
-                        "use_rope", "post_attn_norm", "post_mlp_norm"})  # the last two: gemma3's norms of each block's output
-"""Weights every rank holds whole."""
+"""Split weights every family shares: neuronfx weight name (per-layer names without
+``layers.{i}.``) -> (what is split, dimension)."""
+REPLICATED = frozenset({"norm", "attn_norm", "mlp_norm", "bdown", "bo", "rope_index", "mask_index", "use_rope"})
+"""Weights every family shares that every rank holds whole."""
+
+
+def weight_rules(model_type: str) -> dict[str, tuple[str, int]]:
+    """Every split weight of ``model_type``: :data:`WEIGHT_RULES` and its family's own."""
+    return WEIGHT_RULES | dict(FAMILIES[model_type].shard_rules)
+
+
+def replicated(model_type: str) -> frozenset[str]:
+    """Every weight of ``model_type`` held whole: :data:`REPLICATED` and its family's own."""
+    return REPLICATED | FAMILIES[model_type].replicated
 
 
 @attrs.frozen
@@ -99,7 +111,8 @@ class Split:
 
 @attrs.frozen(kw_only=True)
 class RankShard:
-    """What rank ``rank`` of ``tp_degree`` holds (from :func:`rank_shard`).
+    """What rank ``rank`` of ``tp_degree`` holds (from :func:`rank_shard`) of a model of
+    ``model_type`` (whose family's rules :func:`weight_split` reads).
 
     - ``q_heads`` / ``kv_heads``: the global index of each local query / KV head, None for a
       zero (padding) head; ``num_heads`` / ``num_kv_heads`` are their counts (equal on every
@@ -114,6 +127,7 @@ class RankShard:
       ``padded_vocab_size = tp_degree * vocab_size``.
     """
 
+    model_type: str
     tp_degree: int
     rank: int
     head_dim: int
@@ -150,7 +164,7 @@ def _ceil_to(n: int, multiple: int) -> int:
 def check_tp(model: ModelConfig, tp_degree: int, rank: int) -> None:
     """ConfigError naming the values when ``model`` cannot be split over ``tp_degree`` ranks or
     ``rank`` is not one of them; UnsupportedModelError for tp_degree > 1 of a family the
-    sharding plan does not cover (llama4_text)."""
+    sharding plan does not cover (its registry entry's ``tensor_parallel``)."""
     if not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1:
         raise ConfigError(f"tp_degree={tp_degree!r} must be a positive int (ranks).")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp_degree:
@@ -192,7 +206,7 @@ def rank_shard(model: ModelConfig, tp_degree: int, rank: int) -> RankShard:
     expert = _ceil_to(model.moe_intermediate_size, tp_degree) // tp_degree
     vocab = _ceil_to(model.vocab_size, tp_degree) // tp_degree
     return RankShard(
-        tp_degree=tp_degree, rank=rank, head_dim=model.head_dim, q_heads=q_heads, kv_heads=kv_heads,
+        model_type=model.model_type, tp_degree=tp_degree, rank=rank, head_dim=model.head_dim, q_heads=q_heads, kv_heads=kv_heads,
         kv_replication=replication, intermediate_start=rank * inter, intermediate_size=inter,
         model_intermediate_size=model.intermediate_size, expert_intermediate_start=rank * expert,
         expert_intermediate_size=expert, model_expert_intermediate_size=model.moe_intermediate_size, vocab_start=rank * vocab, vocab_size=vocab,
@@ -221,12 +235,15 @@ def _range_blocks(start: int, size: int, limit: int) -> tuple[Block, ...]:
 def weight_split(shard: RankShard, name: str) -> Split:
     """The :class:`Split` of weight ``name`` (neuronfx names, per-layer ones without the
     ``layers.{i}.`` prefix) on ``shard``'s rank. Raises ConfigError for a weight no rule covers
-    (a family adding weights must add its rule to :data:`WEIGHT_RULES` or :data:`REPLICATED`)."""
-    if name in REPLICATED:
+    (a family adding weights adds its rules to its registry entry: ``Family.shard_rules`` or
+    ``Family.replicated``)."""
+    if name in replicated(shard.model_type):
         return Split(None)
-    if name not in WEIGHT_RULES:
-        raise ConfigError(f"weight {name!r} has no tensor-parallel rule; add it to config.sharding.WEIGHT_RULES or REPLICATED.")
-    kind, dim = WEIGHT_RULES[name]
+    rules = weight_rules(shard.model_type)
+    if name not in rules:
+        raise ConfigError(f"weight {name!r} of model_type={shard.model_type!r} has no tensor-parallel rule; add it to its "
+                          "registry entry's shard_rules or replicated (config/families.py).")
+    kind, dim = rules[name]
     d = shard.head_dim
     if kind in HEAD_KINDS:
         heads = shard.q_heads if kind == "q_heads" else shard.kv_heads

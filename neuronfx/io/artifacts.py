@@ -35,8 +35,8 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ArtifactError, InputError
 from neuronfx.graphs.backends import get_backend
-from neuronfx.graphs.device import check_device, plan_device, to_device
-from neuronfx.graphs.quant import QUANTIZED_TYPES
+from neuronfx.graphs.models.quant import QUANTIZED_TYPES
+from neuronfx.graphs.phases.device import check_device, plan_device, to_device
 from neuronfx.io.weights import nest
 from neuronfx.runtime import distributed
 from neuronfx.runtime.distributed import init_tensor_parallel

@@ -47,7 +47,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import plan_to_json
 from neuronfx.errors import ArtifactError, ConfigError, NeuronfxError
 from neuronfx.graphs.backends import Built, get_backend
-from neuronfx.graphs.layers import Weights
+from neuronfx.graphs.models.layers import Weights
 from neuronfx.io.artifacts import MANIFEST, PLAN, environment, read_manifest, read_plan, write_graph_files, write_manifest
 from neuronfx.io.cache_key import KEY_FILE, cache_key, digest, explain, key_components
 from neuronfx.runtime.runtime import Runtime, build_graphs, build_runtime

@@ -13,9 +13,9 @@ import torch
 from neuronfx.config.families import SUPPORTED_MODEL_TYPES, unsupported_model_type
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, UnsupportedModelError
-from neuronfx.graphs.models import model_module
-from neuronfx.graphs.moe import STACKED_NAMES
-from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, QuantizedWeight
+from neuronfx.graphs.models import family_math
+from neuronfx.graphs.models.moe import STACKED_NAMES
+from neuronfx.graphs.models.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks, QuantizedWeight
 from neuronfx.io import gguf_file
 from neuronfx.io.checkpoint_record import Checkpoint, check_keys
 from neuronfx.io.weights import expand_key_map
@@ -141,7 +141,7 @@ def _hf_names(config: ModelConfig) -> list[str]:
     names = list(expand_key_map(config))
     if not config.num_experts:
         return names
-    sources = model_module(config.model_type).EXPERT_SOURCES
+    sources = family_math(config.model_type).expert_sources
     stacked = {STACKED_NAMES[part].format(i=i) for part in ("gate", "up") for i in range(config.num_hidden_layers)}
     return [n for n in names if n not in stacked] + [sources.fused_gate_up.format(i=i) for i in range(config.num_hidden_layers)]
 

@@ -13,9 +13,8 @@ from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.sharding import RankShard, Split, split_shape, weight_split
 from neuronfx.errors import CheckpointError
-from neuronfx.graphs import quant
-from neuronfx.graphs.models import model_module
-from neuronfx.graphs.moe import ROUTER_NAME, STACKED_NAMES
+from neuronfx.graphs.models import family_math, quant
+from neuronfx.graphs.models.moe import ROUTER_NAME, STACKED_NAMES
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -23,7 +22,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     embedding, final norm and LM head, then the family file's ``layer_shapes`` per layer."""
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,), "lm_head": (cfg.vocab_size, h)}
-    per_layer = model_module(cfg.model_type).layer_shapes(cfg)
+    per_layer = family_math(cfg.model_type).layer_shapes(cfg)
     for layer in range(cfg.num_hidden_layers):
         shapes |= {f"layers.{layer}.{k}": s for k, s in per_layer.items()}
     return shapes
@@ -42,7 +41,7 @@ def expand_key_map(cfg: ModelConfig) -> dict[str, Target]:
     """The model file's key map with ``{i}`` expanded over layers: HF name -> neuronfx name (or
     names, for a fused tensor)."""
     out: dict[str, Target] = {}
-    for hf, ours in model_module(cfg.model_type).key_map(cfg).items():
+    for hf, ours in family_math(cfg.model_type).key_map(cfg).items():
         if "{i}" in hf:
             out |= {hf.format(i=i): _format(ours, i) for i in range(cfg.num_hidden_layers)}
         else:
@@ -138,7 +137,7 @@ def expert_views(state_dict: Mapping[str, object], cfg: ModelConfig) -> Mapping[
     Dense models: ``state_dict`` itself."""
     if not cfg.num_experts:
         return state_dict
-    sources = model_module(cfg.model_type).EXPERT_SOURCES
+    sources = family_math(cfg.model_type).expert_sources
     out = dict(state_dict)
     stacked = STACKED_NAMES
     for i in range(cfg.num_hidden_layers):

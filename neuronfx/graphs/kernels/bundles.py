@@ -1,0 +1,222 @@
+"""Ops bundles (``graphs.models.ops.Ops``): the kernels a graph's math calls, chosen when the
+graph is built.
+
+Model math (the family files, ``models/layers.py``, ``phases/``) never asks whether it is being
+compiled or on which CPU it runs: it calls ``ops.linear``, ``ops.attention`` and so on, and the
+backend hands it a bundle. :data:`REFERENCE_OPS` is plain torch (eager and export, the
+reference every test compares with, and what the inductor backend binds on CUDA, see
+:func:`compiled_ops`); :func:`cpu_kernel_ops` is what the inductor backend binds on a CPU:
+neuronfx's ``small_gemm`` kernels for products of few rows (decode), fp32 products where the
+CPU has no native 16-bit GEMM, and decode attention as one ``cached_attention`` kernel call
+(fp32 reductions that inductor fuses where the kernels do not build). Each kernel op is tested
+against its reference op (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from neuronfx.graphs.kernels import library as cpu_kernels
+from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
+from neuronfx.graphs.kernels.library import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
+from neuronfx.graphs.models import quant
+from neuronfx.graphs.models.ops import Ops, Weight
+
+Tensor = torch.Tensor
+
+
+# --- reference ops (plain torch) ----------------------------------------------------------------
+
+
+def reference_linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
+    """F.linear; a quantized weight (``graphs/models/quant.py``) is dequantized to fp32 first and the
+    product taken in fp32 (``quant.reference_linear``)."""
+    if isinstance(weight, quant.QUANTIZED_TYPES):
+        return quant.reference_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def reference_projections(x: Tensor, weights: Sequence[Weight], biases: Sequence[Tensor | None]) -> list[Tensor]:
+    return [reference_linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+def reference_glu(x: Tensor, gate: Weight, up: Weight) -> Tensor:
+    """SwiGLU's gated product (Shazeer 2020): silu(x @ gate.T) * (x @ up.T)."""
+    return F.silu(reference_linear(x, gate)) * reference_linear(x, up)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention with a boolean mask (True = attend), torch's SDPA."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Reference cached attention: copy each row's cache window, zero the positions no new token
+    attends (past the row's last new token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
+    (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
+    hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no new token (past the last, or out of every window)
+    keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+    values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)
+    return sdpa(q, keys, values, mask)
+
+
+REFERENCE_OPS = Ops(
+    name="reference", linear=reference_linear, projections=reference_projections, glu=reference_glu,
+    attention=sdpa, cached_attention=gathered_attention,
+)
+"""Plain torch ops: the eager and export backends, and the reference of every kernel op."""
+
+
+# --- CPU kernel ops (inductor) ------------------------------------------------------------------
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight.T as a sum over ``in`` of fp32 products, cast back to x.dtype: one
+    streaming loop under inductor for a single row of 16-bit weights when the kernels are off."""
+    # as_strided makes inductor realize x: otherwise it inlines x's producer (an RMSNorm or
+    # SiLU) into the reduction and recomputes it for every output row.
+    x32 = x.float().contiguous()
+    x32 = x32.as_strided(x32.shape, x32.stride())
+    out = (x32[..., None, :] * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,
+               int8_x: bool = False) -> Tensor:
+    """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows run ``small_gemm``
+    (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
+    products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
+    ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
+    4x slower than fp32) multiplies in fp32; everything else is F.linear. Quantized weights:
+    :func:`quantized_linear` (``int8_x``: its int8-activation products)."""
+    rows = _rows(x)
+    if isinstance(weight, quant.QUANTIZED_TYPES):
+        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8_x=int8_x)
+    if kernels and rows <= SMALL_GEMM_MAX_ROWS:
+        return small_gemm(x, weight, bias)
+    if weight.dtype != torch.float32 and rows == 1:
+        return gemv(x, weight, bias)
+    if widen:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
+                     widen: bool, int8_x: bool = False) -> Tensor:
+    """A quantized weight's product: up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the
+    quantized bytes read once, fp32 accumulation; ``int8_x``: x rounded to int8 for 4-bit
+    weights, ``library.quant_gemm``); more rows (prefill) dequantize the weight and run a GEMM,
+    in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
+        return cpu_kernels.quant_gemm(x, weight, bias, int8_x)
+    dense = quant.dequantize(weight, x.shape[-1])
+    if x.dtype == torch.float32 or widen:
+        return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, dense.to(x.dtype), bias)
+
+
+def _any_quantized(weights: Sequence[Weight]) -> bool:
+    return any(isinstance(w, quant.QUANTIZED_TYPES) for w in weights)
+
+
+def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
+                    widen: bool, int8_x: bool = False) -> list[Tensor]:
+    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, or one
+    ``quant_gemm_multi`` for quantized weights of one format and group size; otherwise one
+    product each."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
+        return small_gemm_multi(x, list(weights), list(biases))
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights)):
+        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8_x)
+    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8_x=int8_x) for w, b in zip(weights, biases)]
+
+
+def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8_x: bool = False) -> Tensor:
+    """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights) or ``quant_glu``
+    (quantized, one format and group size) forms it from the fp32 accumulators and rounds once."""
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
+        return small_glu(x, gate, up)
+    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout([gate, up]):
+        return cpu_kernels.quant_glu(x, gate, up, int8_x)
+    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8_x=int8_x)
+    return F.silu(linear(x, gate)) * linear(x, up)
+
+
+def sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """:func:`sdpa` computed in fp32 and cast back: torch's CPU flash attention in bf16 measured
+    about 3x slower than in fp32 without native bf16 (prefill of 128 tokens, AVX2)."""
+    return sdpa(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Cached attention written as fp32 reductions, which inductor fuses with the slot gather
+    and the mask into a few loops instead of copying the window and calling SDPA (about 0.1-1 ms
+    per call on CPU at decode sizes, more in bf16). Same math as :func:`gathered_attention`:
+    head h reads KV head h // (H / H_kv) as HF ``repeat_kv``; masked positions are selected away,
+    never multiplied, so NaN there cannot leak."""
+    b, h, t, d = q.shape
+    n_kv = k_cache.shape[1]
+    g = h // n_kv
+    keys = k_cache[:, :, :bucket][seq_ids].float()  # (B, n_kv, S, D)
+    values = v_cache[:, :, :bucket][seq_ids].float()
+    qg = q.float().reshape(b, n_kv, g * t, d) * (1.0 / math.sqrt(d))  # query heads of one KV head
+    scores = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # (B, n_kv, G*T, S)
+    m = mask[:, :, None].expand(b, 1, g, t, bucket).reshape(b, 1, g * t, bucket)
+    p = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1)
+    out = torch.where(m[..., None], p[..., None] * values[:, :, None, :, :], 0.0).sum(-2)  # (B, n_kv, G*T, D)
+    return out.reshape(b, h, t, d).to(q.dtype)
+
+
+def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Cached attention as one ``neuronfx::cached_attention`` call (``csrc/small_gemm.cpp``):
+    each task reads one query head's keys and values once, where inductor's fusion of
+    :func:`fused_cached_attention` took about 70 us per SmolLM2 layer at decode (9 heads, 256
+    positions) against 12-16 us for the kernel (a microbenchmark of that shape). Same math and masking as
+    :func:`gathered_attention`; ``bucket`` is the mask's last dim."""
+    return cpu_kernels.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+
+
+def cpu_kernel_ops(dtype: str, activation_format: str = "float") -> Ops:
+    """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
+    the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
+    products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
+    one (:func:`neuronfx.graphs.kernels.gemm_choice.widen_16bit_prefill`), the cached attention kernel
+    (:func:`fused_cached_attention` without the kernels), and for ``activation_format="int8"``
+    the quantized decode products with int8 activations (without the kernels there are none:
+    prefill's float path serves)."""
+    kernels = small_gemm_available()
+    widen = dtype != "float32" and widen_16bit_prefill(dtype)
+    int8_x = kernels and activation_format == "int8"
+    flags = {"kernels": kernels, "widen": widen, "int8_x": int8_x}
+    return Ops(
+        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8_x})",
+        linear=functools.partial(cpu_linear, **flags),
+        projections=functools.partial(cpu_projections, **flags),
+        glu=functools.partial(cpu_glu, **flags),
+        attention=sdpa_fp32 if widen else sdpa,
+        cached_attention=kernel_cached_attention if kernels else fused_cached_attention,
+    )
+
+
+def compiled_ops(dtype: str, device: str, activation_format: str = "float") -> Ops:
+    """The ops the inductor backend binds for a plan of ``dtype`` on ``device`` (an
+    ``InferenceConfig.device``) and ``activation_format``: :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
+    (F.linear is cuBLAS, SDPA picks a fused attention kernel), around which inductor generates
+    Triton kernels for the norms, RoPE, masks and sampler. The ``small_gemm`` kernels are CPU
+    code and are never bound on CUDA."""
+    if device == "cpu":
+        return cpu_kernel_ops(dtype, activation_format)
+    return attrs.evolve(REFERENCE_OPS, name="cuda(torch+triton)")

@@ -1,0 +1,248 @@
+"""Hand-written CPU kernels used inside compiled graphs (inductor backend).
+
+``neuronfx::small_gemm(x, w, bias)``: ``x (..., K) @ w.T (+ bias)`` for at most
+:data:`SMALL_GEMM_MAX_ROWS` rows of x, weights fp32, bf16 or fp16 of shape (N, K), fp32
+accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights against the same x in
+one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
+step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
+this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
+``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
+Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
+with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
+``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``).
+
+The C++ sources are built once per machine with torch's extension builder (about 30 s; cached
+under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
+so the library name carries a hash of the CPU's feature flags: a cache shared between different
+CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
+a build failure (no C++ compiler) warns once and falls back to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import filelock
+import torch
+
+from neuronfx.graphs.models.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Weight, Int8Weight, QuantizedWeight
+
+SMALL_GEMM_MAX_ROWS = 8
+"""Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
+bound and torch's blocked GEMM wins."""
+
+SOURCES = (Path(__file__).parent / "csrc" / "small_gemm.cpp", Path(__file__).parent / "csrc" / "quant_gemm.cpp")
+"""One library (one build per machine) holds every neuronfx kernel op."""
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (the "flags" line of /proc/cpuinfo, else the processor name):
+    what a choice made by measurement on this CPU is keyed by."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_name() -> str:
+    """Extension name: source hash + CPU feature hash + torch version (one build per machine)."""
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + cpu_flags().encode() + torch.__version__.encode())
+    return f"neuronfx_kernels_{h.hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Hold an OS file lock (``filelock``, released by the OS when the holder dies) on the build
+    directory of extension ``name`` while torch builds or loads it. torch's own lock is a plain
+    file (``FileBaton``) that a process killed mid-build leaves behind, and every later build
+    then waits on it forever; under our lock no other neuronfx process is building, so such a
+    file is stale and is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(name, verbose=False))
+    with filelock.FileLock(str(directory / "neuronfx.lock")):
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+@functools.cache
+def small_gemm_available() -> bool:
+    """Build (first call on a machine) and load the kernel library; False, with one warning,
+    when it cannot be built or ``NEURONFX_KERNELS=0``."""
+    if os.environ.get("NEURONFX_KERNELS", "1") == "0":
+        return False
+    from torch.utils.cpp_extension import load
+
+    try:
+        with build_lock(library_name()):
+            load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
+        warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
+        return False
+    torch.library.register_fake("neuronfx::small_gemm")(_small_gemm_fake)
+    torch.library.register_fake("neuronfx::small_gemm_multi")(_small_gemm_multi_fake)
+    torch.library.register_fake("neuronfx::small_glu")(_small_glu_fake)
+    torch.library.register_fake("neuronfx::quant_gemm")(_quant_gemm_fake)
+    torch.library.register_fake("neuronfx::quant_gemm_multi")(_quant_gemm_multi_fake)
+    torch.library.register_fake("neuronfx::quant_glu")(_quant_glu_fake)
+    torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
+    return True
+
+
+def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in ws)))
+
+
+def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
+def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
+                     bias: torch.Tensor | None, int8_x: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
+def _quant_gemm_multi_fake(x: torch.Tensor, datas: list[torch.Tensor], scales: list, offsets: list, fmt: int,
+                           biases: list, int8_x: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(d.shape[0] for d in datas)))
+
+
+def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor | None, gate_offset: torch.Tensor | None,
+                    up: torch.Tensor, up_scale: torch.Tensor | None, up_offset: torch.Tensor | None, fmt: int,
+                    int8_x: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
+def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) in any float dtype @ weight (N, K).T + bias (N,) -> (..., N) in x.dtype;
+    fp32 accumulation. Needs :func:`small_gemm_available` to have returned True."""
+    return torch.ops.neuronfx.small_gemm(x, weight, bias)
+
+
+def small_gemm_multi(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[small_gemm(x, w, b) for w, b in zip(weights, biases)]`` in one call and one parallel
+    region (fused Q/K/V projections); weights share K and dtype. The op returns one (..., sum N)
+    tensor, the weights' columns side by side; these are views of it (a tensor result, unlike a
+    list, is called through the dispatcher from inductor's C++ wrapper)."""
+    out = torch.ops.neuronfx.small_gemm_multi(x, weights, biases)
+    return list(out.split([w.shape[0] for w in weights], dim=-1))
+
+
+def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype, formed from the fp32
+    accumulators and rounded once; gate and up (N, K) share a dtype."""
+    return torch.ops.neuronfx.small_glu(x, gate, up)
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Attention of T new tokens per row over their slots' cache: q (B, H, T, D) float32 /
+    bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, D) of one float dtype, seq_ids
+    (B,) int, mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype. Grouped-query
+    (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale 1/sqrt(D), fp32 math;
+    what positions the mask hides hold (stale rows, NaN) never reaches the output (their scores
+    are replaced by -inf, their values never added), and a token that attends no position gets
+    zeros. Reference: ``bundles.gathered_attention``. Raises RuntimeError for a slot
+    outside the cache or S above the cache length. Needs :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+
+
+QUANT_FORMAT_IDS = {"int8": 0, "int4": 1, "q4_0": 2, "q4_1": 3, "q8_0": 4}
+"""The ``format`` argument of ``neuronfx::quant_gemm`` per format name (``quant.FORMAT_NAMES``);
+the C++ ``Format`` enum."""
+
+
+def _quant_args(q: QuantizedWeight) -> tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(format id, data, scale or None, offset or None) of a quantized weight record."""
+    scale = q.scale if isinstance(q, (Int8Weight, Int4Weight)) else None
+    offset = q.offset if isinstance(q, Int4Weight) else None
+    return QUANT_FORMAT_IDS[FORMAT_NAMES[type(q)]], q.data, scale, offset
+
+
+def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None, int8_x: bool = False) -> torch.Tensor:
+    """x (..., K) float32 or bfloat16 @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype; the
+    weights are widened in registers, products accumulate in fp32 (x is never quantized). Any
+    number of rows (the kernel is meant for decode, <= :data:`SMALL_GEMM_MAX_ROWS`: weights are
+    read once per call). int4 group sizes must be multiples of 32. Reference:
+    ``quant.reference_linear``. Needs :func:`small_gemm_available` to have returned True.
+
+    ``int8_x`` (4-bit formats: Q4_0, Q4_1, int4 with groups of 32 or a multiple of 64; ignored
+    for the others): llama.cpp's integer products instead. x is rounded to int8 with one scale
+    (absmax / 127) per 32 values, each 32-weight block's nibble x int8 products are summed
+    exactly in int32 (AVX512-VNNI where the CPU has it, :func:`quant_int8_x_isa`), then scaled
+    and accumulated in fp32; the offsets' share uses x's exact sums. The error added is x's
+    rounding: at most ``absmax / 254`` per value of each 32."""
+    fmt, data, scale, offset = _quant_args(q)
+    return torch.ops.neuronfx.quant_gemm(x, data, scale, offset, fmt, bias, int8_x)
+
+
+def same_quant_layout(weights: list) -> bool:
+    """True when every weight is a quantized record of one format and one group size: what one
+    :func:`quant_gemm_multi` or :func:`quant_glu` call serves."""
+    if not all(isinstance(w, QUANTIZED_TYPES) for w in weights) or len({type(w) for w in weights}) != 1:
+        return False
+    return not isinstance(weights[0], Int4Weight) or len({2 * w.data.shape[1] // w.scale.shape[1] for w in weights}) == 1
+
+
+def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: list[torch.Tensor | None],
+                     int8_x: bool = False) -> list[torch.Tensor]:
+    """``[quant_gemm(x, q, b, int8_x) for q, b in zip(weights, biases)]`` in one call and one
+    parallel region (fused Q/K/V projections): x widened (and rounded) once, one fork/join. The
+    weights share format, K and group size (:func:`same_quant_layout`); RuntimeError otherwise.
+    Views of the op's one (..., sum N) output, as :func:`small_gemm_multi`."""
+    args = [_quant_args(q) for q in weights]
+    out = torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
+                                              list(biases), int8_x)
+    return list(out.split([a[1].shape[0] for a in args], dim=-1))  # views of the op's one output
+
+
+def quant_glu(x: torch.Tensor, gate: QuantizedWeight, up: QuantizedWeight, int8_x: bool = False) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` -> (..., N) in x.dtype for quantized gate and up of one
+    format and group size, in one call, formed from the fp32 accumulators and rounded once (as
+    :func:`small_glu`); ``int8_x`` as :func:`quant_gemm`."""
+    fmt, g, gs, go = _quant_args(gate)
+    _, u, us, uo = _quant_args(up)
+    return torch.ops.neuronfx.quant_glu(x, g, gs, go, u, us, uo, fmt, int8_x)
+
+
+def _loaded() -> None:
+    """Build or load the kernel library; RuntimeError when it is unavailable here."""
+    if not small_gemm_available():
+        raise RuntimeError("the neuronfx kernel library is unavailable (NEURONFX_KERNELS=0, or no C++ compiler: see the "
+                           "warning above); the products fall back to torch.")
+
+
+def quant_isa() -> str:
+    """The SIMD path the quantized kernel was compiled with on this machine: ``"avx512"`` (16
+    fp32 lanes), ``"avx2"`` (AVX2 + FMA + F16C, 8 lanes) or ``"scalar"``. Builds the kernel
+    library on first use (:func:`small_gemm_available`); RuntimeError where it cannot."""
+    _loaded()
+    return torch.ops.neuronfx.quant_isa()
+
+
+def quant_int8_x_isa() -> str:
+    """The path of the int8-activation products (``int8_x``): ``"avx512-vnni"`` (``vpdpbusd``,
+    64 products per instruction) or ``"scalar"`` (portable integer loops: correct, slow). Builds
+    the kernel library on first use, as :func:`quant_isa`."""
+    _loaded()
+    return torch.ops.neuronfx.quant_int8_x_isa()

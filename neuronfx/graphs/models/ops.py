@@ -1,0 +1,59 @@
+"""The ops bundle's type: the kernels a graph's math calls, chosen when the graph is built.
+
+Model math (``models/layers.py``, the family files, ``phases/``) never asks whether it is being
+compiled or on which CPU it runs: it calls ``ops.linear``, ``ops.attention`` and so on, and the
+backend hands it a bundle (the bundles themselves live in ``graphs/kernels/bundles.py``; the
+collectives of tensor parallelism are set by ``phases.collectives.tensor_parallel_ops``). This
+module holds only the type, so that model files never import a kernel loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from neuronfx.graphs.models.quant import QuantizedWeight
+
+Tensor = torch.Tensor
+Weight = Tensor | QuantizedWeight
+"""A linear weight: a float (out, in) tensor or a quantized record (``models/quant.py``)."""
+
+
+def identity(x: Tensor) -> Tensor:
+    """x unchanged: the collectives of a single process."""
+    return x
+
+
+@attrs.frozen(kw_only=True)
+class Ops:
+    """The kernels of one graph. Shapes: x (..., in), weights (out, in) as in HF checkpoints.
+
+    - ``linear(x, w, b)``: x @ w.T (+ b) -> (..., out) in x's dtype.
+    - ``projections(x, ws, bs)``: ``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V).
+    - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
+    - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
+      bool (True = attend) -> (B, H, Tq, D); grouped-query, scale 1/sqrt(D).
+    - ``cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)``: T new tokens over their
+      slots' first ``bucket`` cache positions; k/v_cache (slots, H_kv, S, D), seq_ids (B,),
+      mask (B, 1, T, bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
+    - ``parallel_in(x)``: x (B, T, hidden) into a column-parallel product: identity, or in
+      sequence-parallel prefill the all-gather of the ranks' sequence shards (B, T / tp ->
+      T, hidden).
+    - ``parallel_out(x)``: the partial sums of a row-parallel product (or of a vocabulary-
+      parallel embedding) out of the tensor-parallel region: identity at tp 1, all-reduce, or
+      in sequence-parallel prefill reduce-scatter along T.
+    - ``gather_vocab(x)``: vocabulary-parallel logits (..., V / tp) -> (..., padded V).
+    Defaults are the identities of one process.
+    """
+
+    name: str
+    linear: Callable[[Tensor, Weight, Tensor | None], Tensor]
+    projections: Callable[[Tensor, Sequence[Weight], Sequence[Tensor | None]], list[Tensor]]
+    glu: Callable[[Tensor, Weight, Weight], Tensor]
+    attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    cached_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor], Tensor]
+    parallel_in: Callable[[Tensor], Tensor] = attrs.field(default=identity)
+    parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)
+    gather_vocab: Callable[[Tensor], Tensor] = attrs.field(default=identity)

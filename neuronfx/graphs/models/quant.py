@@ -1,0 +1,256 @@
+"""Quantized weight formats: what a quantized linear weight is inside the graphs.
+
+A quantized weight replaces a float (N, K) linear weight (HF layout: out, in) in the nested
+weights. Each format is its own NamedTuple of tensors, so its format is known statically (the
+class) and every backend sees a pytree of plain tensors (torch.export and inductor flatten
+NamedTuples). Shapes give everything else: N = ``data.shape[0]``, K = the input's last dim.
+
+- :class:`Int8Weight`: symmetric per output channel, ``w[n, k] = data[n, k] * scale[n]``.
+- :class:`Int4Weight`: group-wise asymmetric, group size g = 2 * data.shape[1] / G,
+  ``w[n, k] = q[n, k] * scale[n, k // g] + offset[n, k // g]``, q in [0, 15]. Within a
+  group, byte j holds element j in its low nibble and element j + g/2 in its high nibble
+  (GGUF's Q4_1 order, so one unpack serves both). K is padded with zeros up to a multiple of g.
+- :class:`Q4_0Blocks`, :class:`Q4_1Blocks`, :class:`Q8_0Blocks`: GGUF blocks of 32 weights
+  kept as the file stores them (ggml's ``block_q4_0`` / ``block_q4_1`` / ``block_q8_0``,
+  ggml-common.h), one row of blocks per output channel: uint8 (N, K / 32 * block bytes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.utils import _pytree
+
+Tensor = torch.Tensor
+
+GGUF_BLOCK = 32
+"""Weights per GGUF block of the kept types (ggml's QK4_0 = QK4_1 = QK8_0 = 32)."""
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+"""Bytes per block: fp16 d (+ fp16 m for q4_1), then 16 bytes of nibbles or 32 int8."""
+
+
+def _block_shape(data: Tensor, fmt: str) -> tuple[int, int]:
+    return (data.shape[0], data.shape[1] // GGUF_BLOCK_BYTES[fmt] * GGUF_BLOCK)
+
+
+class Int8Weight(NamedTuple):
+    """data int8 (N, K); scale float32 or bfloat16 (N,)."""
+
+    data: Tensor
+    scale: Tensor
+
+
+class Int4Weight(NamedTuple):
+    """data uint8 (N, G * g / 2); scale and offset float32 or bfloat16 (N, G)."""
+
+    data: Tensor
+    scale: Tensor
+    offset: Tensor
+
+
+class Q4_0Blocks(NamedTuple):
+    """uint8 (N, K / 32 * 18): per block fp16 d, 16 bytes of nibbles; w = (q - 8) * d."""
+
+    data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_0")
+
+
+class Q4_1Blocks(NamedTuple):
+    """uint8 (N, K / 32 * 20): per block fp16 d, fp16 m, 16 bytes of nibbles; w = q * d + m."""
+
+    data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q4_1")
+
+
+class Q8_0Blocks(NamedTuple):
+    """uint8 (N, K / 32 * 34): per block fp16 d, 32 int8; w = q * d."""
+
+    data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight the blocks hold (what a checkpoint check compares)."""
+        return _block_shape(self.data, "q8_0")
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks
+FORMAT_NAMES = {Int8Weight: "int8", Int4Weight: "int4", Q4_0Blocks: "q4_0", Q4_1Blocks: "q4_1", Q8_0Blocks: "q8_0"}
+"""Format name of each class (the kernel's ``format`` argument)."""
+
+
+# ---- quantizers (load time; pure torch, any float input) -----------------------------------
+
+
+def quantize_int8(w: Tensor) -> Int8Weight:
+    """w float (N, K) -> :class:`Int8Weight`: symmetric per output channel (gpt-fast's
+    ``dynamically_quantize_per_channel``): scale fp32 (N,) = absmax / 127, data int8 (N, K) =
+    round(w / scale), so ``|w - data * scale| <= scale / 2``. An all-zero row gets scale 0 and
+    data 0 (dequantizes exactly; no division by zero)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    data = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(data, scale)
+
+
+def quantize_int4(w: Tensor, group_size: int) -> Int4Weight:
+    """w float (N, K) -> :class:`Int4Weight`, asymmetric per group of ``group_size`` (even) along K,
+    as GGUF's Q4_1 (ggml-quants.c ``quantize_row_q4_1_ref``) but with fp32 scale / offset and
+    round-to-nearest: offset = group min, scale = (max - min) / 15, q = round((w - min) / scale)
+    in [0, 15], so ``|w - (q * scale + offset)| <= scale / 2``. K is padded with zeros to a multiple
+    of the group (the padding takes part in the last group's min / max); a constant group gets
+    scale 0 and q 0 (dequantizes exactly)."""
+    n, k = w.shape
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"int4 group_size must be a positive even number, got {group_size}")
+    groups = -(-k // group_size)
+    w = torch.nn.functional.pad(w.float(), (0, groups * group_size - k)).view(n, groups, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+    half = group_size // 2
+    data = q[..., :half] | (q[..., half:] << 4)  # byte j: element j (low nibble), j + g/2 (high)
+    return Int4Weight(data.reshape(n, groups * half), scale, lo)
+
+
+# ---- graph-side functions (torch ops only: traced by torch.export and inductor) ------------
+
+
+def _nibbles(packed: Tensor) -> Tensor:
+    """uint8 (..., h) -> uint8 (..., 2h): low nibbles then high nibbles (Q4 order in a group)."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _fp16(blocks: Tensor, start: int) -> Tensor:
+    """The little-endian fp16 at bytes [start, start + 2) of each block (..., B, bytes) -> fp32 (..., B, 1)."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _blocks(data: Tensor, fmt: str) -> Tensor:
+    """uint8 (..., B * bytes) -> (..., B, bytes)."""
+    size = GGUF_BLOCK_BYTES[fmt]
+    return data.view(*data.shape[:-1], data.shape[-1] // size, size)
+
+
+def dequantize(q: QuantizedWeight, k: int) -> Tensor:
+    """Any quantized weight (leading dims ``...``: (N,) for a weight, the ids' shape after
+    :func:`gather_rows`) -> float32 (..., k), the first k input features (drops int4's padding).
+    The GGUF formats follow ggml's ``dequantize_row_q4_0 / q4_1 / q8_0`` (ggml-quants.c)."""
+    if isinstance(q, Int8Weight):
+        return (q.data.float() * q.scale.float()[..., None])[..., :k]
+    if isinstance(q, Int4Weight):
+        groups = q.scale.shape[-1]
+        packed = q.data.view(*q.data.shape[:-1], groups, q.data.shape[-1] // groups)
+        w = _nibbles(packed).float() * q.scale.float()[..., None] + q.offset.float()[..., None]
+    elif isinstance(q, Q4_0Blocks):
+        b = _blocks(q.data, "q4_0")
+        w = (_nibbles(b[..., 2:]).float() - 8) * _fp16(b, 0)
+    elif isinstance(q, Q4_1Blocks):
+        b = _blocks(q.data, "q4_1")
+        w = _nibbles(b[..., 4:]).float() * _fp16(b, 0) + _fp16(b, 2)
+    elif isinstance(q, Q8_0Blocks):
+        b = _blocks(q.data, "q8_0")
+        w = b[..., 2:].contiguous().view(torch.int8).float() * _fp16(b, 0)
+    else:
+        raise TypeError(f"not a quantized weight: {type(q).__name__}")
+    return w.reshape(*w.shape[:-2], -1)[..., :k]  # (..., groups, g) -> (..., groups * g)
+
+
+def gather_rows(q: QuantizedWeight, ids: Tensor) -> QuantizedWeight:
+    """The same format holding rows ``ids`` (any integer shape S) of every tensor: leading dims S.
+    A tied embedding lookup is ``dequantize(gather_rows(lm_head, ids), hidden)`` -> (*S, hidden)."""
+    return type(q)(*(t[ids] for t in q))
+
+
+def reference_linear(x: Tensor, q: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ dequantize(q).T (+ bias) in fp32, cast to x.dtype: the reference op of the
+    quantized product kernel (``kernels.quant_gemm``) and its fallback without kernels."""
+    w = dequantize(q, x.shape[-1])
+    out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def weight_bytes(q: QuantizedWeight) -> int:
+    """Bytes a product reads from the weight (data, scales and offsets)."""
+    return sum(t.numel() * t.element_size() for t in q)
+
+
+BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
+"""The GGUF block records (kept from a file, never made by neuronfx's quantizer)."""
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES)
+"""Every quantized weight record: what ``isinstance`` tells from a float tensor."""
+
+for _cls in QUANTIZED_TYPES:
+    # torch.export saves a program's input tree only for namedtuples registered with a stable name.
+    _pytree._register_namedtuple(_cls, serialized_type_name=f"neuronfx.graphs.models.quant.{_cls.__name__}")
+
+
+def _int8_rounded_x(x: Tensor, group_size: int) -> Tensor:
+    """x (..., K) -> float64 (..., K), each value rounded to a multiple of its lane block's
+    scale ``absmax / 127`` (round half to even; an all-zero block stays zero). A lane block is
+    the 32 values one half of a 64-weight chunk meets (``csrc/quant_gemm.cpp``): with groups of
+    32, elements 0-15 of two neighbouring groups (then 16-31 of both); with groups of 64 or
+    more, 32 consecutive values of one half of a group."""
+    k = x.shape[-1]
+    g = group_size
+    span = 64 if g == 32 else g
+    kp = -(-k // span) * span
+    xp = torch.nn.functional.pad(x.float(), (0, kp - k)).reshape(-1, kp)
+    if g == 32:  # (rows, pairs, group a/b, half, 16) -> lane blocks (rows, pairs, half, a/b, 16)
+        blocks = xp.view(-1, kp // 64, 2, 2, 16).transpose(2, 3)
+    else:  # (rows, groups, half, chunk, 32)
+        blocks = xp.view(-1, kp // g, 2, g // 64, 32)
+    flat = (blocks.reshape(*blocks.shape[:-2], -1) if g == 32 else blocks).float()  # x was fp32 (or exactly widened bf16)
+    d = flat.abs().amax(dim=-1, keepdim=True) / 127  # fp32, then x * (1 / d) in fp32: the kernel's arithmetic
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1.0), 0.0)
+    rounded = (torch.round(flat * inv).double() * d.double()).reshape(blocks.shape)
+    if g == 32:
+        rounded = rounded.transpose(2, 3)
+    return rounded.reshape(*x.shape[:-1], kp)[..., :k]
+
+
+
+def _offsets(q: QuantizedWeight, k: int) -> Tensor:
+    """float32 (N, k): each weight's offset term (int4: offset, Q4_1: m, Q4_0: -8 d)."""
+    if isinstance(q, Int4Weight):
+        g = 2 * q.data.shape[1] // q.scale.shape[1]
+        return q.offset.float().repeat_interleave(g, dim=-1)[..., :k]
+    b = _blocks(q.data, "q4_1" if isinstance(q, Q4_1Blocks) else "q4_0")
+    o = _fp16(b, 2) if isinstance(q, Q4_1Blocks) else -8 * _fp16(b, 0)
+    return o.expand(*o.shape[:-1], GGUF_BLOCK).reshape(q.data.shape[0], -1)[..., :k]
+
+
+def int8_x_group_size(q: QuantizedWeight) -> int | None:
+    """The group size the ``int8_x`` kernel path serves for weight ``q`` (Q4_0 / Q4_1: 32;
+    int4 with groups of 32 or a multiple of 64), or None where it keeps x in float."""
+    if isinstance(q, (Q4_0Blocks, Q4_1Blocks)):
+        return GGUF_BLOCK
+    if isinstance(q, Int4Weight):
+        g = 2 * q.data.shape[1] // q.scale.shape[1]
+        return g if g == 32 or g % 64 == 0 else None
+    return None
+
+
+def reference_int8_x_linear(x: Tensor, q: QuantizedWeight) -> Tensor:
+    """What the kernel's int8-activation path (``quant_gemm(..., int8_x=True)``) computes,
+    in float64: x (..., K) @ the weight's scaled values with x rounded per lane block (as ggml's
+    ``quantize_row_q8_1``, absmax / 127 per 32 values; lane blocks in ``_int8_rounded_x``), plus
+    the offsets against the exact x (the kernel uses x's exact group sums there). Formats the
+    path does not serve (:func:`int8_x_group_size` None): the plain float64 product."""
+    k = x.shape[-1]
+    w = dequantize(q, k).double()
+    g = int8_x_group_size(q)
+    if g is None:
+        return x.double() @ w.T
+    o = _offsets(q, k).double()
+    return _int8_rounded_x(x, g) @ (w - o).T + x.double() @ o.T

@@ -1,0 +1,73 @@
+"""The decode-type phases: T new tokens per row at position_ids (B, T) against the slot's cache.
+Decode and draft run T = 1 and sample; speculate runs T = k and returns the logits at every
+position (acceptance runs on the host); the draft runs the first ``draft_layers`` layers."""
+
+from __future__ import annotations
+
+import torch
+
+from neuronfx.config.inputs import DecodeInputs, SamplerInputs, SpeculateInputs
+from neuronfx.config.masks import decode_mask
+from neuronfx.config.plan import Plan
+from neuronfx.graphs.models.family import FamilyMath
+from neuronfx.graphs.models.layers import LayerWeights
+from neuronfx.graphs.models.ops import Ops
+from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack
+from neuronfx.graphs.phases.inputs import KVPairs
+from neuronfx.graphs.phases.records import DecodeHidden
+from neuronfx.graphs.phases.sampling import sample
+
+Tensor = torch.Tensor
+
+
+def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor,
+                    inputs: DecodeInputs | SpeculateInputs) -> DecodeHidden:
+    """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
+    last position + 1 tokens -> the layers' record, masks (M, B, 1, T, S = bucket)."""
+    position_ids = inputs.position_ids
+    h, cos, sin = embed_tokens(plan, ops, math, embed, inputs.input_ids, position_ids, position_ids.amax(-1) + 1)
+    mask = mask_stack(plan, decode_mask, position_ids, bucket)  # (M, B, 1, T, S)
+    return DecodeHidden(h, cos, sin, mask, inputs.seq_ids, position_ids.long())
+
+
+def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,
+                  x: DecodeHidden) -> Tensor:
+    """``len(lws)`` consecutive layers of the family's decoder layer -> h (B, T, hidden). Each
+    writes K/V of the T new tokens at ``x.positions`` into each slot, then attends positions
+    [0, bucket) masked to ``j <= position`` (and the layer's window)
+    (``config.kv.decode_access`` / ``speculate_access``) with ``ops.cached_attention``, which
+    never lets positions past the row's last new token through (they may hold anything: stale
+    rows, rejected speculation, NaN). The bucket is read from the mask's shape (S), not from
+    ``bucket``, so one compiled group with a dynamic S serves every bucket of the phase
+    (``backends/inductor_parts.py``)."""
+    h, pos, seq_ids = x.h, x.positions, x.seq_ids
+    for lw, (k_cache, v_cache) in zip(lws, kv):
+        layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
+                   mask: Tensor = layer_mask) -> Tensor:
+            k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
+            v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
+            return ops.cached_attention(q, k_cache, v_cache, seq_ids, mask.shape[-1], mask)  # mask (B, 1, T, S)
+
+        h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
+    return h
+
+
+def decode_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, x: DecodeHidden,
+                    sampler: SamplerInputs) -> dict[str, Tensor]:
+    """h (B, 1, hidden) -> the sampled token, logprobs, logits and finiteness of each row (``common.head``)."""
+    return head(plan, ops, math, norm, lm_head, x.h[:, 0], sampler)
+
+
+def speculate_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor,
+                       x: DecodeHidden) -> dict[str, Tensor]:
+    """{"logits": (B, k, V) float32} at every verified position; acceptance runs on the host."""
+    return {"logits": logits(plan, ops, math, norm, lm_head, x.h)}
+
+
+def draft_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, x: DecodeHidden,
+                   sampler: SamplerInputs) -> dict[str, Tensor]:
+    """The draft's sampled token (B,) and its logits (B, V) (rejection sampling needs q)."""
+    out = logits(plan, ops, math, norm, lm_head, x.h[:, 0])
+    return sample(out, sampler, plan.topk_width, 0) | {"logits": out}

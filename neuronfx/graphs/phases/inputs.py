@@ -1,0 +1,60 @@
+"""Tensors at the graph boundary: the named per-layer KV cache and trace example inputs.
+
+The step-input records themselves are defined once in ``neuronfx.config.inputs``; here they are
+filled with tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from neuronfx.config.dtypes import torch_dtype
+from neuronfx.config.inputs import SamplerInputs, from_leaves
+from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.config.sampling import SamplingParams, pack_sampling
+from neuronfx.graphs.phases.device import plan_device
+
+
+class LayerKV(NamedTuple):
+    """One decoder layer's KV cache: each [num_slots, num_kv_heads, sequence_length, head_dim]
+    in the plan's dtype; the last slot is the scratch slot padding rows write to."""
+
+    k: torch.Tensor  # (slots, n_kv_heads, S, D)
+    v: torch.Tensor  # (slots, n_kv_heads, S, D)
+
+
+KVCache = tuple[LayerKV, ...]
+"""The whole KV cache: one LayerKV per decoder layer, in layer order."""
+KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
+"""A layer group's (K, V) per layer, as compiled parts take them (plain tensors)."""
+
+
+def empty_kv(plan: Plan) -> KVCache:
+    """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device."""
+    def zeros() -> torch.Tensor:
+        return torch.zeros(plan.kv.shape, dtype=torch_dtype(plan.kv.dtype), device=plan_device(plan))
+
+    return tuple(LayerKV(zeros(), zeros()) for _ in range(plan.kv.num_layers))
+
+
+_LENGTHS = ("prompt_lens", "chunk_lens", "seq_lens")
+
+
+def example_inputs(plan: Plan, spec: GraphSpec) -> object:
+    """Trace inputs of ``spec``'s graph as its phase's record: zeros from the spec's shapes and
+    dtypes, except the lengths (1: a prompt or chunk has a token) and greedy sampling rows; on
+    the plan's device."""
+    device = plan_device(plan)
+    tensors = []
+    for t in spec.inputs:
+        if t.name == "sampling_params":
+            tensors.append(torch.tensor(pack_sampling([SamplingParams()] * t.shape[0], plan.topk_width), dtype=torch.float32,
+                                        device=device))
+        else:
+            tensors.append(torch.full(t.shape, int(t.name in _LENGTHS), dtype=torch_dtype(t.dtype), device=device))
+    return from_leaves(spec.record, tensors)
+
+
+__all__ = ["KVCache", "KVPairs", "LayerKV", "SamplerInputs", "empty_kv", "example_inputs"]

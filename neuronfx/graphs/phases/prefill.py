@@ -1,0 +1,70 @@
+"""The prefill phase: right-padded prompts (B, bucket) written into their slots from position 0,
+sampled at each row's last real token. Its epilogue also serves the chunk phase."""
+
+from __future__ import annotations
+
+import torch
+
+from neuronfx.config.inputs import PrefillInputs, SamplerInputs
+from neuronfx.config.masks import prefill_mask
+from neuronfx.config.plan import Plan
+from neuronfx.graphs.models.family import FamilyMath
+from neuronfx.graphs.models.layers import LayerWeights
+from neuronfx.graphs.models.ops import Ops
+from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_tables, mask_stack
+from neuronfx.graphs.phases.inputs import KVPairs
+from neuronfx.graphs.phases.records import ChunkHidden, PrefillHidden
+
+Tensor = torch.Tensor
+
+
+def sequence_parallel_tokens(plan: Plan, bucket: int) -> int:
+    """Tokens a prefill graph of ``bucket`` runs: ``bucket`` rounded up to a multiple of
+    tp_degree under sequence parallelism (each rank holds an equal sequence shard), else
+    ``bucket``. The extra positions are padding: never attended, never written to the cache."""
+    tp = plan.tp_degree
+    return -(-bucket // tp) * tp if plan.inference.sequence_parallel else bucket
+
+
+def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor, inputs: PrefillInputs) -> PrefillHidden:
+    """The step inputs (ids/positions (B, T = bucket), prompt_lens (B,)) -> the layers' record:
+    h (B, T, hidden), RoPE cos/sin (R, B, 1, T, head_dim) and the causal prompt masks
+    (M, B, 1, T, T) of the attention layout's kinds. Sequence-parallel prefill pads T to
+    :func:`sequence_parallel_tokens` and h is this rank's shard (B, T / tp, hidden)."""
+    input_ids, position_ids = inputs.input_ids, inputs.position_ids
+    t = sequence_parallel_tokens(plan, bucket)
+    if t != bucket:
+        input_ids = torch.nn.functional.pad(input_ids, (0, t - bucket))
+        position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
+    h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.prompt_lens)
+    mask = mask_stack(plan, prefill_mask, inputs.prompt_lens, t)  # (M, B, 1, T, T)
+    return PrefillHidden(h, cos, sin, mask, inputs.seq_ids, (inputs.prompt_lens - 1).long())
+
+
+def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,
+                   x: PrefillHidden) -> Tensor:
+    """``len(lws)`` consecutive layers of the family's decoder layer -> h (B, T, hidden). Each
+    writes K/V positions [0, bucket) of each row's slot (``config.kv.prefill_access``); the
+    prompt attends only itself, so nothing is read from the cache. Without sequence
+    parallelism the bucket is read from k's shape (T), not from ``bucket``, so one compiled group
+    with a dynamic T serves every prefill bucket (``backends/inductor_parts.py``)."""
+    h = x.h
+    for lw, (k_cache, v_cache) in zip(lws, kv):
+        layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
+                   mask: Tensor = layer_mask) -> Tensor:
+            n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
+            k_cache[x.seq_ids, :, :n] = k[:, :, :n]  # (B, n_kv, T, D) into slots
+            v_cache[x.seq_ids, :, :n] = v[:, :, :n]
+            return ops.attention(q, k, v, mask)
+
+        h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
+    return h
+
+
+def prefill_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor,
+                     x: PrefillHidden | ChunkHidden, sampler: SamplerInputs) -> dict[str, Tensor]:
+    """Output for the last real token of each row (``x.last``; chunk graphs too); sequence-
+    parallel prefill first gathers the ranks' sequence shards."""
+    return head(plan, ops, math, norm, lm_head, last_rows(ops.parallel_in(x.h), x.last), sampler)
