@@ -59,7 +59,7 @@ from neuronfx import (
     chunk_step,
     make_plan,
 )
-from neuronfx.runtime.chunked import NO_TOKEN
+from neuronfx.runtime.pipeline import NO_TOKEN
 
 # One intra-op thread: these graphs are tiny, and with 2 threads on a busy 2-core machine every op
 # waits on an OpenMP barrier (measured ~40x slower per decode step under contention).

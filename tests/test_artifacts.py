@@ -17,7 +17,7 @@ from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx.errors import ArtifactError, ConfigError
-from neuronfx.graphs.inductor import INDUCTOR_DIR
+from neuronfx.graphs.backends.inductor_dir import INDUCTOR_DIR
 from neuronfx.io.artifacts import GENERATION_CONFIG, MANIFEST, PLAN, WEIGHTS, sha256
 
 PROMPTS = [random_prompt(9, seed=1), random_prompt(4, seed=2)]

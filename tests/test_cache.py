@@ -283,7 +283,7 @@ def test_serve_log_says_where_the_graphs_came_from(hf, filled, caplog):
     """`neuronfx serve` builds without progress bars: the cache's lines go to the
     "neuronfx.cache" logger (the server's log), and the CLI's summary line says compiled or
     loaded from the compile cache."""
-    from neuronfx.cli import LoadedRuntime
+    from neuronfx.cli.loading import LoadedRuntime
 
     root, key, _ = filled
     with caplog.at_level(logging.INFO, logger="neuronfx.cache"):
@@ -437,7 +437,7 @@ def test_inductor_build_starts_from_the_kernel_store_and_adds_to_it(hf, tmp_path
     """A build's private directory starts as a copy of the store (lock, bytecode and half-written
     files left out); what the build compiled is added to the store, files already there are left
     as they are. The compiler is replaced by a fake that writes one new kernel file."""
-    from neuronfx.graphs import backends, compile_workers
+    from neuronfx.graphs.backends import compile_workers, inductor
 
     store = tmp_path / "store"
     (store / "ab").mkdir(parents=True)
@@ -455,13 +455,13 @@ def test_inductor_build_starts_from_the_kernel_store_and_adds_to_it(hf, tmp_path
         return {}, {}
 
     monkeypatch.setattr(compile_workers, "build", fake_build)
-    built = backends._inductor_build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=store)
+    built = inductor.build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=store)
     assert seen["files"] == ["ab/old.so"]
     assert (store / "ab" / "old.so").read_bytes() == b"old kernel"
     assert (store / "cd" / "new.so").read_bytes() == b"new kernel"
     assert not list(store.rglob(".tmp-*new*"))
     shutil.rmtree(built.compiled_dir)
-    backends._inductor_build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=tmp_path / "absent")
+    inductor.build(tiny_plan(hf, "inductor", **SMALL), {}, False, kernels=tmp_path / "absent")
     assert (tmp_path / "absent" / "cd" / "new.so").read_bytes() == b"new kernel"  # a first build creates the store
 
 

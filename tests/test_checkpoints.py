@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from neuronfx.config.model import ModelConfig
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
-from neuronfx.graphs.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks
+from neuronfx.graphs.models.quant import FORMAT_NAMES, Q4_0Blocks, Q4_1Blocks, Q8_0Blocks
 from neuronfx.io.checkpoints import Checkpoint, default_model_path, load_checkpoint, load_tokenizer
 
 TINY = dict(

@@ -19,9 +19,9 @@ import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan
 
 import neuronfx
-from neuronfx.graphs import compile_workers
-from neuronfx.graphs.kernels import small_gemm_available
-from neuronfx.graphs.quant import Int8Weight
+from neuronfx.graphs.backends import compile_workers
+from neuronfx.graphs.kernels.library import small_gemm_available
+from neuronfx.graphs.models.quant import Int8Weight
 
 LADDERS = dict(batch_size=1, max_context_length=16, sequence_length=16, prefill_buckets=(8, 16), decode_buckets=(16,))
 
@@ -168,13 +168,13 @@ def test_kernel_warm_up_runs_at_lower_priority_in_its_own_thread():
     import os
     import threading
 
-    from neuronfx.graphs import inductor
+    from neuronfx.graphs.backends import warm_up
 
     seen = {}
 
     def run():
         before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        inductor._kernels_at_low_priority()
+        warm_up.kernels_at_low_priority()
         seen["thread"] = (before, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -191,7 +191,7 @@ def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
     """inductor's C++ wrapper for CPU plans on one rank; the Python wrapper for CUDA plans (their
     CUDA-graph capture) and tensor-parallel ones (the C++ wrapper cannot call the functional
     collectives); the assert-free options everywhere."""
-    from neuronfx.graphs.inductor import INDUCTOR_OPTIONS, inductor_options
+    from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS, inductor_options
 
     hf = tiny_hf_model("llama")
     cases = {(): True, (("tp_degree", 2),): False, (("device", "cuda"),): False}

@@ -20,6 +20,7 @@ from neuronfx.config import (
     structure,
     unstructure,
 )
+from neuronfx.config.extras import Gemma3Extras, GraniteExtras, Llama4Extras
 from neuronfx.config.serialization import plan_from_dict, plan_to_dict
 from neuronfx.errors import ConfigError, UnsupportedModelError
 
@@ -485,6 +486,57 @@ def test_json_ints_accepted_for_float_fields():
     assert plan_from_dict(data).model.rope_theta == 500000.0
 
 
+EXTRAS = {
+    "granite": GraniteExtras(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0),
+    "gemma3_text": Gemma3Extras(query_pre_attn_scalar=256.0, final_logit_softcapping=30.0),
+    "llama4_text": Llama4Extras(qk_l2_norm=True, attn_temperature_tuning=True, floor_scale=4096.0, attn_scale=0.2),
+}
+FAMILY_FIELDS = {"granite": {}, "gemma3_text": {"hidden_act": "gelu_pytorch_tanh"},
+                 "llama4_text": {"num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 32}}
+
+
+@pytest.mark.parametrize("model_type", sorted(EXTRAS))
+def test_family_extras_round_trip(model_type):
+    """A family's extras record travels in the plan's JSON under model.extras, keyed by the
+    family's own field names, and comes back as the same record; left out, it is the record's
+    defaults (a ModelConfig built by hand gets them too)."""
+    model = tiny_model(model_type=model_type, extras=EXTRAS[model_type], **FAMILY_FIELDS[model_type])
+    plan = make_plan(model, InferenceConfig())
+    text = plan_to_json(plan)
+    data = json.loads(text)
+    assert data["model"]["extras"] == unstructure(EXTRAS[model_type]) and plan_from_json(text) == plan
+    del data["model"]["extras"]
+    assert plan_from_dict(data).model.extras == type(EXTRAS[model_type])()
+    assert tiny_model(model_type=model_type, **FAMILY_FIELDS[model_type]).extras == type(EXTRAS[model_type])()
+    assert tiny_model().extras is None and json.loads(plan_to_json(make_plan(tiny_model(), InferenceConfig())))["model"]["extras"] is None
+
+
+@pytest.mark.parametrize("model_type, extras, needles", [
+    ("llama", GraniteExtras(), ["extras=GraniteExtras", "model_type='llama'", "must be None"]),
+    ("granite", Gemma3Extras(), ["extras=Gemma3Extras", "must be a GraniteExtras"]),
+    ("granite", None, ["extras=None", "must be a GraniteExtras"]),
+])
+def test_extras_of_another_family_are_an_error(model_type, extras, needles):
+    with pytest.raises(ConfigError) as info:
+        tiny_model(model_type=model_type, extras=extras)
+    assert all(n in str(info.value) for n in needles), info.value
+
+
+@pytest.mark.parametrize("model_type, extras, needles", [
+    ("llama", {"logits_scaling": 2.0}, ["has no extras", "model_type='llama'"]),
+    ("granite", {"logits_scalin": 2.0}, ["unknown key", "logits_scalin"]),
+    ("granite", {"logits_scaling": -2.0}, ["GraniteExtras.logits_scaling=-2.0", "finite number > 0"]),
+    ("gemma3_text", {"final_logit_softcapping": "30"}, ["final_logit_softcapping", "'30'"]),
+])
+def test_bad_extras_from_json(model_type, extras, needles):
+    data = json.loads(plan_to_json(make_plan(tiny_model(model_type=model_type, **FAMILY_FIELDS.get(model_type, {})),
+                                             InferenceConfig())))
+    data["model"]["extras"] = extras
+    with pytest.raises(ConfigError) as info:
+        plan_from_dict(data)
+    assert all(n in str(info.value) for n in needles), info.value
+
+
 def test_plan_to_dict_holds_only_sources():
     plan = make_plan(tiny_model(), InferenceConfig(), checkpoint="ckpt")
     assert set(plan_to_dict(plan)) == {"model", "inference", "checkpoint", "rank"}
@@ -493,7 +545,7 @@ def test_plan_to_dict_holds_only_sources():
 
 def test_layer_period_of_mixed_dense_and_moe_layers():
     from neuronfx.config.attention import layer_kinds, layer_period
-    from neuronfx.graphs.inductor import layer_group_size
+    from neuronfx.graphs.backends.inductor_parts import layer_group_size
 
     moe = dict(model_type="llama4_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     m = tiny_model(**moe, num_hidden_layers=6, moe_layers=(1, 3, 5), dense_intermediate_size=96)

@@ -19,8 +19,8 @@ from neuronfx import InferenceConfig, ModelConfig, make_plan
 from neuronfx.config.inputs import DecodeInputs
 from neuronfx.config.serialization import plan_from_json, plan_to_json
 from neuronfx.errors import ConfigError
-from neuronfx.graphs.device import check_device, device_scope, plan_device, to_device, to_host
-from neuronfx.graphs.inputs import LayerKV, example_inputs
+from neuronfx.graphs.phases.device import check_device, device_scope, plan_device, to_device, to_host
+from neuronfx.graphs.phases.inputs import LayerKV, example_inputs
 
 
 def tiny_model() -> ModelConfig:
@@ -116,7 +116,7 @@ def test_cpu_placement_is_the_identity():
 
 
 def test_cuda_plans_bind_torch_ops_not_the_cpu_kernels():
-    from neuronfx.graphs.ops import REFERENCE_OPS, compiled_ops
+    from neuronfx.graphs.kernels.bundles import REFERENCE_OPS, compiled_ops
 
     ops = compiled_ops("bfloat16", "cuda:1")
     assert (ops.linear, ops.projections, ops.glu, ops.attention, ops.cached_attention) == (
@@ -124,7 +124,7 @@ def test_cuda_plans_bind_torch_ops_not_the_cpu_kernels():
 
 
 def test_cuda_graphs_only_for_single_rank_cuda_plans(monkeypatch):
-    from neuronfx.graphs.cuda_graphs import uses_cuda_graphs
+    from neuronfx.graphs.backends.cuda_graphs import uses_cuda_graphs
 
     monkeypatch.delenv("NEURONFX_CUDA_GRAPHS", raising=False)
     cuda = make_plan(tiny_model(), InferenceConfig(device="cuda"))
@@ -139,8 +139,8 @@ def test_cuda_graphs_only_for_single_rank_cuda_plans(monkeypatch):
 
 
 def test_a_capture_is_keyed_by_every_kv_tensor_and_the_weights():
-    from neuronfx.graphs.cuda_graphs import kv_key
-    from neuronfx.graphs.inputs import empty_kv
+    from neuronfx.graphs.backends.cuda_graphs import kv_key
+    from neuronfx.graphs.phases.inputs import empty_kv
 
     plan = make_plan(tiny_model(), InferenceConfig(batch_size=1, max_context_length=8, sequence_length=16))
     weights, kv = {"embed": torch.zeros(1)}, empty_kv(plan)
@@ -183,7 +183,7 @@ def test_tiny_model_on_device_matches_transformers(device):
 
 @NEEDS_CUDA
 def test_cuda_graphs_replay_the_eager_steps_and_follow_a_new_state():
-    from neuronfx.graphs.cuda_graphs import CapturedGraph
+    from neuronfx.graphs.backends.cuda_graphs import CapturedGraph
 
     hf = tiny_hf_model("llama")
     eager = tiny_runtime(hf, "eager", device="cuda")

@@ -85,7 +85,7 @@ def smollm2_gguf(smollm2):
 def test_gguf_blocks_kept_greedy_matches_transformers(smollm2, smollm2_gguf):
     """The file's blocks, never re-quantized, give transformers' greedy tokens on the GGUF it
     dequantizes (3 chat prompts x 32 tokens)."""
-    from neuronfx.graphs.quant import Q4_1Blocks, Q8_0Blocks
+    from neuronfx.graphs.models.quant import Q4_1Blocks, Q8_0Blocks
 
     rt = smollm2_gguf
     assert isinstance(rt.weights["layers"][0]["wq"], Q4_1Blocks) and isinstance(rt.weights["layers"][29]["down"], Q4_1Blocks)

@@ -34,10 +34,12 @@ import neuronfx
 from neuronfx import InferenceConfig, ModelConfig, PrefillBatch, make_plan
 from neuronfx.cli import main
 from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL, attention_layout
+from neuronfx.config.extras import Gemma3Extras
 from neuronfx.config.model import RopeScaling
 from neuronfx.errors import UnsupportedModelError
-from neuronfx.graphs.ops import REFERENCE_OPS
-from neuronfx.graphs.phases import prefill_prologue
+from neuronfx.graphs.kernels.bundles import REFERENCE_OPS
+from neuronfx.graphs.models import family_math
+from neuronfx.graphs.phases.common import embed_tokens
 from neuronfx.io.checkpoints import load_checkpoint
 
 ATOL = 1e-4
@@ -73,8 +75,7 @@ def test_config_reads_every_gemma3_option(hf):
     assert cfg.model_type == "gemma3_text" and cfg.hidden_act == "gelu_pytorch_tanh"
     assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == WINDOW
     assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rope_scaling) == (10000.0, 100.0, None)
-    assert cfg.attention_multiplier == pytest.approx(24 ** -0.5) and cfg.final_logit_softcapping == 0.5
-    assert cfg.embedding_multiplier == 8.0 and cfg.embedding_multiplier_rounded and cfg.norm_unit_offset
+    assert cfg.extras == Gemma3Extras(query_pre_attn_scalar=24.0, final_logit_softcapping=0.5)
     assert cfg.qk_norm and cfg.tie_word_embeddings and cfg.head_dim == 32
     layout = attention_layout(cfg)
     assert (layout.ropes, layout.rope_index, layout.masks, layout.mask_index) == (
@@ -136,7 +137,8 @@ def test_embedding_multiplier_is_rounded_like_transformers():
                                                                       backend="eager", dtype="bfloat16"))
     ids = torch.tensor([[3, 200, 17, 256, 0, 1, 2, 9]], dtype=torch.int32)
     embed = hf.model.embed_tokens.weight.detach()
-    h = prefill_prologue(plan, 8, REFERENCE_OPS, embed, ids, torch.arange(8, dtype=torch.int32)[None], torch.tensor([8]))[0]
+    h, _, _ = embed_tokens(plan, REFERENCE_OPS, family_math("gemma3_text"), embed, ids, torch.arange(8, dtype=torch.int32)[None],
+                           torch.tensor([8]))
     want = hf.model.embed_tokens(ids.long()).detach()
     assert torch.equal(h, want)
     assert not torch.equal(h, (embed[ids.long()].float() * 72 ** 0.5).to(torch.bfloat16))  # the rounding shows

@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from neuronfx.config.masks import decode_mask
-from neuronfx.graphs.kernels import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
-from neuronfx.graphs.ops import REFERENCE_OPS, cpu_kernel_ops, fused_cached_attention, gathered_attention, kernel_cached_attention
+from neuronfx.graphs.kernels.bundles import (
+    REFERENCE_OPS,
+    cpu_kernel_ops,
+    fused_cached_attention,
+    gathered_attention,
+    kernel_cached_attention,
+)
+from neuronfx.graphs.kernels.library import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 
 CPU_OPS = cpu_kernel_ops("float32")
 linear = CPU_OPS.linear
@@ -216,9 +222,9 @@ def test_compiled_decode_layer_uses_fused_kernels(weights: str) -> None:
     from transformers import LlamaConfig
 
     from neuronfx.config.model import ModelConfig
-    from neuronfx.graphs import quant as Q
-    from neuronfx.graphs.layers import rope_cos_sin, rope_inv_freq
-    from neuronfx.graphs.llama import decoder_layer
+    from neuronfx.graphs.models import quant as Q
+    from neuronfx.graphs.models.layers import rope_cos_sin, rope_inv_freq
+    from neuronfx.graphs.models.llama import decoder_layer
 
     hf = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, vocab_size=50)
     cfg = ModelConfig.from_hf(hf)
@@ -246,7 +252,7 @@ def test_build_lock_clears_a_killed_builds_baton(tmp_path, monkeypatch):
     neuronfx's OS lock it is removed, so the next build does not wait on it forever."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from neuronfx.graphs.kernels import build_lock
+    from neuronfx.graphs.kernels.library import build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     baton = Path(_get_build_directory("neuronfx_kernels_test", verbose=False)) / "lock"

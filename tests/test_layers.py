@@ -34,13 +34,13 @@ def modules() -> dict[str, Path]:
 def imports(path: Path, known: set[str]) -> set[str]:
     """neuronfx modules ``path`` imports anywhere in its body (``from pkg import mod`` resolves
     to the module when ``mod`` is one). The family registry's by-name import
-    (``graphs/models.py``: ``neuronfx.graphs.<model_type>``) counts as an import of every family
-    file."""
+    (``graphs/models/__init__.py``: ``neuronfx.graphs.models.<file>``) counts as an import of every
+    family file."""
     out = set()
     if module_name(path) == "neuronfx.graphs.models":
-        from neuronfx.config.families import SUPPORTED_MODEL_TYPES
+        from neuronfx.config.families import SUPPORTED_MODEL_TYPES, math_file
 
-        out |= {f"neuronfx.graphs.{t}" for t in SUPPORTED_MODEL_TYPES}
+        out |= {f"neuronfx.graphs.models.{math_file(t)}" for t in SUPPORTED_MODEL_TYPES}
     for node in ast.walk(ast.parse(path.read_text())):
         assert not (isinstance(node, ast.ImportFrom) and node.level), f"{path}: relative import; write neuronfx.… in full"
         if isinstance(node, ast.Import):
@@ -110,22 +110,20 @@ def test_every_module_has_a_layer():
 
 
 def test_graph_math_never_asks_whether_it_is_compiled():
-    """The model math (shared layers, phases, family files) reads no compiler or tracing state."""
-    from neuronfx.config.families import SUPPORTED_MODEL_TYPES
-
-    for name in ("layers.py", "phases.py", *(f"{t}.py" for t in SUPPORTED_MODEL_TYPES)):
-        text = (ROOT / "graphs" / name).read_text()
+    """The model math (family files, shared layers, phases) reads no compiler or tracing state."""
+    for path in [*(ROOT / "graphs" / "models").glob("*.py"), *(ROOT / "graphs" / "phases").glob("*.py")]:
+        text = path.read_text()
         for needle in ("is_compiling", "inductor_tracing", "is_exporting", "is_tracing", "is_scripting", "torch.compiler",
                        "torch._dynamo", "torch.jit", "small_gemm"):
-            assert needle not in text, f"graphs/{name} mentions {needle}"
+            assert needle not in text, f"{path.relative_to(ROOT)} mentions {needle}"
 
 
 def test_io_modules_know_no_backend():
-    """Saving, loading and caching go through the backend records (graphs/backends.py): no
+    """Saving, loading and caching go through the backend records (graphs/backends/): no
     branch on a backend's name, no probe of a backend's graph types."""
     for name in ("io/artifacts.py", "io/cache.py", "api.py"):
         text = (ROOT / name).read_text()
-        for needle in ("backend ==", "GraphModule", "PrecompiledPart", "ExportedGraph", "parts.prologue", "graphs.inductor",
+        for needle in ("backend ==", "GraphModule", "PrecompiledPart", "ExportedGraph", "parts.prologue", "backends.inductor",
                        '"inductor"', '"export"', '"eager"'):
             assert needle not in text, f"{name} mentions {needle}"
 
@@ -138,11 +136,17 @@ def test_backend_names_agree():
 
 
 def test_family_registry_names_its_files():
-    """Every registered model type has its flat file with the three functions the graphs use."""
-    from neuronfx.config.families import SUPPORTED_MODEL_TYPES
-    from neuronfx.graphs.models import model_module
+    """Every registered model type has its flat file (its own, or the one the remap table names)
+    ending with the FamilyMath record the graphs use; an alias has no file of its own."""
+    import importlib
 
+    from neuronfx.config.families import MODEL_REMAPPING, SUPPORTED_MODEL_TYPES
+    from neuronfx.graphs.models import family_math
+    from neuronfx.graphs.models.family import FamilyMath
+
+    assert set(MODEL_REMAPPING) <= set(SUPPORTED_MODEL_TYPES) and not set(MODEL_REMAPPING.values()) & set(MODEL_REMAPPING)
     for model_type in SUPPORTED_MODEL_TYPES:
-        module = model_module(model_type)
-        assert module.__name__ == f"neuronfx.graphs.{model_type}"
-        assert callable(module.key_map) and callable(module.layer_shapes) and callable(module.decoder_layer)
+        module = importlib.import_module(f"neuronfx.graphs.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+        assert isinstance(module.MATH, FamilyMath) and family_math(model_type) is module.MATH
+        assert callable(module.MATH.key_map) and callable(module.MATH.layer_shapes) and callable(module.MATH.decoder_layer)
+    assert not any((ROOT / "graphs" / "models" / f"{t}.py").exists() for t in MODEL_REMAPPING)

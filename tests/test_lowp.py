@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
-from neuronfx.graphs.ops import REFERENCE_OPS, cpu_linear, gemv
+from neuronfx.graphs.kernels.bundles import REFERENCE_OPS, cpu_linear, gemv
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -35,8 +35,8 @@ from neuronfx.cli import main
 from neuronfx.config.attention import layer_kinds
 from neuronfx.config.sharding import rank_shard
 from neuronfx.errors import CheckpointError, ConfigError, UnsupportedModelError
-from neuronfx.graphs import quant
-from neuronfx.graphs.moe import dense_experts, gathered_experts, route, use_gather
+from neuronfx.graphs.models import quant
+from neuronfx.graphs.models.moe import dense_experts, gathered_experts, route, use_gather
 from neuronfx.io.checkpoints import load_checkpoint
 from neuronfx.io.weights import convert_hf_state_dict, dequantized_state_dict
 
@@ -401,7 +401,7 @@ def test_dense_layers_match_transformers_inductor():
     """One inductor runtime, 6 layers alternating dense and MoE (decoder_sparse_step=2): prefill
     runs one compiled 2-layer group (dense, MoE) three times, decode one 6-layer group; logits,
     24 greedy tokens and a ragged batch are transformers'."""
-    from neuronfx.graphs.inductor import phase_group_size
+    from neuronfx.graphs.backends.inductor_parts import phase_group_size
 
     hf = tiny_hf_model("qwen3_moe", seed=28, num_hidden_layers=6, decoder_sparse_step=2)
     rt = tiny_runtime(hf, "inductor", **COMPILED)
@@ -420,7 +420,7 @@ def test_dense_layers_match_transformers_inductor():
 def test_compiled_layer_groups_hold_whole_periods_of_layer_kinds(overrides, groups):
     """The inductor backend's layer group (one compiled group serves every group of a phase) is
     a whole number of periods of the dense / MoE pattern, the whole stack when it has none."""
-    from neuronfx.graphs.inductor import phase_group_size
+    from neuronfx.graphs.backends.inductor_parts import phase_group_size
 
     cfg = ModelConfig.from_hf(Qwen3MoeConfig(**(TINY_ARCH | overrides), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
     plan = neuronfx.make_plan(cfg, neuronfx.InferenceConfig(backend="inductor", batch_size=1, sequence_length=64, **COMPILED))

@@ -20,7 +20,7 @@ from helpers import GREEDY, hf_greedy, hf_last_logits, random_prompt, run_steps,
 import neuronfx
 from neuronfx import DecodeBatch, ModelConfig, PrefillBatch
 from neuronfx.config.sharding import rank_shard
-from neuronfx.graphs.layers import row_inv_freq
+from neuronfx.graphs.models.layers import row_inv_freq
 from neuronfx.io.weights import convert_hf_state_dict
 from neuronfx.runtime.steps import refill_step
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from neuronfx.graphs import gemm_choice
+from neuronfx.graphs.kernels import gemm_choice
 
 
 def test_decide_widens_only_when_clearly_faster():
@@ -63,20 +63,20 @@ def test_compile_cache_key_follows_the_verdict(monkeypatch):
     plans never ask for it (no measurement)."""
     from helpers import tiny_hf_model, tiny_plan
 
-    from neuronfx.graphs import backends
+    from neuronfx.graphs.backends import inductor
     from neuronfx.io import cache
 
     hf = tiny_hf_model("llama", seed=0)
     bf16 = tiny_plan(hf, "inductor", dtype="bfloat16")
     keys = set()
     for verdict in (True, False):
-        monkeypatch.setattr(backends, "widen_16bit_prefill", lambda dtype, v=verdict: v)
+        monkeypatch.setattr(inductor, "widen_16bit_prefill", lambda dtype, v=verdict: v)
         keys.add(cache.cache_key(bf16))
     assert len(keys) == 2
 
     def no_measurement(dtype):
         raise AssertionError("asked for a verdict")
 
-    monkeypatch.setattr(backends, "widen_16bit_prefill", no_measurement)
+    monkeypatch.setattr(inductor, "widen_16bit_prefill", no_measurement)
     cache.cache_key(tiny_plan(hf, "inductor", dtype="float32"))
     cache.cache_key(tiny_plan(hf, "export", dtype="bfloat16"))

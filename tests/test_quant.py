@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from neuronfx.graphs import quant as Q
-from neuronfx.graphs.kernels import quant_gemm, quant_gemm_multi, quant_glu, quant_int8_x_isa, quant_isa, small_gemm_available
+from neuronfx.graphs.kernels.library import quant_gemm, quant_gemm_multi, quant_glu, quant_int8_x_isa, quant_isa, small_gemm_available
+from neuronfx.graphs.models import quant as Q
 
 GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
 U32 = 2.0**-24
@@ -331,7 +331,7 @@ def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
     """The plan option reaches the kernels: the ops bundle of ``activation_format="int8"`` runs
     the int8-activation products for decode rows, and prefill rows (> 8) keep the dequantized
     float GEMM; the default bundle keeps float x."""
-    from neuronfx.graphs.ops import cpu_kernel_ops
+    from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
 
     g = torch.Generator().manual_seed(8)
     k = 224

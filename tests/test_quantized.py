@@ -16,7 +16,7 @@ from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
 import neuronfx
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.quantization import quantized_formats
-from neuronfx.graphs import quant
+from neuronfx.graphs.models import quant
 from neuronfx.io.weights import dequantized_state_dict
 
 PROMPTS = [random_prompt(11, seed=3), random_prompt(5, seed=4)]

@@ -3,6 +3,8 @@ flat calling convention all come from them, and a mismatch is an error naming th
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from neuronfx import InferenceConfig, ModelConfig, make_plan
 from neuronfx.config.dtypes import dtype_name
 from neuronfx.config.inputs import PHASE_INPUTS, DecodeInputs, SamplerInputs, check_inputs, dense_strides, from_leaves, leaf_fields, leaves
 from neuronfx.errors import InputError
-from neuronfx.graphs.inputs import LayerKV, empty_kv, example_inputs
+from neuronfx.graphs.phases.inputs import LayerKV, empty_kv, example_inputs
 
 MODEL = ModelConfig(model_type="llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-6)
@@ -100,3 +102,46 @@ def test_kv_cache_is_named_per_layer():
     kv = empty_kv(PLAN)
     assert len(kv) == MODEL.num_hidden_layers and all(isinstance(layer, LayerKV) for layer in kv)
     assert kv[1].k.shape == kv[1].v.shape == PLAN.kv.shape and kv[0].k is not kv[0].v
+
+
+# --- the phase-part records (graphs/phases/records.py) -----------------------------------------
+
+
+def test_prologues_return_their_phase_record_with_the_annotated_shapes():
+    """Every graph's prologue (reference ops) turns its example step inputs into its phase's
+    record; each field has the shape its annotation names (B rows, T new tokens, S the decode
+    bucket, H hidden, R / M the layout's RoPE and mask kinds, D rotary dims) and its dtype."""
+    from neuronfx.graphs.kernels.bundles import REFERENCE_OPS
+    from neuronfx.graphs.phases.compose import phase_parts
+    from neuronfx.graphs.phases.records import ChunkHidden, DecodeHidden, PrefillHidden, field_shapes
+
+    embed = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    want = {"prefill": PrefillHidden, "decode": DecodeHidden, "draft": DecodeHidden, "speculate": DecodeHidden, "chunk": ChunkHidden}
+    for plan, g in [(PLAN, g) for g in PLAN.graphs] + [(CHUNKED, g) for g in CHUNKED.graphs]:
+        x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
+        assert type(x) is want[g.phase]
+        tokens = example_inputs(plan, g).input_ids.shape[1]
+        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1}
+        for name, shape in field_shapes(type(x)).items():
+            assert tuple(getattr(x, name).shape) == tuple(dims[s] for s in shape), (g.key, name)
+        assert x.h.dtype == torch.float32 and x.mask.dtype == torch.bool and x.seq_ids.dtype == torch.int32
+
+
+def test_symbol_dims_find_every_dimension_of_a_symbol():
+    """The inductor backend compiles the bucket's dimensions dynamic from the records'
+    annotations: decode's S is the mask's last dim alone, prefill's T is in h, RoPE and mask
+    (twice), and every shared part's symbol is one its record has."""
+    from neuronfx.graphs.backends.inductor_parts import BUCKET_DIMS
+    from neuronfx.graphs.phases.records import DecodeHidden, PrefillHidden, field_shapes, symbol_dims
+
+    t = [torch.zeros(2, 4, 8), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 4, dtype=torch.bool),
+         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)]
+    prefill = PrefillHidden(*t)
+    assert [(id(x), d) for x, d in symbol_dims(([], prefill), "T")] == [
+        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4)]
+    decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), t[4], torch.zeros(2, 4, dtype=torch.int64))
+    assert [(id(x), d) for x, d in symbol_dims((decode, "not a record"), "S")] == [(id(decode.mask), 4)]
+    for part, dims in BUCKET_DIMS.items():
+        hint = typing.get_type_hints(part)["x"]
+        for record in typing.get_args(hint) or (hint,):
+            assert dims.symbol is None or any(dims.symbol in shape for shape in field_shapes(record).values()), (part, record)

@@ -27,7 +27,7 @@ from neuronfx.config.sampling import (
     pack_sampling,
 )
 from neuronfx.errors import SamplingParamsError
-from neuronfx.graphs.sampling import apply_penalties, inverse_cdf, sample
+from neuronfx.graphs.phases.sampling import apply_penalties, inverse_cdf, sample
 
 torch.set_num_threads(1)
 

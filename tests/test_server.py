@@ -29,7 +29,8 @@ from helpers import ServerProcess, http_request, rss_bytes, server_metrics, smol
 
 import neuronfx
 from neuronfx import InferenceConfig, Request, SamplingParams, make_plan
-from neuronfx.bench_serving import bench_server, default_text, inter_token_latencies, make_workload, ttft
+from neuronfx.bench.serving_client import bench_server, inter_token_latencies, text_workload, ttft
+from neuronfx.bench.workload import default_text
 from neuronfx.cli import main
 from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.server.app import make_app
@@ -603,7 +604,7 @@ def test_bench_serving_client(model_dir, server, reference, capsys):
     generates for the same prompt, TTFT and ITLs come from real chunk times; the CLI's JSON
     says the same."""
     tok = reference.tokenizer
-    work = make_workload(tok, default_text(), 6, (8, 32), (4, 8), seed=3)
+    work = text_workload(tok, default_text(), 6, (8, 32), (4, 8), seed=3)
     result, timings = bench_server(server.url, work, concurrency=3)
     assert (result.completed, result.failed, result.short) == (6, 0, 0)
     assert result.output_tokens == sum(r.max_tokens for r in work) and result.prompt_tokens == sum(r.prompt_len for r in work)
@@ -675,8 +676,6 @@ def test_serve_rejects_bad_options_at_once(capsys):
     for args, error in ((["--max-waiting", "-1"], "InputError: --max-waiting=-1 must be >= 0"),
                         (["--port", "70000"], "InputError: --port=70000 must be in [0, 65535]"),
                         (["--tp-degree", "2"], "InputError: --tp-degree=2: serve runs in one process"),
-                        (["--async-decode", "--speculation-length", "2", "--draft-layers", "1"],
-                         "ConfigError: --async-decode with a runtime that speculates"),
                         (["/a", "--model", "/b"], "InputError: MODEL '/a' and --model '/b' differ"),
                         (["--backend", "neuron"], "BackendUnavailableError"),
                         (["/nonexistent/model.gguf"], "CheckpointError")):

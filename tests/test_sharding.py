@@ -11,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neuronfx.config import InferenceConfig, ModelConfig, make_plan
+from neuronfx.config.families import FAMILIES
 from neuronfx.config.sharding import (
     REPLICATED,
     WEIGHT_RULES,
     Split,
     check_tp,
     rank_shard,
+    replicated,
     split_shape,
+    weight_rules,
     weight_split,
 )
 from neuronfx.errors import ConfigError
@@ -117,7 +120,7 @@ def _check_weight(model: ModelConfig, tp: int, name: str, source: torch.Tensor) 
     ranks = shards(model, tp)
     split0 = weight_split(ranks[0], name)
     dim = split0.dim
-    assert dim == WEIGHT_RULES[name][1]
+    assert dim == weight_rules(model.model_type)[name][1]
     length = source.shape[dim]
     owners = [0] * length
     pieces: list[torch.Tensor] = []
@@ -160,21 +163,18 @@ def test_read_shard_round_trip(case, seed):
     each source element is owned by one rank (kv_replication ranks for k/v weights)."""
     model, tp = case
     gen = torch.Generator().manual_seed(seed)
-    for name in WEIGHT_RULES:
-        if name.startswith("experts_") and not model.num_experts:
-            continue
+    for name in weight_rules(model.model_type):
         source = torch.randn(hf_shape(model, name), generator=gen)
         _check_weight(model, tp, name, source)
 
 
-@given(model_and_tp(), st.sampled_from(sorted(REPLICATED)))
+@given(model_and_tp(), st.data())
 @SETTINGS
-def test_replicated_weights_are_whole_copies(case, name):
-    """Norm weights are Split(None) on every rank and read_shard returns an equal tensor that
-    does not share the source's storage."""
+def test_replicated_weights_are_whole_copies(case, data):
+    """Norm weights (and the router) are Split(None) on every rank and read_shard returns an
+    equal tensor that does not share the source's storage."""
     model, tp = case
-    if name == "router" and not model.num_experts:
-        return  # a dense model has no router
+    name = data.draw(st.sampled_from(sorted(replicated(model.model_type))))
     source = torch.randn(hf_shape(model, name))
     for s in shards(model, tp):
         split = weight_split(s, name)
@@ -319,3 +319,17 @@ def test_smollm2_weights_per_rank():
     assert whole > 130_000_000
     for rank in range(2):
         assert _rank_elements(model, 2, rank) <= 0.55 * whole
+
+
+def test_family_rules_extend_the_shared_ones():
+    """A family's own weights get its registry entry's rules, beside the shared ones, and no
+    family redefines a shared weight; a weight of another family has no rule here."""
+    for model_type, family in FAMILIES.items():
+        assert not set(family.shard_rules) & (set(WEIGHT_RULES) | REPLICATED), model_type
+        assert not family.replicated & (set(WEIGHT_RULES) | REPLICATED), model_type
+        assert weight_rules(model_type) == WEIGHT_RULES | dict(family.shard_rules)
+    assert weight_rules("qwen3_moe")["experts_down"] == ("expert_intermediate", 2) and "router" in replicated("mixtral")
+    assert {"post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"} <= replicated("gemma3_text")
+    shard = rank_shard(llama(heads=4, kv=2, head_dim=4, intermediate=8, vocab=16), 2, 0)
+    with pytest.raises(ConfigError, match="'experts_gate' of model_type='llama' has no tensor-parallel rule.*shard_rules"):
+        weight_split(shard, "experts_gate")
