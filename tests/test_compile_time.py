@@ -113,7 +113,7 @@ def test_failed_worker_is_reported_and_its_graphs_built_here(monkeypatch, tmp_pa
     hf = tiny_hf_model("llama", seed=21)
     plan = tiny_plan(hf, "inductor", **LADDERS)
     monkeypatch.setenv(compile_workers.ENV_VAR, "1")
-    monkeypatch.setattr(compile_workers, "_WORKER_MAIN", "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)")
+    monkeypatch.setattr(compile_workers, "WORKER_MAIN", "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)")
     built = []
 
     class Bar:
@@ -141,7 +141,7 @@ def test_waiting_for_a_worker_says_for_what(monkeypatch, tmp_path):
     hf = tiny_hf_model("llama", seed=21)
     plan = tiny_plan(hf, "inductor", **LADDERS)
     monkeypatch.setenv(compile_workers.ENV_VAR, "1")
-    monkeypatch.setattr(compile_workers, "_WORKER_MAIN", (
+    monkeypatch.setattr(compile_workers, "WORKER_MAIN", (
         "import pickle, sys, time; job = pickle.load(open(sys.argv[1], 'rb')); "
         "[print('done', *key, 0.1, flush=True) for key in job['keys']]; time.sleep(2.5); sys.exit(3)"))
     shown = []

@@ -124,11 +124,11 @@ def test_docs_name_files_and_modules_that_exist():
 
 
 def test_name_checker_finds_missing_names():
-    text = ("`scripts/soak.py` `graphs/phases.py` `neuronfx/graphs/<model_type>.py` `neuronfx.config.inputs.describe` "
+    text = ("`scripts/soak.py` `graphs/phases/decode.py` `neuronfx/graphs/models/<model_type>.py` `neuronfx.config.inputs.describe` "
             "`neuronfx.compile` `scripts/bench_nothing.py` `runtime/nothing.py` `neuronfx.config.nothing` "
-            "`neuronfx.graphs.ops.NoSuchName` see /docs.")
+            "`neuronfx.graphs.models.ops.NoSuchName` see /docs.")
     assert sorted(p for p in named_paths(text) if not (ROOT / p).exists()) == ["neuronfx/runtime/nothing.py", "scripts/bench_nothing.py"]
-    assert [d for d in DOTTED.findall(text) if not resolves(d)] == ["neuronfx.config.nothing", "neuronfx.graphs.ops.NoSuchName"]
+    assert [d for d in DOTTED.findall(text) if not resolves(d)] == ["neuronfx.config.nothing", "neuronfx.graphs.models.ops.NoSuchName"]
 
 
 def test_readme_fits_on_a_few_screens():

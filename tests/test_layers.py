@@ -1,8 +1,10 @@
-"""The layers import one way and no module imports itself back through others.
+"""The layers import one way, no module imports itself back through others, and no module
+reaches into another's private names.
 
-config <- graphs <- runtime <- io (checkpoints, gguf_file, weights, artifacts, cache) <- api <- (cli, bench, accuracy, server, the package).
-Every import counts, lazy ones inside functions included; ``errors``, ``memory`` and ``version``
-are leaves anyone may import.
+errors, memory, version (leaves) < config < graphs.models < graphs.phases, graphs.kernels <
+graphs.backends < runtime < io < api < the package, server < bench < cli. Every import counts,
+lazy ones inside functions included. The model math (phases) and the kernels never import each
+other: a backend hands the kernels to the math through ``Ops``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ ROOT = Path(neuronfx.__file__).parent
 
 RANKS = {
     "neuronfx.version": 0, "neuronfx.errors": 0, "neuronfx.memory": 0,
-    "neuronfx.config": 1, "neuronfx.graphs": 2, "neuronfx.runtime": 3,
-    "neuronfx.io": 4,
-    "neuronfx.api": 5, "neuronfx.cli": 6, "neuronfx.server": 6, "neuronfx.bench": 6, "neuronfx.accuracy": 6, "neuronfx": 6,
+    "neuronfx.config": 1,
+    "neuronfx.graphs": 2, "neuronfx.graphs.models": 2, "neuronfx.graphs.phases": 3, "neuronfx.graphs.kernels": 3,
+    "neuronfx.graphs.backends": 4,
+    "neuronfx.runtime": 5, "neuronfx.io": 6, "neuronfx.api": 7,
+    "neuronfx": 8, "neuronfx.__main__": 10, "neuronfx.server": 8, "neuronfx.bench": 9, "neuronfx.cli": 10,
 }
+
+FORBIDDEN = {("neuronfx.graphs.phases", "neuronfx.graphs.kernels"), ("neuronfx.graphs.kernels", "neuronfx.graphs.phases")}
+"""Pairs of packages of one rank that must not import each other."""
 
 
 def module_name(path: Path) -> str:
@@ -99,11 +106,6 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_layers_import_downwards_only():
-    upward = [(m, dep) for m, deps in graph().items() for dep in deps if rank(dep) > rank(m)]
-    assert not upward, f"upward imports (module -> imported): {upward}"
-
-
 def test_every_module_has_a_layer():
     for name in modules():
         rank(name)
@@ -150,3 +152,63 @@ def test_family_registry_names_its_files():
         assert isinstance(module.MATH, FamilyMath) and family_math(model_type) is module.MATH
         assert callable(module.MATH.key_map) and callable(module.MATH.layer_shapes) and callable(module.MATH.decoder_layer)
     assert not any((ROOT / "graphs" / "models" / f"{t}.py").exists() for t in MODEL_REMAPPING)
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported) pairs that import a higher rank or a forbidden sibling."""
+    def package(m: str, prefix: str) -> bool:
+        return m == prefix or m.startswith(prefix + ".")
+
+    return [(m, dep) for m, deps in edges.items() for dep in deps
+            if rank(dep) > rank(m) or any(package(m, a) and package(dep, b) for a, b in FORBIDDEN)]
+
+
+def test_upward_imports_are_found():
+    """A planted upward import (config -> runtime) and a phases -> kernels import both fail."""
+    assert upward_imports({"neuronfx.config.plan": {"neuronfx.runtime.steps"}}) == [("neuronfx.config.plan", "neuronfx.runtime.steps")]
+    assert upward_imports({"neuronfx.graphs.phases.prefill": {"neuronfx.graphs.kernels.library"}})
+    assert not upward_imports({"neuronfx.graphs.backends.eager": {"neuronfx.graphs.kernels.library", "neuronfx.config.plan"}})
+
+
+def test_layers_import_downwards_only_and_siblings_stay_apart():
+    assert not upward_imports(graph()), f"upward imports (module -> imported): {upward_imports(graph())}"
+
+
+def private_uses(source: str) -> list[str]:
+    """``from neuronfx.x import _name`` and ``<neuronfx module>._name`` (attribute, or
+    ``setattr(module, "_name", ...)`` as monkeypatch writes it) in ``source``: reaching into
+    another module's private names. Dunder names (``__version__``) are public by convention."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    tree, found, modules_ = ast.parse(source), [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "neuronfx":
+            found += [f"from {node.module} import {a.name}" for a in node.names if private(a.name)]
+            modules_ |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            modules_ |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "neuronfx"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and ast.unparse(node.value).split(".")[0] in modules_:
+            found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("setattr") and len(node.args) >= 2
+              and ast.unparse(node.args[0]).split(".")[0] in modules_ and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and private(node.args[1].value)):
+            found.append(f"{ast.unparse(node.args[0])}.{node.args[1].value}")
+    return found
+
+
+NAMED_TUPLE_API = {"_fields", "_replace", "_asdict", "_make"}
+
+
+def test_private_uses_are_found():
+    planted = ("from neuronfx.runtime.state import _Lease\nfrom neuronfx.runtime import steps\n"
+               "steps._follow_draft(1)\nmonkeypatch.setattr(steps, '_one_token_each', None)\nfrom neuronfx.version import __version__\n")
+    assert sorted(private_uses(planted)) == ["from neuronfx.runtime.state import _Lease", "steps._follow_draft", "steps._one_token_each"]
+
+
+def test_no_module_or_test_uses_another_modules_private_names():
+    tests = Path(__file__).parent
+    found = {str(p): uses for p in [*ROOT.rglob("*.py"), *tests.rglob("*.py")] if p != Path(__file__)
+             and (uses := [u for u in private_uses(p.read_text()) if u.rsplit(".", 1)[-1] not in NAMED_TUPLE_API])}
+    assert not found, f"private names used across modules (make them public or move the caller): {found}"

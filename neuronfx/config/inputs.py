@@ -199,7 +199,7 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
 
 def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
-    row a tensor in call order: field, shape, dtype, what it holds (the README shows it)."""
+    row a tensor in call order: field, shape, dtype, what it holds (docs/design.md shows it)."""
     tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
               "ChunkInputs": "T = prefill_chunk_size"}
     out = []

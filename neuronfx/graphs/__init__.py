@@ -10,5 +10,6 @@ them, as four subpackages ranked one way (``tests/test_layers.py`` enforces it):
 - ``backends``: the backend table and each backend (eager, export, inductor with its compile
   workers and CUDA graphs, neuron).
 
-models < phases < kernels < backends: each imports only those before it.
+models < phases, kernels < backends: each imports only those before it; phases and kernels
+never import each other (a backend hands the kernels to the math as ``Ops``).
 """

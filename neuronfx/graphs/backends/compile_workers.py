@@ -187,7 +187,7 @@ class Worker:
         self.log = self.out / "log.txt"
         self.seconds: dict[tuple, float] = {}
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(job)],
+            self.proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(job)],
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env())
         self.reader = threading.Thread(target=self._read, name=f"neuronfx-compile-worker-{index}", daemon=True)
         self.reader.start()
@@ -346,5 +346,5 @@ def work(job_path: str) -> None:
           f"compiler {used[1].ru_utime + used[1].ru_stime:.1f} s", file=sys.stderr)
 
 
-_WORKER_MAIN = "import sys; from neuronfx.graphs.backends.compile_workers import work; work(sys.argv[1])"
+WORKER_MAIN = "import sys; from neuronfx.graphs.backends.compile_workers import work; work(sys.argv[1])"
 """The worker's program (``python -c``, so that this module is imported once, under its name)."""

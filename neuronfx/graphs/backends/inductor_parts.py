@@ -103,8 +103,8 @@ def inductor_options(plan: Plan) -> dict:
     the part's kernel calls and buffer handling run as compiled C++ instead of a Python
     function, and the ``neuronfx::`` ops are called through the dispatcher (each returns
     tensors, not lists, so none calls back into Python). A SmolLM2 Q4_1 decode step was 1.05x
-    and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds,
-    ``scripts/bench_cpp_wrapper.py``); a cold compile took about as long (51.9 s against 51.5 s).
+    and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds, 2026-11;
+    the script has since gone); a cold compile took about as long (51.9 s against 51.5 s).
     CUDA plans keep the Python wrapper their CUDA-graph capture was written against, and
     tensor-parallel plans too: the C++ wrapper cannot call the functional collectives (torch
     2.13: "arg type Any is not yet supported by custom_op_wrapper")."""

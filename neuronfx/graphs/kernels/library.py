@@ -4,7 +4,7 @@
 :data:`SMALL_GEMM_MAX_ROWS` rows of x, weights fp32, bf16 or fp16 of shape (N, K), fp32
 accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights against the same x in
 one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
-step, and torch's GEMM paths stream them slowly at M <= 8 (see the README's Backends figures);
+step, and torch's GEMM paths stream them slowly at M <= 8 (see docs/performance.md);
 this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
 Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
