@@ -65,13 +65,31 @@ def test_commands_and_benchmarks_are_one_module_each():
 
 
 @pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["compile"], ["plan"], ["cache", "list"], ["check-accuracy"],
-                                  ["bench"], ["bench-serving"], *[["bench", name] for name in (
+                                  ["env"], ["bench"], ["bench-serving"], *[["bench", name] for name in (
                                       "latency", "serving", "throughput", "speculative", "tensor-parallel", "weight-formats",
                                       "prefix-caching", "chunked-prefill", "async", "moe", "kernels", "artifacts")]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--help"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith(f"usage: neuronfx {' '.join(argv)}".rstrip())
+
+
+def test_env_reports_this_machine(capsys, monkeypatch):
+    import platform
+
+    import torch
+    import transformers
+
+    from neuronfx.io import checkpoints
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert main(["env", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert (found["torch"], found["transformers"], found["python"]) == (torch.__version__, transformers.__version__,
+                                                                         platform.python_version())
+    assert found["OMP_NUM_THREADS"] == "2" and found["torch_threads"] == torch.get_num_threads()
+    assert found["cuda_devices"] == [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    assert found["default_model"] == checkpoints.default_model_path()
 
 
 @pytest.fixture(scope="module")

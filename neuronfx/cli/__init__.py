@@ -8,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from neuronfx.cli import bench, bench_serving, cache, chat, check_accuracy, generate, plan, serve
+from neuronfx.cli import bench, bench_serving, cache, chat, check_accuracy, env, generate, plan, serve
 from neuronfx.cli import compile as compile_command
 from neuronfx.cli.launch import launch_ranks, quiet_other_ranks, rank_tag
 from neuronfx.cli.types import Subcommand
@@ -16,7 +16,7 @@ from neuronfx.errors import NeuronfxError
 from neuronfx.runtime.distributed import under_launcher
 
 COMMANDS: tuple[Subcommand, ...] = (generate.COMMAND, chat.COMMAND, serve.COMMAND, compile_command.COMMAND, plan.COMMAND,
-                                    cache.COMMAND, check_accuracy.COMMAND, bench.COMMAND, bench_serving.COMMAND)
+                                    cache.COMMAND, check_accuracy.COMMAND, bench.COMMAND, bench_serving.COMMAND, env.COMMAND)
 
 DESCRIPTION = ("neuronfx runs decoder-only LLMs as a fixed set of static-shape graphs (one per phase and bucket): generate and "
                "chat at the command line, serve over OpenAI's HTTP API, compile and cache runtimes, check accuracy against "
