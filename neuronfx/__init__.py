@@ -10,7 +10,7 @@ Typical use::
 
 from neuronfx import errors
 from neuronfx.api import compile, launch, load, push_to_hub, save
-from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, make_plan
+from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, StructuredOutputs, make_plan
 from neuronfx.runtime import (
     ChunkBatch,
     DecodeBatch,
@@ -43,7 +43,8 @@ from neuronfx.version import __version__
 
 __all__ = [
     "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
-    "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "TokenEvent",
+    "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "StructuredOutputs",
+    "TokenEvent",
     "__version__", "chunk_step", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
     "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

@@ -479,3 +479,30 @@ def chunked_prefill(rt, state, slots, prompts, size, sampling=GREEDY):
             else:
                 assert state.generated[slots[r]] == 0 and state.live[slots[r]]
     return tokens, logits, state
+
+
+def _byte_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet of the tokenizers library)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_tokenizer() -> object:
+    """A byte-level fast tokenizer (built in-process, no merges) for the tiny models' vocabulary
+    of 256: token b is byte b for b in 1..255, token 0 is ``<eos>`` (byte 0 cannot be written).
+    Any ASCII text encodes and decodes exactly, so regex and JSON constraints can be satisfied."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    b2u = _byte_unicode()
+    tok = Tokenizer(models.BPE(vocab={"<eos>": 0, **{b2u[b]: b for b in range(1, 256)}}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")

@@ -83,6 +83,16 @@ def test_async_decode(chat_dir, capsys):
     assert data["sync"]["graph_p50_ms"] > 0 and data["sync"]["host_gap_p50_ms"] > 0
 
 
+def test_structured(chat_dir, capsys):
+    """Both modes are timed; the constrained request's text is JSON (a prefix of it when the
+    token budget ran out first) and the matcher's host time is measured."""
+    data = run_json(capsys, "structured", "--model", str(chat_dir), "--backend", "eager", "--gen-len", "6", "--rounds", "1")
+    assert 2 <= data["unconstrained"]["tokens"] == max(2, data["json_schema"]["tokens"]) <= 6  # the same lengths
+    assert data["json_schema"]["decode_tok_s"] > 0 and data["unconstrained"]["decode_tok_s"] > 0
+    assert data["ratio"] == data["json_schema"]["decode_tok_s"] / data["unconstrained"]["decode_tok_s"]
+    assert data["json_text"].startswith('{"') and data["host_ms_per_constrained_token"] > 0
+
+
 def test_moe(capsys):
     """Batch 1 gathers its 2 experts, batch 8 runs all 8; the bytes per token follow from the shapes
     (fp32; per layer 166,400 attention, norm and router weights and 3 x 512 x 256 per expert)."""

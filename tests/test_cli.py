@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import tiny_hf_model
+from helpers import byte_tokenizer, tiny_hf_model
 
 from neuronfx.cli import main
 
@@ -37,6 +37,9 @@ from neuronfx.cli import main
         (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
+        (["--json-schema", "/nonexistent/schema.json"], "InputError"),
+        (["--grammar", "/nonexistent/grammar.lark"], "InputError"),
+        (["--json-schema", __file__], "SamplingParamsError"),  # not JSON
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, error, capsys):
@@ -114,6 +117,26 @@ OPTIONS = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--freque
 def run_json(capsys, *args: str) -> dict:
     assert main(["generate", *args, "--json"]) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)
+
+
+def test_generate_structured_options(tmp_path, capsys):
+    """--choice / --regex / --json-schema / --grammar through a tiny llama with a byte-level tokenizer."""
+    tiny_hf_model("llama", seed=3).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "schema.json").write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                      "required": ["ok"], "additionalProperties": False}))
+    (tmp_path / "g.lark").write_text('start: "a" | "bb"')
+    base = ["--model", str(tmp_path), "--prompt", "hi", "--backend", "eager", "--max-new-tokens", "20", "--batch-size", "1",
+            "--max-context-length", "32", "--sequence-length", "64"]
+    for flags, check in [(["--choice", "red", "green"], lambda t: t in ("red", "green")),
+                         (["--regex", "[0-9]{4}"], lambda t: len(t) == 4 and t.isdigit()),
+                         (["--json-schema", str(tmp_path / "schema.json")], lambda t: json.loads(t) in ({"ok": True}, {"ok": False})),
+                         (["--grammar", str(tmp_path / "g.lark")], lambda t: t in ("a", "bb"))]:
+        out = run_json(capsys, *base, *flags)
+        assert check(out["text"]) and out["finish_reason"] == "stop", (flags, out["text"])
+    with pytest.raises(SystemExit) as info:  # mutually exclusive: argparse refuses
+        main(["generate", *base, "--choice", "a", "--regex", "b"])
+    assert info.value.code == 2 and "not allowed with argument --choice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft", [["--draft-layers", "1"], ["--draft-model", "MODEL"]], ids=["self", "draft-model"])

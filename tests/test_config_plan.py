@@ -204,7 +204,7 @@ def test_inference_limits_inclusive():
 # make_plan
 # ---------------------------------------------------------------------------------------------
 
-SAMPLER_INPUTS = ("sampling_params", "output_counts", "prompt_mask", "logits_bias", "rand")
+SAMPLER_INPUTS = ("sampling_params", "output_counts", "prompt_mask", "logits_bias", "rand", "token_bitmask")
 PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "prompt_lens", *SAMPLER_INPUTS)
 DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", *SAMPLER_INPUTS)
 
@@ -229,6 +229,7 @@ def test_make_plan_defaults():
         TensorSpec("prompt_mask", (3, 1000), "bool"),
         TensorSpec("logits_bias", (3, 1000), "float32"),
         TensorSpec("rand", (3,), "float32"),
+        TensorSpec("token_bitmask", (3, 32), "int32"),  # ceil(1000 / 32) words
     )
     prefill = plan.graph("prefill", 3, 256)
     assert (prefill.phase, prefill.bucket, prefill.batch_size) == ("prefill", 256, 3)

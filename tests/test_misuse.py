@@ -27,12 +27,12 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from helpers import GREEDY, TINY, VOCAB, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, TINY, VOCAB, byte_tokenizer, kv_tensors, random_prompt, tiny_hf_model, tiny_runtime
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import Gemma3Config, Gemma3TextConfig, GPT2Config, Llama4Config, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 import neuronfx
-from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, make_plan
+from neuronfx import DecodeBatch, InferenceConfig, ModelConfig, PrefillBatch, Request, SamplingParams, StructuredOutputs, make_plan
 from neuronfx.bench.accuracy import check_accuracy, reference_model
 from neuronfx.bench.serving_client import ServingRequest, bench_server, parse_server, text_workload
 from neuronfx.bench.workload import check_range
@@ -306,6 +306,11 @@ def request(prompt, max_tokens=4, sampling=GREEDY):
 
 MAX_SEED = 2**63 - 1
 SP = SamplingParams
+SO = StructuredOutputs
+
+
+def byte_tok(c):
+    return c.extras["byte_tokenizer"]
 
 CASES: dict[str, Case] = {
     # --- configs and plans ----------------------------------------------------------------------
@@ -640,6 +645,23 @@ CASES: dict[str, Case] = {
                                           ("stop='zz'", "cannot be produced", "'w0'", "fix the stop string")),
     "generate-async-decode-not-bool": Case(InputError, "`generate(..., async_decode=\"yes\")`",
                                            lambda c: gen(c, [[1, 2]], async_decode="yes"), ("async_decode='yes'", "True or False")),
+    "structured-without-tokenizer": Case(InputError, "`SamplingParams(structured=StructuredOutputs(regex=...))` without a tokenizer",
+                                         lambda c: gen(c, [[1]], sampling=SP(structured=SO(regex="a+"))),
+                                         ("SamplingParams.structured (regex)", "tokenizer=")),
+    "structured-invalid-schema": Case(SamplingParamsError, "a JSON schema llguidance rejects (`{\"type\": \"foo\"}`)",
+                                      lambda c: gen(c, [[1]], sampling=SP(structured=SO(json={"type": "foo"})), tokenizer=byte_tok(c)),
+                                      ("StructuredOutputs.json=", "Invalid type: foo", "fix the spec")),
+    "structured-bad-regex": Case(SamplingParamsError, "`StructuredOutputs(regex=\"((\")`",
+                                 lambda c: gen(c, [[1]], sampling=SP(structured=SO(regex="((")), tokenizer=byte_tok(c)),
+                                 ("StructuredOutputs.regex='(('", "unclosed group", "fix the spec")),
+    "structured-empty-choice": Case(SamplingParamsError, "`StructuredOutputs(choice=[])`",
+                                    lambda c: SO(choice=[]), ("StructuredOutputs.choice=()", "non-empty list")),
+    "structured-no-first-token": Case(SamplingParamsError, "a grammar no token of the tokenizer can start (`start: \"\\x00\"`)",
+                                      lambda c: gen(c, [[1]], sampling=SP(structured=SO(grammar='start: "\\x00"')), tokenizer=byte_tok(c)),
+                                      ("StructuredOutputs.grammar=", "allows no token at the first step", "fix the spec")),
+    "structured-step-without-matcher": Case(InputError, "a DecodeBatch row with `structured` but no `constraints` matcher",
+                                            lambda c: decode(c, D([0], [1], [SP(structured=SO(regex="a+"))])),
+                                            ("row 0 has SamplingParams.structured (regex)", "constraints=", "grammars.matcher")),
     "overlap-step-bad-budget": Case(InputError, "`overlap_step(..., max_num_batched_tokens=0)` (raised before the state is handed over)",
                                     lambda c: overlap_step(c.rt, c.state, Queue(), frozenset(), max_num_batched_tokens=0),
                                     ("max_num_batched_tokens=0", "int >= 1")),
@@ -830,7 +852,7 @@ def extras(hf, rt, tmp_path_factory):
     neuronfx.save(rt, saved)
     foreign = neuronfx.init_state(tiny_runtime(hf, batch_size=2))
     vocab300 = tiny_hf_model("llama", seed=1, vocab_size=300).state_dict()
-    return {"saved": saved, "foreign": foreign, "tokenizer": word_tokenizer(), "vocab300": vocab300}
+    return {"saved": saved, "foreign": foreign, "tokenizer": word_tokenizer(), "vocab300": vocab300, "byte_tokenizer": byte_tokenizer()}
 
 
 def snapshot(state: neuronfx.State) -> tuple:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GREEDY, hf_greedy, hf_last_logits, kv_tensors, random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, byte_tokenizer, hf_greedy, hf_last_logits, kv_tensors, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx import PrefillBatch
@@ -146,3 +146,16 @@ def test_llama4_experts_move_the_logits():
         for layer in hf.model.layers:
             layer.feed_forward.experts.down_proj.zero_()
     assert (ours - hf_last_logits(hf, prompt)).abs().max() > 1e-3
+
+
+def test_inductor_structured_greedy_row_equals_eager(inductor_qwen2):
+    """A regex-constrained greedy row (batch 1) on the shared inductor runtime: the compiled
+    graphs unpack the token bitmask as the eager ones do (tests/test_structured.py has the rest)."""
+    hf, compiled = inductor_qwen2
+    eager = tiny_runtime(hf, batch_size=4)
+    sp = neuronfx.SamplingParams(structured=neuronfx.StructuredOutputs(regex=r"[a-c]{2}-[0-9]{3}"))
+    tok = byte_tokenizer()
+    runs = [neuronfx.generate(rt, neuronfx.init_state(rt), [[5, 6, 7]], max_new_tokens=8, sampling=sp, tokenizer=tok)[0]
+            for rt in (eager, compiled)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[1].finish_reasons == ("stop",)
+    assert len(runs[1].texts[0]) == 6 and runs[1].texts[0][2] == "-"

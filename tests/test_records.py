@@ -29,7 +29,7 @@ def test_every_graph_spec_is_its_phase_record():
         assert [t.name for t in g.inputs] == [f.name for f in fields]
         assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
         tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8}[g.phase]
-        dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7}
+        dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7, "W": 10}
         assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
 
 
@@ -45,7 +45,7 @@ def test_example_inputs_match_their_spec_and_round_trip():
 
 
 def test_from_leaves_counts_tensors():
-    with pytest.raises(InputError, match="DecodeInputs takes 8 tensors, got 2"):
+    with pytest.raises(InputError, match="DecodeInputs takes 9 tensors, got 2"):
         from_leaves(DecodeInputs, [torch.zeros(1), torch.zeros(1)])
 
 

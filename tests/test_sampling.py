@@ -87,13 +87,19 @@ def reference_probs(
     return out
 
 
-def run(logits, params, rand, width, counts=None, prompt=None, bias=None, num_logprobs=0):
-    """sample() with zero counts / empty prompts / zero bias unless given. logits (B, V)."""
+def all_allowed(b: int, v: int) -> torch.Tensor:
+    """The token bitmask of b rows without a constraint: (b, ceil(v / 32)) int32 of -1."""
+    return torch.full((b, -(-v // 32)), -1, dtype=torch.int32)
+
+
+def run(logits, params, rand, width, counts=None, prompt=None, bias=None, num_logprobs=0, bitmask=None):
+    """sample() with zero counts / empty prompts / zero bias / no constraint unless given. logits (B, V)."""
     b, v = logits.shape
     counts = torch.zeros(b, v, dtype=torch.int32) if counts is None else counts
     prompt = torch.zeros(b, v, dtype=torch.bool) if prompt is None else prompt
     bias = torch.zeros(b, v) if bias is None else bias
-    return sample(logits, SamplerInputs(params, counts, prompt, bias, rand), width, num_logprobs)
+    bitmask = all_allowed(b, v) if bitmask is None else bitmask
+    return sample(logits, SamplerInputs(params, counts, prompt, bias, rand, bitmask), width, num_logprobs)
 
 
 def grid(n: int) -> torch.Tensor:
@@ -496,6 +502,7 @@ def test_compiles_fullgraph_static_and_matches_eager():
         torch.rand(b, v, generator=g) < 0.2,
         torch.where(torch.rand(b, v, generator=g) < 0.1, float("-inf"), 0.0),
         torch.rand(b, generator=g),
+        torch.randint(-2**31, 2**31 - 1, (b, -(-v // 32)), generator=g, dtype=torch.int32) | 1,  # a random mask, token 0 allowed
     )
     eager = sample(args[0], SamplerInputs(*args[1:]), width, 3)
 

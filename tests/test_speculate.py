@@ -364,7 +364,7 @@ def test_acceptance_keeps_the_target_distribution_with_penalties(self_rt):
             q = distribution(draft_logits[i], sampler, width)
             drafts[0].append(int(torch.multinomial(q[0], 1, generator=g)))
             samplers.append(sampler)
-        proposal = Proposal(tokens=drafts, logits=draft_logits, samplers=samplers, targets=samplers)
+        proposal = Proposal(tokens=drafts, logits=draft_logits, samplers=samplers, targets=samplers, masks=[None] * k)
         u = Uniforms(draft=torch.zeros(1, k - 1), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
         hits[accept(self_rt, self_rt.plan.topk_width, rows, proposal, target, u)[0][0]] += 1
     assert hits[expected == 0].sum() == 0  # never a token the target's sampler drops

@@ -17,6 +17,7 @@ from neuronfx.bench import (
     prefix_caching,
     serving,
     speculative,
+    structured,
     tensor_parallel,
     throughput,
     weight_formats,
@@ -26,5 +27,5 @@ from neuronfx.bench.types import Benchmark
 BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
-    kernels.BENCHMARK, artifacts.BENCHMARK,
+    kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK,
 )

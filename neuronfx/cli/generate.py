@@ -1,6 +1,7 @@
 """``neuronfx generate``: run prompts (raw text or chat messages) through the compiled graphs
 of a checkpoint or a saved runtime; print the text (or stream it) and a timing line, or one
-JSON object."""
+JSON object. ``--json-schema FILE | --regex R | --choice A B ... | --grammar FILE`` constrain
+the output (structured outputs)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from neuronfx.cli.options import (
     add_draft_options,
     add_plan_options,
     add_sampling_options,
+    add_structured_options,
     check_cli_flags,
     check_cli_limits,
     check_request_options,
     inference_from_args,
+    structured_from_args,
 )
 from neuronfx.cli.types import Subcommand
 from neuronfx.errors import InputError
@@ -36,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", action="append", help="raw prompt text; repeat for a batch")
     src.add_argument("--chat", action="append", help="user message, wrapped in the model's chat template; repeat for a batch")
     add_sampling_options(p, max_new_tokens=64)
+    add_structured_options(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's eos")
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="return the top-N raw logprobs of every token (JSON)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -92,7 +96,7 @@ def run_generate(args: argparse.Namespace) -> dict:
     (slow) load so a typo fails at once; timings exclude load and compile."""
     check_generate_flags(args)
     saved, inference = plan_inference(args)
-    sampling = check_request_options(args, inference)
+    sampling = attrs.evolve(check_request_options(args, inference), structured=structured_from_args(args))
     loaded = load_runtime(args, saved, inference, progress=not args.json)
     runtime = with_draft_model(args, loaded.runtime, inference, progress=not args.json)
     prompts = prompt_ids(loaded.tokenizer, args)

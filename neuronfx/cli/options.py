@@ -18,6 +18,7 @@ from neuronfx.config.inference import (
     InferenceConfig,
 )
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
+from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError
 
 MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
@@ -44,6 +45,36 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
     p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
+
+
+def add_structured_options(p: argparse.ArgumentParser) -> None:
+    """--json-schema FILE | --regex R | --choice A B ... | --grammar FILE (mutually exclusive):
+    the output must match it (``SamplingParams.structured``; docs/usage/structured-outputs.md)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON valid against this JSON schema file")
+    group.add_argument("--regex", metavar="R", default=None, help="the output matches this regular expression")
+    group.add_argument("--choice", nargs="+", metavar="TEXT", default=None, help="the output is exactly one of these strings")
+    group.add_argument("--grammar", metavar="FILE", default=None, help="the output matches this Lark (or GBNF) grammar file")
+
+
+def structured_from_args(args: argparse.Namespace) -> StructuredOutputs | None:
+    """The StructuredOutputs of --json-schema / --regex / --choice / --grammar, or None. Reads
+    the files: InputError for one that cannot be read, SamplingParamsError for a schema that is
+    not JSON (before any model loads)."""
+    for flag, kind in (("json_schema", "json"), ("grammar", "grammar")):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                text = Path(path).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InputError(f"--{flag.replace('_', '-')} {path!r} cannot be read ({exc.__class__.__name__}: {exc}); "
+                                 "give a readable text file.") from None
+            return StructuredOutputs(**{kind: text})
+    if args.regex is not None:
+        return StructuredOutputs(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputs(choice=args.choice)
+    return None
 
 
 def add_async_option(p: argparse.ArgumentParser) -> None:

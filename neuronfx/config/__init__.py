@@ -10,6 +10,7 @@ from neuronfx.config.model import ModelConfig, RopeScaling
 from neuronfx.config.plan import GraphSpec, Plan, TensorSpec, make_plan
 from neuronfx.config.sampling import SamplingParams, check_sampling, pack_sampling
 from neuronfx.config.serialization import plan_from_json, plan_to_json, structure, unstructure
+from neuronfx.config.structured import StructuredOutputs
 
 __all__ = [
     "FAMILIES",
@@ -28,6 +29,7 @@ __all__ = [
     "SamplerInputs",
     "SamplingParams",
     "SpeculateInputs",
+    "StructuredOutputs",
     "TensorSpec",
     "check_sampling",
     "chunk_access",

@@ -12,7 +12,8 @@ cache (per layer a named K and V, ``neuronfx.graphs.phases.inputs.LayerKV``).
 Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (prefill: the
 prompt bucket; decode and draft: 1; speculate: ``speculation_length``; chunk:
 ``prefill_chunk_size``), ``V`` vocabulary size,
-``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``).
+``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``), ``W`` = ceil(V / 32) words of
+a token bitmask.
 
 Modelled on vLLM's ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``): a plain record with a
 shape comment per field, from which dummy inputs are made.
@@ -53,6 +54,8 @@ class SamplerInputs(NamedTuple):
     prompt_mask: Annotated[Tensor, "B V", "bool", "token occurs in the row's prompt (repetition penalty)"]  # (B, V)
     logits_bias: Annotated[Tensor, "B V", "float32", "added to the logits (-inf holds eos back: min_tokens)"]  # (B, V)
     rand: Annotated[Tensor, "B", "float32", "uniform in [0, 1) for the row's draw"]  # (B,)
+    token_bitmask: Annotated[Tensor, "B W", "int32",
+                             "allowed tokens: bit j of word w allows token 32w + j (-1: all; structured outputs)"]  # (B, W)
 
 
 class PrefillInputs(NamedTuple):

@@ -17,7 +17,7 @@ from neuronfx.errors import ConfigError
 
 PHASES = ("prefill", "decode", "speculate", "draft", "chunk")
 
-__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "make_plan", "plan_for_rank", "step_inputs"]
+__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
 
 
 @attrs.frozen(kw_only=True)
@@ -133,8 +133,14 @@ def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, specu
     ``prefill_chunk_size``), V = ``vocab_size``."""
     tokens = {"bucket": bucket, "speculation_length": speculation_length,
               "prefill_chunk_size": prefill_chunk_size}.get(PHASE_TOKENS[phase], 1)
-    dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS}
+    dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS, "W": bitmask_words(vocab_size)}
     return input_specs(PHASE_INPUTS[phase], dims)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """W, the int32 words of a token bitmask row over ``vocab_size`` tokens: ceil(V / 32) (the
+    layout llguidance and xgrammar share)."""
+    return -(-vocab_size // 32)
 
 
 def check_prefix_rope(model: ModelConfig, inference: InferenceConfig) -> None:

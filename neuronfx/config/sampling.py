@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import SamplingParamsError
 
 GREEDY_TEMPERATURE = 1e-5
@@ -99,6 +100,11 @@ class SamplingParams:
     - ``ignore_eos``: keep generating after EOS.
     - ``logprobs``: None, or N >= 0: return the sampled token's logprob and the top-N raw
       logprobs (at most the compiled ``max_logprobs``).
+    - ``structured``: None, or a :class:`~neuronfx.config.structured.StructuredOutputs`: the
+      generated text must match a JSON schema, regex, choice or grammar (vLLM's
+      ``structured_outputs``). It lives here, with the other per-request rules of what may be
+      sampled, so it reaches every path SamplingParams reaches (generate, the scheduler, the
+      step API, the server) without a parallel argument.
 
     Construction validates every field on its own (types, ranges, ``min_tokens <= max_tokens``)
     and raises SamplingParamsError naming the field, the value and the rule; what depends on a
@@ -131,6 +137,8 @@ class SamplingParams:
     logprobs: int | None = attrs.field(default=None, validator=_rule(
         lambda v: v is None or (_is_int(v) and v >= 0), "must be None or an int >= 0."))
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_rule(lambda v: isinstance(v, bool), "must be a bool."))
+    structured: StructuredOutputs | None = attrs.field(default=None, validator=_rule(
+        lambda v: v is None or isinstance(v, StructuredOutputs), "must be None or a neuronfx.StructuredOutputs."))
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

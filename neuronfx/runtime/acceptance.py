@@ -96,16 +96,18 @@ class RowFacts:
     prompt_mask: Tensor  # (n, V) bool
 
 
-def position_sampler(runtime: Runtime, rows: RowFacts, drafts: Sequence[Sequence[int]], i: int, rand: Tensor) -> SamplerInputs:
+def position_sampler(runtime: Runtime, rows: RowFacts, drafts: Sequence[Sequence[int]], i: int, rand: Tensor,
+                     bitmask: Tensor | None = None) -> SamplerInputs:
     """The sampler inputs (n rows) for the token at speculated position ``i``: output counts
-    including drafts d_1..d_i (the tokens emitted before it when they are accepted) and the
-    min_tokens bias at index generated + i."""
+    including drafts d_1..d_i (the tokens emitted before it when they are accepted), the
+    min_tokens bias at index generated + i and the position's token bitmask ((n, W) int32 or
+    None: every token allowed)."""
     counts = rows.counts.clone()
     for r, row in enumerate(drafts):
         for t in row[:i]:
             counts[r, t] += 1
     bias = min_tokens_bias(runtime, rows.params, [g + i for g in rows.generated])
-    return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params))
+    return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params), bitmask)
 
 
 def stack_samplers(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
@@ -117,13 +119,15 @@ def stack_samplers(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
 class Proposal:
     """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
     logits (n, V), the sampler inputs (n rows) it drew with, from which q is computed, and the
-    target's sampler inputs at that position (the same counts and bias, ``top_k`` packed for the
-    target's width), which acceptance reuses."""
+    target's sampler inputs at that position (the same counts, bias and bitmask, ``top_k``
+    packed for the target's width), which acceptance reuses; ``masks``: the token bitmask
+    ((n, W) int32, or None) of each of the k positions, the last for the bonus token."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
     samplers: list[SamplerInputs]
     targets: list[SamplerInputs]
+    masks: list[Tensor | None]
 
 
 def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
@@ -133,7 +137,8 @@ def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposa
     the sampler inputs of each position."""
     n, k = logits.shape[:2]
     drafts = proposal.tokens
-    stacked = stack_samplers([*proposal.targets, position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n))])
+    last = position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n), proposal.masks[k - 1])
+    stacked = stack_samplers([*proposal.targets, last])
     flat_logits = logits.reshape(n * k, -1)
     argmax = penalized_logits(flat_logits, stacked).argmax(-1).reshape(n, k).tolist()
     p = q = None

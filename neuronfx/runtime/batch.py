@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from neuronfx.config.inputs import SamplerInputs, check_inputs, dense_strides
+from neuronfx.config.plan import bitmask_words
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.device import device_scope, plan_device, to_device, to_host
@@ -82,16 +83,21 @@ def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generate
 
 
 def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: Tensor, prompt_mask: Tensor, bias: Tensor,
-                   rand: Tensor, bsz: int) -> SamplerInputs:
+                   rand: Tensor, bsz: int, bitmask: Tensor | None = None) -> SamplerInputs:
     """The sampler's record for ``len(params)`` real rows, padded to ``bsz`` rows (greedy, zero
-    counts, mask, bias and rand). ``counts`` (n, V) int32, ``prompt_mask`` (n, V) bool, ``bias``
-    (n, V) float32, ``rand`` (n,) float32; n <= rows <= bsz of each is used as given."""
+    counts, mask, bias and rand, all tokens allowed). ``counts`` (n, V) int32, ``prompt_mask``
+    (n, V) bool, ``bias`` (n, V) float32, ``rand`` (n,) float32, ``bitmask`` (n, W) int32 or
+    None (no row constrained: all ones, -1); n <= rows <= bsz of each is used as given."""
     width = runtime.plan.topk_width
     rows = pack_sampling(params, width) + pack_sampling([SamplingParams()] * (bsz - len(params)), width)
+    words = bitmask_words(runtime.plan.model.vocab_size)
+    allowed = torch.full((bsz, words), -1, dtype=torch.int32)
+    if bitmask is not None:
+        allowed[: bitmask.shape[0]] = bitmask
     return SamplerInputs(
         sampling_params=torch.tensor(rows, dtype=torch.float32),
         output_counts=_pad_rows(counts, bsz), prompt_mask=_pad_rows(prompt_mask, bsz),
-        logits_bias=_pad_rows(bias, bsz), rand=_pad_rows(rand, bsz),
+        logits_bias=_pad_rows(bias, bsz), rand=_pad_rows(rand, bsz), token_bitmask=allowed,
     )
 
 

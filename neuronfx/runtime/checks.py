@@ -26,6 +26,7 @@ from neuronfx.errors import (
 )
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State
+from neuronfx.runtime.structured import check_constraints
 
 
 def row_values(field: str) -> Callable[[object], tuple]:
@@ -150,3 +151,4 @@ def check_decode(runtime: Runtime, state: State, batch: object, kind: type) -> N
     check_slots(state, batch.seq_ids, live=True)
     check_token_ids(batch.input_ids, runtime.plan.model.vocab_size)
     check_params(runtime, batch.sampling)
+    check_constraints(batch.constraints, batch.sampling)

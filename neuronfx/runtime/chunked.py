@@ -23,6 +23,7 @@ from neuronfx.runtime.checks import check_batch, check_params, check_rows, check
 from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_rows, token_step
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State
+from neuronfx.runtime.structured import Constraints, check_constraints, constraint_rows
 
 
 def _optional_rows(value: object) -> tuple | None:
@@ -38,6 +39,8 @@ class ChunkBatch:
     ``prompt_lens[b]`` (optional): the row's whole prompt length, which a model with a
     length-dependent RoPE (dynamic, longrope) needs on every chunk to rotate as an unchunked
     prefill would; None: each row's cache_len + len(chunk) (exact for every other model).
+    ``constraints`` (structured outputs): as ``PrefillBatch``'s; a final row's token obeys its
+    matcher's mask (read by the step; the caller consumes the token).
     """
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] free slots or live ones still prefilling
@@ -45,6 +48,7 @@ class ChunkBatch:
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
     final: tuple[bool, ...] = attrs.field(converter=row_values("final"))  # [n] last chunk of the row's prompt
     prompt_lens: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_rows)  # [n] or None
+    constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
 
 
 def chunk_starts(state: State, seq_ids: Sequence[int]) -> list[int]:
@@ -71,6 +75,7 @@ def check_chunk_batch(runtime: Runtime, state: State, batch: ChunkBatch) -> None
     for b, start in enumerate(chunk_starts(state, batch.seq_ids)):
         _check_chunk(runtime, b, batch, start)
     check_params(runtime, batch.sampling)
+    check_constraints(batch.constraints, batch.sampling)
 
 
 def _check_chunk(runtime: Runtime, b: int, batch: ChunkBatch, start: int) -> None:
@@ -138,7 +143,8 @@ def chunk(runtime: Runtime, state: State, batch: ChunkBatch) -> tuple[StepOutput
         if state.live[s]:  # a prompt being continued: the tokens of its earlier chunks (or of a reused prefix)
             mask[b] = state.prompt_mask[s]
         mask[b, list(tokens)] = True
-    sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(slots), fresh_mask=mask)
+    sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(slots), fresh_mask=mask,
+                               constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
     ends = [p + len(c) for p, c in zip(starts, batch.chunks)]
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, ends, fresh_mask=mask, keep=batch.final)

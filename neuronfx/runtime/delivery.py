@@ -1,8 +1,9 @@
 """What the scheduler does with a step's tokens, in two parts that touch no tensor:
 
 - :func:`record`: integer bookkeeping (each request's new tokens, up to the first that ends it
-  for sure: eos or a stop id once min_tokens are out, max_tokens, NaN/inf logits; its passes and
-  acceptance counts; a chunked prompt's progress). Cheap; what the next iteration's plan needs.
+  for sure: eos or a stop id once min_tokens are out, max_tokens, NaN/inf logits, a complete
+  grammar; its passes and acceptance counts; a chunked prompt's progress; a structured
+  request's matcher consumes its tokens here). Cheap; what the next iteration's plan needs.
 - :func:`deliver`: the text (detokenize, stop strings, held-back deltas) and one
   :class:`TokenEvent` per delivered token.
 
@@ -38,13 +39,18 @@ class Ran:
     seconds: float
 
 
-def stop_check(req: Request, tokens: Sequence[int], text: str, eos: frozenset[int], new_chars: int) -> tuple[str | None, int | str | None, str]:
+def stop_check(req: Request, tokens: Sequence[int], text: str, eos: frozenset[int], new_chars: int,
+               grammar_done: int = 0) -> tuple[str | None, int | str | None, str]:
     """(finish_reason, stop_reason, text) after ``tokens[-1]`` was appended, vLLM's order:
-    nothing stops before ``min_tokens``; then eos (unless ``ignore_eos``), ``stop_token_ids``
-    (the token's text is dropped), stop strings (text cut before the string unless
-    ``include_stop_str_in_output``; searched only where the last ``new_chars`` characters could
-    complete one), and finally ``max_tokens`` ("length")."""
+    a complete grammar first (``grammar_done``: the token count at which the request's matcher
+    stopped; 0: never; nothing can follow it, min_tokens or not); nothing else stops before
+    ``min_tokens``; then eos (unless ``ignore_eos``), ``stop_token_ids`` (the token's text is
+    dropped), stop strings (text cut before the string unless ``include_stop_str_in_output``;
+    searched only where the last ``new_chars`` characters could complete one), and finally
+    ``max_tokens`` ("length")."""
     sp, last = req.sampling, tokens[-1]
+    if grammar_done and len(tokens) >= grammar_done:
+        return "stop", None, text
     if len(tokens) >= sp.min_tokens:
         if not sp.ignore_eos and last in eos:
             return "stop", None, text
@@ -83,6 +89,11 @@ def _record_row(run: Progress, ran: Ran, r: int, eos: frozenset[int]) -> tuple[P
     tokens = run.tokens
     for t in out.new_tokens[r]:
         tokens += (t,)
+        if run.matcher is not None:  # structured: the matcher follows the recorded tokens
+            if not run.matcher.consume([t]):  # never under its own mask: a backend fault, reported as an error
+                return attrs.evolve(run, tokens=tokens[:-1], failed=True, prefix=None), True
+            if run.matcher.is_stopped():
+                return attrs.evolve(run, tokens=tokens, prefix=None, grammar_done=len(tokens)), True
         if stops_for_sure(run.request, len(tokens), t, eos):
             return attrs.evolve(run, tokens=tokens, prefix=None), True
     return attrs.evolve(run, tokens=tokens, prefix=None if tokens else run.prefix), False
@@ -121,7 +132,7 @@ def deliver_token(run: Progress, logprobs: Logprobs | None, tokenizer: Any, eos:
     past the stop are dropped."""
     tokens = run.tokens[: run.delivered + 1]
     text = tokenizer.decode(list(tokens), skip_special_tokens=True) if tokenizer is not None else ""
-    reason, stop_reason, text = stop_check(run.request, tokens, text, eos, max(0, len(text) - len(run.text)))
+    reason, stop_reason, text = stop_check(run.request, tokens, text, eos, max(0, len(text) - len(run.text)), run.grammar_done)
     if reason is None:
         hold = max((len(s) - 1 for s in run.request.sampling.stop), default=0)
         ready = max(run.sent, len(text.rstrip("\ufffd")) - hold)

@@ -20,6 +20,7 @@ from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.scheduler import schedule
 from neuronfx.runtime.speculate import SpeculationStats
 from neuronfx.runtime.state import State
+from neuronfx.runtime.structured import Grammars, grammars_for
 
 Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 
@@ -144,15 +145,18 @@ def make_requests(
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None, speculative: bool = True,
     async_decode: bool = False,
-) -> tuple[list[Request], frozenset[int]]:
-    """Validate everything :func:`generate` needs and build its requests and eos set.
+) -> tuple[list[Request], frozenset[int], Grammars | None]:
+    """Validate everything :func:`generate` needs and build its requests, eos set and the
+    compiled grammars of its structured requests (None when there are none).
 
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
-    SamplingParams or one per prompt, stop strings without a tokenizer, a tokenizer that cannot
-    decode, ``speculative`` or ``async_decode`` not a bool), BatchTooLargeError (no free slot),
-    SequenceLengthExceededError (prompt + max tokens > sequence_length), SamplingParamsError
-    (including stop strings the tokenizer cannot produce, min_tokens over the token budget),
-    TokenOutOfVocabError (eos ids), and the prompt errors of :func:`check_prompts`.
+    SamplingParams or one per prompt, stop strings or structured outputs without a tokenizer, a
+    tokenizer that cannot decode, ``speculative`` or ``async_decode`` not a bool),
+    BatchTooLargeError (no free slot), SequenceLengthExceededError (prompt + max tokens >
+    sequence_length), SamplingParamsError (including stop strings the tokenizer cannot produce,
+    min_tokens over the token budget, a structured output the grammar library rejects or that
+    allows no first token), TokenOutOfVocabError (eos ids), and the prompt errors of
+    :func:`check_prompts`.
     """
     check_state(runtime, state)
     prompts = normalize_prompts(ids)
@@ -161,6 +165,22 @@ def make_requests(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
     check_prompts(runtime, prompts)
+    check_run_options(state, speculative, async_decode)
+    check_tokenizer(tokenizer)
+    params = request_params(runtime, sampling, len(prompts), tokenizer)
+    grammars = grammars_for(runtime, params, tokenizer)
+    eos = runtime.plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, runtime.plan.model.vocab_size)
+    if eos_token_ids is not None:
+        # The caller's eos ids replace the model's (the steps hold back the model's while
+        # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
+        params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
+                       for sp in params)
+    return [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))], frozenset(eos), grammars
+
+
+def check_run_options(state: State, speculative: object, async_decode: object) -> None:
+    """Raise BatchTooLargeError when ``state`` has no free slot, InputError when ``speculative``
+    or ``async_decode`` is not a bool."""
     if not state.free_slots:
         raise BatchTooLargeError(
             f"all {state.num_slots} slots are live; release some or use a state with free slots (neuronfx.init_state)."
@@ -168,15 +188,6 @@ def make_requests(
     for name, flag in (("speculative", speculative), ("async_decode", async_decode)):
         if not isinstance(flag, bool):
             raise InputError(f"{name}={flag!r} must be True or False.")
-    check_tokenizer(tokenizer)
-    params = request_params(runtime, sampling, len(prompts), tokenizer)
-    eos = runtime.plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, runtime.plan.model.vocab_size)
-    if eos_token_ids is not None:
-        # The caller's eos ids replace the model's (the steps hold back the model's while
-        # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
-        params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
-                       for sp in params)
-    return [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))], frozenset(eos)
 
 
 def request_params(runtime: Runtime, sampling: SamplingParams | Sequence[SamplingParams], n: int, tokenizer: Any,
@@ -232,8 +243,10 @@ def generate(
     ``speculative=False``; every option works either way and the result then carries
     per-request ``speculation`` statistics. ``async_decode=True`` overlaps each scheduler
     iteration with the delivery of the previous one's tokens (``runtime/overlap.py``: greedy and
-    seeded tokens are the same, with every option). Raises before any state change: see
-    :func:`make_requests`.
+    seeded tokens are the same, with every option, structured outputs included).
+    ``SamplingParams.structured`` constrains a request's output to a JSON schema, regex, choice
+    or grammar (``tokenizer`` needed; docs/usage/structured-outputs.md); it finishes ("stop") as
+    soon as its grammar is complete. Raises before any state change: see :func:`make_requests`.
     """
     events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode)
@@ -257,12 +270,12 @@ def stream_generate(
     :class:`Finished` that carries the new state. The arguments are validated when this is
     called, before any state change (see :func:`make_requests`); ``state`` is consumed as the
     iterator runs."""
-    requests, eos = make_requests(
+    requests, eos, grammars = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
         speculative=speculative, async_decode=async_decode,
     )
     run = overlap_schedule if async_decode else schedule
-    return run(runtime, state, requests, eos, tokenizer, speculative)
+    return run(runtime, state, requests, eos, tokenizer, speculative, grammars=grammars)
 
 
 def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[GenerateResult, State]:

@@ -25,6 +25,11 @@ synchronous run's. Greedy and seeded requests produce the same tokens (a row's r
 depend on the other rows of its batch, as continuous batching already relies on); unseeded
 sampling draws from the state's key by row position and is reproducible, and without stop
 strings it is the synchronous run's too (the same iterations in the same order).
+
+Structured outputs need no extra wait: :func:`overlap_step` records iteration n (each matcher
+consumes its request's tokens) before it plans n + 1, whose masks are built in the worker from
+those matchers; only the delivery of n's text overlaps n + 1. A request a stop string ends
+during the overlap rides n + 1 with its matcher read, never consumed (its tokens are dropped).
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ from neuronfx.runtime.prefix import drop
 from neuronfx.runtime.prefix_pool import PrefixCache
 from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
 from neuronfx.runtime.runtime import Runtime, check_state
-from neuronfx.runtime.scheduler import Iteration, abort, execute, plan, retire, timed, token_budget
+from neuronfx.runtime.scheduler import Iteration, abort, execute, plan, retire, timed, token_budget, with_grammars
 from neuronfx.runtime.state import Lease, State, advance, free_slots_of
 from neuronfx.runtime.steps import free
+from neuronfx.runtime.structured import Grammars
 
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronfx-step")
 """The one thread every launched iteration runs in (started on the first launch, kept for the
@@ -167,7 +173,8 @@ def overlap_step(runtime: Runtime, flight: Flight, queue: Queue, eos_token_ids: 
         ran, state = (), flight
     queue, ended = record(timed(queue, ran), ran, eos_token_ids)
     state = retire(runtime, state, ended)
-    it, state, queue = plan(runtime, state, queue, budget, speculative)
+    # Matchers consumed n's tokens in record, before n + 1's masks are built: no wait is needed.
+    it, state, queue = plan(runtime, state, with_grammars(runtime, queue, tokenizer), budget, speculative)
     following: Flight = state if it.empty else launch(runtime, state, it)
     queue, done, events = deliver(queue, ended, ran, tokenizer, eos_token_ids, speculative and runtime.can_speculate)
     seen = {r.index for r in ended}
@@ -203,12 +210,12 @@ def settle(flight: Flight) -> State:
 
 def overlap_schedule(runtime: Runtime, state: State, requests: Sequence[Request], eos_token_ids: frozenset[int],
                      tokenizer: Any = None, speculative: bool = True,
-                     max_num_batched_tokens: int | None = None) -> Iterator[TokenEvent | Finished]:
+                     max_num_batched_tokens: int | None = None, grammars: Grammars | None = None) -> Iterator[TokenEvent | Finished]:
     """``scheduler.schedule`` with overlapped iterations (:func:`overlap_step`): the events of
     iteration n are yielded while iteration n + 1 runs. Requests are assumed checked;
-    ``state`` is consumed."""
+    ``state`` is consumed; ``grammars`` as in ``scheduler.schedule``."""
     token_budget(runtime, max_num_batched_tokens)  # checked before the first step
-    queue, flight = Queue(), state
+    queue, flight = Queue(grammars=grammars), state
     for i, req in enumerate(requests):
         queue = submit(queue, i, req)
     while busy(flight, queue):

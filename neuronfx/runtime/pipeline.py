@@ -25,6 +25,7 @@ from neuronfx.graphs.phases.sampling import sample
 from neuronfx.runtime.batch import call_graph, draws, min_tokens_bias, pad, sampler_inputs
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance
+from neuronfx.runtime.structured import Constraints, token_bitmask
 
 Tensor = torch.Tensor
 
@@ -122,12 +123,16 @@ def run_rows(runtime: Runtime, kv: KVCache, rows: Rows, sampler: SamplerInputs |
 
 
 def row_sampler(runtime: Runtime, state: State, rows: Rows, params: Sequence[SamplingParams], generated: Sequence[int],
-                fresh_mask: Tensor | None = None) -> tuple[SamplerInputs, int]:
+                fresh_mask: Tensor | None = None, constraints: Constraints = None) -> tuple[SamplerInputs, int]:
     """(the sampler's inputs for ``rows``, padded to ``rows.bsz``; the state's next RNG key).
     Draws come from the state's key (a seeded row's from its seed and ``generated``, tokens it
     sampled before), the min_tokens bias is at ``generated``; output counts and prompt masks are
-    the state's, or zero counts and ``fresh_mask`` (bsz, V) bool for rows starting a request."""
+    the state's, or zero counts and ``fresh_mask`` (bsz, V) bool for rows starting a request.
+    The token bitmask is built here, the one place for every step: each row's matcher in
+    ``constraints`` fills its row (``structured.token_bitmask``; SamplingParamsError when a row
+    would allow nothing), the others allow every token."""
     bsz = rows.bsz
+    bitmask = token_bitmask(constraints, params, generated, runtime.plan.model.eos_token_ids, runtime.plan.model.vocab_size)
     rand, key = draws(state.rng_key, params, generated, bsz)
     bias = min_tokens_bias(runtime, params, generated, bsz)
     if fresh_mask is None:
@@ -135,7 +140,7 @@ def row_sampler(runtime: Runtime, state: State, rows: Rows, params: Sequence[Sam
         counts, mask = state.output_counts[slots], state.prompt_mask[slots]
     else:
         counts, mask = torch.zeros(bsz, runtime.plan.model.vocab_size, dtype=torch.int32), fresh_mask
-    return sampler_inputs(runtime, params, counts, mask, bias, rand, bsz), key
+    return sampler_inputs(runtime, params, counts, mask, bias, rand, bsz, bitmask), key
 
 
 def row_logprobs(out: dict[str, Tensor], r: int, token: int, k: int) -> Logprobs:

@@ -34,6 +34,7 @@ from neuronfx.runtime.prefix_store import Match, PrefixStats
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.steps import PrefillBatch, prefill
+from neuronfx.runtime.structured import check_constraints, pick
 
 
 def check_prefix(runtime: Runtime, state: State) -> None:
@@ -180,6 +181,7 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
     check_slots(state, batch.seq_ids, live=False)
     check_prompts(runtime, batch.prompts)
     check_params(runtime, batch.sampling)
+    check_constraints(batch.constraints, batch.sampling)
     return prefill_reusing(runtime, state, batch)
 
 
@@ -192,7 +194,7 @@ def prefill_reusing(runtime: Runtime, state: State, batch: PrefillBatch) -> tupl
     last = None
     if whole:
         sub = PrefillBatch(seq_ids=[slots[r] for r in whole], prompts=[prompts[r] for r in whole],
-                           sampling=[batch.sampling[r] for r in whole])
+                           sampling=[batch.sampling[r] for r in whole], constraints=pick(batch.constraints, whole))
         last, state = prefill(runtime, state, sub)
         rows |= {r: _row(last, i) for i, r in enumerate(whole)}
     rest = [r for r in range(n) if r not in rows]
@@ -220,7 +222,8 @@ def _chunk_rest(runtime: Runtime, state: State, batch: PrefillBatch, rest: list[
         chunks = [prompts[r][d:d + size] for r, d in todo]
         final = [d + len(c) == len(prompts[r]) for (r, d), c in zip(todo, chunks)]
         cb = ChunkBatch(seq_ids=[batch.seq_ids[r] for r, _ in todo], chunks=chunks, sampling=[batch.sampling[r] for r, _ in todo],
-                        final=final, prompt_lens=[len(prompts[r]) for r, _ in todo])
+                        final=final, prompt_lens=[len(prompts[r]) for r, _ in todo],
+                        constraints=pick(batch.constraints, [r for r, _ in todo]))
         last, state = chunk(runtime, state, cb)
         rows |= {r: _row(last, i) for i, (r, _) in enumerate(todo) if final[i]}
         todo = [(r, d + len(c)) for (r, d), c, f in zip(todo, chunks, final) if not f]

@@ -17,6 +17,7 @@ from neuronfx.runtime.prefix_store import Match
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.speculate import SpeculationStats
 from neuronfx.runtime.state import State
+from neuronfx.runtime.structured import Grammars, Matcher, grammars_for
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +70,8 @@ class Progress:
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # draft tokens accepted
     failed: bool = False  # its logits turned NaN/inf: it ends with finish_reason "error"
+    matcher: Matcher | None = None  # its grammar state (structured outputs), consumed as its tokens are recorded
+    grammar_done: int = 0  # tokens recorded when its matcher stopped (the grammar is complete): it ends there, "stop"
 
 
 @attrs.frozen(kw_only=True)
@@ -76,13 +79,17 @@ class Queue:
     """The scheduler's host-side bookkeeping, as a value: waiting requests (oldest first),
     running ones (in slot-admission order), the one whose prompt is being prefilled in chunks
     (at most one; it holds a slot and has no token yet) and seconds spent in each phase
-    (chunks count as prefill)."""
+    (chunks count as prefill). ``grammars``: the compiled-grammar cache structured requests are
+    checked with at submit and get their matchers from at admission (``runtime/structured.py``;
+    ``scheduler.step`` makes one from its tokenizer when a structured request waits and there
+    is none)."""
 
     waiting: tuple[tuple[int, Request], ...] = ()
     running: tuple[Progress, ...] = ()
     prefill_s: float = 0.0
     decode_s: float = 0.0
     prefilling: tuple[Progress, ...] = ()
+    grammars: Grammars | None = None
 
     @property
     def idle(self) -> bool:
@@ -103,10 +110,12 @@ def check_budget(runtime: Runtime, index: int, prompt_len: int, max_tokens: int)
         )
 
 
-def check_request(runtime: Runtime, index: int, request: Request) -> None:
+def check_request(runtime: Runtime, index: int, request: Request, grammars: Grammars | None = None) -> None:
     """Raise the named error a step would raise for ``request`` later (bad prompt, sampling or
-    token budget), so that it never reaches a batch it would fail for every other request in
-    it. The one check of a request: the scheduler and the steps it drives trust it after."""
+    token budget, a structured output the grammar library rejects: SamplingParamsError, checked
+    with ``grammars``; InputError naming ``tokenizer=`` when it is structured and ``grammars``
+    is None), so that it never reaches a batch it would fail for every other request in it. The
+    one check of a request: the scheduler and the steps it drives trust it after."""
     if not isinstance(request, Request):
         raise InputError(f"request {index} is a {type(request).__name__}; submit a neuronfx.Request.")
     plan = runtime.plan
@@ -115,6 +124,7 @@ def check_request(runtime: Runtime, index: int, request: Request) -> None:
     check_prompts(runtime, [request.prompt], start=index)
     check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
     check_budget(runtime, index, len(request.prompt), budget(runtime, request))
+    grammars_for(runtime, [request.sampling], None, grammars)
 
 
 def budget(runtime: Runtime, request: Request) -> int:
@@ -127,7 +137,8 @@ def budget(runtime: Runtime, request: Request) -> int:
 def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None = None) -> Queue:
     """Queue ``request`` as ``index`` (a caller's id, unique among queued and running requests).
 
-    With ``runtime``, the request is checked first (:func:`check_request`) and a
+    With ``runtime``, the request is checked first (:func:`check_request`, a structured output
+    with ``queue.grammars``) and a
     ``sampling.max_tokens`` of None becomes the slot's room (:func:`budget`); without it, it must
     already be checked (``neuronfx.runtime.generate.make_requests`` and the server's handler do
     it) and name its max_tokens. Raises InputError for an index in use or, without ``runtime``,
@@ -135,7 +146,7 @@ def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None =
     if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running + queue.prefilling):
         raise InputError(f"request index {index!r} is already queued or running; give each request its own index.")
     if runtime is not None:
-        check_request(runtime, index, request)
+        check_request(runtime, index, request, queue.grammars)
         request = attrs.evolve(request, sampling=attrs.evolve(request.sampling, max_tokens=budget(runtime, request)))
     elif not isinstance(request, Request) or request.sampling.max_tokens is None:
         raise InputError(f"request {index}: without runtime= its SamplingParams must give max_tokens (the scheduler cannot "

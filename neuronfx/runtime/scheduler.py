@@ -57,6 +57,7 @@ from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.speculate import SpeculateBatch, speculate
 from neuronfx.runtime.state import State
 from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode, free, prefill, refill
+from neuronfx.runtime.structured import Grammars, Matcher
 
 
 @attrs.frozen(kw_only=True)
@@ -97,9 +98,30 @@ def token_budget(runtime: Runtime, max_num_batched_tokens: int | None) -> int | 
 
 
 def _admit(queue: Queue, state: State, count: int) -> tuple[Progress, ...]:
-    """The ``count`` oldest waiting requests (at most one per free slot), each given a free slot."""
+    """The ``count`` oldest waiting requests (at most one per free slot), each given a free slot
+    (and a fresh matcher when structured)."""
     pairs = zip(queue.waiting[:count], state.free_slots)
-    return tuple(Progress(index=i, request=r, slot=s) for (i, r), s in pairs)
+    return tuple(Progress(index=i, request=r, slot=s, matcher=_matcher(queue, r)) for (i, r), s in pairs)
+
+
+def _matcher(queue: Queue, request: Request) -> Matcher | None:
+    """A fresh matcher for a structured request (from ``queue.grammars``, which its submit
+    checked it with), else None."""
+    structured = request.sampling.structured
+    if structured is None:
+        return None
+    if queue.grammars is None:
+        raise InputError("a structured request reached the scheduler without grammars: give step() the tokenizer, or build "
+                         "the Queue with grammars=Grammars.for_runtime(runtime, tokenizer).")
+    return queue.grammars.matcher(structured)
+
+
+def with_grammars(runtime: Runtime, queue: Queue, tokenizer: Any) -> Queue:
+    """``queue`` holding a Grammars over ``tokenizer`` when a structured request waits and it
+    holds none (made once, then cached with the queue); else ``queue`` itself."""
+    if queue.grammars is not None or tokenizer is None or all(r.sampling.structured is None for _, r in queue.waiting):
+        return queue
+    return attrs.evolve(queue, grammars=Grammars.for_runtime(runtime, tokenizer))
 
 
 def _admit_count(runtime: Runtime, queue: Queue, state: State, left: int) -> int:
@@ -128,7 +150,7 @@ def _start_chunked(runtime: Runtime, state: State, queue: Queue) -> tuple[State,
     """The oldest waiting prompt (one that needs chunks) takes a free slot alone; with prefix
     caching its cached blocks are copied in first and its chunks start after them."""
     (i, request), slot = queue.waiting[0], state.free_slots[0]
-    run = Progress(index=i, request=request, slot=slot)
+    run = Progress(index=i, request=request, slot=slot, matcher=_matcher(queue, request))
     if runtime.plan.inference.enable_prefix_caching:
         (hit,), state = load(runtime, state, [slot], [request.prompt])
         run = attrs.evolve(run, computed=hit.num_tokens, prefix=hit)
@@ -201,7 +223,8 @@ def _chunk_row(runtime: Runtime, state: State, it: Iteration) -> tuple[StepOutpu
     run, prompt = it.chunk, it.chunk.request.prompt
     final = run.computed == len(prompt)
     batch = ChunkBatch(seq_ids=(run.slot,), chunks=(prompt[run.computed - it.chunk_len:run.computed],),
-                       sampling=(run.request.sampling,), final=(final,), prompt_lens=(len(prompt),))
+                       sampling=(run.request.sampling,), final=(final,), prompt_lens=(len(prompt),),
+                       constraints=None if run.matcher is None else (run.matcher,))
     out, state = chunk(runtime, state, batch)
     if run.prefix is not None and (final or not out.finite[0]):
         state = store(runtime, state, [run.slot], [prompt], [run.prefix]) if out.finite[0] else drop(state, [run.prefix])
@@ -242,14 +265,16 @@ def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, .
 
 def _batch(kind: str, rows: Sequence[Progress]) -> PrefillBatch | SpeculateBatch | DecodeBatch:
     """The step batch of ``rows``: a prefill gets each row's prompt, a refill each row's whole
-    sequence, a decode or speculate batch each row's last token."""
+    sequence, a decode or speculate batch each row's last token; structured rows their matchers."""
     slots, sampling = [r.slot for r in rows], [r.request.sampling for r in rows]
+    constraints = None if all(r.matcher is None for r in rows) else [r.matcher for r in rows]
     if kind == "prefill":
-        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt for r in rows], sampling=sampling)
+        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt for r in rows], sampling=sampling, constraints=constraints)
     if kind == "refill":
-        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling)
+        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling,
+                            constraints=constraints)
     batch = SpeculateBatch if kind == "speculate" else DecodeBatch
-    return batch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling)
+    return batch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints)
 
 
 def timed(queue: Queue, ran: Sequence[Ran]) -> Queue:
@@ -278,11 +303,14 @@ def step(
 ) -> tuple[list[TokenEvent], State, Queue]:
     """One scheduler iteration (the module doc's plan, execute, record and deliver, retire);
     returns its events (one per token), the new state and queue. ``state`` is consumed;
-    ``queue`` is a value. ``speculative=False`` decodes even on a runtime that can speculate.
+    ``queue`` is a value. Structured requests get matchers from ``queue.grammars`` (made from
+    ``tokenizer`` when missing, :func:`with_grammars`); the scheduler consumes their tokens as
+    it records them and ends one ("stop") as soon as its grammar is complete. ``speculative=False`` decodes even on a runtime that can speculate.
     Raises (before any change) InputError for a ``max_num_batched_tokens`` that is not None or
     an int >= 1, and what ``check_state`` raises for ``state``."""
     budget = token_budget(runtime, max_num_batched_tokens)
     check_state(runtime, state)
+    queue = with_grammars(runtime, queue, tokenizer)
     it, state, queue = plan(runtime, state, queue, budget, speculative)
     ran, state = execute(runtime, state, it)
     queue, ended = record(timed(queue, ran), ran, eos_token_ids)
@@ -292,10 +320,12 @@ def step(
 
 def schedule(
     runtime: Runtime, state: State, requests: Sequence[Request], eos_token_ids: frozenset[int], tokenizer: Any = None,
-    speculative: bool = True, max_num_batched_tokens: int | None = None,
+    speculative: bool = True, max_num_batched_tokens: int | None = None, grammars: Grammars | None = None,
 ) -> Iterator[TokenEvent | Finished]:
     """Run ``requests`` to completion, first come first served: yields every token's
     :class:`TokenEvent`, then :class:`Finished` with the new state (``state`` is consumed).
+    ``grammars``: the compiled grammars structured requests use (``generate`` passes the one it
+    checked them with; None: made from ``tokenizer`` when needed).
 
     Requests are assumed checked (``neuronfx.generate`` does it first, ``check_request``); a
     step error is raised before that step changes anything. ``tokenizer`` (transformers)
@@ -305,7 +335,7 @@ def schedule(
     early keeps no usable state (slots stay live).
     """
     token_budget(runtime, max_num_batched_tokens)  # checked before the first step
-    queue = Queue()
+    queue = Queue(grammars=grammars)
     for i, req in enumerate(requests):
         queue = submit(queue, i, req)
     while not queue.idle:

@@ -46,6 +46,7 @@ from neuronfx.runtime.checks import check_decode, check_room, row_values
 from neuronfx.runtime.pipeline import Rows, StepOutput, commit, plan_rows, run_rows
 from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.state import State, advance, with_draft_state
+from neuronfx.runtime.structured import Constraints, constraint_rows, token_bitmask
 
 Tensor = torch.Tensor
 GREEDY = SamplingParams()
@@ -53,11 +54,17 @@ GREEDY = SamplingParams()
 
 @attrs.frozen(kw_only=True)
 class SpeculateBatch:
-    """Up to k = ``speculation_length`` tokens for each of the live slots ``seq_ids``."""
+    """Up to k = ``speculation_length`` tokens for each of the live slots ``seq_ids``.
+
+    ``constraints`` (structured outputs): None, or per row a
+    :class:`~neuronfx.runtime.structured.Matcher` (or None). The step advances a matcher through
+    the row's own drafts to mask every drafted and verified position, then rolls it back: its
+    net state is unchanged, and the caller consumes the accepted tokens (``new_tokens``)."""
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] live slots, distinct
     input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row, not yet cached
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
+    constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
 
 
 @attrs.frozen(kw_only=True)
@@ -92,7 +99,7 @@ def follow_draft(step: Callable[[Runtime, State, Any], tuple[StepOutput, State]]
     out, new = step(runtime, state, batch)
     if runtime.draft is None:
         return out, new
-    greedy = attrs.evolve(batch, sampling=(GREEDY,) * len(batch.seq_ids))
+    greedy = attrs.evolve(batch, sampling=(GREEDY,) * len(batch.seq_ids), constraints=None)  # its tokens are not used
     return out, with_draft_state(new, step(runtime.draft, state.draft, greedy)[1])
 
 
@@ -127,29 +134,84 @@ def drafter_of(runtime: Runtime) -> Drafter:
     return Drafter(runtime=runtime, phase="draft", own_cache=False)
 
 
-def propose(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], u: Uniforms) -> Proposal:
+def propose(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], u: Uniforms,
+            constraints: Constraints = None) -> Proposal:
     """k - 1 draft tokens per row after ``x0`` at positions cache_len .. cache_len + k - 2, from
     ``drafter``'s graphs on its KV cache (one token per row per pass). Each draft token is
-    sampled with the row's parameters and the same penalty counts and bias the target applies at
-    that position (``top_k`` packed for the drafter's static width)."""
-    k, n, drt = runtime.plan.inference.speculation_length, len(rows.slots), drafter.runtime
-    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[])
-    for i in range(k - 1):
-        last = [(x if i == 0 else row[-1],) for x, row in zip(x0, proposal.tokens)]
-        step = plan_rows(drt, drafter.phase, drt.plan.decode_buckets, rows.slots, last,
-                         [state.cache_lens[s] + i for s in rows.slots], width=1)
-        target = position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i])
-        sampler = sampler_inputs(drt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand,
-                                 step.bsz)
-        out = run_rows(drt, drafter.kv(state), step, sampler)
-        if not drt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
-            out = out | sample(out["logits"], sampler, drt.plan.topk_width, 0)
-        for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
-            row.append(t)
-        proposal.logits.append(out["logits"][:n])
-        proposal.samplers.append(type(sampler)(*(t[:n] for t in sampler)))
-        proposal.targets.append(target)
+    sampled with the row's parameters and the same penalty counts, bias and token bitmask the
+    target applies at that position (``top_k`` packed for the drafter's static width). A row's
+    matcher in ``constraints`` is advanced through the row's drafts (each mask is the one after
+    the drafts before it; the k-th, for the bonus token, after all of them) and rolled back."""
+    k = runtime.plan.inference.speculation_length
+    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[], masks=[])
+    walk = DraftWalk(constraints)
+    try:  # the matchers are net unchanged even when a mask is refused
+        for i in range(k - 1):
+            draft_position(runtime, drafter, state, rows, x0, u.draft[:, i], proposal, walk.mask(runtime, rows, i))
+            walk.advance([row[-1] for row in proposal.tokens])
+        proposal.masks.append(walk.mask(runtime, rows, k - 1))
+    finally:
+        walk.rollback()
     return proposal
+
+
+def draft_position(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], rand: Tensor,
+                   proposal: Proposal, mask: Tensor | None) -> None:
+    """Draft the token at position i = len(proposal.masks) of every row (one pass of the
+    drafter's graph) under ``mask`` ((n, W) int32 or None) and append it, its logits, its
+    sampler and the target's sampler at that position to ``proposal``."""
+    i, n, drt = len(proposal.masks), len(rows.slots), drafter.runtime
+    proposal.masks.append(mask)
+    last = [(x if i == 0 else row[-1],) for x, row in zip(x0, proposal.tokens)]
+    step = plan_rows(drt, drafter.phase, drt.plan.decode_buckets, rows.slots, last,
+                     [state.cache_lens[s] + i for s in rows.slots], width=1)
+    target = position_sampler(runtime, rows, proposal.tokens, i, rand, mask)
+    sampler = sampler_inputs(drt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand,
+                             step.bsz, mask)
+    out = run_rows(drt, drafter.kv(state), step, sampler)
+    if not drt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
+        out = out | sample(out["logits"], sampler, drt.plan.topk_width, 0)
+    for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
+        row.append(t)
+    proposal.logits.append(out["logits"][:n])
+    proposal.samplers.append(type(sampler)(*(t[:n] for t in sampler)))
+    proposal.targets.append(target)
+
+
+class DraftWalk:
+    """The row matchers of a speculate step walked through its drafts: :meth:`mask` at each
+    position, :meth:`advance` over the drafts just sampled, :meth:`rollback` at the end (net
+    unchanged). A row whose matcher stopped (its grammar complete) masks nothing after: its
+    request ends at that token and the later ones are dropped."""
+
+    def __init__(self, constraints: Constraints) -> None:
+        self.constraints = constraints
+        self.consumed = [0] * (0 if constraints is None else len(constraints))
+        self.live = [m is not None for m in constraints or ()]
+
+    def mask(self, runtime: Runtime, rows: RowFacts, i: int) -> Tensor | None:
+        """(n, W) int32 bitmask of speculated position ``i`` (None: no row constrained)."""
+        if self.constraints is None:
+            return None
+        walking = tuple(m if live else None for m, live in zip(self.constraints, self.live))
+        model = runtime.plan.model
+        return token_bitmask(walking, rows.params, [g + i for g in rows.generated], model.eos_token_ids, model.vocab_size)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Each live row's matcher consumes its new draft; one that stops is no longer masked."""
+        for r, (m, t) in enumerate(zip(self.constraints or (), tokens)):
+            if self.live[r] and m is not None:
+                if not m.consume([t]):  # a draft is always drawn under the mask; an error leaves it unmasked
+                    self.live[r] = False
+                    continue
+                self.consumed[r] += 1
+                self.live[r] = not m.is_stopped()
+
+    def rollback(self) -> None:
+        """Undo every draft consumed."""
+        for m, n in zip(self.constraints or (), self.consumed):
+            if m is not None:
+                m.rollback(n)
 
 
 def sync_draft(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list[int]], ends: list[int], k: int) -> State | None:
@@ -224,7 +286,7 @@ def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[St
                      counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
     u, key = speculation_uniforms(state.rng_key, facts.params, facts.generated, k)
     drafter = drafter_of(runtime)
-    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u)
+    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints)
     rows, logits = verify(runtime, state, slots, batch.input_ids, proposal.tokens)
     emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
     ends = [start + len(e) for start, e in zip(rows.starts, emitted)]

@@ -33,24 +33,33 @@ from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_ro
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.speculate import follow_draft
 from neuronfx.runtime.state import State, advance
+from neuronfx.runtime.structured import Constraints, check_constraints, constraint_rows
 
 
 @attrs.frozen(kw_only=True)
 class PrefillBatch:
-    """New requests to prefill; row b goes to slot ``seq_ids[b]``."""
+    """New requests to prefill; row b goes to slot ``seq_ids[b]``.
+
+    ``constraints`` (structured outputs): None, or per row a
+    :class:`~neuronfx.runtime.structured.Matcher` (or None) whose mask the row's token obeys. The
+    step only reads a matcher; the caller consumes the token it produced (``matcher.consume``)
+    before the row's next step (the scheduler and ``generate`` do)."""
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] free slots, distinct
     prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=token_rows("prompts", "prompt"))  # [n][len_b] ids
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
+    constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
 
 
 @attrs.frozen(kw_only=True)
 class DecodeBatch:
-    """One token for each of the live slots ``seq_ids``."""
+    """One token for each of the live slots ``seq_ids``. ``constraints``: as
+    :class:`PrefillBatch`'s (read by the step; the caller consumes the new tokens)."""
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] live slots, distinct
     input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
+    constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
 
 
 # --- checks: once, where a batch enters ---------------------------------------------------------
@@ -73,6 +82,7 @@ def check_prefill_batch(runtime: Runtime, state: State, batch: PrefillBatch, wha
                 "prefill it in chunks with neuronfx.chunk_step (generate and the scheduler do)."
             )
     check_params(runtime, batch.sampling)
+    check_constraints(batch.constraints, batch.sampling)
 
 
 def check_refill_rows(state: State, batch: PrefillBatch) -> None:
@@ -94,7 +104,8 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
     mask = torch.zeros(rows.bsz, plan.model.vocab_size, dtype=torch.bool)
     for b, prompt in enumerate(prompts):
         mask[b, list(prompt)] = True
-    sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(prompts), fresh_mask=mask)
+    sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(prompts), fresh_mask=mask,
+                               constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(p) for p in prompts], fresh_mask=mask)
 
@@ -104,7 +115,8 @@ def _decode(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOut
     slots = batch.seq_ids
     starts = [state.cache_lens[s] for s in slots]
     rows = plan_rows(runtime, "decode", runtime.plan.decode_buckets, slots, [(t,) for t in batch.input_ids], starts, width=1)
-    sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots])
+    sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
+                               constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [p + 1 for p in starts])
 
@@ -114,7 +126,8 @@ def _refill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOu
     with the slot's request state (counts, prompt mask, generated), as a decode step would."""
     slots, seqs = batch.seq_ids, batch.prompts
     rows = plan_rows(runtime, "prefill", runtime.plan.prefill_buckets, slots, seqs, (0,) * len(seqs))
-    sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots])
+    sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
+                               constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(q) for q in seqs])
 

@@ -44,8 +44,8 @@ _LENGTHS = ("prompt_lens", "chunk_lens", "seq_lens")
 
 def example_inputs(plan: Plan, spec: GraphSpec) -> object:
     """Trace inputs of ``spec``'s graph as its phase's record: zeros from the spec's shapes and
-    dtypes, except the lengths (1: a prompt or chunk has a token) and greedy sampling rows; on
-    the plan's device."""
+    dtypes, except the lengths (1: a prompt or chunk has a token), greedy sampling rows and an
+    all-allowed token bitmask (-1); on the plan's device."""
     device = plan_device(plan)
     tensors = []
     for t in spec.inputs:
@@ -53,7 +53,8 @@ def example_inputs(plan: Plan, spec: GraphSpec) -> object:
             tensors.append(torch.tensor(pack_sampling([SamplingParams()] * t.shape[0], plan.topk_width), dtype=torch.float32,
                                         device=device))
         else:
-            tensors.append(torch.full(t.shape, int(t.name in _LENGTHS), dtype=torch_dtype(t.dtype), device=device))
+            fill = -1 if t.name == "token_bitmask" else int(t.name in _LENGTHS)
+            tensors.append(torch.full(t.shape, fill, dtype=torch_dtype(t.dtype), device=device))
     return from_leaves(spec.record, tensors)
 
 

@@ -10,11 +10,18 @@ References (vLLM): ``vllm/v1/sample/sampler.py`` (order), ``vllm/v1/sample/ops/p
 ``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p`` (top-k/top-p rule),
 ``vllm/v1/sample/logits_processor`` ``MinPLogitsProcessor`` (min_p rule).
 
-Order of :func:`sample` (``vllm/v1/sample/sampler.py``): 1 raw logprobs snapshot; 2 +
-logits_bias; 3 penalties (repetition, frequency, presence); 4 greedy rows take the argmax of the
-penalized logits (ties: lowest index); 5 temperature; 6 top-k of width ``topk_width``, ranks >=
-top_k masked; 7 min_p; 8 top-p on the renormalised kept set (keep tokens whose preceding
-cumulative probability is < top_p, top token always kept); 9 inverse-CDF draw with ``rand``.
+Order of :func:`sample` (``vllm/v1/sample/sampler.py``): 0 the token bitmask (structured
+outputs): disallowed logits become -inf first, as vLLM applies the grammar bitmask to the logits
+before its sampler runs (``vllm/v1/worker/gpu_model_runner.py``, ``apply_grammar_bitmask``); 1
+raw logprobs snapshot (of the masked logits); 2 + logits_bias; 3 penalties (repetition,
+frequency, presence); 4 greedy rows take the argmax of the penalized logits (ties: lowest
+index); 5 temperature; 6 top-k of width ``topk_width``, ranks >= top_k masked; 7 min_p; 8 top-p
+on the renormalised kept set (keep tokens whose preceding cumulative probability is < top_p, top
+token always kept); 9 inverse-CDF draw with ``rand``.
+
+Tensor parallel: the logits are gathered over the vocabulary before sampling
+(``graphs/phases/common.py``), so every rank applies the whole (B, W) bitmask to the whole
+vocabulary and samples the same token.
 
 Differences from vLLM:
 
@@ -36,6 +43,21 @@ from neuronfx.config.sampling import GREEDY_TEMPERATURE, PARAM_COLUMNS
 
 NEG_INF = float("-inf")
 _COLUMN = {name: i for i, name in enumerate(PARAM_COLUMNS)}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The (B, V) bool "allowed" mask of an int32 token bitmask (B, W), W = ceil(V / 32): bit j
+    (least significant first) of word w allows token 32 * w + j, the layout llguidance and
+    xgrammar share (``llguidance/torch.py``, ``apply_token_bitmask_inplace_kernel``). Static
+    shapes: a shift by arange(32), & 1, reshape to (B, 32 W), slice to V."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # (B, W, 32); >> on int32 is arithmetic, & 1 keeps the bit
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] != 0  # (B, V)
+
+
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) float32 with the tokens ``bitmask`` (B, W) int32 disallows set to -inf."""
+    return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), NEG_INF)
 
 
 def column(params: torch.Tensor, name: str) -> torch.Tensor:
@@ -97,9 +119,14 @@ def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> 
 
 
 def penalized_logits(logits: torch.Tensor, sampler: SamplerInputs) -> torch.Tensor:
-    """logits (B, V) float32 + ``logits_bias``, then the penalties (:func:`apply_penalties`):
-    what greedy rows take the argmax of and what temperature scales. Returns (B, V) float32."""
-    return apply_penalties(logits + sampler.logits_bias, sampler.sampling_params, sampler.output_counts, sampler.prompt_mask)
+    """logits (B, V) float32 masked by ``token_bitmask`` (:func:`masked_logits`), + ``logits_bias``,
+    then the penalties (:func:`apply_penalties`): what greedy rows take the argmax of and what
+    temperature scales. Returns (B, V) float32."""
+    return _bias_and_penalties(masked_logits(logits, sampler.token_bitmask), sampler)
+
+
+def _bias_and_penalties(masked: torch.Tensor, sampler: SamplerInputs) -> torch.Tensor:
+    return apply_penalties(masked + sampler.logits_bias, sampler.sampling_params, sampler.output_counts, sampler.prompt_mask)
 
 
 def _scaled_topk(penalized: torch.Tensor, params: torch.Tensor, topk_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,17 +151,22 @@ def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_lo
         logits_bias (B, V) float32 added to the logits (the host puts -inf on EOS / stop ids
         until min_tokens);
         rand (B,) float32 uniforms in [0, 1);
+        token_bitmask (B, W) int32, W = ceil(V / 32): bit j of word w allows token 32w + j
+        (:func:`unpack_bitmask`); -1 (all ones) for a row without a constraint;
       topk_width static int <= V; num_logprobs static int in [0, V].
     Returns {"tokens": (B,) int32}, plus when num_logprobs > 0 "sampled_logprobs" (B,) float32,
     "top_logprobs" (B, num_logprobs) float32 sorted descending and "top_ids" (B, num_logprobs)
     int32, all *raw* logprobs (vLLM V1's default logprobs_mode "raw_logprobs": log_softmax of
-    the model logits before bias, penalties and temperature).
+    the model logits before bias, penalties and temperature, after the bitmask: a disallowed token
+    has logprob -inf). The host guarantees every row's mask allows at least one token
+    (``runtime/structured.py``); a row allowing none would sample garbage, never NaN-free.
 
     The order of the steps and the differences from vLLM are the module's docstring.
     """
     out: dict[str, torch.Tensor] = {}
-    raw = torch.log_softmax(logits, dim=-1) if num_logprobs > 0 else None  # (B, V)
-    penalized = penalized_logits(logits, sampler)  # (B, V)
+    masked = masked_logits(logits, sampler.token_bitmask)  # (B, V) first: vLLM masks before its sampler
+    raw = torch.log_softmax(masked, dim=-1) if num_logprobs > 0 else None  # (B, V)
+    penalized = _bias_and_penalties(masked, sampler)  # (B, V)
     greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width)  # (B, 1), (B, K) x 2
     choice = inverse_cdf(filtered_probs(vals, sampler.sampling_params), sampler.rand)  # (B,)
     drawn = idx.gather(1, choice[:, None]).squeeze(1)  # (B,)
@@ -147,7 +179,7 @@ def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_lo
 def distribution(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int) -> torch.Tensor:
     """The distribution :func:`sample` draws from, over the whole vocabulary: logits (N, V)
     float32 and the rows' sampler inputs (``rand`` unused) -> probabilities (N, V) float32
-    summing to 1, with bias, penalties, temperature, top-k, min_p and top-p applied. Greedy rows
+    summing to 1, with the token bitmask, bias, penalties, temperature, top-k, min_p and top-p applied. Greedy rows
     are one-hot at the argmax of the penalized logits. Speculative decoding's rejection sampling
     needs the draft's q and the target's p in this form."""
     penalized = penalized_logits(logits, sampler)
