@@ -520,8 +520,45 @@ BAD_INPUT = {
                                                                                            "top_logprobs")),
     "chat logprobs an int": (CHAT, {"messages": HI, "logprobs": 3}, 400, _err("logprobs: Input should be a valid boolean (got 3).",
                                                                               "logprobs")),
-    "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, _err(
-        "tools (function calling) are not supported by neuronfx; drop them.", "tools", "unsupported_parameter")),
+    "response_format schema the grammar library rejects": (CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400, _err(
+        "response_format: StructuredOutputs.json='{\"type\":\"objekt\"}' is rejected by llguidance: Invalid type: objekt; fix the "
+        "spec.", "response_format")),
+    "response_format json_schema without a schema": (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x"}}}, 400, _err("response_format of type 'json_schema' needs json_schema.schema (a JSON schema), e.g. {\"type\": "
+                                  "\"json_schema\", \"json_schema\": {\"name\": \"answer\", \"schema\": {\"type\": \"object\"}}}.",
+                                  "response_format")),
+    "regex the grammar library rejects": (C, {"prompt": "hi", "structured_outputs": {"regex": "a("}}, 400, _err(
+        "structured_outputs: StructuredOutputs.regex='a(' is rejected by llguidance: at 1(8): invalid regex \"a(\" (in regex): regex "
+        "parse error: a( ^ error: unclosed group 1 | start: /a(/ ^; fix the spec.", "structured_outputs")),
+    "empty choice list": (C, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, _err(
+        "structured_outputs: StructuredOutputs.choice=() must be a non-empty list of non-empty strings.", "structured_outputs")),
+    "grammar that allows no token at the first step": (C, {"prompt": "hi", "structured_outputs": {"grammar": "start: /[^\\s\\S]/"}},
+                                                       400, _err(
+        "structured_outputs: StructuredOutputs.grammar='start: /[^\\\\s\\\\S]/' allows no token at the first step (no token of this "
+        "tokenizer starts a match); fix the spec.", "structured_outputs")),
+    "two structured-output fields": (C, {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400, _err(
+        "response_format, guided_regex: give at most one structured-output constraint per request (response_format, "
+        "structured_outputs or a guided_* field).", "guided_regex")),
+    "tool with a malformed parameters schema": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integr"}}}}}]}, 400, _err(
+        "tools.0.function.parameters: StructuredOutputs.json='{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integr\"}}}' "
+        "is rejected by llguidance: Invalid type: integr; fix the spec.", "tools")),
+    "tool_choice naming an unknown function": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, _err(
+        "tool_choice names function 'g', which is not in tools (f).", "tool_choice")),
+    "tool_choice required without tools": (CHAT, {"messages": HI, "tool_choice": "required"}, 400, _err(
+        "tool_choice='required' needs tools; give the functions in tools, or drop tool_choice.", "tool_choice")),
+    "tools, and a template without a tool format": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                                                    400, _err(
+        "tool_choice 'auto' needs a tool-call parser, and this model's chat template writes no known tool format; start the server "
+        "with --tool-call-parser (hermes, llama3_json) and a tools-aware --chat-template, or send tool_choice 'required' or a named "
+        "function.", "tool_choice")),
+    "responses: unknown previous_response_id": ("/v1/responses", {"input": "hi", "previous_response_id": "resp_x"}, 404, _err(
+        "Previous response with id 'resp_x' not found (responses live in this server's memory, the last 1024, and only with store: "
+        "true).", "previous_response_id", "previous_response_not_found")),
+    "responses: empty input": ("/v1/responses", {"input": []}, 400, _err("input is empty; give text or at least one input item.",
+                                                                         "input")),
     "unknown path": ("/v1/embeddings", {"input": "hi"}, 404, _err("Invalid URL (POST /v1/embeddings): no such endpoint; see /docs.",
                                                                   code="unknown_url")),
     "detokenize outside the vocabulary": ("/detokenize", {"tokens": [1, -3]}, 400, _err(
@@ -677,6 +714,7 @@ def test_serve_rejects_bad_options_at_once(capsys):
                         (["--port", "70000"], "InputError: --port=70000 must be in [0, 65535]"),
                         (["--tp-degree", "2"], "InputError: --tp-degree=2: serve runs in one process"),
                         (["/a", "--model", "/b"], "InputError: MODEL '/a' and --model '/b' differ"),
+                        (["--chat-template", "/no/such.jinja"], "InputError: --chat-template '/no/such.jinja' is not a file"),
                         (["--backend", "neuron"], "BackendUnavailableError"),
                         (["/nonexistent/model.gguf"], "CheckpointError")):
         t0 = time.perf_counter()

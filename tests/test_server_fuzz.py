@@ -107,13 +107,39 @@ def _stream_options_with_stream(body: dict) -> dict:
     return body if body.get("stream") is True else {k: v for k, v in body.items() if k != "stream_options"}
 
 
+SCHEMA = st.sampled_from([{"type": "object"}, {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False},
+                          {"type": "objekt"}, {"properties": 5}, {}])
+STRUCTURED = {  # valid and invalid constraints (and two at once): a 200 or a 400, never a 5xx
+    "response_format": optional(st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+                                | SCHEMA.map(lambda s: {"type": "json_schema", "json_schema": {"name": "a", "schema": s}})),
+    "structured_outputs": optional(st.sampled_from([{"choice": ["a", "b"]}, {"choice": []}, {"regex": "[0-9]+"}, {"regex": "a("},
+                                                    {"grammar": 'start: "x"'}, {"json_object": True}, {"json": {"type": "objekt"}},
+                                                    {"regex": "a", "choice": ["a"]}])),
+    "guided_choice": optional(st.lists(GOOD_TEXT, max_size=2)),
+}
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"])}, optional={"parameters": optional(SCHEMA)})})
+TOOL_CHOICE = st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}])
 COMPLETION = bodies({"prompt": PROMPT, "max_tokens": COUNT},
-                    SAMPLING | {"logprobs": optional(st.integers(0, 3)), "echo": optional(st.just(False)), "suffix": st.none(),
+                    SAMPLING | STRUCTURED | {"logprobs": optional(st.integers(0, 3)), "echo": optional(st.just(False)), "suffix": st.none(),
                                 "best_of": optional(st.just(1))})
 CHAT = bodies({"messages": MESSAGES, "max_completion_tokens": COUNT},  # always set: chat's default is the slot's room
-              SAMPLING | {"max_tokens": COUNT, "logprobs": optional(st.booleans()), "top_logprobs": st.none(),
-                          "tools": optional(st.just([])), "tool_choice": optional(st.just("none")),
-                          "response_format": optional(st.just({"type": "text"}))})
+              SAMPLING | STRUCTURED | {"max_tokens": COUNT, "logprobs": optional(st.booleans()), "top_logprobs": st.none(),
+                                       "tools": optional(st.lists(TOOL, max_size=2)), "tool_choice": optional(TOOL_CHOICE),
+                                       "parallel_tool_calls": optional(st.booleans())})
+ITEM = (st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": GOOD_TEXT | st.lists(
+    st.fixed_dictionaries({"type": st.just("input_text"), "text": GOOD_TEXT}), max_size=2)}, optional={"type": st.just("message")})
+    | st.fixed_dictionaries({"type": st.just("function_call"), "call_id": GOOD_TEXT, "name": GOOD_TEXT,
+                             "arguments": GOOD_TEXT | st.just('{"a": 1}')})
+    | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": GOOD_TEXT, "output": GOOD_TEXT}))
+RESPONSES = bodies({"input": GOOD_TEXT | st.lists(ITEM, max_size=3), "max_output_tokens": COUNT},
+                   {"model": optional(st.just(NAME)), "instructions": optional(GOOD_TEXT), "temperature": optional(st.floats(0, 2)),
+                    "top_p": optional(st.floats(0.05, 1)), "stream": optional(st.booleans()), "store": optional(st.booleans()),
+                    "previous_response_id": optional(st.just("resp_unknown")), "seed": optional(st.integers(0, 9)),
+                    "tools": optional(st.lists(TOOL.map(lambda t: {"type": "function"} | t["function"]), max_size=2)),
+                    "tool_choice": optional(TOOL_CHOICE.map(lambda c: c if isinstance(c, str) else {"type": "function", "name": "f"})),
+                    "text": optional(SCHEMA.map(lambda s: {"format": {"type": "json_schema", "name": "a", "schema": s}})
+                                     | st.just({"format": {"type": "json_object"}}))})
 TOKENIZE = bodies({}, {"model": optional(st.just(NAME)), "prompt": optional(GOOD_TEXT), "messages": optional(MESSAGES),
                        "add_special_tokens": optional(st.booleans()), "add_generation_prompt": optional(st.booleans()),
                        "return_token_strs": optional(st.booleans())})
@@ -145,7 +171,11 @@ def check_answer(method: str, resp) -> None:
         assert error["param"] is None or isinstance(error["param"], str)
         assert error["code"] is None or isinstance(error["code"], str)
         return
-    if resp.headers["content-type"].startswith("text/event-stream"):
+    if resp.headers["content-type"].startswith("text/event-stream") and "event: " in resp.text:  # /v1/responses: typed events
+        events = [json.loads(line.removeprefix("data: ")) for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    elif resp.headers["content-type"].startswith("text/event-stream"):
         events = [line.removeprefix("data: ") for line in resp.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert all("error" not in json.loads(e) for e in events[:-1]), events
@@ -185,6 +215,16 @@ def test_completions_never_5xx(http, body):
 @example(body={"messages": [{"role": "user", "content": "hi", "\udc00": None}], "max_completion_tokens": 2})
 def test_chat_completions_never_5xx(http, body):
     post(http, "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=RESPONSES)
+@example(body={"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                         {"type": "function_call_output", "call_id": "c", "output": "1"}], "max_output_tokens": 2, "stream": True})
+@example(body={"input": "hi", "max_output_tokens": 2, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+               "stream": True})
+def test_responses_never_5xx(http, body):
+    post(http, "/v1/responses", body)
 
 
 @FUZZ

@@ -14,6 +14,9 @@ from neuronfx.cli.types import Subcommand
 from neuronfx.errors import InputError
 from neuronfx.io import checkpoints
 
+TOOL_PARSERS = ("hermes", "llama3_json")
+"""--tool-call-parser choices (``neuronfx.server.tool_parsers.PARSERS``, which the server loads only when it serves)."""
+
 SERVE_BATCH_SIZE = 8
 """serve's default --batch-size: a server decodes many requests together."""
 
@@ -39,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="with --prefill-chunk-size: tokens one scheduler iteration processes (decode tokens plus one prompt "
                         "chunk; default: the chunk size + the batch size)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the tokenizer's (as vLLM's), e.g. a tools-aware one")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="how tool calls are read from the model's text for tool_choice 'auto' (default: from the chat "
+                        "template: hermes for <tool_call> templates, llama3_json for Llama 3's)")
     add_async_option(p)
     add_plan_options(p, batch_size=SERVE_BATCH_SIZE)
 
@@ -55,6 +63,8 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise InputError(f"--max-num-batched-tokens={args.max_num_batched_tokens} must be >= 1 (tokens per scheduler iteration).")
     if not args.shutdown_timeout >= 0:
         raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise InputError(f"--chat-template {args.chat_template!r} is not a file; give the path of a Jinja chat template.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                          "supported yet (drop --tp-degree).")
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
     log = logging.getLogger("neuronfx.server")
+    template = Path(args.chat_template).read_text() if args.chat_template else None
 
     def build() -> Served:
         then = "the saved runtime" if saved is not None else "the checkpoint, then its graphs (compile cache or compile)"
@@ -80,11 +91,14 @@ def run(args: argparse.Namespace) -> int:
                  inference.max_context_length, inference.sequence_length, then)
         loaded = load_runtime(args, saved, inference, progress=False)  # the compile cache logs what it does ("neuronfx.cache")
         log.info("%s", loaded.summary())
+        if template is not None:  # vLLM's --chat-template: replaces the tokenizer's own
+            loaded.tokenizer.chat_template = template
         return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
     return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                  shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
-                 max_num_batched_tokens=args.max_num_batched_tokens, async_decode=args.async_decode)
+                 max_num_batched_tokens=args.max_num_batched_tokens, async_decode=args.async_decode,
+                 tool_parser=args.tool_call_parser)
 
 
 COMMAND = Subcommand(name="serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...) over the "

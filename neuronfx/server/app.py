@@ -1,6 +1,7 @@
 """The FastAPI app (llama.cpp's server "http" part): OpenAI's /v1/completions,
-/v1/chat/completions, /v1/models and /v1/models/{id}, vLLM's /tokenize and /detokenize,
-/health (GET and HEAD) and /metrics.
+/v1/chat/completions (structured outputs and tools), /v1/responses (``responses_api.py``),
+/v1/models and /v1/models/{id}, vLLM's /tokenize and /detokenize, /health (GET and HEAD) and
+/metrics.
 
 Every request is validated here, before it reaches the engine (types by pydantic in
 ``protocol.py``, values by neuronfx's named checks in ``requests.py``), so one bad request never
@@ -26,6 +27,7 @@ from neuronfx.server.errors import add_error_handlers
 from neuronfx.server.requests import (
     chat_ids,
     check_model,
+    check_tools,
     completion_prompts,
     engine_request,
     model_card,
@@ -34,13 +36,20 @@ from neuronfx.server.requests import (
     stream_usage,
 )
 from neuronfx.server.responses import Job, new_id
+from neuronfx.server.responses_api import ResponseStore, add_responses_routes
+from neuronfx.server.structured import structured_outputs
+from neuronfx.server.tools import tool_plan
 from neuronfx.version import __version__
 
 
-def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> FastAPI:
+def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0, tool_parser: str | None = None,
+             store: ResponseStore | None = None) -> FastAPI:
     """The app serving ``engine`` as model ``model_name``. Its lifespan starts the engine
     thread (which builds the runtime) and, at shutdown, stops it (aborting what still runs;
-    waiting at most ``stop_timeout`` seconds for the thread)."""
+    waiting at most ``stop_timeout`` seconds for the thread). ``tool_parser``: how "auto" tool
+    calls are read (a ``tool_parsers.PARSERS`` name; None: chosen by the chat template);
+    ``store``: where /v1/responses keeps answers for ``previous_response_id`` (None: a new
+    :class:`ResponseStore` of this app)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +60,8 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0) -> Fast
     app = FastAPI(title="neuronfx", version=__version__, lifespan=lifespan)
     add_error_handlers(app)
     _add_status_routes(app, engine, model_name)
-    _add_generation_routes(app, engine, model_name)
+    _add_generation_routes(app, engine, model_name, tool_parser)
+    add_responses_routes(app, engine, model_name, tool_parser, store if store is not None else ResponseStore())
     _add_token_routes(app, engine, model_name)
     return app
 
@@ -80,7 +90,7 @@ def _add_status_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
         return JSONResponse(model_card(model_name, created, served))
 
 
-def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
+def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str, tool_parser: str | None) -> None:
     """/v1/completions (one choice per prompt) and /v1/chat/completions."""
 
     @app.post("/v1/completions")
@@ -89,7 +99,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str) -> Non
         check_model(body.model, model_name)
         p.check_unsupported(body)
         max_tokens = p.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        requests = [engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt")
+        structured, field = structured_outputs(body)
+        requests = [engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt", structured, field)
                     for k, ids in enumerate(completion_prompts(body, served))]
         job = Job(engine=engine, served=served, model=model_name, kind="text_completion", id=new_id("cmpl"),
                   requests=requests, usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
@@ -100,14 +111,20 @@ def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str) -> Non
         served = served_by(engine)
         check_model(body.model, model_name)
         p.check_unsupported(body)
-        ids = chat_ids(body.messages, served, add_generation_prompt=True)
+        structured, field = structured_outputs(body)
+        check_tools(served, body.tools)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_parser, served.tokenizer.chat_template,
+                          constrained=structured is not None)
+        if tools.structured is not None:
+            structured, field = tools.structured, "tool_choice"
+        ids = chat_ids(body.messages, served, add_generation_prompt=True, tools=tools.template_tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # vLLM: whatever room the slot has left
             max_tokens = room(ids, served)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = Job(engine=engine, served=served, model=model_name, kind="chat.completion", id=new_id("chatcmpl"),
-                  requests=[engine_request(body, ids, 0, served, logprobs, max_tokens, "messages")],
-                  usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
+                  requests=[engine_request(body, ids, 0, served, logprobs, max_tokens, "messages", structured, field)],
+                  usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids, scanner=tools.scanner)
         return await job.respond(request, body.stream)
 
 

@@ -38,6 +38,7 @@ from neuronfx.runtime.prefix_pool import pool_nbytes
 from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
 from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, step, submit
+from neuronfx.runtime.structured import Grammars
 from neuronfx.server.metrics import Metrics
 
 logger = logging.getLogger("neuronfx.server")
@@ -65,10 +66,13 @@ class EngineOverloaded(EngineUnavailable):
 
 @attrs.frozen(kw_only=True, eq=False)
 class Served:
-    """What the engine serves: a runtime and its tokenizer (transformers)."""
+    """What the engine serves: a runtime, its tokenizer (transformers) and the grammars of its
+    structured outputs (llguidance over that tokenizer, by default: handlers check a request's
+    constraint with them, the scheduler's queue makes its matchers with them; one cache)."""
 
     runtime: Runtime
     tokenizer: Any
+    grammars: Grammars = attrs.field(default=attrs.Factory(lambda s: Grammars.for_runtime(s.runtime, s.tokenizer), takes_self=True))
 
 
 @attrs.frozen(eq=False)
@@ -235,7 +239,7 @@ class Engine:
         runtime = served.runtime
         eos = frozenset(runtime.plan.model.eos_token_ids)
         state: Flight = init_state(runtime)
-        queue = Queue()
+        queue = Queue(grammars=served.grammars)
         self._announce_ready(served, state)
         while True:
             for command in self._commands(block=not busy(state, queue)):
@@ -296,7 +300,7 @@ class Engine:
             for index in list(self._live):
                 self._finish(index, _ended(index, "error"))
             self._prefix_seen = PrefixStats()
-            return [], init_state(runtime), Queue()
+            return [], init_state(runtime), Queue(grammars=served.grammars)
 
     def _commands(self, block: bool) -> list[object]:
         """Every command in the inbox; waits for one first when ``block`` (nothing to run)."""

@@ -8,9 +8,12 @@ field given as null takes its default, as OpenAI's and vLLM's servers do (client
 "not set"). Every string is checked for lone UTF-16 surrogates (JSON allows ``"\\ud800"``; no
 tokenizer takes one): a 400 naming the field and the character. Chat messages take OpenAI's
 tool-calling shapes (an assistant message's ``tool_calls``, a tool message's ``tool_call_id``),
-which go to the chat template (:func:`chat_messages`). OpenAI fields neuronfx does not implement (n > 1, echo,
-suffix, best_of > 1, logit_bias, tools, response_format other than text) are accepted only at
-their neutral value and otherwise answered with a 400 naming the field.
+which go to the chat template (:func:`chat_messages`). Structured outputs (``response_format``,
+vLLM's ``structured_outputs`` and its older ``guided_*`` fields) and tools (``tools``,
+``tool_choice``, ``parallel_tool_calls``) are typed here and mapped in ``server/structured.py``
+and ``server/tools.py``. OpenAI fields neuronfx does not implement (n > 1, echo, suffix,
+best_of > 1, logit_bias) are accepted only at their neutral value and otherwise answered with a
+400 naming the field.
 
 Ranges are not checked here: :func:`sampling_params` builds a :class:`neuronfx.SamplingParams`,
 whose named checks raise the 400s. Responses are built in ``server/responses.py``.
@@ -23,10 +26,11 @@ import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
 from neuronfx.config.sampling import SamplingParams
+from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import SamplingParamsError
 
 DEFAULT_TEMPERATURE = 1.0
@@ -75,7 +79,7 @@ Text = Annotated[StrictStr, AfterValidator(check_text)]
 """A request string: strictly a JSON string, valid Unicode (:func:`check_text`)."""
 
 
-class _Forbid(BaseModel):
+class RequestModel(BaseModel):
     """Unknown fields are errors (OpenAI: "Unrecognized request argument supplied"); an optional
     field given as null takes its default (OpenAI's and vLLM's servers accept null for every
     optional field; clients send it for "not set")."""
@@ -91,12 +95,40 @@ class _Forbid(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
-class StreamOptions(_Forbid):
+class StreamOptions(RequestModel):
     include_usage: StrictBool = False  # one last chunk with the usage (and "usage": null on the others)
     continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class GenerationRequest(_Forbid):
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema`` (OpenAI's): the schema the answer's JSON follows."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(None, alias="schema")  # None: any JSON
+    strict: StrictBool | None = None  # accepted; a constrained answer always follows the schema
+
+
+class ResponseFormat(RequestModel):
+    """``response_format`` (OpenAI's): text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type "json_schema"
+
+
+class StructuredOutputsBody(RequestModel):
+    """vLLM's ``structured_outputs`` extra: exactly one of these (:class:`StructuredOutputs`)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | Text | StrictBool | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+
+class GenerationRequest(RequestModel):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: Text | None = None  # None: the served model (vLLM); another name is a 404
@@ -121,6 +153,12 @@ class GenerationRequest(_Forbid):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>" instead of their text
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on /v1/completions too
+    structured_outputs: StructuredOutputsBody | None = None  # vLLM's
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names of structured_outputs' kinds
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -133,17 +171,17 @@ class CompletionRequest(GenerationRequest):
     best_of: StrictInt | None = None  # not supported: only 1
 
 
-class TextPart(_Forbid):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(_Forbid):
+class FunctionCall(RequestModel):
     name: Text
     arguments: Text  # the arguments as a JSON string (OpenAI's)
 
 
-class ToolCall(_Forbid):
+class ToolCall(RequestModel):
     """One call in an assistant message's ``tool_calls`` (OpenAI's shape)."""
 
     id: Text
@@ -151,7 +189,7 @@ class ToolCall(_Forbid):
     function: FunctionCall
 
 
-class ChatMessage(_Forbid):
+class ChatMessage(RequestModel):
     """One chat message. ``tool_calls`` only on an assistant message (its content may then be
     null), ``tool_call_id`` only on a tool message; both go to the chat template
     (:func:`chat_messages`). Another role with either is a 400 naming the message."""
@@ -173,6 +211,33 @@ class ChatMessage(_Forbid):
         return self
 
 
+class FunctionDef(RequestModel):
+    """A tool's function (OpenAI's): its name and its arguments' JSON schema."""
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # None: no arguments ({} is sent)
+    strict: StrictBool | None = None  # accepted; a forced call always follows the schema
+
+
+class Tool(RequestModel):
+    """One of ``tools`` (OpenAI's): a function the model may call."""
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(RequestModel):
+    """The function a named ``tool_choice`` forces."""
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    """``tool_choice`` naming one function: the answer is a call of it."""
+
+    type: Literal["function"]
+    function: ToolName
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions: ``messages`` through the model's chat template."""
 
@@ -180,12 +245,12 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = None  # OpenAI's newer name of max_tokens; wins when both are given
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None  # needs logprobs: true
-    tools: list[dict[str, Any]] | None = None  # not supported: only empty
-    tool_choice: Text | None = None  # not supported: only "none"
-    response_format: dict[str, Any] | None = None  # not supported: only {"type": "text"}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: StrictBool = True  # False: at most one call per answer
 
 
-class TokenizeRequest(_Forbid):
+class TokenizeRequest(RequestModel):
     """POST /tokenize (vLLM): ``prompt`` text, or ``messages`` through the chat template."""
 
     model: Text | None = None
@@ -196,7 +261,7 @@ class TokenizeRequest(_Forbid):
     return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(_Forbid):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize (vLLM): token ids back to text."""
 
     model: Text | None = None
@@ -269,27 +334,18 @@ def check_unsupported(req: GenerationRequest) -> None:
         if req.best_of not in (None, 1):
             raise ApiError(400, f"best_of={req.best_of}: neuronfx returns one completion per prompt, so best_of must be 1.",
                            param="best_of", code="unsupported_value")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise ApiError(400, "tools (function calling) are not supported by neuronfx; drop them.", param="tools",
-                           code="unsupported_parameter")
-        if req.tool_choice not in (None, "none"):
-            raise ApiError(400, f"tool_choice={req.tool_choice!r}: tools are not supported, so only 'none' is accepted.",
-                           param="tool_choice", code="unsupported_value")
-        if req.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, f"response_format={req.response_format!r:.60}: only {{'type': 'text'}} is supported (no JSON "
-                                "mode or schema).", param="response_format", code="unsupported_value")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, f"top_logprobs={req.top_logprobs} needs logprobs: true.", param="top_logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, f"top_logprobs={req.top_logprobs} needs logprobs: true.", param="top_logprobs")
 
 
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
 
 
-def sampling_params(req: GenerationRequest, logprobs: int | None, max_tokens: int) -> SamplingParams:
-    """The request's :class:`SamplingParams` (vLLM's defaults: temperature 1 unless given);
-    ApiError 400 with the named check's message (and the field as ``param``) when a value is out
-    of range."""
+def sampling_params(req: GenerationRequest, logprobs: int | None, max_tokens: int,
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
+    """The request's :class:`SamplingParams` (vLLM's defaults: temperature 1 unless given) with
+    ``structured`` (``server/structured.py`` reads it from the request); ApiError 400 with the
+    named check's message (and the field as ``param``) when a value is out of range."""
     try:
         return SamplingParams(
             temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -297,6 +353,7 @@ def sampling_params(req: GenerationRequest, logprobs: int | None, max_tokens: in
             frequency_penalty=req.frequency_penalty, seed=req.seed, min_tokens=req.min_tokens, max_tokens=max_tokens,
             stop=() if req.stop is None else req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+            structured=structured,
         )
     except SamplingParamsError as exc:
         raise ApiError(400, str(exc), param=sampling_param_name(req, exc)) from exc

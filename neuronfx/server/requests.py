@@ -4,8 +4,11 @@ as the scheduler checks it; every failure an ApiError with OpenAI's status and J
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from neuronfx.config.sampling import SamplingParams
+from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import InputError, PromptTooLongError, SamplingParamsError, SequenceLengthExceededError
 from neuronfx.runtime.checks import check_prompts
 from neuronfx.runtime.generate import check_stop_strings
@@ -13,6 +16,7 @@ from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import check_request
 from neuronfx.server import protocol as p
 from neuronfx.server.engine import Engine, Served
+from neuronfx.server.tools import tool_schemas
 
 
 def served_by(engine: Engine) -> Served:
@@ -63,25 +67,32 @@ def completion_prompts(body: p.CompletionRequest, served: Served) -> list[list[i
 
 
 def chat_ids(messages: Sequence[p.ChatMessage], served: Served, add_generation_prompt: bool,
-              add_special_tokens: bool = False) -> list[int]:
-    """The messages through the model's chat template, as token ids; ApiError 400 for no
-    messages, a template that refuses them (e.g. roles out of order) or no template."""
-    from jinja2 import TemplateError
-
+              add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The messages (and ``tools``, OpenAI's tool dicts) through the model's chat template, as
+    token ids; ApiError 400 for no messages, a template that refuses them (e.g. roles out of
+    order) or no template."""
     if not messages:
         raise p.ApiError(400, "messages is empty; give at least one message.", param="messages")
-    tokenizer = served.tokenizer
+    return template_ids(p.chat_messages(messages), served, add_generation_prompt, tools, add_special_tokens=add_special_tokens)
+
+
+def template_ids(messages: list[dict[str, Any]], served: Served, add_generation_prompt: bool,
+                 tools: list[dict[str, Any]] | None = None, field: str = "messages", add_special_tokens: bool = False) -> list[int]:
+    """Template-ready message dicts (:func:`protocol.chat_messages`) and ``tools`` through the
+    chat template, as token ids (the rendered text tokenized, as ``apply_chat_template`` does;
+    ``add_special_tokens``: /tokenize's option, the tokenizer's own on top of the template's);
+    ApiError 400 naming ``field`` when the template refuses them or there is none."""
+    from jinja2 import TemplateError
+
+    extra = {} if tools is None else {"tools": tools}
     try:
-        ids = tokenizer.apply_chat_template(p.chat_messages(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-                                            return_dict=True)["input_ids"]
+        text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+        ids = served.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     except TemplateError as exc:
-        raise p.ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
+        raise p.ApiError(400, f"the model's chat template refused these messages: {exc}", param=field) from exc
     except ValueError as exc:  # transformers: no chat template
-        raise p.ApiError(400, f"this model's tokenizer has no chat template ({exc}); use /v1/completions.", param="messages") from exc
-    ids = list(ids)
-    if add_special_tokens:  # /tokenize's option; the template writes the special tokens it wants
-        ids = list(tokenizer.build_inputs_with_special_tokens(ids))
-    return ids
+        raise p.ApiError(400, f"this model's tokenizer has no chat template ({exc}); use /v1/completions.", param=field) from exc
+    return list(ids)
 
 
 def room(prompt: Sequence[int], served: Served) -> int:
@@ -99,19 +110,52 @@ def room(prompt: Sequence[int], served: Served) -> int:
 
 
 def engine_request(body: p.GenerationRequest, prompt: list[int], index: int, served: Served, logprobs: int | None,
-                    max_tokens: int, prompt_field: str) -> EngineRequest:
-    """The scheduler request for one prompt, checked as the scheduler would check it
-    (``check_request``) and its stop strings against the tokenizer; ApiError 400 otherwise."""
-    sampling = p.sampling_params(body, logprobs, max_tokens)
+                    max_tokens: int, prompt_field: str, structured: StructuredOutputs | None = None,
+                    structured_field: str | None = None) -> EngineRequest:
+    """The scheduler request for one prompt (constrained by ``structured``, which the request's
+    ``structured_field`` gave), checked as :func:`checked_request` checks it."""
+    sampling = p.sampling_params(body, logprobs, max_tokens, structured)
+    return checked_request(prompt, sampling, index, served, prompt_field, lambda exc: p.sampling_param_name(body, exc),
+                           structured_field)
+
+
+def checked_request(prompt: list[int], sampling: SamplingParams, index: int, served: Served, prompt_field: str,
+                    param_of: Callable[[SamplingParamsError], str | None], structured_field: str | None) -> EngineRequest:
+    """The scheduler request for ``prompt``, checked as the scheduler would check it
+    (``check_request``), its stop strings against the tokenizer and its constraint by the
+    grammar library (:func:`check_constraint`); ApiError 400 otherwise (``param_of`` names the
+    field of a sampling error)."""
     request = EngineRequest(prompt=tuple(prompt), sampling=sampling)  # sampling.max_tokens is the budget
+    check_constraint(served, sampling.structured, structured_field)  # first: its 400 names the request's field
     try:
         check_stop_strings(sampling, served.tokenizer)
-        check_request(served.runtime, index, request)
+        check_request(served.runtime, index, request, served.grammars)
     except SamplingParamsError as exc:
-        raise p.ApiError(400, str(exc), param=p.sampling_param_name(body, exc)) from exc
+        raise p.ApiError(400, str(exc), param=param_of(exc)) from exc
     except InputError as exc:
         raise prompt_error(exc, prompt_field) from exc
     return request
+
+
+def check_constraint(served: Served, structured: StructuredOutputs | None, field: str | None) -> None:
+    """ApiError 400 naming ``field`` when the grammar library rejects ``structured`` (a bad
+    schema, regex or grammar, or one that allows no token at the first step)."""
+    if structured is None:
+        return
+    try:
+        served.grammars.check(structured)
+    except SamplingParamsError as exc:
+        raise p.ApiError(400, f"{field}: {exc}", param=field) from exc
+
+
+def check_tools(served: Served, tools: Sequence[p.Tool] | None, where: str = "tools.{i}.function.parameters") -> None:
+    """ApiError 400 (param "tools") when the grammar library rejects a tool's parameters schema;
+    ``where`` names the schema of tool ``i`` in the request."""
+    for i, structured in tool_schemas(tools or ()):
+        try:
+            served.grammars.check(structured)
+        except SamplingParamsError as exc:
+            raise p.ApiError(400, f"{where.format(i=i)}: {exc}", param="tools") from exc
 
 
 def prompt_error(exc: InputError, prompt_field: str) -> p.ApiError:

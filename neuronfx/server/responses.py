@@ -6,7 +6,8 @@ A client that disconnects aborts its requests (Starlette cancels the stream; a w
 watches for the disconnect). With vLLM's ``stream_options.continuous_usage_stats`` (and
 ``include_usage``) every chunk carries the usage so far. A stream whose request ends without
 an answer (the server's stop aborted it, or the engine failed) ends with an error event, then
-``data: [DONE]``.
+``data: [DONE]``. A chat with tools reads its text with a scanner (``tools.py``): whole, its
+``message.tool_calls``; streamed, OpenAI's ``delta.tool_calls``, which add up to the whole answer.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import TokenEvent
 from neuronfx.server import protocol as p
 from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Served, Sink
+from neuronfx.server.tool_parsers import Scanner
+from neuronfx.server.tools import CallStream, advance, chat_call_deltas, chat_tool_calls, finish_reason
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -71,9 +74,10 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chat_delta_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
@@ -97,6 +101,7 @@ class Choice:
     pending: list[Logprobs] = attrs.Factory(list)  # not yet streamed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sent: CallStream = attrs.Factory(CallStream)  # what a stream sent of its content and tool calls
 
     def add(self, event: TokenEvent) -> None:
         self.text += event.text
@@ -122,22 +127,11 @@ class Job:
     requests: list[EngineRequest]
     usage: str | None  # streamed usage: None, "last" (a last chunk) or "every" (every chunk too: vLLM's continuous_usage_stats)
     token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    scanner: Scanner | None = None  # chat with tools: reads content and tool calls from the text (tools.py)
     created: int = attrs.Factory(lambda: int(time.time()))
 
     async def respond(self, request: Request, stream: bool) -> Response:
-        limit = self.served.runtime.plan.inference.batch_size + self.engine.max_waiting
-        if len(self.requests) > limit:
-            raise p.ApiError(400, f"{len(self.requests)} prompts in one request > {limit} (slots + --max-waiting) the server ever "
-                                  "holds; send fewer per request.", param="prompt")
-        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-        try:
-            ids = self.engine.submit(self.requests, sink)
-        except EngineOverloaded as exc:
-            raise p.ApiError(503, str(exc), type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
-        except EngineNotReady as exc:
-            raise p.ApiError(503, str(exc), type="server_error", code="model_not_ready", headers={"Retry-After": "5"}) from exc
-        except EngineStopping as exc:
-            raise p.ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
+        sink, ids = submit_requests(self.engine, self.served, self.requests)
         if stream:
             return StreamingResponse(self._chunks(sink, ids), media_type="text/event-stream", headers=SSE_HEADERS)
         return await self._whole(request, sink, ids)
@@ -149,31 +143,12 @@ class Job:
     def _usage(self, choices: Sequence[Choice]) -> dict:
         return usage(sum(len(r.prompt) for r in self.requests), sum(c.num_tokens for c in choices))
 
-    async def _collect(self, sink: Sink) -> list[Choice]:
-        choices = [Choice() for _ in self.requests]
-        done = 0
-        while done < len(choices):
-            k, event = await sink.queue.get()
-            choices[k].add(event)
-            done += event.finish_reason is not None
-        return choices
-
     async def _whole(self, request: Request, sink: Sink, ids: list[int]) -> Response:
         """The whole response once every choice finished; a client that disconnects first
         aborts its requests."""
-        collect = asyncio.ensure_future(self._collect(sink))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not collect.done():  # the client went away (or the server cancels this task): free the slots
-                collect.cancel()
-                self.engine.abort(ids)
-        if not collect.done() or collect.cancelled():
+        choices = await whole_choices(request, self.engine, sink, ids, len(self.requests))
+        if choices is None:
             return Response(status_code=499)  # nobody reads it
-        choices = collect.result()
-        _raise_ended(choices)
         body = [self._choice(k, c) for k, c in enumerate(choices)]
         return JSONResponse(response_body(self.kind, self.id, self.created, self.model, body, self._usage(choices)))
 
@@ -182,7 +157,11 @@ class Job:
         wants = self.requests[k].sampling.logprobs is not None
         if self.kind == "chat.completion":
             logprobs = chat_logprobs(choice.logprobs, self._decode) if wants else None
-            return chat_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+            if self.scanner is None:
+                return chat_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+            scan = self.scanner(choice.text, True)
+            return chat_choice(k, scan.content or None, logprobs, finish_reason(choice.finish_reason, scan), choice.stop_reason,
+                               chat_tool_calls(scan))
         logprobs = completion_logprobs(choice.logprobs, self._decode, 0) if wants else None
         return completion_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
 
@@ -198,46 +177,59 @@ class Job:
             if self.kind == "chat.completion":
                 for k in range(len(choices)):
                     first = chat_delta_choice(k, {"role": "assistant", "content": ""}, None, None, None)
-                    yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [first], self._chunk_usage(k, choices)))
+                    yield sse(response_body(chunk_kind, self.id, self.created, self.model, [first], self._chunk_usage(k, choices)))
             while done < len(choices):
                 k, event = await sink.queue.get()
                 choice = choices[k]
                 offset = len(choice.text)
                 choice.add(event)
                 done += event.finish_reason is not None
-                if event.finish_reason in _ENDED:
-                    yield _sse(_ENDED[event.finish_reason])
+                if event.finish_reason in ENDED:
+                    yield sse(ENDED[event.finish_reason])
                     continue
-                if not event.text and event.finish_reason is None:
-                    continue  # held back (a partial character or a possible stop string): its logprobs go with the next
-                yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [self._delta(k, choice, event, offset)],
-                                           self._chunk_usage(k, choices)))
+                delta = self._delta(k, choice, event, offset)
+                if delta is None:
+                    continue  # held back (a partial character, a possible stop string or tool tag): its logprobs go with the next
+                yield sse(response_body(chunk_kind, self.id, self.created, self.model, [delta], self._chunk_usage(k, choices)))
             if self.usage is not None:
-                yield _sse(response_body(chunk_kind, self.id, self.created, self.model, [], self._usage(choices)))
+                yield sse(response_body(chunk_kind, self.id, self.created, self.model, [], self._usage(choices)))
             yield "data: [DONE]\n\n"
         finally:
             if done < len(choices):  # cancelled: the client went away
                 self.engine.abort(ids)
+
+    def _chat_delta(self, choice: Choice, event: TokenEvent) -> tuple[dict, str | None]:
+        """(chat's delta, finish_reason) of ``event``: its text, or under tools the content and
+        tool-call deltas a scan of the text so far adds (finish_reason "tool_calls" after calls)."""
+        if self.scanner is None:
+            return ({"content": event.text} if event.text else {}), event.finish_reason
+        scan = self.scanner(choice.text, event.finish_reason is not None)
+        content, calls = advance(scan, choice.sent)
+        delta = ({"content": content} if content else {}) | ({"tool_calls": chat_call_deltas(calls)} if calls else {})
+        return delta, finish_reason(event.finish_reason, scan)
 
     def _chunk_usage(self, k: int, choices: Sequence[Choice]) -> dict | None:
         """The usage a chunk of choice ``k`` carries: its prompt and tokens so far under vLLM's
         continuous_usage_stats, else None."""
         return usage(len(self.requests[k].prompt), choices[k].num_tokens) if self.usage == "every" else None
 
-    def _delta(self, k: int, choice: Choice, event: TokenEvent, offset: int) -> dict:
-        """The streamed choice of ``event`` (its text delta, the logprobs of the tokens since the
-        last chunk, its finish_reason), clearing the pending logprobs."""
+    def _delta(self, k: int, choice: Choice, event: TokenEvent, offset: int) -> dict | None:
+        """The streamed choice of ``event`` (its text delta, or its content and tool-call deltas
+        under tools; the logprobs of the tokens since the last chunk; its finish_reason),
+        clearing the pending logprobs; None when it has nothing to send yet."""
+        delta, reason = self._chat_delta(choice, event) if self.kind == "chat.completion" else ({}, event.finish_reason)
+        if event.finish_reason is None and not (delta if self.kind == "chat.completion" else event.text):
+            return None
         wants = self.requests[k].sampling.logprobs is not None
         pending, choice.pending = choice.pending, []
         if self.kind == "chat.completion":
             logprobs = chat_logprobs(pending, self._decode) if wants else None
-            delta = {"content": event.text} if event.text else {}
-            return chat_delta_choice(k, delta, logprobs, event.finish_reason, event.stop_reason)
+            return chat_delta_choice(k, delta, logprobs, reason, event.stop_reason)
         logprobs = completion_logprobs(pending, self._decode, offset) if wants else None
         return completion_choice(k, event.text, logprobs, event.finish_reason, event.stop_reason)
 
 
-_ENDED = {
+ENDED = {
     "error": p.error_body("the model produced no valid token (NaN/inf logits) or the engine failed; see the server's log.",
                           "server_error", code="internal_error"),
     "abort": p.error_body("the server stopped before this request finished (its --shutdown-timeout ran out); retry.",
@@ -247,7 +239,7 @@ _ENDED = {
 (an abort streams only at a server's stop: a client that went away reads nothing)."""
 
 
-def _raise_ended(choices: Sequence[Choice]) -> None:
+def raise_ended(choices: Sequence[Choice]) -> None:
     """ApiError for a whole response whose requests ended without an answer: aborted (the
     server is stopping) or failed in the engine."""
     reasons = {c.finish_reason for c in choices}
@@ -258,13 +250,61 @@ def _raise_ended(choices: Sequence[Choice]) -> None:
                          type="server_error", code="internal_error")
 
 
-def _sse(data: dict) -> str:
+def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Return when the client disconnects (the request body was read already)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def submit_requests(engine: Engine, served: Served, requests: Sequence[EngineRequest]) -> tuple[Sink, list[int]]:
+    """Submit one HTTP request's engine requests: (the sink their events arrive in, their engine
+    ids); ApiError 400 for more than the server ever holds, 503 when the engine takes none now."""
+    limit = served.runtime.plan.inference.batch_size + engine.max_waiting
+    if len(requests) > limit:
+        raise p.ApiError(400, f"{len(requests)} prompts in one request > {limit} (slots + --max-waiting) the server ever "
+                              "holds; send fewer per request.", param="prompt")
+    sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+    try:
+        return sink, engine.submit(requests, sink)
+    except EngineOverloaded as exc:
+        raise p.ApiError(503, str(exc), type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+    except EngineNotReady as exc:
+        raise p.ApiError(503, str(exc), type="server_error", code="model_not_ready", headers={"Retry-After": "5"}) from exc
+    except EngineStopping as exc:
+        raise p.ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
+
+
+async def collect(sink: Sink, n: int) -> list[Choice]:
+    """The ``n`` choices of a submit, once each finished."""
+    choices = [Choice() for _ in range(n)]
+    done = 0
+    while done < n:
+        k, event = await sink.queue.get()
+        choices[k].add(event)
+        done += event.finish_reason is not None
+    return choices
+
+
+async def whole_choices(request: Request, engine: Engine, sink: Sink, ids: list[int], n: int) -> list[Choice] | None:
+    """The ``n`` finished choices, or None when the client disconnected first (its requests are
+    then aborted); ApiError when they ended without an answer (:func:`raise_ended`)."""
+    gathered = asyncio.ensure_future(collect(sink, n))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not gathered.done():  # the client went away (or the server cancels this task): free the slots
+            gathered.cancel()
+            engine.abort(ids)
+    if not gathered.done() or gathered.cancelled():
+        return None
+    choices = gathered.result()
+    raise_ended(choices)
+    return choices

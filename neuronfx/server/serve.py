@@ -97,11 +97,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int, max_waiting: int, shutdown_timeout: float,
-          access_log: bool = False, max_num_batched_tokens: int | None = None, async_decode: bool = False) -> int:
+          access_log: bool = False, max_num_batched_tokens: int | None = None, async_decode: bool = False,
+          tool_parser: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. ``build`` (run in the engine thread) loads or compiles the
     runtime; ``max_num_batched_tokens`` is the scheduler's token budget per iteration under
     chunked prefill (None: derived, ``scheduler.token_budget``); ``async_decode``: the engine
-    overlaps decode steps (``runtime/overlap.py``); ``shutdown_timeout``: seconds a stop drains
+    overlaps decode steps (``runtime/overlap.py``); ``tool_parser``: how "auto" tool calls are
+    read (None: from the chat template); ``shutdown_timeout``: seconds a stop drains
     in-flight requests (module doc). Returns the exit status: 0 after a stop, 2 when ``build``
     failed (its error is printed as one line). Raises InputError when (host, port) cannot be
     bound (:func:`bind_socket`), before anything loads."""
@@ -115,7 +117,7 @@ def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int,
 
     engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(), on_failure=on_failure,
                     max_num_batched_tokens=max_num_batched_tokens, async_decode=async_decode)
-    config = uvicorn.Config(make_app(engine, model_name), timeout_graceful_shutdown=FINAL_WRITE_S, access_log=access_log,
+    config = uvicorn.Config(make_app(engine, model_name, tool_parser=tool_parser), timeout_graceful_shutdown=FINAL_WRITE_S, access_log=access_log,
                             log_level="info", lifespan="on")
     server = GracefulServer(config, engine, drain_timeout=shutdown_timeout)
     server_box.append(server)
