@@ -55,16 +55,24 @@ _SKIPPED_SUFFIXES = (".lock", ".pyc")
 __all__ = ["ArtifactError", "load", "load_tokenizer", "push_to_hub", "read_manifest", "save"]
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+"""The ``neuronfx`` package directory (this module lives in ``neuronfx/io/``)."""
+
+
+def fingerprint_sources() -> list[Path]:
+    """The source files compiled graphs are made of: every .py and .cpp under
+    ``neuronfx/graphs`` and ``neuronfx/config``, sorted."""
+    sources = [p for sub in ("graphs", "config") for p in (PACKAGE_ROOT / sub).rglob("*")]
+    return sorted(p for p in sources if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts)
+
+
 @functools.cache
 def source_fingerprint() -> str:
-    """sha256 over the source files compiled graphs are made of (``neuronfx/graphs`` and
-    ``neuronfx/config``, .py and .cpp): an edited checkout must not reuse graphs compiled from
-    the old code."""
-    root = Path(__file__).parent
+    """sha256 over :func:`fingerprint_sources` (paths and contents): an edited checkout must not
+    reuse graphs compiled from the old code. Computed once per process."""
     h = hashlib.sha256()
-    sources = [p for sub in ("graphs", "config") for p in (root / sub).rglob("*")]
-    for path in sorted(p for p in sources if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in fingerprint_sources():
+        h.update(str(path.relative_to(PACKAGE_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
