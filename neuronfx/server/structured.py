@@ -29,9 +29,9 @@ def structured_outputs(req: p.GenerationRequest) -> tuple[StructuredOutputs | No
                               "structured_outputs or a guided_* field).", param=given[1][0])
     if not given:
         return None, None
-    field, kwargs = given[0]
+    field, arguments = given[0]
     try:
-        return StructuredOutputs(**kwargs), field
+        return StructuredOutputs(**arguments), field
     except SamplingParamsError as exc:
         raise p.ApiError(400, f"{field}: {exc}", param=field) from exc
 
