@@ -31,7 +31,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def test_against_a_copy_of_this_tree(tiny_dir, tmp_path, capsys):
     """Both workers import their own checkout; every case has one figure per round on each
-    side, the per-round ratios are this / other of the same round, and the greedy tokens agree."""
+    side, each round from a fresh pair of processes, the per-round ratios are this / other of
+    the same round, and the greedy tokens agree."""
     other = tmp_path / "other"
     shutil.copytree(ROOT / "neuronfx", other / "neuronfx", ignore=shutil.ignore_patterns("__pycache__"))
     args = ["bench", "latency", "--model", str(tiny_dir), "--backend", "eager", "--batch-sizes", "1", "2", "--prompt-lens", "8",
@@ -44,6 +45,7 @@ def test_against_a_copy_of_this_tree(tiny_dir, tmp_path, capsys):
     assert [(c["batch_size"], c["prompt_len"], c["gen_len"]) for c in data["cases"]] == [(1, 8, 4), (2, 8, 4)]
     for case in data["cases"]:
         assert len(case["this_tok_s"]) == len(case["other_tok_s"]) == 3 and all(v > 0 for v in case["this_tok_s"])
+        assert len(set(case["this_pids"] + case["other_pids"])) == 6  # a fresh process per side and round
         assert case["ratios"] == [a / b for a, b in zip(case["this_tok_s"], case["other_tok_s"])]
         assert case["median_ratio"] == statistics.median(case["ratios"]) and case["this_median"] == statistics.median(case["this_tok_s"])
         assert case["same_tokens"] and len(case["first_tokens"]) == 4  # gen_len tokens of the first row

@@ -1,21 +1,23 @@
 """``neuronfx bench latency --against REF``: decode tok/s of this tree against another checkout
 (a git ref or a directory), rounds alternating in one run.
 
-Each side is one worker process (``python -c`` :data:`WORKER`, with ``PYTHONPATH`` and the
+Each side runs in a worker process (``python -c`` :data:`WORKER`, with ``PYTHONPATH`` and the
 working directory set to that checkout's root) that loads the checkpoint, compiles one plan per
-batch size and warms each up before it reports ready, so neither compile time nor a first call
-is measured; then it times one greedy case per request on stdin. The worker uses only the
+batch size (the first round fills the compile cache; later rounds load from it) and warms each
+up before it reports ready, so neither compile time nor a first call is measured; then it times
+one greedy case per request on stdin. Every round starts a fresh pair of workers: one process
+per side for the whole run measured where its memory landed as much as its code. The worker uses only the
 public API every checkout has (``neuronfx.make_plan``, ``compile``, ``init_state``,
 ``generate``), so the other side may be any checkout, whatever its command layout. A git ref is
 exported with ``git archive`` into a temporary directory (the repository is not touched). The
-sides alternate case by case (:func:`neuronfx.bench.rounds.alternate`); the report gives each
+sides alternate, the first going second in odd rounds; the report gives each
 side's median round and the per-round ratios (this / other), and whether both produced the same
 greedy tokens."""
 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import io
 import json
 import os
@@ -33,7 +35,7 @@ import attrs
 import neuronfx
 from neuronfx.bench.latency_run import LatencySpec
 from neuronfx.bench.options import Log
-from neuronfx.bench.rounds import alternate, median
+from neuronfx.bench.rounds import median
 from neuronfx.errors import InputError, NeuronfxError
 from neuronfx.io import checkpoints
 
@@ -200,22 +202,42 @@ def one_round(worker: Worker, case: dict[str, int]) -> dict[str, Any]:
 
 
 def run_against(args: argparse.Namespace, spec: LatencySpec, log: Log) -> dict[str, Any]:
-    """Measure every case on both sides in ``spec.rounds`` alternating rounds; returns JSON-able
-    ``{"this", "other", "rounds", "tolerance", "cases": [one row per case]}``. Raises InputError
-    for a bad --against and NeuronfxError when a worker fails."""
+    """Measure every case on both sides in ``spec.rounds`` alternating rounds, each round in a
+    fresh pair of workers (:func:`worker_round`); returns JSON-able ``{"this", "other",
+    "rounds", "tolerance", "cases": [one row per case]}``. Raises InputError for a bad --against
+    and NeuronfxError when a worker fails."""
     overrides = check_combination(args)
+    cases = ab_cases(spec)
     with checkout(args.against) as (root, label):
-        log(f"this tree ({this_root()}) against {label}: compiling both sides (one worker process each) ...")
-        with start_worker("this", this_root(), worker_config(args, spec, {})) as this, \
-                start_worker(label, root, worker_config(args, spec, overrides)) as other:
-            rows = []
-            for case in ab_cases(spec):
-                timed = alternate({"this": functools.partial(one_round, this, case),
-                                   "other": functools.partial(one_round, other, case)}, spec.rounds)
-                rows.append(case_row(case, timed, args.tolerance))
-                log(format_case(rows[-1]))
-            return {"this": {"root": str(this.root), **this.ready}, "other": {"label": label, "root": str(root), **other.ready},
-                    "overrides": overrides, "rounds": spec.rounds, "tolerance": args.tolerance, "cases": rows}
+        log(f"this tree ({this_root()}) against {label}: {spec.rounds} rounds, each in a fresh worker process per side "
+            "(the first compiles both sides) ...")
+        sides = {"this": (this_root(), worker_config(args, spec, {})), label: (root, worker_config(args, spec, overrides))}
+        timed: list[dict[str, list[dict[str, Any]]]] = [{"this": [], "other": []} for _ in cases]
+        ready: dict[str, dict[str, Any]] = {}
+        for i in range(spec.rounds):
+            order = ["this", label] if i % 2 == 0 else [label, "this"]
+            reports = worker_round(sides, order, cases, timed)
+            ready = ready or reports  # the first round's: it compiled
+        rows = [case_row(case, t, args.tolerance) for case, t in zip(cases, timed)]
+        for row in rows:
+            log(format_case(row))
+        return {"this": {"root": str(this_root()), **ready["this"]}, "other": {"label": label, "root": str(root), **ready[label]},
+                "overrides": overrides, "rounds": spec.rounds, "tolerance": args.tolerance, "cases": rows}
+
+
+def worker_round(sides: dict[str, tuple[Path, dict[str, Any]]], order: list[str], cases: list[dict[str, int]],
+                 timed: list[dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+    """One round: start a worker per side (both alive while either measures), run every case
+    on each side in ``order``, append the results to ``timed`` (per case, "this" and "other"),
+    stop both; returns each side's ready report. A fresh process per round because where a
+    process's weights land in memory moves its decode speed by several percent on a small
+    machine (one process per side measured 0.905-1.034x of the same tree against itself)."""
+    with contextlib.ExitStack() as stack:
+        workers = {name: stack.enter_context(start_worker(name, root, config)) for name, (root, config) in sides.items()}
+        for case, results in zip(cases, timed):
+            for name in order:
+                results["this" if name == "this" else "other"].append(one_round(workers[name], case) | {"pid": workers[name].process.pid})
+        return {name: w.ready for name, w in workers.items()}
 
 
 def ab_cases(spec: LatencySpec) -> list[dict[str, int]]:
@@ -225,11 +247,13 @@ def ab_cases(spec: LatencySpec) -> list[dict[str, int]]:
 
 def case_row(case: dict[str, int], timed: dict[str, list[dict[str, Any]]], tolerance: float) -> dict[str, Any]:
     """One case's figures: each side's decode tok/s per round and median, this / other per
-    round and their median, and whether both sides' greedy tokens were the same every round."""
+    round and their median, each round's worker process ids, and whether both sides' greedy
+    tokens were the same every round."""
     this, other = ([r["decode_tok_s"] for r in timed[side]] for side in ("this", "other"))
     per_round = [a / b for a, b in zip(this, other, strict=True)]
     digests = {r["tokens_digest"] for side in timed.values() for r in side}
-    return case | {"this_tok_s": this, "other_tok_s": other, "this_median": median(this), "other_median": median(other),
+    pids = {side: [r["pid"] for r in timed[side]] for side in ("this", "other")}
+    return case | {"this_tok_s": this, "other_tok_s": other, "this_pids": pids["this"], "other_pids": pids["other"], "this_median": median(this), "other_median": median(other),
                    "ratios": per_round, "median_ratio": median(per_round), "same_tokens": len(digests) == 1,
                    "within_tolerance": abs(median(per_round) - 1) <= tolerance, "first_tokens": timed["this"][0]["first_tokens"]}
 
