@@ -181,6 +181,29 @@ def test_completion_greedy_logprobs_and_several_prompts(client, reference):
     assert two.usage.prompt_tokens == len(ids) + len(reference.ids(other)) and two.usage.completion_tokens == 12
 
 
+def test_n_choices_each_equal_its_seed_alone(client, reference):
+    """n = 3 seeded: choices 0..2, choice c the prompt alone with seed + c (vLLM's rule), the
+    prompt counted once in usage; two prompts x n = 2 are choices p * 2 + c; streamed chunks
+    carry each choice's index and make the same texts; greedy choices are identical."""
+    ids, other = reference.ids(PROMPT), reference.ids("Once upon a time")
+    sampled = {"temperature": 1.0, "seed": 5}
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, n=3, **sampled)
+    alone = [reference.solo(ids, 8, temperature=1.0, seed=5 + c).texts[0] for c in range(3)]
+    assert [c.index for c in out.choices] == [0, 1, 2] and [c.text for c in out.choices] == alone
+    assert len(set(alone)) > 1 and (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 24)
+    two = client.completions.create(model=NAME, prompt=[ids, other], max_tokens=6, n=2, **sampled)
+    assert [c.text for c in two.choices] == [reference.solo(p, 6, temperature=1.0, seed=5 + c).texts[0] for p in (ids, other)
+                                             for c in range(2)]
+    assert two.usage.prompt_tokens == len(ids) + len(other)
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, n=3,
+                                                 stream=True, **sampled))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == k) for k in range(3)]
+    chat_ids = reference.chat_ids(QUESTION)
+    assert texts == [reference.solo(chat_ids, 8, temperature=1.0, seed=5 + c).texts[0] for c in range(3)]
+    greedy = client.chat.completions.create(model=NAME, messages=HI, max_tokens=6, n=2, **GREEDY)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
 def test_logprobs_equal_the_library(client, reference):
     ids = reference.ids(PROMPT)
     expected = reference.solo(ids, 5, logprobs=2)
@@ -490,9 +513,10 @@ BAD_INPUT = {
     "stop a number": (C, {"prompt": "hi", "stop": 7}, 400, _err("stop must be a string or a list of strings; got 7.", "stop")),
     "unknown field": (C, {"prompt": "hi", "best_of_all": 3}, 400, _err("Unrecognized request argument supplied: best_of_all.",
                                                                        "best_of_all")),
-    "n above one": (C, {"prompt": "hi", "n": 2}, 400, _err(
-        "n=2: neuronfx returns one choice per prompt, so n must be 1; send the request n times (with different seeds to sample "
-        "different answers).", "n", "unsupported_value")),
+    "n zero": (C, {"prompt": "hi", "n": 0}, 400, _err("n=0 must be in [1, 128] (choices per prompt); lower it.", "n",
+                                                      "invalid_value")),
+    "n above the limit": (CHAT, {"messages": HI, "n": 129}, 400, _err("n=129 must be in [1, 128] (choices per prompt); lower it.",
+                                                                      "n", "invalid_value")),
     "echo": (C, {"prompt": "hi", "echo": True}, 400, _err("echo is not supported by neuronfx; drop it (the prompt is yours already).",
                                                           "echo", "unsupported_parameter")),
     "stream_options without stream": (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, _err(

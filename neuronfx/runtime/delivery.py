@@ -24,14 +24,14 @@ from neuronfx.runtime.pipeline import Logprobs, StepOutput
 from neuronfx.runtime.requests import Progress, Queue, Request, TokenEvent
 from neuronfx.runtime.speculate import SpeculationStats
 
-FIRST = frozenset({"prefill", "chunk"})
+FIRST = frozenset({"prefill", "chunk", "fork"})
 """Kinds of step that give a request its first token (the others count as target passes)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class Ran:
-    """One step a scheduler iteration ran: its kind ("prefill", "chunk", "refill", "speculate" or
-    "decode"), its requests in batch order, its output and its seconds."""
+    """One step a scheduler iteration ran: its kind ("prefill", "chunk", "fork", "refill",
+    "speculate" or "decode"), its requests in batch order, its output and its seconds."""
 
     kind: str
     rows: tuple[Progress, ...]

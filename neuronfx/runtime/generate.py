@@ -13,6 +13,7 @@ import torch
 from neuronfx.config.sampling import SamplingParams, check_sampling
 from neuronfx.errors import BatchTooLargeError, InputError, SamplingParamsError, TokenOutOfVocabError
 from neuronfx.runtime.checks import check_prompts
+from neuronfx.runtime.fork import check_n, choices
 from neuronfx.runtime.overlap import overlap_schedule
 from neuronfx.runtime.pipeline import Logprobs
 from neuronfx.runtime.requests import Finished, Request, TokenEvent, check_budget
@@ -27,7 +28,8 @@ Prompts = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | np.ndarray
 
 @attrs.frozen(kw_only=True, eq=False)
 class GenerateResult:
-    """Output of :func:`generate`, one entry per prompt in input order."""
+    """Output of :func:`generate`, one entry per prompt in input order (with ``n`` > 1, one per
+    choice: prompt p's choice c is entry p * n + c)."""
 
     token_ids: tuple[tuple[int, ...], ...]  # [n][generated_b] generated ids (a stopping eos/stop id included)
     finish_reasons: tuple[str, ...]  # [n] "stop" (eos, stop id or stop string), "length" (max tokens reached) or "error" (NaN/inf logits)
@@ -144,15 +146,16 @@ def make_requests(
     runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None, speculative: bool = True,
-    async_decode: bool = False,
+    async_decode: bool = False, n: int = 1,
 ) -> tuple[list[Request], frozenset[int], Grammars | None]:
     """Validate everything :func:`generate` needs and build its requests, eos set and the
-    compiled grammars of its structured requests (None when there are none).
+    compiled grammars of its structured requests (None when there are none). With ``n`` > 1
+    each prompt is ``n`` requests in a row (``fork.choices``).
 
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
     SamplingParams or one per prompt, stop strings or structured outputs without a tokenizer, a
     tokenizer that cannot decode, ``speculative`` or ``async_decode`` not a bool),
-    BatchTooLargeError (no free slot), SequenceLengthExceededError (prompt + max tokens >
+    ``n`` not an int in [1, 128]), BatchTooLargeError (no free slot), SequenceLengthExceededError (prompt + max tokens >
     sequence_length), SamplingParamsError (including stop strings the tokenizer cannot produce,
     min_tokens over the token budget, a structured output the grammar library rejects or that
     allows no first token), TokenOutOfVocabError (eos ids), and the prompt errors of
@@ -166,6 +169,7 @@ def make_requests(
         raise InputError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
     check_prompts(runtime, prompts)
     check_run_options(state, speculative, async_decode)
+    check_n(n)
     check_tokenizer(tokenizer)
     params = request_params(runtime, sampling, len(prompts), tokenizer)
     grammars = grammars_for(runtime, params, tokenizer)
@@ -175,7 +179,8 @@ def make_requests(
         # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
         params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
                        for sp in params)
-    return [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))], frozenset(eos), grammars
+    requests = [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))]
+    return choices(requests, n), frozenset(eos), grammars
 
 
 def check_run_options(state: State, speculative: object, async_decode: object) -> None:
@@ -229,6 +234,7 @@ def generate(
     tokenizer: Any = None,
     speculative: bool = True,
     async_decode: bool = False,
+    n: int = 1,
 ) -> tuple[GenerateResult, State]:
     """Generate for any number of prompts through the reference scheduler (continuous batching
     over the state's free slots; prompts beyond them wait for a slot). Returns
@@ -246,10 +252,14 @@ def generate(
     seeded tokens are the same, with every option, structured outputs included).
     ``SamplingParams.structured`` constrains a request's output to a JSON schema, regex, choice
     or grammar (``tokenizer`` needed; docs/usage/structured-outputs.md); it finishes ("stop") as
-    soon as its grammar is complete. Raises before any state change: see :func:`make_requests`.
+    soon as its grammar is complete. ``n`` > 1 samples n choices per prompt (OpenAI's ``n``):
+    the result then holds each prompt's n choices in a row (entry p * n + c); the prompt is
+    prefilled once and the other choices copy its KV (``runtime/fork.py``); seeded choice c draws
+    with seed + c, as vLLM. Raises before any state change: see :func:`make_requests`.
     """
     events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                             eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode)
+                             eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode,
+                             n=n)
     return collect(events, tokenizer is not None)
 
 
@@ -264,6 +274,7 @@ def stream_generate(
     tokenizer: Any = None,
     speculative: bool = True,
     async_decode: bool = False,
+    n: int = 1,
 ) -> Iterator[TokenEvent | Finished]:
     """:func:`generate` as events: an iterator of :class:`TokenEvent` (one per token, with its
     text delta, held back while it could still become a stop string) ending with a
@@ -272,7 +283,7 @@ def stream_generate(
     iterator runs."""
     requests, eos, grammars = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
-        speculative=speculative, async_decode=async_decode,
+        speculative=speculative, async_decode=async_decode, n=n,
     )
     run = overlap_schedule if async_decode else schedule
     return run(runtime, state, requests, eos, tokenizer, speculative, grammars=grammars)

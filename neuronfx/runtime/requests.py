@@ -28,6 +28,9 @@ class Request:
 
     prompt: tuple[int, ...]  # [T] token ids
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    # Index of an earlier request with the same prompt (another of one prompt's n choices): while
+    # it runs, this one copies its prompt's KV instead of prefilling (``runtime/fork.py``).
+    parent: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -124,7 +127,16 @@ def check_request(runtime: Runtime, index: int, request: Request, grammars: Gram
     check_prompts(runtime, [request.prompt], start=index)
     check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
     check_budget(runtime, index, len(request.prompt), budget(runtime, request))
+    check_parent(index, request.parent)
     grammars_for(runtime, [request.sampling], None, grammars)
+
+
+def check_parent(index: int, parent: object) -> None:
+    """InputError unless ``parent`` is None or an int index below ``index`` (the request whose
+    prompt KV request ``index`` may copy)."""
+    if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or parent >= index):
+        raise InputError(f"request {index}: parent={parent!r} must be None or the index of an earlier request with the same "
+                         "prompt (an int < its own index).")
 
 
 def budget(runtime: Runtime, request: Request) -> int:

@@ -50,6 +50,7 @@ from neuronfx.config.families import FAMILIES
 from neuronfx.errors import InputError
 from neuronfx.runtime.chunked import ChunkBatch, chunk
 from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
+from neuronfx.runtime.fork import fork, fork_batch, split_forks
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.prefix import cache_sequences, drop, load, outputs_reusable, prefill_reusing, store
 from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
@@ -66,6 +67,8 @@ class Iteration:
     ``SchedulerOutput``): each request it schedules appears once."""
 
     prefill: tuple[Progress, ...] = ()  # admitted now: whole prompts (prefix caching: from their cached blocks)
+    fork: tuple[Progress, ...] = ()  # admitted now: copying a running or just-prefilled parent's prompt (``fork.py``)
+    fork_sources: tuple[int, ...] = ()  # [len(fork)] the slot each fork row copies its prompt from
     chunk: Progress | None = None  # the prompt being chunked, ``computed`` counting this chunk
     chunk_len: int = 0  # tokens of that chunk
     refill: tuple[Progress, ...] = ()  # recomputed whole (longrope switch), one token each
@@ -75,7 +78,7 @@ class Iteration:
     @property
     def empty(self) -> bool:
         """Whether it runs nothing."""
-        return not (self.prefill or self.chunk or self.refill or self.speculate or self.decode)
+        return not (self.prefill or self.fork or self.chunk or self.refill or self.speculate or self.decode)
 
 
 def token_budget(runtime: Runtime, max_num_batched_tokens: int | None) -> int | None:
@@ -129,11 +132,13 @@ def _admit_count(runtime: Runtime, queue: Queue, state: State, left: int) -> int
     fit a prefill bucket, while their tokens fit ``left`` (the oldest always, so it never
     starves) and slots are free; 0 when the oldest needs chunks."""
     limit, count, tokens = runtime.plan.prefill_buckets[-1], 0, 0
-    for _, request in queue.waiting[:len(state.free_slots)]:
-        n = len(request.prompt)
+    holders = {r.index for r in queue.running}
+    for i, request in queue.waiting[:len(state.free_slots)]:
+        n = 1 if request.parent in holders else len(request.prompt)  # a fork computes one token
         if n > limit or (count and tokens + n > left):
             break
         count, tokens = count + 1, tokens + n
+        holders.add(i)
     return count
 
 
@@ -169,8 +174,9 @@ def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None)
         run, n, queue = _next_chunk(runtime, queue, budget - len(queue.running))
         return Iteration(chunk=run, chunk_len=n), state, queue
     admitted = _admit(queue, state, count)
+    prefilled, forks, sources = split_forks(queue, admitted)
     queue = attrs.evolve(queue, waiting=queue.waiting[len(admitted):], running=queue.running + admitted)
-    return Iteration(prefill=admitted), state, queue
+    return Iteration(prefill=prefilled, fork=forks, fork_sources=sources), state, queue
 
 
 def plan(runtime: Runtime, state: State, queue: Queue, budget: int | None, speculative: bool) -> tuple[Iteration, State, Queue]:
@@ -248,7 +254,7 @@ def _timed(ran: list[Ran], kind: str, rows: tuple[Progress, ...], pipeline: Call
 
 
 def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, ...], State]:
-    """Run ``it``'s steps in order (prefill or chunk, refill, speculate, decode), each with its
+    """Run ``it``'s steps in order (prefill, chunk, fork, refill, speculate, decode), each with its
     pipeline (no checks: its requests were checked at submit); (what each ran, the new state).
     ``state`` is consumed."""
     ran: list[Ran] = []
@@ -257,6 +263,8 @@ def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, .
         state = _timed(ran, "prefill", it.prefill, pipeline, runtime, state, _batch("prefill", it.prefill))
     if it.chunk is not None:
         state = _timed(ran, "chunk", (it.chunk,), _chunk_row, runtime, state, it)
+    if it.fork:
+        state = _timed(ran, "fork", it.fork, fork, runtime, state, fork_batch(it.fork, it.fork_sources))
     for kind, rows in (("refill", it.refill), ("speculate", it.speculate), ("decode", it.decode)):
         if rows:
             state = _timed(ran, kind, rows, PIPELINES[kind], runtime, state, _batch(kind, rows))

@@ -110,7 +110,7 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(p) for p in prompts], fresh_mask=mask)
 
 
-def _decode(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
+def decode_target(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """Decode of the target alone: T = 1 token per row at its slot's cache_len."""
     slots = batch.seq_ids
     starts = [state.cache_lens[s] for s in slots]
@@ -139,7 +139,7 @@ def prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOu
 
 def decode(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """:func:`decode_step` without its checks (``batch`` must be valid for ``state``)."""
-    return follow_draft(_decode, runtime, state, batch)
+    return follow_draft(decode_target, runtime, state, batch)
 
 
 def refill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOutput, State]:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from neuronfx.errors import InputError
 from neuronfx.runtime.checks import check_token_ids
+from neuronfx.runtime.fork import choices
 from neuronfx.server import protocol as p
 from neuronfx.server.engine import Engine
 from neuronfx.server.errors import add_error_handlers
@@ -91,7 +92,9 @@ def _add_status_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
 
 
 def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str, tool_parser: str | None) -> None:
-    """/v1/completions (one choice per prompt) and /v1/chat/completions."""
+    """/v1/completions and /v1/chat/completions: ``n`` choices per prompt (prompt p's choice c
+    is choice p * n + c, as OpenAI), each a scheduler request; choices after a prompt's first
+    copy its KV (``runtime/fork.py``)."""
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request) -> Response:
@@ -100,8 +103,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str, tool_p
         p.check_unsupported(body)
         max_tokens = p.COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         structured, field = structured_outputs(body)
-        requests = [engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt", structured, field)
-                    for k, ids in enumerate(completion_prompts(body, served))]
+        requests = choices([engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt", structured, field)
+                            for k, ids in enumerate(completion_prompts(body, served))], body.n)
         job = Job(engine=engine, served=served, model=model_name, kind="text_completion", id=new_id("cmpl"),
                   requests=requests, usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
         return await job.respond(request, body.stream)
@@ -123,7 +126,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str, tool_p
             max_tokens = room(ids, served)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = Job(engine=engine, served=served, model=model_name, kind="chat.completion", id=new_id("chatcmpl"),
-                  requests=[engine_request(body, ids, 0, served, logprobs, max_tokens, "messages", structured, field)],
+                  requests=choices([engine_request(body, ids, 0, served, logprobs, max_tokens, "messages", structured, field)], body.n),
                   usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids, scanner=tools.scanner)
         return await job.respond(request, body.stream)
 

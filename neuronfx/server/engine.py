@@ -183,6 +183,8 @@ class Engine:
     def submit(self, requests: Sequence[Request], sink: Sink) -> list[int]:
         """Queue ``requests`` (validated already: ``scheduler.check_request``) for one HTTP
         request, all or none; their events go to ``sink`` as ``(position in requests, event)``.
+        A request's ``parent`` is a position in ``requests`` (another choice of its prompt); it
+        becomes that request's engine id.
         Returns their engine ids. Raises EngineNotReady, EngineStopping or EngineOverloaded
         (nothing queued)."""
         with self._lock:
@@ -198,7 +200,8 @@ class Engine:
             ids = tuple(range(self._next_id, self._next_id + len(requests)))
             self._next_id += len(requests)
             self._in_flight += len(requests)
-            self._inbox.put(_Submit(ids=ids, requests=tuple(requests), sink=sink, arrival=time.perf_counter()))
+            requests = tuple(r if r.parent is None else attrs.evolve(r, parent=ids[r.parent]) for r in requests)
+            self._inbox.put(_Submit(ids=ids, requests=requests, sink=sink, arrival=time.perf_counter()))
         return list(ids)
 
     def abort(self, ids: Sequence[int]) -> None:

@@ -11,7 +11,7 @@ tool-calling shapes (an assistant message's ``tool_calls``, a tool message's ``t
 which go to the chat template (:func:`chat_messages`). Structured outputs (``response_format``,
 vLLM's ``structured_outputs`` and its older ``guided_*`` fields) and tools (``tools``,
 ``tool_choice``, ``parallel_tool_calls``) are typed here and mapped in ``server/structured.py``
-and ``server/tools.py``. OpenAI fields neuronfx does not implement (n > 1, echo, suffix,
+and ``server/tools.py``. OpenAI fields neuronfx does not implement (echo, suffix,
 best_of > 1, logit_bias) are accepted only at their neutral value and otherwise answered with a
 400 naming the field.
 
@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import SamplingParamsError
+from neuronfx.runtime.fork import MAX_CHOICES
 
 DEFAULT_TEMPERATURE = 1.0
 """Temperature of a request that gives none: OpenAI's and vLLM's 1.0 (not neuronfx's greedy 0)."""
@@ -141,7 +142,7 @@ class GenerationRequest(RequestModel):
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
-    n: StrictInt = 1
+    n: StrictInt = 1  # choices per prompt (runtime/fork.py: the prompt is prefilled once)
     user: Text | None = None  # an end-user id: accepted and ignored (as vLLM)
     logit_bias: dict[str, StrictFloat] | None = None  # not supported: only empty
     # vLLM's extras
@@ -318,9 +319,9 @@ def _is_union_tag(part: str) -> bool:
 
 def check_unsupported(req: GenerationRequest) -> None:
     """ApiError 400 naming the first field set to something neuronfx does not implement."""
-    if req.n != 1:
-        raise ApiError(400, f"n={req.n}: neuronfx returns one choice per prompt, so n must be 1; send the request n times "
-                            "(with different seeds to sample different answers).", param="n", code="unsupported_value")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise ApiError(400, f"n={req.n} must be in [1, {MAX_CHOICES}] (choices per prompt); lower it.", param="n",
+                       code="invalid_value")
     if req.logit_bias:
         raise ApiError(400, "logit_bias is not supported by neuronfx; drop it.", param="logit_bias", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:

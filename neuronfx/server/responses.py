@@ -141,7 +141,8 @@ class Job:
         return f"token_id:{token_id}" if self.token_ids_as_text else self.served.tokenizer.decode([token_id])
 
     def _usage(self, choices: Sequence[Choice]) -> dict:
-        return usage(sum(len(r.prompt) for r in self.requests), sum(c.num_tokens for c in choices))
+        # a prompt counts once, however many choices (n) it has, as OpenAI counts it
+        return usage(sum(len(r.prompt) for r in self.requests if r.parent is None), sum(c.num_tokens for c in choices))
 
     async def _whole(self, request: Request, sink: Sink, ids: list[int]) -> Response:
         """The whole response once every choice finished; a client that disconnects first
