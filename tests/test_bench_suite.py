@@ -93,6 +93,15 @@ def test_structured(chat_dir, capsys):
     assert data["json_text"].startswith('{"') and data["host_ms_per_constrained_token"] > 0
 
 
+def test_choices(chat_dir, capsys):
+    """Both modes are timed and give the same tokens (choice c of the fork is the request with
+    seed + c), which differ between choices."""
+    data = run_json(capsys, "choices", "--model", str(chat_dir), "--backend", "eager", "-n", "3", "--prompt-len", "20",
+                    "--gen-len", "4", "--rounds", "1")
+    assert data["same_tokens"] and data["fork"]["first_token_ms"] > 0 and data["prefill"]["decode_tok_s"] > 0
+    assert data["first_token_ratio"] == data["fork"]["first_token_ms"] / data["prefill"]["first_token_ms"]
+
+
 def test_moe(capsys):
     """Batch 1 gathers its 2 experts, batch 8 runs all 8; the bytes per token follow from the shapes
     (fp32; per layer 166,400 attention, norm and router weights and 3 x 512 x 256 per expert)."""

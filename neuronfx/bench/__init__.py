@@ -10,6 +10,7 @@ from __future__ import annotations
 from neuronfx.bench import (
     artifacts,
     async_decode,
+    choices,
     chunked_prefill,
     kernels,
     latency,
@@ -27,5 +28,5 @@ from neuronfx.bench.types import Benchmark
 BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
-    kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK,
+    kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK,
 )
