@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +36,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = p.validation_message(exc.errors())
+        message, param = validation_message(exc.errors())
         return ErrorJSON(p.error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -56,3 +57,48 @@ def add_error_handlers(app: FastAPI) -> None:
         logger.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         return ErrorJSON(p.error_body("internal server error; see the server's log.", "server_error", code="internal_error"),
                          status_code=500)
+
+
+FIELD_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "messages": 'a list of {"role": "system"|"developer"|"user"|"assistant"|"tool", "content": text or a list of '
+                '{"type": "text", "text": ...} parts} (images and audio are not supported)',
+    "content": 'text or a list of {"type": "text", "text": ...} parts (images and audio are not supported)',
+}
+"""What a union-typed field accepts: its 400 names this instead of one error per union member."""
+
+
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors for a request body (FastAPI's 422 made a 400): the
+    first error, named by its field path (a lone surrogate first: a union field's other members
+    fail on the same string only because it is a string); a union field's several member errors
+    become one line saying what the field accepts (FIELD_SHAPES)."""
+    first = next((e for e in errors if e["type"] == "lone_surrogate"), errors[0])
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}.", None
+    path = loc[1:] if loc and loc[0] == "body" else loc
+    if first["type"] == "string_unicode" and isinstance(first.get("input"), str):  # pydantic's own check of a field name
+        where = f"in {'.'.join(path)}" if path else "of the request body"
+        return (f"a field name {where} has a lone UTF-16 surrogate (got {first['input']!r:.40}); send valid Unicode (a surrogate only "
+                "as one half of a pair)."), path[0] if path else None
+    if not path:
+        return f"the request body must be a JSON object ({first['msg']}; got {first.get('input')!r:.60}).", None
+    param = path[0]
+    if first["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {'.'.join(path)}.", ".".join(path)
+    if first["type"] == "missing":
+        return f"{'.'.join(path)} is required.", ".".join(path)
+    where = ".".join(p for p in path if not _is_union_tag(p))
+    if first["type"] == "lone_surrogate":
+        return f"{where} has {first['msg']}; send valid Unicode (a surrogate only as one half of a pair).", param
+    shape = next((FIELD_SHAPES[p] for p in reversed(path) if p in FIELD_SHAPES), None)
+    if shape is not None and any(_is_union_tag(p) for p in path):
+        return f"{where} must be {shape}; got {first.get('input')!r:.80}.", param
+    return f"{where}: {first['msg']} (got {first.get('input')!r:.80}).", param
+
+
+def _is_union_tag(part: str) -> bool:
+    # pydantic names a union member in an error location by its type: "str", "list[int]", ...
+    return part in ("str", "int", "float", "bool") or "[" in part
