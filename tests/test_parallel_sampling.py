@@ -124,3 +124,16 @@ def test_choices_under_speculation(hf, rt, kind):
     assert run(spec, [prompt], n=3, sampling=greedy) == [run(rt, [prompt], sampling=greedy)[0]] * 3
     seeded = run(spec, [prompt], n=3)
     assert seeded == [run(spec, [prompt], sampling=attrs.evolve(SAMPLED, seed=11 + c))[0] for c in range(3)]
+
+
+@pytest.mark.parametrize("options", [{"prefill_chunk_size": 8, "prefill_buckets": None}, {"enable_prefix_caching": True}],
+                         ids=["chunked-prefill", "prefix-caching"])
+def test_choices_with_chunked_prefill_and_prefix_caching(hf, options):
+    """A prompt longer than a chunk is chunked once and forked after its last chunk; with prefix
+    caching the first choice prefills through the cache: choices equal their seeds alone."""
+    rt = tiny_runtime(hf, **options)
+    prompt = random_prompt(20, seed=8)
+    counting, calls = counted(rt)
+    choices = run(counting, [prompt], n=3)
+    assert choices == [run(rt, [prompt], sampling=attrs.evolve(SAMPLED, seed=11 + c))[0] for c in range(3)]
+    assert calls.get("chunk", 0) + calls.get("prefill", 0) == (3 if "prefill_chunk_size" in options else 1)
