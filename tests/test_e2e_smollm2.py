@@ -171,13 +171,16 @@ def test_chunked_prefill_of_a_long_prompt_matches_transformers(smollm2):
     assert list(result.token_ids[0]) == want[0, 600:].tolist()
 
 
-@pytest.mark.parametrize(("size", "atol"), [(1, 5e-5), (7, 1e-5), (32, 1e-5)])
-def test_chunked_prefill_equals_unchunked(smollm2, size, atol):
+@pytest.mark.parametrize("size", [1, 7, 32])
+def test_chunked_prefill_equals_unchunked(smollm2, size):
     """A 38-token chat prompt prefilled in chunks of 1, 7 and 32 tokens (eager, fp32): the first
-    token of one unchunked prefill, and its logits within ``atol``. Chunks of 7 and 32 gave the
-    same logits bit for bit; one-token chunks run every product as a matrix-vector product, whose
-    fp32 summation order differs from the prompt's matrix product (3.6e-5 measured, on logits of
-    magnitude 10-30: a relative error near 1e-6)."""
+    token of one unchunked prefill, and its logits within 1e-5 of the largest logit's magnitude.
+    A chunk's products have other row counts than the prompt's, so the BLAS may take another
+    kernel and summation order (which one depends on the CPU: chunks of 7 matched bit for bit on
+    an AMD EPYC and differed by 2.8e-5 on an Intel Xeon); each fp32 dot product of K terms then
+    moves by a few units of roundoff times sqrt(K) of its terms' magnitude, and 30 layers carry
+    that to the logits as a relative error near 1e-6 (2.8e-5 to 3.6e-5 measured on logits of
+    magnitude 10-30, every CPU and chunk size). The bound is ten times that."""
     ckpt = smollm2.checkpoint
 
     def runtime(**options):
@@ -192,4 +195,5 @@ def test_chunked_prefill_equals_unchunked(smollm2, size, atol):
     rt = runtime(prefill_chunk_size=size, prefill_buckets=None)
     tokens, logits, _ = chunked_prefill(rt, neuronfx.init_state(rt), [0], [prompt], size, greedy)
     assert tokens == [want.tokens[0]]
+    atol = 1e-5 * float(want.logits[0].abs().max())  # about 3e-4 for SmolLM2's logits
     torch.testing.assert_close(logits[0], want.logits[0], atol=atol, rtol=0)
