@@ -28,6 +28,7 @@ from neuronfx.runtime import (
     TokenEvent,
     chunk_step,
     decode_step,
+    embed,
     generate,
     init_state,
     prefill_cached,
@@ -45,6 +46,6 @@ __all__ = [
     "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
     "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "StructuredOutputs",
     "TokenEvent",
-    "__version__", "chunk_step", "compile", "decode_step", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
+    "__version__", "chunk_step", "compile", "decode_step", "embed", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
     "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

@@ -40,6 +40,8 @@ from neuronfx.cli import main
         (["--json-schema", "/nonexistent/schema.json"], "InputError"),
         (["--grammar", "/nonexistent/grammar.lark"], "InputError"),
         (["--json-schema", __file__], "SamplingParamsError"),  # not JSON
+        (["--logit-bias", "x=1"], "InputError"),
+        (["--logit-bias", "5=150"], "SamplingParamsError"),  # outside [-100, 100]
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, error, capsys):
@@ -159,6 +161,16 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w5 w9 w11 w3 w200", *OPTIONS, "--stop", stop,
                  "--speculation-length", "3", *draft, "--stream"]) == 0
     assert capsys.readouterr().out == plain["text"][0][: plain["text"][0].index(stop)] + "\n"
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_model_dir, capsys):
+    prompt = ["--model", str(tiny_model_dir), "--prompt", "w5 w9 w11", "--max-new-tokens", "4", "--backend", "eager",
+              "--batch-size", "1", "--max-context-length", "32", "--sequence-length", "64", "--ignore-eos"]
+    forced = run_json(capsys, *prompt, "--logit-bias", "200=100")
+    assert forced["token_ids"] == [200] * 4 and forced["text"].split() == ["w200"] * 4
+    plain = run_json(capsys, *prompt)["token_ids"]
+    banned = run_json(capsys, *prompt, "--logit-bias", f"{plain[0]}=-100", "--logit-bias", f"{plain[1]}=-100")["token_ids"]
+    assert not {plain[0], plain[1]} & set(banned)
 
 
 def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, capsys):

@@ -137,3 +137,14 @@ def test_choices_with_chunked_prefill_and_prefix_caching(hf, options):
     choices = run(counting, [prompt], n=3)
     assert choices == [run(rt, [prompt], sampling=attrs.evolve(SAMPLED, seed=11 + c))[0] for c in range(3)]
     assert calls.get("chunk", 0) + calls.get("prefill", 0) == (3 if "prefill_chunk_size" in options else 1)
+
+
+def test_choices_asking_prompt_logprobs_each_get_them(hf):
+    """A choice asking for prompt logprobs is prefilled itself (a fork computes no prompt
+    logits): every choice carries the same prompt logprobs."""
+    rt = tiny_runtime(hf, enable_prompt_logprobs=True)
+    prompt = random_prompt(9, seed=9)
+    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [prompt], n=2, sampling=attrs.evolve(SAMPLED, prompt_logprobs=2),
+                                  max_new_tokens=4)
+    first, second = result.prompt_logprobs
+    assert len(first) == 9 and first[0] is None and first[1] is not None and first == second

@@ -20,21 +20,23 @@ PLAN = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, seq
                                         decode_buckets=(32, 64), speculation_length=3, draft_layers=1, backend="eager"))
 CHUNKED = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, sequence_length=64, decode_buckets=(32, 64),
                                            prefill_chunk_size=8, backend="eager"))  # chunking excludes speculation
+EMBEDDING = make_plan(MODEL, InferenceConfig(batch_size=3, max_context_length=32, prefill_buckets=(16, 32), task="embed",
+                                             backend="eager"))  # embed graphs only
 
 
 def test_every_graph_spec_is_its_phase_record():
-    assert {g.phase for g in PLAN.graphs + CHUNKED.graphs} == set(PHASE_INPUTS)
-    for g in PLAN.graphs + CHUNKED.graphs:
+    assert {g.phase for g in PLAN.graphs + CHUNKED.graphs + EMBEDDING.graphs} == set(PHASE_INPUTS)
+    for g in PLAN.graphs + CHUNKED.graphs + EMBEDDING.graphs:
         fields = leaf_fields(g.record)
         assert [t.name for t in g.inputs] == [f.name for f in fields]
         assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
-        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8}[g.phase]
+        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8, "embed": g.bucket}[g.phase]
         dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7, "W": 10}
         assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
 
 
 def test_example_inputs_match_their_spec_and_round_trip():
-    for plan, g in [(PLAN, g) for g in PLAN.graphs] + [(CHUNKED, g) for g in CHUNKED.graphs]:
+    for plan, g in [(p, g) for p in (PLAN, CHUNKED, EMBEDDING) for g in p.graphs]:
         record = example_inputs(plan, g)
         assert isinstance(record, g.record)
         tensors = leaves(record)
@@ -116,8 +118,9 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
     from neuronfx.graphs.phases.records import ChunkHidden, DecodeHidden, PrefillHidden, field_shapes
 
     embed = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
-    want = {"prefill": PrefillHidden, "decode": DecodeHidden, "draft": DecodeHidden, "speculate": DecodeHidden, "chunk": ChunkHidden}
-    for plan, g in [(PLAN, g) for g in PLAN.graphs] + [(CHUNKED, g) for g in CHUNKED.graphs]:
+    want = {"prefill": PrefillHidden, "decode": DecodeHidden, "draft": DecodeHidden, "speculate": DecodeHidden, "chunk": ChunkHidden,
+            "embed": PrefillHidden}
+    for plan, g in [(p, g) for p in (PLAN, CHUNKED, EMBEDDING) for g in p.graphs]:
         x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
         assert type(x) is want[g.phase]
         tokens = example_inputs(plan, g).input_ids.shape[1]
@@ -129,16 +132,16 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
 
 def test_symbol_dims_find_every_dimension_of_a_symbol():
     """The inductor backend compiles the bucket's dimensions dynamic from the records'
-    annotations: decode's S is the mask's last dim alone, prefill's T is in h, RoPE and mask
-    (twice), and every shared part's symbol is one its record has."""
+    annotations: decode's S is the mask's last dim alone, prefill's T is in h, RoPE, mask
+    (twice) and the token ids, and every shared part's symbol is one its record has."""
     from neuronfx.graphs.backends.inductor_parts import BUCKET_DIMS
     from neuronfx.graphs.phases.records import DecodeHidden, PrefillHidden, field_shapes, symbol_dims
 
     t = [torch.zeros(2, 4, 8), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 4, dtype=torch.bool),
-         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)]
+         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int32)]
     prefill = PrefillHidden(*t)
     assert [(id(x), d) for x, d in symbol_dims(([], prefill), "T")] == [
-        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4)]
+        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4), (id(t[6]), 1)]
     decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), t[4], torch.zeros(2, 4, dtype=torch.int64))
     assert [(id(x), d) for x, d in symbol_dims((decode, "not a record"), "S")] == [(id(decode.mask), 4)]
     for part, dims in BUCKET_DIMS.items():

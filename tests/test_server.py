@@ -247,6 +247,33 @@ def test_seeded_sampling_is_reproducible(client, reference):
     assert sample(8) != first
 
 
+def test_logit_bias_and_priority(client, reference):
+    """logit_bias (ids as string keys, OpenAI's) bans or forces tokens exactly as the library's
+    SamplingParams.logit_bias does, on both endpoints; vLLM's priority extra is accepted."""
+    ids = reference.ids(PROMPT)
+    plain = list(reference.solo(ids, 6).token_ids[0])
+    ban = {plain[0]: -100.0, plain[1]: -100.0}
+    expected = list(reference.solo(ids, 6, logit_bias=ban).token_ids[0])
+    assert expected != plain and not set(ban) & set(expected)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, logprobs=0, logit_bias={str(t): -100 for t in ban},
+                                    extra_body={**IDS, "priority": -3}, **GREEDY)
+    assert token_ids(out.choices[0].logprobs.tokens) == expected
+    chat_ids = reference.chat_ids(QUESTION)
+    forced = reference.solo(chat_ids, 4, logit_bias={plain[2]: 100.0})
+    assert list(forced.token_ids[0]) == [plain[2]] * 4
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTION}], max_tokens=4,
+                                         logit_bias={str(plain[2]): 100}, extra_body={"priority": 2}, **GREEDY)
+    assert out.choices[0].message.content == forced.texts[0] and out.usage.completion_tokens == 4
+    for bad in ({"12x": 5}, {"49152": 1}, {"5": -100.5}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, logit_bias=bad)
+        assert info.value.body["param"] == "logit_bias", bad
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body={"priority": "high"})
+    assert info.value.body["param"] == "priority"
+    assert_serves(client)
+
+
 def test_stop_string_honoured_whole_and_streamed(client, reference):
     ids = reference.ids(PROMPT)
     text = reference.solo(ids, 24).texts[0]
@@ -517,8 +544,20 @@ BAD_INPUT = {
                                                       "invalid_value")),
     "n above the limit": (CHAT, {"messages": HI, "n": 129}, 400, _err("n=129 must be in [1, 128] (choices per prompt); lower it.",
                                                                       "n", "invalid_value")),
-    "echo": (C, {"prompt": "hi", "echo": True}, 400, _err("echo is not supported by neuronfx; drop it (the prompt is yours already).",
-                                                          "echo", "unsupported_parameter")),
+    "echo with logprobs without prompt logprobs graphs": (C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, _err(
+        "SamplingParams.prompt_logprobs=1 needs graphs that return prompt logprobs; recompile with "
+        "InferenceConfig(enable_prompt_logprobs=True) or drop prompt_logprobs (None).", "echo")),
+    "echo on chat": (CHAT, {"messages": HI, "echo": True}, 400, _err("Unrecognized request argument supplied: echo.", "echo")),
+    "logit_bias key not a token id": (C, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, _err(
+        "logit_bias key 'abc' is not a token id: keys must be integer token ids (as strings), e.g. {\"50256\": -100}.", "logit_bias")),
+    "logit_bias id outside the vocabulary": (CHAT, {"messages": HI, "logit_bias": {"49152": -100}}, 400, _err(
+        "SamplingParams.logit_bias={49152: -100.0} has token id 49152, outside the vocabulary: ids must be ints in [0, "
+        "vocab_size=49152); drop it or use an id of this model's tokenizer.", "logit_bias")),
+    "logit_bias value out of range": (C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, _err(
+        "SamplingParams.logit_bias={5: 101.0} has bias 101.0 for token 5: biases must be finite numbers in [-100, 100] (OpenAI's "
+        "range); -100 bans the token, +100 forces it.", "logit_bias")),
+    "priority not an integer": (C, {"prompt": "hi", "priority": 1.5}, 400, _err("priority: Input should be a valid integer (got 1.5).",
+                                                                             "priority")),
     "stream_options without stream": (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, _err(
         "stream_options is only allowed with stream: true.", "stream_options")),
     "unknown model": (C, {"prompt": "hi", "model": "gpt-4o"}, 404, _err(
@@ -583,8 +622,11 @@ BAD_INPUT = {
         "true).", "previous_response_id", "previous_response_not_found")),
     "responses: empty input": ("/v1/responses", {"input": []}, 400, _err("input is empty; give text or at least one input item.",
                                                                          "input")),
-    "unknown path": ("/v1/embeddings", {"input": "hi"}, 404, _err("Invalid URL (POST /v1/embeddings): no such endpoint; see /docs.",
-                                                                  code="unknown_url")),
+    "unknown path": ("/v1/audio/speech", {"input": "hi"}, 404, _err(
+        "Invalid URL (POST /v1/audio/speech): no such endpoint; see /docs.", code="unknown_url")),
+    "embeddings on a generation runtime": ("/v1/embeddings", {"input": "hi"}, 400, _err(
+        "this server generates: it has no embed graphs; serve an embedding runtime with neuronfx serve --task embed "
+        "(--pooling last or mean) for /v1/embeddings.", "model")),
     "detokenize outside the vocabulary": ("/detokenize", {"tokens": [1, -3]}, 400, _err(
         "token id -3 is outside the vocabulary [0, 49152); check the tokenizer matches the model.", "tokens")),
     "tokenize neither prompt nor messages": ("/tokenize", {}, 400, _err("give exactly one of prompt (text) and messages (a chat).",

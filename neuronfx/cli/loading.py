@@ -24,6 +24,7 @@ from neuronfx.graphs.phases.device import check_device
 from neuronfx.io import checkpoints
 from neuronfx.io.artifacts import MANIFEST, PLAN, first_dir, looks_like_repo_id, resolve
 from neuronfx.io.artifacts import load_tokenizer as load_saved_tokenizer
+from neuronfx.io.sentence_transformers import pooling_config
 
 
 def saved_runtime(model: str | None) -> Path | None:
@@ -62,6 +63,8 @@ def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tu
     ``defaults`` over InferenceConfig's. Also checks the device, the backend and the weight
     source, so a bad option fails before anything loads (ConfigError, BackendUnavailableError)."""
     saved = saved_runtime(args.model)
+    if saved is None and getattr(args, "task", None) == "embed":  # pooling the model's sentence-transformers config names, unless given
+        defaults = (defaults or {}) | (pooling_config(args.model or checkpoints.default_model_path()) or {})
     inference = saved_inference(args, saved) if saved is not None else inference_from_args(args, defaults)
     check_device(inference)
     check_backend(inference.backend)

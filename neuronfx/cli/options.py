@@ -13,6 +13,8 @@ from neuronfx.config.inference import (
     BACKENDS,
     DEFAULT_BACKEND,
     DEVICES,
+    POOLINGS,
+    TASKS,
     WEIGHT_FORMATS,
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
@@ -26,7 +28,8 @@ MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
                 "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
-                "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks")
+                "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks", "enable_prompt_logprobs",
+                "task", "pooling", "normalize")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
 saved runtime's plan can tell an option given with its default value from one not given."""
 
@@ -45,6 +48,8 @@ def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> Non
     p.add_argument("--stop", action="append", default=[], help="stop string (excluded from the text); repeatable")
     p.add_argument("--min-tokens", type=int, default=0, help="no eos/stop before this many tokens")
     p.add_argument("--seed", type=int, default=0, help="per-request seed (sampling is reproducible whatever the batch)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit at every step (OpenAI logit_bias); repeatable")
 
 
 def add_structured_options(p: argparse.ArgumentParser) -> None:
@@ -116,6 +121,18 @@ def add_plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) 
                    help=f"tokens per cached prefix block; divides --prefill-chunk-size (default {defaults.prefix_block_size})")
     p.add_argument("--max-prefix-blocks", type=int, metavar="N",
                    help="prefix-cache memory bound, blocks (default: batch size x max context length / block size)")
+    p.add_argument("--enable-prompt-logprobs", action="store_const", const=True,
+                   help="prefill graphs also score every prompt token (SamplingParams.prompt_logprobs; the server's echo with logprobs)")
+    _add_embed_options(p)
+
+
+def _add_embed_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", choices=TASKS, help="generate (default), or embed: embed graphs only (neuronfx.embed, the server's "
+                   "/v1/embeddings), pooled by --pooling")
+    p.add_argument("--pooling", choices=POOLINGS, help="with --task embed: the last token's hidden state or the mean (default: the "
+                   "model's sentence-transformers config, else last)")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --task embed: L2-normalise the embeddings (default: the sentence-transformers config, else on)")
 
 
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
@@ -146,14 +163,29 @@ def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) 
     return InferenceConfig(**((defaults or {}) | given))
 
 
+def logit_bias_from_args(values: list[str]) -> dict[int, float]:
+    """{token id: bias} of the --logit-bias ID=BIAS values; InputError names a value that is not
+    ``int=number`` (the ranges are SamplingParams' to check)."""
+    bias = {}
+    for value in values:
+        token, _, number = value.partition("=")
+        try:
+            bias[int(token)] = float(number)
+        except ValueError:
+            raise InputError(f"--logit-bias {value!r} must be ID=BIAS: an integer token id and a number in [-100, 100], "
+                             "e.g. --logit-bias 50256=-100.") from None
+    return bias
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    """The SamplingParams of the sampling options (generate's, chat's); SamplingParamsError
-    names a bad value."""
+    """The SamplingParams of the sampling options (generate's, chat's); InputError names a
+    --logit-bias value that does not parse, SamplingParamsError a bad value."""
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.seed,
+        logit_bias=logit_bias_from_args(getattr(args, "logit_bias", [])),
     )
 
 

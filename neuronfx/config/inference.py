@@ -24,6 +24,10 @@ DEVICES = ("cpu", "cuda", "cuda:N")
 CUDA_BACKENDS = ("eager", "inductor")
 """Backends that run on a CUDA device (inductor replays its graphs as CUDA graphs there)."""
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]*))?")
+TASKS = ("generate", "embed")
+"""What a plan's graphs do (vLLM's ``task`` / ``--runner``): generate tokens, or embed prompts."""
+POOLINGS = ("last", "mean")
+"""How an embed graph pools a prompt's hidden states: its last real token's, or their mean."""
 
 
 def is_cuda(device: str) -> bool:
@@ -113,6 +117,9 @@ def _check_prefix_caching(inf: InferenceConfig) -> None:
     b = inf.prefix_block_size
     if not inf.enable_prefix_caching:
         return
+    if inf.enable_prompt_logprobs:
+        raise ConfigError("enable_prompt_logprobs=True with enable_prefix_caching=True: a prompt prefix taken from the cache "
+                          "has no logits to score; drop one of them.")
     if b >= inf.max_context_length:
         raise ConfigError(
             f"prefix_block_size={b} >= max_context_length={inf.max_context_length}: no prompt could reuse a block (one "
@@ -146,6 +153,12 @@ class InferenceConfig:
     - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
       20); 0 compiles no logprob outputs.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
+    - ``enable_prompt_logprobs``: prefill and chunk graphs also return, at every prompt
+      position, the raw logprob of the next prompt token and the top ``max_logprobs``
+      alternatives (the LM head runs over the prompt in blocks: ``graphs/phases/prompt_logprobs.py``),
+      so requests may ask for vLLM's ``SamplingParams.prompt_logprobs`` (OpenAI ``echo`` with
+      ``logprobs``). Off by default: it costs the LM head over every prompt token. Not with
+      ``enable_prefix_caching`` (a cached prefix has no logits).
     - ``speculation_length``: k >= 2 compiles "speculate" graphs that verify k tokens per row in
       one pass (k - 1 drafted plus the last accepted token); 0 = no speculation.
     - ``draft_layers``: N > 0 compiles "draft" graphs: decode through the first N layers plus
@@ -190,6 +203,13 @@ class InferenceConfig:
       divide ``prefill_chunk_size``.
     - ``max_prefix_blocks``: the cache's memory bound, blocks (bytes: ``runtime.prefix_pool.pool_nbytes``);
       None derives ``batch_size * max_context_length // prefix_block_size`` (every slot's longest prompt).
+    - ``task``: "generate" (default: prefill, decode and the other generation graphs) or "embed"
+      (vLLM's ``task="embed"``): only "embed" graphs per (batch bucket, prefill bucket), which
+      return each prompt's pooled final hidden state (``neuronfx.embed``); no generation.
+    - ``pooling``: an embed graph's pooling, "last" (the last real token's hidden state,
+      Qwen3-Embedding's) or "mean" (over the real tokens); ``normalize``: L2-normalise the
+      pooled vector. The sentence-transformers config of a checkpoint gives both
+      (``io/sentence_transformers.py``); ignored by generation plans.
 
     Cross-field violations raise :class:`ConfigError` naming the field, value and limit.
     """
@@ -206,6 +226,7 @@ class InferenceConfig:
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
     output_logits: bool = attrs.field(default=False, validator=boolean)
+    enable_prompt_logprobs: bool = attrs.field(default=False, validator=boolean)
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
@@ -220,6 +241,9 @@ class InferenceConfig:
     enable_prefix_caching: bool = attrs.field(default=False, validator=boolean)
     prefix_block_size: int = attrs.field(default=16, validator=positive_int)
     max_prefix_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    task: str = attrs.field(default="generate", validator=one_of(TASKS))
+    pooling: str = attrs.field(default="last", validator=one_of(POOLINGS))
+    normalize: bool = attrs.field(default=True, validator=boolean)
 
     def __attrs_post_init__(self) -> None:
         self._derive_prefix_chunk()
@@ -243,6 +267,19 @@ class InferenceConfig:
         if self.sequence_parallel and self.tp_degree < 2:
             raise ConfigError("sequence_parallel=True needs tp_degree >= 2 (it splits prefill over the ranks); "
                               "set tp_degree or drop sequence_parallel.")
+        self._check_weights()
+        self._check_activations()
+        self._check_cuda()
+        self._check_embed()
+        _check_prefix_caching(self)
+        if not self.on_device_sampling and not self.output_logits:
+            raise ConfigError(
+                "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
+                "set one of them to True."
+            )
+
+    def _check_weights(self) -> None:
+        """Quantized weights: one rank, a CPU backend."""
         if self.weight_format != "float" and self.tp_degree > 1:
             raise ConfigError(
                 f"weight_format={self.weight_format!r} with tp_degree={self.tp_degree}: quantized weights are not "
@@ -252,14 +289,6 @@ class InferenceConfig:
             raise ConfigError(
                 f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
                 "the neuron backend takes weight_format='float'."
-            )
-        self._check_activations()
-        self._check_cuda()
-        _check_prefix_caching(self)
-        if not self.on_device_sampling and not self.output_logits:
-            raise ConfigError(
-                "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
-                "set one of them to True."
             )
 
     def _derive_prefix_chunk(self) -> None:
@@ -273,6 +302,17 @@ class InferenceConfig:
                 "by chunked prefill, which does not drive a draft (its cache would have to follow every chunk); drop one of them."
             )
         object.__setattr__(self, "prefill_chunk_size", prefix_caching_chunk(self.max_context_length, self.prefix_block_size))
+
+    def _check_embed(self) -> None:
+        """An embedding plan (``task="embed"``) holds embed graphs only: no option of generation."""
+        if self.task != "embed":
+            return
+        given = [f"{name}={getattr(self, name)!r}" for name, off in (
+            ("speculation_length", 0), ("prefill_chunk_size", None), ("enable_prefix_caching", False),
+            ("enable_prompt_logprobs", False), ("tp_degree", 1)) if getattr(self, name) != off]
+        if given:
+            raise ConfigError(f"task='embed' with {', '.join(given)}: an embedding plan runs whole prompts through embed graphs "
+                              "on one rank, without generation options; drop them or use task='generate'.")
 
     def _check_activations(self) -> None:
         """int8 activations exist only in the CPU kernels' 4-bit products."""

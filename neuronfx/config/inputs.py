@@ -52,7 +52,7 @@ class SamplerInputs(NamedTuple):
     sampling_params: Annotated[Tensor, "B P", "float32", "the row's SamplingParams, columns PARAM_COLUMNS"]  # (B, P)
     output_counts: Annotated[Tensor, "B V", "int32", "times the row's request generated each token"]  # (B, V)
     prompt_mask: Annotated[Tensor, "B V", "bool", "token occurs in the row's prompt (repetition penalty)"]  # (B, V)
-    logits_bias: Annotated[Tensor, "B V", "float32", "added to the logits (-inf holds eos back: min_tokens)"]  # (B, V)
+    logits_bias: Annotated[Tensor, "B V", "float32", "added to the logits: the request's logit_bias, -inf on eos ids until min_tokens"]  # (B, V)
     rand: Annotated[Tensor, "B", "float32", "uniform in [0, 1) for the row's draw"]  # (B,)
     token_bitmask: Annotated[Tensor, "B W", "int32",
                              "allowed tokens: bit j of word w allows token 32w + j (-1: all; structured outputs)"]  # (B, W)
@@ -102,9 +102,19 @@ class ChunkInputs(NamedTuple):
     sampler: SamplerInputs  # the sampler's inputs, one per row
 
 
+class EmbedInputs(NamedTuple):
+    """Embed: right-padded prompts from position 0, nothing written to a cache; the output is
+    each row's pooled final hidden state (``InferenceConfig.pooling``)."""
+
+    input_ids: Annotated[Tensor, "B T", "int32", "prompt tokens, right-padded with 0"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "position of each token: 0 .. T - 1"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "unused (0): an embed graph keeps no cache"]  # (B,)
+    prompt_lens: Annotated[Tensor, "B", "int32", "real tokens per row, >= 1 (padding rows: 1)"]  # (B,)
+
+
 PHASE_INPUTS: dict[str, type] = {
     "prefill": PrefillInputs, "decode": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
-    "chunk": ChunkInputs,
+    "chunk": ChunkInputs, "embed": EmbedInputs,
 }
 """The step-input record of each phase."""
 
@@ -204,7 +214,7 @@ def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
     row a tensor in call order: field, shape, dtype, what it holds (docs/design.md shows it)."""
     tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
-              "ChunkInputs": "T = prefill_chunk_size"}
+              "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket"}
     out = []
     for cls in dict.fromkeys(PHASE_INPUTS.values()):
         phases = ", ".join(p for p, c in PHASE_INPUTS.items() if c is cls)

@@ -15,7 +15,7 @@ from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.config.sharding import RankShard, rank_shard
 from neuronfx.errors import ConfigError
 
-PHASES = ("prefill", "decode", "speculate", "draft", "chunk")
+PHASES = ("prefill", "decode", "speculate", "draft", "chunk", "embed")
 
 __all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
 
@@ -121,7 +121,8 @@ def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
     return (inference.batch_size,)
 
 
-PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length", "chunk": "prefill_chunk_size"}
+PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length", "chunk": "prefill_chunk_size",
+                "embed": "bucket"}
 """New tokens per row (the record's ``T``) of each phase."""
 
 
@@ -176,8 +177,10 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
     prefill, decode = bucket_plan(inference)
     chunks = () if inference.prefill_chunk_size is None else chunk_buckets(inference.prefill_chunk_size, decode)
     batches = batch_bucket_plan(inference)
-    kv = KVLayout(num_layers=model.num_hidden_layers, num_slots=inference.batch_size + 1, num_kv_heads=shard.num_kv_heads,
-                  sequence_length=inference.sequence_length, head_dim=model.head_dim, dtype=inference.dtype)
+    embed = inference.task == "embed"  # embed graphs keep no cache: a one-slot, one-position placeholder
+    kv = KVLayout(num_layers=model.num_hidden_layers, num_slots=1 if embed else inference.batch_size + 1,
+                  num_kv_heads=shard.num_kv_heads, sequence_length=1 if embed else inference.sequence_length,
+                  head_dim=model.head_dim, dtype=inference.dtype)
     return Plan(
         model=model, inference=inference, batch_buckets=batches, prefill_buckets=prefill, decode_buckets=decode, kv=kv,
         topk_width=min(inference.max_topk, model.vocab_size), graphs=graph_specs(model, inference, batches, prefill, decode, chunks),
@@ -189,8 +192,9 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
 def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],
                 decode: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[GraphSpec, ...]:
     """One GraphSpec per (phase, batch bucket, length bucket), in that order: prefill and decode,
-    speculate with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets."""
-    phases = [("prefill", prefill), ("decode", decode)]
+    speculate with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets;
+    an embedding plan (``task="embed"``): embed graphs over the prefill buckets only."""
+    phases = [("embed", prefill)] if inference.task == "embed" else [("prefill", prefill), ("decode", decode)]
     if inference.speculation_length:
         phases.append(("speculate", decode))
     if inference.draft_layers:

@@ -10,7 +10,7 @@ random numbers, logit bias and stopping decisions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -34,6 +34,9 @@ MAX_SEED = 2**63 - 1
 PENALTY_RANGE = 2.0
 """presence/frequency penalties must lie in [-2, 2], as vLLM and the OpenAI API require."""
 
+LOGIT_BIAS_RANGE = 100.0
+"""logit_bias values must lie in [-100, 100], the OpenAI API's rule."""
+
 
 def _to_str_tuple(value: object) -> object:
     """A single str becomes a 1-tuple and a list a tuple; anything else is left for the check."""
@@ -44,6 +47,34 @@ def _to_str_tuple(value: object) -> object:
 
 def _to_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value
+
+
+def _to_bias_pairs(value: object) -> object:
+    """A mapping {token id: bias} becomes a tuple of (id, bias) pairs sorted by id (hashable,
+    frozen); a list becomes a tuple; anything else (or unsortable ids) is left for the check."""
+    if isinstance(value, Mapping):
+        pairs = tuple(value.items())
+        return tuple(sorted(pairs)) if all(_is_int(i) for i, _ in pairs) else pairs
+    return tuple(tuple(p) if isinstance(p, list) else p for p in value) if isinstance(value, list) else value
+
+
+def _check_logit_bias(_inst: object, _attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator of ``logit_bias``: (id, bias) pairs, ids ints >= 0 without repeats, biases
+    finite in [-100, 100]; SamplingParamsError naming the offending id or value otherwise."""
+    if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        raise _fail("logit_bias", value, "must be a mapping {token id: bias} (or (id, bias) pairs).")
+    try:
+        shown: object = dict(value)
+    except TypeError:  # an unhashable id: show the pairs
+        shown = value
+    for token, bias in value:
+        if not _is_int(token) or token < 0:
+            raise _fail("logit_bias", shown, f"has token id {token!r}: ids must be ints >= 0 (token ids of the vocabulary).")
+        if not _is_real(bias) or abs(bias) > LOGIT_BIAS_RANGE:
+            raise _fail("logit_bias", shown, f"has bias {bias!r} for token {token}: biases must be finite numbers in "
+                        f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] (OpenAI's range); -100 bans the token, +100 forces it.")
+    if len({token for token, _ in value}) != len(value):
+        raise _fail("logit_bias", value, "repeats a token id; give each id once.")
 
 
 def _is_int(x: object) -> bool:
@@ -98,8 +129,16 @@ class SamplingParams:
       ``include_stop_str_in_output``.
     - ``stop_token_ids``: extra token ids that end the request (kept in the output, as vLLM).
     - ``ignore_eos``: keep generating after EOS.
+    - ``logit_bias``: {token id: bias} (OpenAI's ``logit_bias``): each bias, a finite number in
+      [-100, 100], is added to that token's logit before the penalties at every step (-100 in
+      practice bans the token, +100 forces it); stored as (id, bias) pairs sorted by id. Ids
+      must be < the model's vocab_size (:func:`check_sampling`).
     - ``logprobs``: None, or N >= 0: return the sampled token's logprob and the top-N raw
       logprobs (at most the compiled ``max_logprobs``).
+    - ``prompt_logprobs``: None, or N >= 0 (vLLM's ``prompt_logprobs``): also return, for every
+      prompt token after the first, its raw logprob given the tokens before it and the top-N
+      alternatives (at most ``max_logprobs``); needs a plan compiled with
+      ``InferenceConfig.enable_prompt_logprobs``.
     - ``structured``: None, or a :class:`~neuronfx.config.structured.StructuredOutputs`: the
       generated text must match a JSON schema, regex, choice or grammar (vLLM's
       ``structured_outputs``). It lives here, with the other per-request rules of what may be
@@ -134,7 +173,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple, validator=_rule(
         lambda v: isinstance(v, tuple) and all(_is_int(i) and i >= 0 for i in v), "must be a tuple/list of ints >= 0."))
     ignore_eos: bool = attrs.field(default=False, validator=_rule(lambda v: isinstance(v, bool), "must be a bool."))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_to_bias_pairs, validator=_check_logit_bias)
     logprobs: int | None = attrs.field(default=None, validator=_rule(
+        lambda v: v is None or (_is_int(v) and v >= 0), "must be None or an int >= 0."))
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_rule(
         lambda v: v is None or (_is_int(v) and v >= 0), "must be None or an int >= 0."))
     include_stop_str_in_output: bool = attrs.field(default=False, validator=_rule(lambda v: isinstance(v, bool), "must be a bool."))
     structured: StructuredOutputs | None = attrs.field(default=None, validator=_rule(
@@ -151,12 +193,14 @@ class SamplingParams:
         return self.temperature <= GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, vocab_size: int | None = None) -> None:
+def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, vocab_size: int | None = None,
+                   prompt_logprobs: bool = False) -> None:
     """Raise SamplingParamsError naming the field, value, limit and fix where ``params`` asks
     for more than a compiled plan holds (construction checked everything else).
 
     ``max_topk`` / ``max_logprobs`` are the static widths compiled into the graphs;
-    ``vocab_size`` (when given) bounds ``stop_token_ids``. Also raises when ``params`` is not a
+    ``vocab_size`` (when given) bounds ``stop_token_ids`` and ``logit_bias`` ids; ``prompt_logprobs``: whether the plan
+    was compiled with ``enable_prompt_logprobs``. Also raises when ``params`` is not a
     SamplingParams at all.
     """
     if not isinstance(params, SamplingParams):
@@ -170,8 +214,22 @@ def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, voc
     if params.logprobs is not None and params.logprobs > max_logprobs:
         raise _fail("logprobs", params.logprobs, f"is > max_logprobs={max_logprobs} compiled into the graphs; ask for "
                     "fewer or recompile with a larger max_logprobs.")
+    _check_prompt_logprobs(params.prompt_logprobs, max_logprobs, prompt_logprobs)
     if vocab_size is not None and any(i >= vocab_size for i in params.stop_token_ids):
         raise _fail("stop_token_ids", params.stop_token_ids, f"must be a tuple/list of ints >= 0 and < vocab_size={vocab_size}.")
+    if vocab_size is not None and any(i >= vocab_size for i, _ in params.logit_bias):
+        token = next(i for i, _ in params.logit_bias if i >= vocab_size)
+        raise _fail("logit_bias", dict(params.logit_bias), f"has token id {token}, outside the vocabulary: ids must be "
+                    f"ints in [0, vocab_size={vocab_size}); drop it or use an id of this model's tokenizer.")
+
+
+def _check_prompt_logprobs(k: int | None, max_logprobs: int, enabled: bool) -> None:
+    if k is not None and not enabled:
+        raise _fail("prompt_logprobs", k, "needs graphs that return prompt logprobs; recompile with "
+                    "InferenceConfig(enable_prompt_logprobs=True) or drop prompt_logprobs (None).")
+    if k is not None and k > max_logprobs:
+        raise _fail("prompt_logprobs", k, f"is > max_logprobs={max_logprobs} compiled into the graphs; ask for "
+                    "fewer or recompile with a larger max_logprobs.")
 
 
 def pack_sampling(params: Sequence[SamplingParams], max_topk: int) -> list[list[float]]:

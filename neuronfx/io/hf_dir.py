@@ -22,13 +22,14 @@ from neuronfx.io.checkpoint_record import (
     check_keys,
     read_json,
 )
+from neuronfx.io.sentence_transformers import causal_lm_layout
 
 
 def load_hf_dir(directory: Path, dtype: torch.dtype, lazy: bool = False) -> Checkpoint:
     hf_config = _read_hf_config(directory)
     generation_config = _read_generation_config(directory)
     config = ModelConfig.from_hf(hf_config, generation_config)
-    state_dict = _read_safetensors_dir(directory, dtype, lazy)
+    state_dict = causal_lm_layout(_read_safetensors_dir(directory, dtype, lazy), config.tie_word_embeddings)  # Qwen3-Embedding's too
     check_keys(state_dict, config, directory)
     return Checkpoint(config=config, state_dict=state_dict, source=str(directory), hf_config=hf_config)
 

@@ -2,6 +2,7 @@
 and generate. Compiling (which reads checkpoints and the compile cache) is ``neuronfx.api``."""
 
 from neuronfx.runtime.chunked import ChunkBatch, chunk_step
+from neuronfx.runtime.embed import embed
 from neuronfx.runtime.generate import GenerateResult, generate, stream_generate
 from neuronfx.runtime.pipeline import Logprobs, StepOutput
 from neuronfx.runtime.prefix import prefill_cached, prefix_stats
@@ -30,6 +31,7 @@ __all__ = [
     "TokenEvent",
     "chunk_step",
     "decode_step",
+    "embed",
     "generate",
     "init_state",
     "prefill_cached",

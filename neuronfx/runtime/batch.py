@@ -73,10 +73,16 @@ def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
 
 
 def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int], rows: int | None = None) -> Tensor:
-    """(rows, V) float32 (rows defaults to n = len(params); padding rows are 0): -inf on the stop
-    ids of rows that have generated fewer than their ``min_tokens`` tokens, 0 elsewhere."""
+    """(rows, V) float32 (rows defaults to n = len(params); padding rows are 0): each row's
+    ``logit_bias`` (OpenAI's, ids checked < V by ``check_sampling``), plus -inf on the stop ids of
+    rows that have generated fewer than their ``min_tokens`` tokens; 0 elsewhere. Every step
+    (prefill, decode, chunk, each speculated position) builds its bias here, so the same host
+    tensor reaches every rank."""
     bias = torch.zeros(len(params) if rows is None else rows, runtime.plan.model.vocab_size, dtype=torch.float32)
     for r, (sp, done) in enumerate(zip(params, generated)):
+        if sp.logit_bias:
+            ids, values = zip(*sp.logit_bias)
+            bias[r, list(ids)] = torch.tensor(values, dtype=torch.float32)
         if done < sp.min_tokens:
             bias[r, stop_ids(runtime.plan.model.eos_token_ids, sp)] = float("-inf")
     return bias

@@ -127,7 +127,7 @@ def check_params(runtime: Runtime, sampling: Sequence[SamplingParams]) -> None:
     """What the plan bounds in each row's SamplingParams (``config.sampling.check_sampling``)."""
     plan = runtime.plan
     for sp in sampling:
-        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
+        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size, plan.inference.enable_prompt_logprobs)
 
 
 def check_room(state: State, seq_ids: Sequence[int], tokens: int, sequence_length: int, fix: str) -> None:

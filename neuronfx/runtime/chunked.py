@@ -21,6 +21,7 @@ from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import EmptyPromptError, InputError, PromptTooLongError, SlotError
 from neuronfx.runtime.checks import check_batch, check_params, check_rows, check_slot_ids, check_token_ids, row_values, token_rows
 from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_rows, token_step
+from neuronfx.runtime.prompt_logprobs import step_prompt_logprobs
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State
 from neuronfx.runtime.structured import Constraints, check_constraints, constraint_rows
@@ -28,6 +29,10 @@ from neuronfx.runtime.structured import Constraints, check_constraints, constrai
 
 def _optional_rows(value: object) -> tuple | None:
     return None if value is None else row_values("prompt_lens")(value)
+
+
+def _optional_next(value: object) -> tuple | None:
+    return None if value is None else row_values("next_tokens")(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +46,9 @@ class ChunkBatch:
     prefill would; None: each row's cache_len + len(chunk) (exact for every other model).
     ``constraints`` (structured outputs): as ``PrefillBatch``'s; a final row's token obeys its
     matcher's mask (read by the step; the caller consumes the token).
+    ``next_tokens[b]`` (optional): the prompt token after a non-final chunk (None on a final
+    one), which a row asking ``SamplingParams.prompt_logprobs`` needs scored by this chunk
+    (``runtime/prompt_logprobs.py``); without it such a row's entries stop at its chunk's end.
     """
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] free slots or live ones still prefilling
@@ -49,6 +57,7 @@ class ChunkBatch:
     final: tuple[bool, ...] = attrs.field(converter=row_values("final"))  # [n] last chunk of the row's prompt
     prompt_lens: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_rows)  # [n] or None
     constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
+    next_tokens: tuple[int | None, ...] | None = attrs.field(default=None, converter=_optional_next)  # [n] or None
 
 
 def chunk_starts(state: State, seq_ids: Sequence[int]) -> list[int]:
@@ -65,8 +74,9 @@ def check_chunk_batch(runtime: Runtime, state: State, batch: ChunkBatch) -> None
         raise InputError("this runtime has no chunk graphs; compile it with InferenceConfig(prefill_chunk_size=C).")
     for what, rows in (("chunks", batch.chunks), ("sampling", batch.sampling), ("final", batch.final)):
         check_rows(runtime, batch.seq_ids, rows, f"chunk ({what})")
-    if batch.prompt_lens is not None:
-        check_rows(runtime, batch.seq_ids, batch.prompt_lens, "chunk (prompt_lens)")
+    for what, extra in (("prompt_lens", batch.prompt_lens), ("next_tokens", batch.next_tokens)):
+        if extra is not None:
+            check_rows(runtime, batch.seq_ids, extra, f"chunk ({what})")
     check_slot_ids(state, batch.seq_ids)
     for s in batch.seq_ids:
         if state.live[s] and state.generated[s]:
@@ -94,6 +104,11 @@ def _check_chunk(runtime: Runtime, b: int, batch: ChunkBatch, start: int) -> Non
             f"{limit}; shorten the prompt or compile with a larger max_context_length."
         )
     check_token_ids(chunk, runtime.plan.model.vocab_size)
+    after = None if batch.next_tokens is None else batch.next_tokens[b]
+    if after is not None and final:
+        raise InputError(f"next_tokens[{b}]={after!r} follows a final chunk; a prompt's last chunk has no next token (None).")
+    if after is not None:
+        check_token_ids([after], runtime.plan.model.vocab_size)
     if batch.prompt_lens is not None:
         _check_prompt_len(b, batch.prompt_lens[b], start + len(chunk), final, limit)
 
@@ -147,4 +162,6 @@ def chunk(runtime: Runtime, state: State, batch: ChunkBatch) -> tuple[StepOutput
                                constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
     ends = [p + len(c) for p, c in zip(starts, batch.chunks)]
-    return token_step(runtime, state, rows, batch.sampling, out, sampler, key, ends, fresh_mask=mask, keep=batch.final)
+    scored = step_prompt_logprobs(out, batch.chunks, starts, batch.sampling, batch.next_tokens)
+    return token_step(runtime, state, rows, batch.sampling, out, sampler, key, ends, fresh_mask=mask, keep=batch.final,
+                      prompt_logprobs=scored)

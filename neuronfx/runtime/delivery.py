@@ -81,6 +81,8 @@ def _record_row(run: Progress, ran: Ran, r: int, eos: frozenset[int]) -> tuple[P
     """``run`` after row ``r`` of ``ran``, and whether that ends it for sure. A chunk that is not
     its prompt's last records nothing; a row with NaN/inf logits records ``failed``."""
     out = ran.out
+    if out.prompt_logprobs and out.prompt_logprobs[r] is not None:  # prefill or chunk of a request asking prompt logprobs
+        run = attrs.evolve(run, prompt_logprobs=run.prompt_logprobs + out.prompt_logprobs[r])
     if ran.kind not in FIRST:
         accepted = len(out.new_tokens[r]) - 1 if out.num_drafted[r] else 0
         run = attrs.evolve(run, passes=run.passes + 1, drafted=run.drafted + out.num_drafted[r], accepted=run.accepted + accepted)
@@ -155,6 +157,8 @@ def _deliver_row(run: Progress, logprobs: Sequence[Logprobs] | None, tokenizer: 
     events, base = [], run.delivered
     while run.delivered < len(run.tokens):
         run, event = deliver_token(run, None if logprobs is None else logprobs[run.delivered - base], tokenizer, eos)
+        if run.delivered == 1 and run.prompt_logprobs:  # its first event (a fork of n > 1 scored no prompt: none)
+            event = attrs.evolve(event, prompt_logprobs=run.prompt_logprobs)
         events.append(event)
         if event.finish_reason is not None:
             if stats:

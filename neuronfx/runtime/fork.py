@@ -101,12 +101,14 @@ def fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput, 
 def split_forks(queue: Queue, admitted: tuple[Progress, ...]) -> tuple[tuple[Progress, ...], tuple[Progress, ...], tuple[int, ...]]:
     """(prefill rows, fork rows, their source slots) of ``admitted``: a request forks when its
     ``parent`` is running or prefilled in this iteration with the same prompt (n > 1 choices
-    of one prompt); else it is prefilled (its parent finished, or it has none)."""
+    of one prompt); else it is prefilled (its parent finished, or it has none, or it asks for
+    prompt logprobs)."""
     holders = {r.index: r for r in queue.running}
     prefilled, forks, sources = [], [], []
     for run in admitted:
         parent = holders.get(run.request.parent)
-        if parent is not None and parent.request.prompt == run.request.prompt:
+        # a request asking for prompt logprobs is prefilled: its graph computes them
+        if parent is not None and parent.request.prompt == run.request.prompt and run.request.sampling.prompt_logprobs is None:
             forks.append(run)
             sources.append(parent.slot)
         else:

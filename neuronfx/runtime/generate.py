@@ -16,7 +16,7 @@ from neuronfx.runtime.checks import check_prompts
 from neuronfx.runtime.fork import check_n, choices
 from neuronfx.runtime.overlap import overlap_schedule
 from neuronfx.runtime.pipeline import Logprobs
-from neuronfx.runtime.requests import Finished, Request, TokenEvent, check_budget
+from neuronfx.runtime.requests import Finished, Request, TokenEvent, check_budget, priorities
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.scheduler import schedule
 from neuronfx.runtime.speculate import SpeculationStats
@@ -39,6 +39,8 @@ class GenerateResult:
     prefill_s: float  # seconds in prefill steps
     decode_s: float  # seconds in decode and speculate steps (drafting and verification included)
     speculation: tuple[SpeculationStats | None, ...] | None = None  # [n] when the runtime speculated (None for a request that errored)
+    # [n][len(prompt_b)] for requests with SamplingParams.prompt_logprobs: per prompt token, None for the first
+    prompt_logprobs: tuple[tuple[Logprobs | None, ...] | None, ...] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -146,7 +148,7 @@ def make_requests(
     runtime: Runtime, state: State, ids: Prompts, *, max_new_tokens: int = 32,
     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     eos_token_ids: int | Sequence[int] | None = None, tokenizer: Any = None, speculative: bool = True,
-    async_decode: bool = False, n: int = 1,
+    async_decode: bool = False, n: int = 1, priority: int | Sequence[int] = 0,
 ) -> tuple[list[Request], frozenset[int], Grammars | None]:
     """Validate everything :func:`generate` needs and build its requests, eos set and the
     compiled grammars of its structured requests (None when there are none). With ``n`` > 1
@@ -155,7 +157,7 @@ def make_requests(
     Raises (nothing has changed yet): InputError (bad ids, max_new_tokens < 1, sampling not one
     SamplingParams or one per prompt, stop strings or structured outputs without a tokenizer, a
     tokenizer that cannot decode, ``speculative`` or ``async_decode`` not a bool),
-    ``n`` not an int in [1, 128]), BatchTooLargeError (no free slot), SequenceLengthExceededError (prompt + max tokens >
+    ``n`` not an int in [1, 128], ``priority`` not one int or one per prompt), BatchTooLargeError (no free slot), SequenceLengthExceededError (prompt + max tokens >
     sequence_length), SamplingParamsError (including stop strings the tokenizer cannot produce,
     min_tokens over the token budget, a structured output the grammar library rejects or that
     allows no first token), TokenOutOfVocabError (eos ids), and the prompt errors of
@@ -171,6 +173,7 @@ def make_requests(
     check_run_options(state, speculative, async_decode)
     check_n(n)
     check_tokenizer(tokenizer)
+    ranks = priorities(priority, len(prompts))
     params = request_params(runtime, sampling, len(prompts), tokenizer)
     grammars = grammars_for(runtime, params, tokenizer)
     eos = runtime.plan.model.eos_token_ids if eos_token_ids is None else eos_set(eos_token_ids, runtime.plan.model.vocab_size)
@@ -179,7 +182,7 @@ def make_requests(
         # min_tokens lasts): as stop ids they are held back instead. ignore_eos ignores them too.
         params = tuple(sp if sp.ignore_eos else attrs.evolve(sp, ignore_eos=True, stop_token_ids=sp.stop_token_ids + tuple(sorted(eos)))
                        for sp in params)
-    requests = [budgeted(runtime, b, p, sp, max_new_tokens) for b, (p, sp) in enumerate(zip(prompts, params))]
+    requests = [attrs.evolve(budgeted(runtime, b, p, sp, max_new_tokens), priority=ranks[b]) for b, (p, sp) in enumerate(zip(prompts, params))]
     return choices(requests, n), frozenset(eos), grammars
 
 
@@ -204,7 +207,7 @@ def request_params(runtime: Runtime, sampling: SamplingParams | Sequence[Samplin
         raise InputError(f"sampling={sampling!r:.80} must be one SamplingParams, or one per prompt ({n}).")
     plan = runtime.plan
     for sp in params:
-        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
+        check_sampling(sp, plan.topk_width, plan.logprobs_width, plan.model.vocab_size, plan.inference.enable_prompt_logprobs)
         if sp.stop and tokenizer is None:
             raise InputError(f"stop={sp.stop!r} needs text: pass tokenizer= (e.g. neuronfx.io.checkpoints.load_tokenizer).")
         if sp.stop:
@@ -235,6 +238,7 @@ def generate(
     speculative: bool = True,
     async_decode: bool = False,
     n: int = 1,
+    priority: int | Sequence[int] = 0,
 ) -> tuple[GenerateResult, State]:
     """Generate for any number of prompts through the reference scheduler (continuous batching
     over the state's free slots; prompts beyond them wait for a slot). Returns
@@ -247,19 +251,19 @@ def generate(
     draws from the state's RNG key; a request with ``seed`` draws from its own. A runtime that
     can speculate (``Runtime.can_speculate``) decodes with ``speculate_step`` unless
     ``speculative=False``; every option works either way and the result then carries
-    per-request ``speculation`` statistics. ``async_decode=True`` overlaps each scheduler
-    iteration with the delivery of the previous one's tokens (``runtime/overlap.py``: greedy and
-    seeded tokens are the same, with every option, structured outputs included).
+    per-request ``speculation`` statistics. ``async_decode=True`` overlaps each iteration with
+    the delivery of the previous one's tokens (``runtime/overlap.py``; the same tokens).
     ``SamplingParams.structured`` constrains a request's output to a JSON schema, regex, choice
     or grammar (``tokenizer`` needed; docs/usage/structured-outputs.md); it finishes ("stop") as
     soon as its grammar is complete. ``n`` > 1 samples n choices per prompt (OpenAI's ``n``):
     the result then holds each prompt's n choices in a row (entry p * n + c); the prompt is
     prefilled once and the other choices copy its KV (``runtime/fork.py``); seeded choice c draws
-    with seed + c, as vLLM. Raises before any state change: see :func:`make_requests`.
+    with seed + c, as vLLM. ``priority`` (one int, or one per prompt; vLLM's): waiting prompts
+    are admitted lowest first, ties in order. Raises before any state change (:func:`make_requests`).
     """
     events = stream_generate(runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                              eos_token_ids=eos_token_ids, tokenizer=tokenizer, speculative=speculative, async_decode=async_decode,
-                             n=n)
+                             n=n, priority=priority)
     return collect(events, tokenizer is not None)
 
 
@@ -275,6 +279,7 @@ def stream_generate(
     speculative: bool = True,
     async_decode: bool = False,
     n: int = 1,
+    priority: int | Sequence[int] = 0,
 ) -> Iterator[TokenEvent | Finished]:
     """:func:`generate` as events: an iterator of :class:`TokenEvent` (one per token, with its
     text delta, held back while it could still become a stop string) ending with a
@@ -283,7 +288,7 @@ def stream_generate(
     iterator runs."""
     requests, eos, grammars = make_requests(
         runtime, state, ids, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
-        speculative=speculative, async_decode=async_decode, n=n,
+        speculative=speculative, async_decode=async_decode, n=n, priority=priority,
     )
     run = overlap_schedule if async_decode else schedule
     return run(runtime, state, requests, eos, tokenizer, speculative, grammars=grammars)
@@ -297,6 +302,7 @@ def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[G
     reasons: dict[int, str] = {}
     stop_reasons: dict[int, int | str | None] = {}
     stats: dict[int, SpeculationStats] = {}
+    prompt: dict[int, tuple[Logprobs | None, ...]] = {}
     for ev in events:
         if isinstance(ev, Finished):
             n = ev.num_requests
@@ -308,6 +314,7 @@ def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[G
                 logprobs=tuple(tuple(logprobs[i]) if i in logprobs else None for i in range(n)),
                 prefill_s=ev.prefill_s, decode_s=ev.decode_s,
                 speculation=tuple(stats.get(i) for i in range(n)) if stats else None,
+                prompt_logprobs=tuple(prompt.get(i) for i in range(n)) if prompt else None,
             )
             return result, ev.state
         if ev.token_id is not None:  # None: the request ended with "error" (NaN/inf logits)
@@ -319,4 +326,6 @@ def collect(events: Iterator[TokenEvent | Finished], with_text: bool) -> tuple[G
             reasons[ev.index], stop_reasons[ev.index] = ev.finish_reason, ev.stop_reason
         if ev.speculation is not None:
             stats[ev.index] = ev.speculation
+        if ev.prompt_logprobs is not None:
+            prompt[ev.index] = ev.prompt_logprobs
     raise RuntimeError("schedule ended without a Finished event")  # unreachable: schedule always ends with one

@@ -58,6 +58,9 @@ class StepOutput:
     batch_size: int  # rows of the graph that ran (the batch bucket; rows past n were padding)
     finite: tuple[bool, ...]  # [n] False where the row's logits held NaN/inf: its tokens are garbage
     num_drafted: tuple[int, ...]  # [n] draft tokens proposed for the row (speculate: k - 1; else 0)
+    # [n][scored_b] prompt logprobs of rows whose SamplingParams.prompt_logprobs asked (prefill, chunk;
+    # ``runtime/prompt_logprobs.py``), None for the others; () for steps that score no prompt
+    prompt_logprobs: tuple[tuple[Logprobs | None, ...] | None, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -193,10 +196,11 @@ def commit(state: State, slots: Sequence[int], ends: Sequence[int], produced: Se
 
 def token_step(runtime: Runtime, state: State, rows: Rows, params: Sequence[SamplingParams], out: dict[str, Tensor],
                sampler: SamplerInputs, rng_key: int, ends: Sequence[int], fresh_mask: Tensor | None = None,
-               keep: Sequence[bool] | None = None) -> tuple[StepOutput, State]:
+               keep: Sequence[bool] | None = None, prompt_logprobs: tuple = ()) -> tuple[StepOutput, State]:
     """Commit a step whose graph sampled one token per row (prefill, refill, decode, chunk):
     (its StepOutput, the new state, :func:`commit`). ``keep[b]`` False: row b's token is not
-    the request's (a chunk before the prompt's last): no new token, ``NO_TOKEN``, no logprobs."""
+    the request's (a chunk before the prompt's last): no new token, ``NO_TOKEN``, no logprobs.
+    ``prompt_logprobs``: the rows' StepOutput.prompt_logprobs, as given."""
     tokens, logits, logprobs = sampled(runtime, out, params, sampler)
     n = len(tokens)
     keep = (True,) * n if keep is None else keep
@@ -204,4 +208,5 @@ def token_step(runtime: Runtime, state: State, rows: Rows, params: Sequence[Samp
     new = commit(state, rows.slots, ends, produced, rng_key, fresh_mask)
     return StepOutput(tokens=tuple(t if k else NO_TOKEN for t, k in zip(tokens, keep)), new_tokens=produced, logits=logits,
                       logprobs=tuple(lp if k else None for lp, k in zip(logprobs, keep)), bucket=rows.bucket, batch_size=rows.bsz,
-                      finite=tuple(bool(f) for f in out["finite"][:n].tolist()), num_drafted=(0,) * n), new
+                      finite=tuple(bool(f) for f in out["finite"][:n].tolist()), num_drafted=(0,) * n,
+                      prompt_logprobs=prompt_logprobs), new

@@ -24,13 +24,15 @@ from neuronfx.runtime.structured import Grammars, Matcher, grammars_for
 class Request:
     """One request: prompt ids and its sampling. Its token budget is ``sampling.max_tokens``;
     None there means "until its slot is full", which :func:`submit` resolves to
-    ``sequence_length - len(prompt)`` when given the runtime."""
+    ``sequence_length - len(prompt)`` when given the runtime. ``priority`` (vLLM's): an int,
+    lower is admitted first, ties in submission order; a running request is never preempted."""
 
     prompt: tuple[int, ...]  # [T] token ids
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     # Index of an earlier request with the same prompt (another of one prompt's n choices): while
     # it runs, this one copies its prompt's KV instead of prefilling (``runtime/fork.py``).
     parent: int | None = None
+    priority: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -44,6 +46,8 @@ class TokenEvent:
     finish_reason: str | None  # None while running, else "stop", "length" or "error" (NaN/inf logits)
     stop_reason: int | str | None  # the stop token id or stop string that ended it (vLLM's stop_reason)
     speculation: SpeculationStats | None = None  # on a speculative request's last event: its acceptance statistics
+    # on the first event of a request asking SamplingParams.prompt_logprobs: one entry per prompt token, None first
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -75,11 +79,13 @@ class Progress:
     failed: bool = False  # its logits turned NaN/inf: it ends with finish_reason "error"
     matcher: Matcher | None = None  # its grammar state (structured outputs), consumed as its tokens are recorded
     grammar_done: int = 0  # tokens recorded when its matcher stopped (the grammar is complete): it ends there, "stop"
+    prompt_logprobs: tuple[Logprobs | None, ...] = ()  # prompt logprobs its prefill or chunks scored so far (when asked)
 
 
 @attrs.frozen(kw_only=True)
 class Queue:
-    """The scheduler's host-side bookkeeping, as a value: waiting requests (oldest first),
+    """The scheduler's host-side bookkeeping, as a value: waiting requests (by priority, then
+    oldest first: :func:`submit` keeps the order, so every reader of the head follows it),
     running ones (in slot-admission order), the one whose prompt is being prefilled in chunks
     (at most one; it holds a slot and has no token yet) and seconds spent in each phase
     (chunks count as prefill). ``grammars``: the compiled-grammar cache structured requests are
@@ -125,9 +131,10 @@ def check_request(runtime: Runtime, index: int, request: Request, grammars: Gram
     if not isinstance(request.prompt, (list, tuple)):
         raise InputError(f"request {index}: prompt={request.prompt!r:.60} must be a tuple of token ids.")
     check_prompts(runtime, [request.prompt], start=index)
-    check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size)
+    check_sampling(request.sampling, plan.topk_width, plan.logprobs_width, plan.model.vocab_size, plan.inference.enable_prompt_logprobs)
     check_budget(runtime, index, len(request.prompt), budget(runtime, request))
     check_parent(index, request.parent)
+    check_priority(index, request.priority)
     grammars_for(runtime, [request.sampling], None, grammars)
 
 
@@ -137,6 +144,30 @@ def check_parent(index: int, parent: object) -> None:
     if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int) or parent >= index):
         raise InputError(f"request {index}: parent={parent!r} must be None or the index of an earlier request with the same "
                          "prompt (an int < its own index).")
+
+
+def check_priority(index: int, priority: object) -> None:
+    """InputError unless ``priority`` is an int (not a bool): lower runs first (vLLM's meaning)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InputError(f"request {index}: priority={priority!r} must be an int (lower is admitted first, default 0).")
+
+
+def priorities(priority: object, n: int) -> tuple[int, ...]:
+    """The ``n`` requests' priorities from one int for all or one int per request (vLLM's
+    ``LLM.generate(priority=[...])``); InputError otherwise."""
+    values = (priority,) * n if isinstance(priority, int) and not isinstance(priority, bool) else priority
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        raise InputError(f"priority={priority!r:.80} must be one int, or one int per prompt ({n}); lower runs first.")
+    for b, value in enumerate(values):
+        check_priority(b, value)
+    return tuple(values)
+
+
+def queued(waiting: tuple[tuple[int, Request], ...], index: int, request: Request) -> tuple[tuple[int, Request], ...]:
+    """``waiting`` with ``(index, request)`` inserted after every request of the same or lower
+    priority value (a stable insert: (priority, arrival) order, vLLM's priority scheduling)."""
+    at = next((k for k, (_, r) in enumerate(waiting) if r.priority > request.priority), len(waiting))
+    return waiting[:at] + ((index, request),) + waiting[at:]
 
 
 def budget(runtime: Runtime, request: Request) -> int:
@@ -153,8 +184,10 @@ def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None =
     with ``queue.grammars``) and a
     ``sampling.max_tokens`` of None becomes the slot's room (:func:`budget`); without it, it must
     already be checked (``neuronfx.runtime.generate.make_requests`` and the server's handler do
-    it) and name its max_tokens. Raises InputError for an index in use or, without ``runtime``,
-    no max_tokens; ``queue`` is a value and stays as it was when anything raises."""
+    it) and name its max_tokens. It waits behind every waiting request of the same or a lower
+    ``priority`` value (:func:`queued`). Raises InputError for an index in use, a priority that
+    is not an int or, without ``runtime``, no max_tokens; ``queue`` is a value and stays as it
+    was when anything raises."""
     if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running + queue.prefilling):
         raise InputError(f"request index {index!r} is already queued or running; give each request its own index.")
     if runtime is not None:
@@ -163,4 +196,5 @@ def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None =
     elif not isinstance(request, Request) or request.sampling.max_tokens is None:
         raise InputError(f"request {index}: without runtime= its SamplingParams must give max_tokens (the scheduler cannot "
                          "tell the slot's room); pass runtime=, or SamplingParams(max_tokens=N).")
-    return attrs.evolve(queue, waiting=queue.waiting + ((index, request),))
+    check_priority(index, request.priority)
+    return attrs.evolve(queue, waiting=queued(queue.waiting, index, request))

@@ -138,7 +138,11 @@ def init_state(runtime: Runtime, seed: int = 0) -> State:
     """A fresh state for ``runtime``: zero KV cache (``runtime.plan.kv.nbytes`` bytes), all slots
     free, RNG key ``seed`` (same seed and inputs give the same sampled tokens); with a draft
     runtime, the draft's fresh state too. Raises InputError for a runtime that is not a Runtime
-    or a seed outside [0, 2**63 - 1]."""
+    or a seed outside [0, 2**63 - 1], ConfigError for an embedding runtime (``task="embed"``: it
+    has no generation graphs; ``neuronfx.embed`` takes no state)."""
     check_runtime(runtime)
+    if runtime.plan.inference.task == "embed":
+        raise ConfigError("this runtime embeds (task='embed') and has no generation graphs: call neuronfx.embed(runtime, ids), "
+                          "or compile the model with InferenceConfig(task='generate') to generate.")
     draft = empty_state(runtime.draft.plan) if runtime.draft is not None else None
     return empty_state(runtime.plan, seed, draft=draft)

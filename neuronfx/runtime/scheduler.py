@@ -1,4 +1,6 @@
-"""A reference continuous-batching scheduler over the step pipelines: first come, first served.
+"""A reference continuous-batching scheduler over the step pipelines: first come, first served
+within a priority (``Request.priority``, vLLM's: a lower value is admitted first; ``submit`` keeps
+``Queue.waiting`` in that order, so "oldest" below means first in it; no preemption).
 
 Read it as a template for your own. Each iteration (:func:`step`) is vLLM v1's: no decoding
 phase nor prefill phase, each request is scheduled once with the tokens it needs next.
@@ -230,7 +232,8 @@ def _chunk_row(runtime: Runtime, state: State, it: Iteration) -> tuple[StepOutpu
     final = run.computed == len(prompt)
     batch = ChunkBatch(seq_ids=(run.slot,), chunks=(prompt[run.computed - it.chunk_len:run.computed],),
                        sampling=(run.request.sampling,), final=(final,), prompt_lens=(len(prompt),),
-                       constraints=None if run.matcher is None else (run.matcher,))
+                       constraints=None if run.matcher is None else (run.matcher,),
+                       next_tokens=(None if final else prompt[run.computed],))  # scored by this chunk (prompt logprobs)
     out, state = chunk(runtime, state, batch)
     if run.prefix is not None and (final or not out.finite[0]):
         state = store(runtime, state, [run.slot], [prompt], [run.prefix]) if out.finite[0] else drop(state, [run.prefix])

@@ -30,6 +30,7 @@ from neuronfx.runtime.checks import (
     token_rows,
 )
 from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_rows, token_step
+from neuronfx.runtime.prompt_logprobs import step_prompt_logprobs
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.speculate import follow_draft
 from neuronfx.runtime.state import State, advance
@@ -107,7 +108,9 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(prompts), fresh_mask=mask,
                                constraints=batch.constraints)
     out = run_rows(runtime, state.kv, rows, sampler)
-    return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(p) for p in prompts], fresh_mask=mask)
+    scored = step_prompt_logprobs(out, prompts, rows.starts, batch.sampling)
+    return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(p) for p in prompts], fresh_mask=mask,
+                      prompt_logprobs=scored)
 
 
 def decode_target(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:

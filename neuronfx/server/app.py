@@ -23,6 +23,7 @@ from neuronfx.errors import InputError
 from neuronfx.runtime.checks import check_token_ids
 from neuronfx.runtime.fork import choices
 from neuronfx.server import protocol as p
+from neuronfx.server.embeddings import add_embeddings_routes
 from neuronfx.server.engine import Engine
 from neuronfx.server.errors import add_error_handlers
 from neuronfx.server.requests import (
@@ -64,6 +65,7 @@ def make_app(engine: Engine, model_name: str, stop_timeout: float = 5.0, tool_pa
     _add_generation_routes(app, engine, model_name, tool_parser)
     add_responses_routes(app, engine, model_name, tool_parser, store if store is not None else ResponseStore())
     _add_token_routes(app, engine, model_name)
+    add_embeddings_routes(app, engine, model_name)  # an embedding runtime's (--task embed)
     return app
 
 
@@ -106,7 +108,8 @@ def _add_generation_routes(app: FastAPI, engine: Engine, model_name: str, tool_p
         requests = choices([engine_request(body, ids, k, served, body.logprobs, max_tokens, "prompt", structured, field)
                             for k, ids in enumerate(completion_prompts(body, served))], body.n)
         job = Job(engine=engine, served=served, model=model_name, kind="text_completion", id=new_id("cmpl"),
-                  requests=requests, usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids)
+                  requests=requests, usage=stream_usage(body), token_ids_as_text=body.return_tokens_as_token_ids, echo=body.echo,
+                  prompt_logprobs_extra=body.prompt_logprobs is not None)
         return await job.respond(request, body.stream)
 
     @app.post("/v1/chat/completions")

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError
+from neuronfx.runtime.embed import is_embedding
 from neuronfx.runtime.overlap import Flight, busy, overlap_abort, overlap_step, settle
 from neuronfx.runtime.prefix import prefix_stats
 from neuronfx.runtime.prefix_pool import pool_nbytes
@@ -240,6 +241,9 @@ class Engine:
         if served is None:
             return
         runtime = served.runtime
+        if is_embedding(runtime):  # no state, no scheduler: the handlers embed (server/embeddings.py)
+            self._wait_for_stop(served)
+            return
         eos = frozenset(runtime.plan.model.eos_token_ids)
         state: Flight = init_state(runtime)
         queue = Queue(grammars=served.grammars)
@@ -266,6 +270,16 @@ class Engine:
                 self._accepting = False
             self._on_failure(exc)
             return None
+
+    def _wait_for_stop(self, served: Served) -> None:
+        """An embedding runtime: publish ``served`` (its handlers run the embed graphs) and wait
+        for the stop; nothing is ever submitted to the engine."""
+        with self._lock:
+            self._served = served
+        logger.info("ready: embeddings (pooling %s), max_context_length %d, backend %s", served.runtime.plan.inference.pooling,
+                    served.runtime.plan.inference.max_context_length, served.runtime.plan.inference.backend)
+        while not any(isinstance(c, _Stop) for c in self._commands(block=True)):
+            pass
 
     def _announce_ready(self, served: Served, state: Flight) -> None:
         """Publish ``served`` (handlers start submitting) and log the runtime's capacities."""

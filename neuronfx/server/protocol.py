@@ -11,9 +11,12 @@ tool-calling shapes (an assistant message's ``tool_calls``, a tool message's ``t
 which go to the chat template (:func:`chat_messages`). Structured outputs (``response_format``,
 vLLM's ``structured_outputs`` and its older ``guided_*`` fields) and tools (``tools``,
 ``tool_choice``, ``parallel_tool_calls``) are typed here and mapped in ``server/structured.py``
-and ``server/tools.py``. OpenAI fields neuronfx does not implement (echo, suffix,
-best_of > 1, logit_bias) are accepted only at their neutral value and otherwise answered with a
-400 naming the field.
+and ``server/tools.py``. ``logit_bias`` (OpenAI's: token ids as string keys, biases in [-100, 100]) becomes
+``SamplingParams.logit_bias``; vLLM's ``priority`` extra (an int, lower is admitted first) goes to
+the scheduler's request. OpenAI fields neuronfx does not implement (suffix,
+best_of > 1) are accepted only at their neutral value and otherwise answered with a
+400 naming the field. Completions' ``echo`` and vLLM's ``prompt_logprobs`` extra ask for the
+prompt's logprobs (:func:`prompt_logprobs`; ``server/echo.py`` answers them).
 
 Ranges are not checked here: :func:`sampling_params` builds a :class:`neuronfx.SamplingParams`,
 whose named checks raise the 400s. Responses are built in ``server/responses.py``.
@@ -144,7 +147,7 @@ class GenerationRequest(RequestModel):
     frequency_penalty: StrictFloat = 0.0
     n: StrictInt = 1  # choices per prompt (runtime/fork.py: the prompt is prefilled once)
     user: Text | None = None  # an end-user id: accepted and ignored (as vLLM)
-    logit_bias: dict[str, StrictFloat] | None = None  # not supported: only empty
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (a string, as JSON keys) -> bias in [-100, 100]
     # vLLM's extras
     top_k: StrictInt = 0
     min_p: StrictFloat = 0.0
@@ -153,6 +156,7 @@ class GenerationRequest(RequestModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
+    priority: StrictInt = 0  # vLLM's: lower is admitted first (ties in arrival order); no preemption
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>" instead of their text
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on /v1/completions too
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's
@@ -167,7 +171,8 @@ class CompletionRequest(GenerationRequest):
 
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     logprobs: StrictInt | None = None  # top-N logprobs per token
-    echo: StrictBool = False  # not supported: only false
+    echo: StrictBool = False  # the prompt before the completion (with logprobs: the prompt's logprobs first)
+    prompt_logprobs: StrictInt | None = None  # vLLM's extra: top-N logprobs of every prompt token
     suffix: Text | None = None  # not supported: only null
     best_of: StrictInt | None = None  # not supported: only 1
 
@@ -277,14 +282,9 @@ def check_unsupported(req: GenerationRequest) -> None:
     if not 1 <= req.n <= MAX_CHOICES:
         raise ApiError(400, f"n={req.n} must be in [1, {MAX_CHOICES}] (choices per prompt); lower it.", param="n",
                        code="invalid_value")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by neuronfx; drop it.", param="logit_bias", code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError(400, "echo is not supported by neuronfx; drop it (the prompt is yours already).", param="echo",
-                           code="unsupported_parameter")
         if req.suffix is not None:
             raise ApiError(400, "suffix (insertion) is not supported by neuronfx; drop it.", param="suffix", code="unsupported_parameter")
         if req.best_of not in (None, 1):
@@ -309,10 +309,31 @@ def sampling_params(req: GenerationRequest, logprobs: int | None, max_tokens: in
             frequency_penalty=req.frequency_penalty, seed=req.seed, min_tokens=req.min_tokens, max_tokens=max_tokens,
             stop=() if req.stop is None else req.stop, stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-            structured=structured,
+            structured=structured, prompt_logprobs=prompt_logprobs(req), logit_bias=logit_bias(req),
         )
     except SamplingParamsError as exc:
         raise ApiError(400, str(exc), param=sampling_param_name(req, exc)) from exc
+
+
+def logit_bias(req: GenerationRequest) -> dict[int, float]:
+    """{token id: bias} of the request's ``logit_bias`` (JSON keys are strings: OpenAI sends ids as
+    "50256"); ApiError 400 naming a key that is not an integer (ranges: SamplingParams' check)."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if re.fullmatch(r"-?[0-9]{1,18}", key) is None:  # not int()'s "1_0", " 5", other scripts' digits or 5000 digits
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id: keys must be integer token ids (as strings), "
+                                "e.g. {\"50256\": -100}.", param="logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def prompt_logprobs(req: GenerationRequest) -> int | None:
+    """The top-N a completion asks of every prompt token: the larger of vLLM's ``prompt_logprobs``
+    and, with ``echo``, ``logprobs`` (OpenAI's echo scores the prompt); None for neither (and for chat)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(asked) if asked else None
 
 
 def sampling_param_name(req: GenerationRequest, exc: SamplingParamsError) -> str | None:
@@ -322,6 +343,8 @@ def sampling_param_name(req: GenerationRequest, exc: SamplingParamsError) -> str
     if found is None:
         return None
     name = found.group(1)
+    if name == "prompt_logprobs" and isinstance(req, CompletionRequest) and req.prompt_logprobs is None:
+        return "echo"  # asked through echo with logprobs
     if name == "logprobs" and isinstance(req, ChatCompletionRequest):
         return "top_logprobs"
     if name == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:

@@ -11,6 +11,7 @@ from neuronfx.config.sampling import SamplingParams
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import InputError, PromptTooLongError, SamplingParamsError, SequenceLengthExceededError
 from neuronfx.runtime.checks import check_prompts
+from neuronfx.runtime.embed import is_embedding
 from neuronfx.runtime.generate import check_stop_strings
 from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import check_request
@@ -113,19 +114,24 @@ def engine_request(body: p.GenerationRequest, prompt: list[int], index: int, ser
                     max_tokens: int, prompt_field: str, structured: StructuredOutputs | None = None,
                     structured_field: str | None = None) -> EngineRequest:
     """The scheduler request for one prompt (constrained by ``structured``, which the request's
-    ``structured_field`` gave), checked as :func:`checked_request` checks it."""
+    ``structured_field`` gave), checked as :func:`checked_request` checks it, with the body's
+    ``priority`` (vLLM's extra)."""
     sampling = p.sampling_params(body, logprobs, max_tokens, structured)
     return checked_request(prompt, sampling, index, served, prompt_field, lambda exc: p.sampling_param_name(body, exc),
-                           structured_field)
+                           structured_field, priority=body.priority)
 
 
 def checked_request(prompt: list[int], sampling: SamplingParams, index: int, served: Served, prompt_field: str,
-                    param_of: Callable[[SamplingParamsError], str | None], structured_field: str | None) -> EngineRequest:
+                    param_of: Callable[[SamplingParamsError], str | None], structured_field: str | None,
+                    priority: int = 0) -> EngineRequest:
     """The scheduler request for ``prompt``, checked as the scheduler would check it
     (``check_request``), its stop strings against the tokenizer and its constraint by the
     grammar library (:func:`check_constraint`); ApiError 400 otherwise (``param_of`` names the
-    field of a sampling error)."""
-    request = EngineRequest(prompt=tuple(prompt), sampling=sampling)  # sampling.max_tokens is the budget
+    field of a sampling error); ``priority``: the scheduler's (lower is admitted first)."""
+    if is_embedding(served.runtime):  # no generation graphs: /v1/embeddings only
+        raise p.ApiError(400, "this server serves an embedding model (neuronfx serve --task embed): it has no generation graphs; "
+                              "POST /v1/embeddings, or serve the model without --task embed to generate.", param="model")
+    request = EngineRequest(prompt=tuple(prompt), sampling=sampling, priority=priority)  # sampling.max_tokens is the budget
     check_constraint(served, sampling.structured, structured_field)  # first: its 400 names the request's field
     try:
         check_stop_strings(sampling, served.tokenizer)

@@ -26,6 +26,7 @@ from neuronfx.runtime.pipeline import Logprobs
 from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import TokenEvent
 from neuronfx.server import protocol as p
+from neuronfx.server.echo import echo_logprobs, joined, vllm_prompt_logprobs
 from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Served, Sink
 from neuronfx.server.tool_parsers import Scanner
 from neuronfx.server.tools import CallStream, advance, chat_call_deltas, chat_tool_calls, finish_reason
@@ -102,9 +103,14 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent: CallStream = attrs.Factory(CallStream)  # what a stream sent of its content and tool calls
+    prompt_logprobs: tuple[Logprobs | None, ...] = ()  # its prompt's (SamplingParams.prompt_logprobs), from its first event
+    started: bool = False  # its first completions choice (or stream chunk) was built: the prompt goes there
+    echo_chars: int = 0  # characters of the echoed prompt before its text (text offsets count them)
 
     def add(self, event: TokenEvent) -> None:
         self.text += event.text
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.token_id is not None:
             self.num_tokens += 1
         if event.logprobs is not None:
@@ -128,6 +134,8 @@ class Job:
     usage: str | None  # streamed usage: None, "last" (a last chunk) or "every" (every chunk too: vLLM's continuous_usage_stats)
     token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     scanner: Scanner | None = None  # chat with tools: reads content and tool calls from the text (tools.py)
+    prompt_logprobs_extra: bool = False  # vLLM's prompt_logprobs extra asked: each choice carries them
+    echo: bool = False  # completions' echo: the prompt's text (and logprobs) before the completion's
     created: int = attrs.Factory(lambda: int(time.time()))
 
     async def respond(self, request: Request, stream: bool) -> Response:
@@ -163,8 +171,25 @@ class Job:
             scan = self.scanner(choice.text, True)
             return chat_choice(k, scan.content or None, logprobs, finish_reason(choice.finish_reason, scan), choice.stop_reason,
                                chat_tool_calls(scan))
-        logprobs = completion_logprobs(choice.logprobs, self._decode, 0) if wants else None
-        return completion_choice(k, choice.text, logprobs, choice.finish_reason, choice.stop_reason)
+        return self._completion(k, choice, choice.text, choice.logprobs, 0, choice.finish_reason, choice.stop_reason)
+
+    def _completion(self, k: int, choice: Choice, text: str, entries: Sequence[Logprobs], offset: int,
+                    reason: str | None, stop_reason: int | str | None) -> dict:
+        """A completions choice of ``text`` and the logprobs ``entries`` (from text offset
+        ``offset``); with echo, the prompt's text and logprobs first (once: a stream's first
+        chunk); vLLM's ``prompt_logprobs`` when the request asked."""
+        request, prompt_text, first = self.requests[k], "", not choice.started
+        width, echo, choice.started = request.sampling.logprobs, self.echo and first, True
+        if echo:
+            prompt_text = self.served.tokenizer.decode(list(request.prompt))
+            choice.echo_chars = len(prompt_text)
+        logprobs = None if width is None else completion_logprobs(entries, self._decode, offset + choice.echo_chars)
+        if echo and logprobs is not None:
+            logprobs = joined(echo_logprobs(request.prompt, choice.prompt_logprobs, self._decode, width), logprobs)
+        body = completion_choice(k, prompt_text + text, logprobs, reason, stop_reason)
+        if self.prompt_logprobs_extra and first:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(choice.prompt_logprobs, self._decode)
+        return body
 
     async def _chunks(self, sink: Sink, ids: list[int]) -> AsyncIterator[str]:
         """The SSE stream: a chunk per text delta (chat: a first one with the role), the last
@@ -226,8 +251,7 @@ class Job:
         if self.kind == "chat.completion":
             logprobs = chat_logprobs(pending, self._decode) if wants else None
             return chat_delta_choice(k, delta, logprobs, reason, event.stop_reason)
-        logprobs = completion_logprobs(pending, self._decode, offset) if wants else None
-        return completion_choice(k, event.text, logprobs, event.finish_reason, event.stop_reason)
+        return self._completion(k, choice, event.text, pending, offset, event.finish_reason, event.stop_reason)
 
 
 ENDED = {

@@ -30,6 +30,7 @@ from neuronfx.graphs.phases.chunk import chunk_layers
 from neuronfx.graphs.phases.compose import GraphModule, PhaseParts, build_module, phase_num_layers
 from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, draft_epilogue, speculate_epilogue
 from neuronfx.graphs.phases.device import device_scope
+from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers
 from neuronfx.graphs.phases.inputs import KVCache, example_inputs
 from neuronfx.graphs.phases.prefill import prefill_epilogue, prefill_layers
 from neuronfx.graphs.phases.records import symbol_dims
@@ -60,7 +61,7 @@ def phase_group_size(plan: Plan, phase: str) -> int:
     and chunk, whose calls are long enough that their overhead does not count,
     :data:`MAX_LAYER_GROUP` at most for the others)."""
     n = phase_num_layers(plan, phase)
-    limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk") else MAX_LAYER_GROUP
+    limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk", "embed") else MAX_LAYER_GROUP
     return layer_group_size(n, limit, period=layer_period(plan.model, n))
 
 
@@ -83,6 +84,8 @@ BUCKET_DIMS: dict[Callable, BucketDims] = {
     decode_epilogue: BucketDims(None),
     speculate_epilogue: BucketDims(None),
     draft_epilogue: BucketDims(None),
+    embed_layers: BucketDims("T", backed=True),  # as prefill's
+    embed_epilogue: BucketDims("T"),  # h (B, T, hidden)
 }
 """The parts one compile serves for every bucket of a (phase, batch). Prologues are compiled per
 bucket (they build the bucket's masks from its length). Under tensor parallelism every part is

@@ -29,7 +29,8 @@ def chunk_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: T
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.seq_lens)
     writes = chunk_write_slots(inputs.seq_ids, inputs.chunk_lens, input_ids.shape[1], plan.kv.scratch_slot)
     mask = mask_stack(plan, chunk_mask, position_ids, bucket)  # (M, B, 1, T, S)
-    return ChunkHidden(h, cos, sin, mask, inputs.seq_ids, writes, position_ids.long(), (inputs.chunk_lens - 1).long())
+    return ChunkHidden(h, cos, sin, mask, inputs.seq_ids, writes, position_ids.long(), (inputs.chunk_lens - 1).long(),
+                       input_ids)
 
 
 def chunk_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,

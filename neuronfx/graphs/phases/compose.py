@@ -29,8 +29,10 @@ from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.chunk import chunk_layers, chunk_prologue
 from neuronfx.graphs.phases.collectives import tensor_parallel_ops, world_group
 from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, decode_prologue, draft_epilogue, speculate_epilogue
+from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers
 from neuronfx.graphs.phases.inputs import KVCache, KVPairs
 from neuronfx.graphs.phases.prefill import prefill_epilogue, prefill_layers, prefill_prologue
+from neuronfx.graphs.phases.prompt_logprobs import PROMPT_LOGPROBS_EPILOGUES
 
 Tensor = torch.Tensor
 
@@ -54,6 +56,7 @@ PART_FUNCTIONS = {
     "speculate": (decode_prologue, decode_layers, speculate_epilogue),
     "draft": (decode_prologue, decode_layers, draft_epilogue),
     "chunk": (chunk_prologue, chunk_layers, prefill_epilogue),  # output at each row's last real token, as prefill
+    "embed": (prefill_prologue, embed_layers, embed_epilogue),  # pooled hidden states, no cache written
 }
 
 
@@ -78,7 +81,10 @@ def phase_parts(plan: Plan, spec: GraphSpec, ops: Ops, group_size: int | None = 
         sequence_parallel = plan.inference.sequence_parallel and spec.phase == "prefill"
         ops = tensor_parallel_ops(ops, plan.tp_degree, plan.rank, world_group(plan.tp_degree), sequence_parallel)
     static = (plan, spec.bucket, ops, family_math(plan.model.model_type))
-    prologue, layers, epilogue = (wrap(functools.partial(fn, *static)) for fn in PART_FUNCTIONS[spec.phase])
+    fns = PART_FUNCTIONS[spec.phase]
+    if plan.inference.enable_prompt_logprobs and spec.phase in PROMPT_LOGPROBS_EPILOGUES:
+        fns = (*fns[:2], PROMPT_LOGPROBS_EPILOGUES[spec.phase])  # prefill and chunk: prompt logprobs too
+    prologue, layers, epilogue = (wrap(functools.partial(fn, *static)) for fn in fns)
     return PhaseParts(prologue=prologue, layers=layers, epilogue=epilogue, group_size=group_size)
 
 
@@ -106,7 +112,14 @@ def run_logits(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
     return parts.epilogue(w["norm"], w["lm_head"], _through_layers(parts, num_layers, w, kv, inputs))
 
 
-RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "speculate": run_logits, "draft": run_sampled, "chunk": run_sampled}
+def run_pooled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: tuple) -> dict[str, Tensor]:
+    """An embed graph: every layer, then the pooling epilogue, which reads the final norm's
+    weight only (no LM head): {"embeddings": (B, hidden) float32}."""
+    return parts.epilogue(w["norm"], _through_layers(parts, num_layers, w, kv, inputs))
+
+
+RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "speculate": run_logits, "draft": run_sampled, "chunk": run_sampled,
+           "embed": run_pooled}
 
 
 class GraphModule(torch.nn.Module):

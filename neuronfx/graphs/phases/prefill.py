@@ -38,7 +38,7 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed:
         position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.prompt_lens)
     mask = mask_stack(plan, prefill_mask, inputs.prompt_lens, t)  # (M, B, 1, T, T)
-    return PrefillHidden(h, cos, sin, mask, inputs.seq_ids, (inputs.prompt_lens - 1).long())
+    return PrefillHidden(h, cos, sin, mask, inputs.seq_ids, (inputs.prompt_lens - 1).long(), input_ids)
 
 
 def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,

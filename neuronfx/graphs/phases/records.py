@@ -38,6 +38,7 @@ class PrefillHidden(NamedTuple):
     mask: Annotated[Tensor, "M B 1 T T", "bool", "causal prompt mask of each kind (True = attend)"]  # (M, B, 1, T, T)
     seq_ids: Annotated[Tensor, "B", "int32", "slot each row writes"]  # (B,)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
+    ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
 
 
 class DecodeHidden(NamedTuple):
@@ -64,6 +65,7 @@ class ChunkHidden(NamedTuple):
     write_slots: Annotated[Tensor, "B T", "int64", "slot each token writes (pads: the scratch slot)"]  # (B, T)
     positions: Annotated[Tensor, "B T", "int64", "cache position each token writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
+    ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
 
 
 def field_shapes(cls: type) -> dict[str, tuple[str, ...]]:
