@@ -6,6 +6,7 @@ Import as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import json
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -506,3 +507,19 @@ def byte_tokenizer() -> object:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<eos>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@contextlib.contextmanager
+def serving(rt: Runtime) -> Iterator[object]:
+    """The app (a FastAPI TestClient) over an engine serving ``rt`` with the byte tokenizer, started and ready."""
+    from fastapi.testclient import TestClient
+
+    from neuronfx.server.app import make_app
+    from neuronfx.server.engine import Engine, Served
+    from neuronfx.server.metrics import make_metrics
+
+    engine = Engine(lambda: Served(runtime=rt, tokenizer=byte_tokenizer()), max_waiting=4, metrics=make_metrics())
+    with TestClient(make_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        while client.get("/health").status_code != 200:
+            pass
+        yield client

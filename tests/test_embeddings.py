@@ -6,24 +6,18 @@ official openai client; each misuse a named error or a 400, and the server serve
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
-from fastapi.testclient import TestClient
-from helpers import TINY_INFERENCE, byte_tokenizer, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import TINY_INFERENCE, random_prompt, serving, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx.config import InferenceConfig, ModelConfig, make_plan
 from neuronfx.errors import ConfigError, EmptyPromptError, InputError, PromptTooLongError
 from neuronfx.io.checkpoints import load_checkpoint
 from neuronfx.io.sentence_transformers import pooling_config
-from neuronfx.server.app import make_app
-from neuronfx.server.engine import Engine, Served
-from neuronfx.server.metrics import make_metrics
 
 LENGTHS = (5, 1, 32, 9, 17, 3)  # ragged, more prompts than batch_size (4): two graph calls, longest first
 PROMPTS = [random_prompt(n, seed=n) for n in LENGTHS]
@@ -129,16 +123,6 @@ def test_misuse_is_a_named_error_before_anything_changes():
     with pytest.raises(ConfigError, match="pooling"):
         InferenceConfig(task="embed", pooling="cls")
     assert neuronfx.embed(embedder, PROMPTS[:1]).shape == (1, 64)  # still serves
-
-
-@contextlib.contextmanager
-def serving(rt) -> Iterator[TestClient]:
-    """The app over an engine serving ``rt`` with the byte tokenizer, started and ready."""
-    engine = Engine(lambda: Served(runtime=rt, tokenizer=byte_tokenizer()), max_waiting=4, metrics=make_metrics())
-    with TestClient(make_app(engine, "tiny"), raise_server_exceptions=False) as client:
-        while client.get("/health").status_code != 200:
-            pass
-        yield client
 
 
 def test_server_embeddings_with_the_openai_client():

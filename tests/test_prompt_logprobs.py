@@ -6,14 +6,11 @@ and the compile cache keys on it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
-from helpers import byte_tokenizer, random_prompt, tiny_hf_model, tiny_plan, tiny_runtime
+from helpers import random_prompt, serving, tiny_hf_model, tiny_plan, tiny_runtime
 
 import neuronfx
 from neuronfx.config.sampling import SamplingParams
@@ -21,9 +18,6 @@ from neuronfx.errors import ConfigError, InputError, SamplingParamsError
 from neuronfx.io.cache_key import cache_key
 from neuronfx.runtime.chunked import ChunkBatch, chunk_step
 from neuronfx.runtime.steps import PrefillBatch
-from neuronfx.server.app import make_app
-from neuronfx.server.engine import Engine, Served
-from neuronfx.server.metrics import make_metrics
 
 K = 5
 ASK = SamplingParams(prompt_logprobs=K)
@@ -189,16 +183,6 @@ def test_smollm2_prompt_logprobs_match_transformers(smollm2) -> None:
     prompt = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 4)["input_ids"][:40]
     result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [prompt], sampling=ASK, max_new_tokens=1)
     check_entries(smollm2.reference, prompt, result.prompt_logprobs[0])
-
-
-@contextlib.contextmanager
-def serving(rt) -> Iterator[TestClient]:
-    """The app over an engine serving ``rt`` with the byte tokenizer, started and ready."""
-    engine = Engine(lambda: Served(runtime=rt, tokenizer=byte_tokenizer()), max_waiting=4, metrics=make_metrics())
-    with TestClient(make_app(engine, "tiny"), raise_server_exceptions=False) as client:
-        while client.get("/health").status_code != 200:
-            pass
-        yield client
 
 
 def test_server_echo_and_prompt_logprobs() -> None:
