@@ -20,7 +20,7 @@ import torch
 from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.graphs.phases.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs
-from neuronfx.runtime.batch import min_tokens_bias, sampler_inputs, seeded_uniform
+from neuronfx.runtime.batch import logits_bias, sampler_inputs, seeded_uniform
 from neuronfx.runtime.pipeline import Logprobs, row_logprobs
 from neuronfx.runtime.runtime import Runtime
 
@@ -106,7 +106,7 @@ def position_sampler(runtime: Runtime, rows: RowFacts, drafts: Sequence[Sequence
     for r, row in enumerate(drafts):
         for t in row[:i]:
             counts[r, t] += 1
-    bias = min_tokens_bias(runtime, rows.params, [g + i for g in rows.generated])
+    bias = logits_bias(runtime, rows.params, [g + i for g in rows.generated])
     return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params), bitmask)
 
 

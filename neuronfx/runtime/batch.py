@@ -1,5 +1,5 @@
 """The host side of a graph call: the sampler's inputs (:func:`sampler_inputs`,
-:func:`min_tokens_bias`), the random numbers of a step (:func:`draws`, :func:`seeded_uniform`),
+:func:`logits_bias`), the random numbers of a step (:func:`draws`, :func:`seeded_uniform`),
 and the checked graph call (:func:`call_graph`, the one place graph-input tensors are checked).
 The step pipeline (``pipeline.py``) builds on these.
 """
@@ -72,7 +72,7 @@ def stop_ids(eos_token_ids: Sequence[int], sp: SamplingParams) -> list[int]:
     return ([] if sp.ignore_eos else list(eos_token_ids)) + list(sp.stop_token_ids)
 
 
-def min_tokens_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int], rows: int | None = None) -> Tensor:
+def logits_bias(runtime: Runtime, params: Sequence[SamplingParams], generated: Sequence[int], rows: int | None = None) -> Tensor:
     """(rows, V) float32 (rows defaults to n = len(params); padding rows are 0): each row's
     ``logit_bias`` (OpenAI's, ids checked < V by ``check_sampling``), plus -inf on the stop ids of
     rows that have generated fewer than their ``min_tokens`` tokens; 0 elsewhere. Every step

@@ -22,7 +22,7 @@ from neuronfx.config.kv import chunk_positions
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.graphs.phases.sampling import sample
-from neuronfx.runtime.batch import call_graph, draws, min_tokens_bias, pad, sampler_inputs
+from neuronfx.runtime.batch import call_graph, draws, logits_bias, pad, sampler_inputs
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.structured import Constraints, token_bitmask
@@ -137,7 +137,7 @@ def row_sampler(runtime: Runtime, state: State, rows: Rows, params: Sequence[Sam
     bsz = rows.bsz
     bitmask = token_bitmask(constraints, params, generated, runtime.plan.model.eos_token_ids, runtime.plan.model.vocab_size)
     rand, key = draws(state.rng_key, params, generated, bsz)
-    bias = min_tokens_bias(runtime, params, generated, bsz)
+    bias = logits_bias(runtime, params, generated, bsz)
     if fresh_mask is None:
         slots = list(rows.slots)
         counts, mask = state.output_counts[slots], state.prompt_mask[slots]
