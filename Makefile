@@ -2,7 +2,7 @@
 #
 # torch is installed first and pinned to 2.13.0: pip takes the CPU wheel that lies on this
 # machine's local wheel directory. Installing the project first would let pip pick a newer
-# torch (a multi-GB CUDA build) to satisfy `torch>=2.5`.
+# torch (a multi-GB CUDA build) to satisfy `torch>=2.11`.
 
 PYTHON ?= python3
 VENV := .venv

@@ -115,7 +115,10 @@ def inductor_options(plan: Plan) -> dict:
 
 
 def _aot_compile(fn: Callable, args: tuple, options: dict) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
+    # torch 2.11 attaches ``aot_compile`` only under this flag (2.13 has it on by default);
+    # seen on the GPU image's torch 2.11: "'function' object has no attribute 'aot_compile'".
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
 
 
 class SharedCompile:
@@ -186,6 +189,10 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
         dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
         if dims is None:
             return PrecompiledPart(fn, options=options)
+        if plan.inference.device != "cpu":
+            # CUDA's SDPA guards on the key length (Eq(S, 0)), which an unbacked S cannot answer
+            # (torch 2.11 on an H200): backed, as chunk layers are everywhere.
+            dims = attrs.evolve(dims, backed=True)
         key = (spec.phase, spec.batch_size, fn.func)
         return PrecompiledPart(fn, shared=shared.setdefault(key, SharedCompile(dims, options)))
 

@@ -103,8 +103,10 @@ def inverse_cdf(probs: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)  # (B, K), unnormalised
     target = rand[:, None] * cdf[:, -1:]  # (B, 1)
     choice = (cdf <= target).sum(-1)  # (B,) first index whose cdf passes the target
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, K)
-    last_kept = torch.where(probs > 0, ranks, 0).amax(-1)  # (B,) rounding may put target on the total
+    # Float ranks (exact below 2**24): an int64 max reduction broke inductor's Triton codegen
+    # (torch 2.11, batch 1: "torch.iinfo() requires an integer input type").
+    ranks = torch.arange(probs.shape[-1], device=probs.device, dtype=torch.float32)[None, :]  # (1, K)
+    last_kept = torch.where(probs > 0, ranks, 0.0).amax(-1).long()  # (B,) rounding may put target on the total
     return torch.minimum(choice, last_kept)
 
 
