@@ -28,6 +28,9 @@ TASKS = ("generate", "embed")
 """What a plan's graphs do (vLLM's ``task`` / ``--runner``): generate tokens, or embed prompts."""
 POOLINGS = ("last", "mean")
 """How an embed graph pools a prompt's hidden states: its last real token's, or their mean."""
+SPECULATIVE_METHODS = ("ngram",)
+"""Draft methods besides a draft model or self-speculation (vLLM's ``speculative_config.method``):
+"ngram", prompt lookup (``runtime/ngram.py``)."""
 
 
 def is_cuda(device: str) -> bool:
@@ -163,6 +166,12 @@ class InferenceConfig:
       one pass (k - 1 drafted plus the last accepted token); 0 = no speculation.
     - ``draft_layers``: N > 0 compiles "draft" graphs: decode through the first N layers plus
       the final norm and LM head (self-speculation, weights and KV shared with the target).
+    - ``speculative_method``: None (default: the draft is ``draft_layers`` or a runtime attached
+      with ``neuronfx.with_draft``) or "ngram": prompt lookup, vLLM's ``method="ngram"`` (no draft
+      graphs: the drafts are the tokens that followed the latest n-gram's earliest match in the
+      sequence, ``runtime/ngram.py``); needs ``speculation_length`` >= 2 and ``draft_layers`` 0.
+    - ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths "ngram" tries, longest
+      first (vLLM's names; 1 <= min <= max).
     - ``backend``: "eager" (reference), "export" (torch.export per graph), "inductor"
       (torch.compile per graph part), "neuron" (optional extra).
     - ``tp_degree``: tensor-parallel ranks (processes) the weights are split over
@@ -230,6 +239,9 @@ class InferenceConfig:
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
+    speculative_method: str | None = attrs.field(default=None, validator=one_of((None, *SPECULATIVE_METHODS)))
+    prompt_lookup_min: int = attrs.field(default=1, validator=positive_int)
+    prompt_lookup_max: int = attrs.field(default=4, validator=positive_int)
     tp_degree: int = attrs.field(default=1, validator=positive_int)
     sequence_parallel: bool = attrs.field(default=False, validator=boolean)
     weight_format: str = attrs.field(default="float", validator=one_of(WEIGHT_FORMATS))
@@ -262,8 +274,7 @@ class InferenceConfig:
                 f"speculation_length={self.speculation_length} must be 0 (off) or in [2, sequence_length - 1 = "
                 f"{self.sequence_length - 1}]: it counts the verified tokens (drafted + 1), written after at least one cached token."
             )
-        if self.draft_layers and not self.speculation_length:
-            raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
+        self._check_speculation()
         if self.sequence_parallel and self.tp_degree < 2:
             raise ConfigError("sequence_parallel=True needs tp_degree >= 2 (it splits prefill over the ranks); "
                               "set tp_degree or drop sequence_parallel.")
@@ -277,6 +288,20 @@ class InferenceConfig:
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
             )
+
+    def _check_speculation(self) -> None:
+        """The draft options: draft_layers needs speculation_length; "ngram" needs
+        speculation_length and no draft_layers; prompt_lookup_min <= prompt_lookup_max."""
+        if self.draft_layers and not self.speculation_length:
+            raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}: the "
+                              "n-gram lengths tried are min..max; lower prompt_lookup_min or raise prompt_lookup_max.")
+        if self.speculative_method == "ngram" and not self.speculation_length:
+            raise ConfigError("speculative_method='ngram' needs speculation_length=k >= 2 (k - 1 drafts per step); set it.")
+        if self.speculative_method == "ngram" and self.draft_layers:
+            raise ConfigError(f"speculative_method='ngram' with draft_layers={self.draft_layers}: prompt lookup drafts "
+                              "without a model; drop draft_layers (or speculative_method).")
 
     def _check_weights(self) -> None:
         """Quantized weights: one rank, a CPU backend."""

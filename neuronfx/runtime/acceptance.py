@@ -121,13 +121,16 @@ class Proposal:
     logits (n, V), the sampler inputs (n rows) it drew with, from which q is computed, and the
     target's sampler inputs at that position (the same counts, bias and bitmask, ``top_k``
     packed for the target's width), which acceptance reuses; ``masks``: the token bitmask
-    ((n, W) int32, or None) of each of the k positions, the last for the bonus token."""
+    ((n, W) int32, or None) of each of the k positions, the last for the bonus token;
+    ``drafted``: how many of each row's k - 1 tokens were proposed (prompt lookup pads its
+    shorter proposals with filler, verified like the rest; None: all of them)."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
     samplers: list[SamplerInputs]
     targets: list[SamplerInputs]
     masks: list[Tensor | None]
+    drafted: tuple[int, ...] | None = None  # [n] drafts each row's drafter really proposed, filler excluded (None: k - 1 each)
 
 
 def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:

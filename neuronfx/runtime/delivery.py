@@ -84,7 +84,7 @@ def _record_row(run: Progress, ran: Ran, r: int, eos: frozenset[int]) -> tuple[P
     if out.prompt_logprobs and out.prompt_logprobs[r] is not None:  # prefill or chunk of a request asking prompt logprobs
         run = attrs.evolve(run, prompt_logprobs=run.prompt_logprobs + out.prompt_logprobs[r])
     if ran.kind not in FIRST:
-        accepted = len(out.new_tokens[r]) - 1 if out.num_drafted[r] else 0
+        accepted = min(len(out.new_tokens[r]) - 1, out.num_drafted[r])  # a padded proposal's accepted filler is no draft
         run = attrs.evolve(run, passes=run.passes + 1, drafted=run.drafted + out.num_drafted[r], accepted=run.accepted + accepted)
     if not out.finite[r]:
         return attrs.evolve(run, failed=True, prefix=None), True

@@ -57,7 +57,7 @@ class StepOutput:
     bucket: int  # tokens: prompt bucket (prefill) or attended KV length (decode, speculate, chunk)
     batch_size: int  # rows of the graph that ran (the batch bucket; rows past n were padding)
     finite: tuple[bool, ...]  # [n] False where the row's logits held NaN/inf: its tokens are garbage
-    num_drafted: tuple[int, ...]  # [n] draft tokens proposed for the row (speculate: k - 1; else 0)
+    num_drafted: tuple[int, ...]  # [n] draft tokens proposed for the row (speculate: k - 1, prompt lookup its match's; else 0)
     # [n][scored_b] prompt logprobs of rows whose SamplingParams.prompt_logprobs asked (prefill, chunk;
     # ``runtime/prompt_logprobs.py``), None for the others; () for steps that score no prompt
     prompt_logprobs: tuple[tuple[Logprobs | None, ...] | None, ...] = ()

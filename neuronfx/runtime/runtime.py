@@ -57,9 +57,11 @@ class Runtime:
     @property
     def can_speculate(self) -> bool:
         """Whether :func:`neuronfx.speculate_step` can run: speculate graphs plus a draft
-        (the plan's own ``draft_layers`` or a draft runtime)."""
+        (the plan's own ``draft_layers``, a draft runtime, or ``speculative_method="ngram"``:
+        prompt lookup, no draft graphs)."""
         inf = self.plan.inference
-        return inf.speculation_length >= 2 and (inf.draft_layers > 0 or self.draft is not None)
+        drafts = inf.draft_layers > 0 or self.draft is not None or inf.speculative_method == "ngram"
+        return inf.speculation_length >= 2 and drafts
 
 
 def build_runtime(plan: Plan, weights: Weights, built: Built, cache_key: str | None = None, from_cache: bool = False) -> Runtime:
@@ -89,8 +91,8 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
     ``runtime``'s speculate graphs. States made by :func:`init_state` then carry the draft's
     state, slot for slot.
 
-    Raises ConfigError when ``runtime`` has no speculate graphs (``speculation_length``), the
-    draft has a draft of its own, or the
+    Raises ConfigError when ``runtime`` has no speculate graphs (``speculation_length``) or
+    drafts by ``speculative_method`` ("ngram"), the draft has a draft of its own, or the
     draft cannot follow every request of ``runtime``: another vocabulary, fewer slots
     (``batch_size``), a shorter ``sequence_length`` or ``max_context_length``, a smaller
     ``max_topk``, or no logits
@@ -104,6 +106,9 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
         raise ConfigError("the draft runtime has a draft of its own; attach a runtime without one (its plain graphs draft).")
     if inf.speculation_length < 2:
         raise ConfigError("this runtime has no speculate graphs: compile it with InferenceConfig(speculation_length=k >= 2).")
+    if inf.speculative_method is not None:
+        raise ConfigError(f"this runtime drafts with speculative_method={inf.speculative_method!r} (no draft model); attach a "
+                          "draft to a runtime compiled with speculative_method=None, or drop with_draft.")
     checks = [
         ("vocab_size", draft.plan.model.vocab_size, runtime.plan.model.vocab_size, "the draft must share the target's tokenizer"),
         ("batch_size", dinf.batch_size, inf.batch_size, "it needs a slot for every target slot"),

@@ -53,6 +53,7 @@ from neuronfx.errors import InputError
 from neuronfx.runtime.chunked import ChunkBatch, chunk
 from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
 from neuronfx.runtime.fork import fork, fork_batch, split_forks
+from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.prefix import cache_sequences, drop, load, outputs_reusable, prefill_reusing, store
 from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
@@ -214,11 +215,17 @@ def rope_switch_refill(runtime: Runtime) -> int | None:
 
 
 def _can_speculate(runtime: Runtime, state: State, run: Progress, switch: int | None) -> bool:
-    """The runtime can speculate, the request's slot has room for k more tokens and the k tokens
-    do not reach the longrope switch ``switch`` (the row decodes up to it, then is refilled)."""
-    k, n = runtime.plan.inference.speculation_length, state.cache_lens[run.slot]
+    """The runtime can speculate, the request's slot has room for k more tokens, the k tokens
+    do not reach the longrope switch ``switch`` (the row decodes up to it, then is refilled)
+    and, for prompt lookup (``speculative_method="ngram"``), its sequence has an n-gram match:
+    a row without one decodes (as vLLM's, which drafts nothing for it)."""
+    inf = runtime.plan.inference
+    k, n = inf.speculation_length, state.cache_lens[run.slot]
     crosses = switch is not None and n <= switch < n + k
-    return runtime.can_speculate and n + k <= runtime.plan.inference.sequence_length and not crosses
+    if not (runtime.can_speculate and n + k <= inf.sequence_length and not crosses):
+        return False
+    return inf.speculative_method != "ngram" or bool(ngram_propose(run.request.prompt + run.tokens, 1, inf.prompt_lookup_min,
+                                                                   inf.prompt_lookup_max))
 
 
 # --- execute --------------------------------------------------------------------------------------
@@ -276,7 +283,8 @@ def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, .
 
 def _batch(kind: str, rows: Sequence[Progress]) -> PrefillBatch | SpeculateBatch | DecodeBatch:
     """The step batch of ``rows``: a prefill gets each row's prompt, a refill each row's whole
-    sequence, a decode or speculate batch each row's last token; structured rows their matchers."""
+    sequence, a decode or speculate batch each row's last token (a speculate batch each row's
+    prompt and tokens too, its ``history``); structured rows their matchers."""
     slots, sampling = [r.slot for r in rows], [r.request.sampling for r in rows]
     constraints = None if all(r.matcher is None for r in rows) else [r.matcher for r in rows]
     if kind == "prefill":
@@ -284,8 +292,10 @@ def _batch(kind: str, rows: Sequence[Progress]) -> PrefillBatch | SpeculateBatch
     if kind == "refill":
         return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling,
                             constraints=constraints)
-    batch = SpeculateBatch if kind == "speculate" else DecodeBatch
-    return batch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints)
+    if kind == "speculate":  # history: what prompt lookup searches
+        return SpeculateBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints,
+                              history=[r.request.prompt + r.tokens for r in rows])
+    return DecodeBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints)
 
 
 def timed(queue: Queue, ran: Sequence[Ran]) -> Queue:

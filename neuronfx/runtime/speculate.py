@@ -5,9 +5,10 @@ step with the target's through any other step.
 
 Drafts, behind one small interface (:class:`Drafter`, chosen once by :func:`drafter_of`;
 :func:`propose`): self-speculation (the runtime's own "draft" graphs: its first
-``draft_layers`` layers, final norm and LM head, sharing its weights and KV cache) or a draft
+``draft_layers`` layers, final norm and LM head, sharing its weights and KV cache), a draft
 runtime attached with ``neuronfx.with_draft`` (its own KV cache in ``State.draft``, slot for
-slot).
+slot), or prompt lookup (``speculative_method="ngram"``, vLLM's: :func:`ngram_proposal`, no
+graph; the batch carries each row's ``history``).
 
 Acceptance applies every SamplingParams field at every verified position exactly as a decode
 step would: the logit bias of min_tokens, the penalties over the counts including the tokens
@@ -29,7 +30,7 @@ import attrs
 import torch
 
 from neuronfx.config.sampling import SamplingParams
-from neuronfx.errors import ConfigError
+from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.graphs.phases.sampling import sample
 from neuronfx.runtime.acceptance import (
@@ -42,7 +43,8 @@ from neuronfx.runtime.acceptance import (
     speculation_uniforms,
 )
 from neuronfx.runtime.batch import sampler_inputs
-from neuronfx.runtime.checks import check_decode, check_room, row_values
+from neuronfx.runtime.checks import check_decode, check_room, check_token_ids, row_values, token_rows
+from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import Rows, StepOutput, commit, plan_rows, run_rows
 from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.state import State, advance, with_draft_state
@@ -59,12 +61,18 @@ class SpeculateBatch:
     ``constraints`` (structured outputs): None, or per row a
     :class:`~neuronfx.runtime.structured.Matcher` (or None). The step advances a matcher through
     the row's own drafts to mask every drafted and verified position, then rolls it back: its
-    net state is unchanged, and the caller consumes the accepted tokens (``new_tokens``)."""
+    net state is unchanged, and the caller consumes the accepted tokens (``new_tokens``).
+
+    ``history``: None, or per row its prompt and generated tokens up to and including its
+    ``input_ids`` token: the sequence prompt lookup searches (needed by a runtime with
+    ``speculative_method="ngram"``, ignored by the others)."""
 
     seq_ids: tuple[int, ...] = attrs.field(converter=row_values("seq_ids"))  # [n] live slots, distinct
     input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row, not yet cached
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
     constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
+    history: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=lambda v: None if v is None else token_rows(
+        "history", "history")(v))  # [n][len] each row's prompt + generated tokens, its input_ids token last
 
 
 @attrs.frozen(kw_only=True)
@@ -112,7 +120,7 @@ class Drafter:
 
     - ``runtime``: the runtime whose graphs draft (the target itself, or its draft runtime);
     - ``phase``: the graphs it runs ("draft": the target's first ``draft_layers`` layers;
-      "decode": the draft runtime's own);
+      "decode": the draft runtime's own; "ngram": none, prompt lookup);
     - ``own_cache``: whether it drafts into a KV cache of its own (``State.draft``), which must
       then follow the target's accepted length; else it shares the target's cache.
     """
@@ -128,20 +136,26 @@ class Drafter:
 
 def drafter_of(runtime: Runtime) -> Drafter:
     """The drafter of a runtime that can speculate: its draft runtime when one is attached
-    (``with_draft``), else self-speculation through its "draft" graphs."""
+    (``with_draft``), prompt lookup for ``speculative_method="ngram"``, else self-speculation
+    through its "draft" graphs."""
     if runtime.draft is not None:
         return Drafter(runtime=runtime.draft, phase="decode", own_cache=True)
+    if runtime.plan.inference.speculative_method == "ngram":
+        return Drafter(runtime=runtime, phase="ngram", own_cache=False)
     return Drafter(runtime=runtime, phase="draft", own_cache=False)
 
 
 def propose(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], u: Uniforms,
-            constraints: Constraints = None) -> Proposal:
+            constraints: Constraints = None, history: Sequence[Sequence[int]] | None = None) -> Proposal:
     """k - 1 draft tokens per row after ``x0`` at positions cache_len .. cache_len + k - 2, from
     ``drafter``'s graphs on its KV cache (one token per row per pass). Each draft token is
     sampled with the row's parameters and the same penalty counts, bias and token bitmask the
     target applies at that position (``top_k`` packed for the drafter's static width). A row's
     matcher in ``constraints`` is advanced through the row's drafts (each mask is the one after
-    the drafts before it; the k-th, for the bonus token, after all of them) and rolled back."""
+    the drafts before it; the k-th, for the bonus token, after all of them) and rolled back.
+    A "ngram" drafter proposes by prompt lookup over ``history`` instead (:func:`ngram_proposal`)."""
+    if drafter.phase == "ngram":
+        return ngram_proposal(runtime, rows, x0, history, u, constraints)
     k = runtime.plan.inference.speculation_length
     proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[], masks=[])
     walk = DraftWalk(constraints)
@@ -178,6 +192,58 @@ def draft_position(runtime: Runtime, drafter: Drafter, state: State, rows: RowFa
     proposal.targets.append(target)
 
 
+def ngram_proposal(runtime: Runtime, rows: RowFacts, x0: Sequence[int], history: Sequence[Sequence[int]], u: Uniforms,
+                   constraints: Constraints = None) -> Proposal:
+    """k - 1 drafts per row by prompt lookup (``ngram.ngram_propose`` over the row's
+    ``history`` with ``prompt_lookup_min`` / ``prompt_lookup_max``; a structured row's lookup is
+    cut where its grammar refuses it), padded to k - 1 with filler (:func:`_filler`). Each
+    draft's logits (n, V) are one-hot at the draft and drawn "greedy" with zero counts and bias,
+    so acceptance's q is one-hot there: greedy rows stay token-identical to plain decoding and
+    sampled rows keep the target's distribution (rejection sampling with a deterministic draft).
+    The target's sampler and mask at each position are as for any drafter (:class:`DraftWalk`).
+    ``Proposal.drafted``: each row's lookup length (0 when nothing matched: the row is verified
+    all the same, its filler accepted only where the target agrees)."""
+    inf = runtime.plan.inference
+    k, n, vocab = inf.speculation_length, len(rows.slots), runtime.plan.model.vocab_size
+    found = [list(ngram_propose(h, k - 1, inf.prompt_lookup_min, inf.prompt_lookup_max)) for h in history]
+    if constraints is not None:  # a matcher must never consume a token its grammar refuses
+        found = [f[: m.validate(f)] if m is not None and f else f for f, m in zip(found, constraints)]
+    zeros = torch.zeros(n, vocab)
+    greedy = sampler_inputs(runtime, [GREEDY] * n, zeros.int(), zeros.bool(), zeros, torch.zeros(n), n)
+    proposal = Proposal(tokens=[[] for _ in range(n)], logits=[], samplers=[], targets=[], masks=[],
+                        drafted=tuple(len(f) for f in found))
+    walk = DraftWalk(constraints)
+    try:  # the matchers are net unchanged even when a mask is refused
+        for i in range(k - 1):
+            mask = walk.mask(runtime, rows, i)
+            for r, row in enumerate(proposal.tokens):
+                allowed = mask[r] if mask is not None and walk.walking(r) else None
+                row.append(found[r][i] if i < len(found[r]) else _filler(row, x0[r], allowed))
+            drafts = torch.tensor([[row[i]] for row in proposal.tokens])
+            proposal.masks.append(mask)
+            proposal.targets.append(position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i], mask))
+            proposal.logits.append(zeros.scatter(1, drafts, 1.0))
+            proposal.samplers.append(greedy)
+            walk.advance([row[i] for row in proposal.tokens])
+        proposal.masks.append(walk.mask(runtime, rows, k - 1))
+    finally:
+        walk.rollback()
+    return proposal
+
+
+def _filler(row: Sequence[int], x0: int, allowed: Tensor | None) -> int:
+    """A padding draft: with ``allowed`` (the (W,) int32 bitmask of a row whose grammar is
+    walking) the first token it allows (its matcher must accept every draft), else the row's
+    last token (``x0`` before any draft). Filler is verified like any draft."""
+    if allowed is not None:
+        words = torch.nonzero(allowed).flatten()
+        if len(words):
+            w = int(words[0])
+            word = int(allowed[w]) & 0xFFFFFFFF
+            return w * 32 + (word & -word).bit_length() - 1
+    return row[-1] if row else x0
+
+
 class DraftWalk:
     """The row matchers of a speculate step walked through its drafts: :meth:`mask` at each
     position, :meth:`advance` over the drafts just sampled, :meth:`rollback` at the end (net
@@ -196,6 +262,10 @@ class DraftWalk:
         walking = tuple(m if live else None for m, live in zip(self.constraints, self.live))
         model = runtime.plan.model
         return token_bitmask(walking, rows.params, [g + i for g in rows.generated], model.eos_token_ids, model.vocab_size)
+
+    def walking(self, r: int) -> bool:
+        """Whether row ``r`` has a matcher that still masks (not stopped, not in error)."""
+        return self.constraints is not None and self.constraints[r] is not None and self.live[r]
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Each live row's matcher consumes its new draft; one that stops is no longer masked."""
@@ -245,8 +315,27 @@ def check_speculate(runtime: Runtime) -> None:
     if inf.speculation_length < 2:
         raise ConfigError("this runtime has no speculate graphs: compile with InferenceConfig(speculation_length=k >= 2).")
     if not runtime.can_speculate:
-        raise ConfigError("this runtime has no draft: compile with draft_layers=N (self-speculation) or attach a draft "
-                          "runtime with neuronfx.with_draft(runtime, draft_runtime).")
+        raise ConfigError("this runtime has no draft: compile with draft_layers=N (self-speculation) or "
+                          "speculative_method='ngram' (prompt lookup), or attach a draft runtime with "
+                          "neuronfx.with_draft(runtime, draft_runtime).")
+
+
+def check_history(runtime: Runtime, batch: SpeculateBatch) -> None:
+    """Raise InputError when a prompt-lookup runtime gets no ``batch.history``, or a history
+    that is not one sequence per row ending with the row's input token; TokenOutOfVocabError
+    for a history token outside the vocabulary (it could become a draft)."""
+    if batch.history is None:
+        if runtime.plan.inference.speculative_method == "ngram":
+            raise InputError("this runtime drafts by prompt lookup (speculative_method='ngram'): pass SpeculateBatch("
+                             "history=...), each row's prompt and generated tokens with its input_ids token last.")
+        return
+    if len(batch.history) != len(batch.seq_ids):
+        raise InputError(f"history has {len(batch.history)} rows but seq_ids has {len(batch.seq_ids)}; give one per row.")
+    for r, (h, x) in enumerate(zip(batch.history, batch.input_ids)):
+        if not h or h[-1] != x:
+            raise InputError(f"history of row {r} ends with {list(h[-1:])} but its input_ids token is {x}; pass the row's "
+                             "prompt and generated tokens up to and including its input_ids token.")
+        check_token_ids(h, runtime.plan.model.vocab_size)
 
 
 def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[StepOutput, State]:
@@ -258,12 +347,14 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     logprobs come one per new token. The slot's cache_len grows by the accepted count.
 
     Raises (before any change) ConfigError (no speculate graphs or no draft), the errors of
-    ``decode_step``, and SequenceLengthExceededError when a slot has no room for k more
+    ``decode_step``, InputError for a missing or wrong ``history`` on a prompt-lookup runtime
+    (:func:`check_history`), and SequenceLengthExceededError when a slot has no room for k more
     tokens (decode that row with ``decode_step``).
     """
     check_runtime(runtime)
     check_speculate(runtime)
     check_decode(runtime, state, batch, SpeculateBatch)
+    check_history(runtime, batch)
     k = runtime.plan.inference.speculation_length
     check_room(state, batch.seq_ids, k, runtime.plan.inference.sequence_length,
                f"speculation writes k={k} positions: decode that row with decode_step instead.")
@@ -286,7 +377,7 @@ def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[St
                      counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
     u, key = speculation_uniforms(state.rng_key, facts.params, facts.generated, k)
     drafter = drafter_of(runtime)
-    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints)
+    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints, batch.history)
     rows, logits = verify(runtime, state, slots, batch.input_ids, proposal.tokens)
     emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
     ends = [start + len(e) for start, e in zip(rows.starts, emitted)]
@@ -297,5 +388,5 @@ def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[St
     finite = tuple(bool(torch.isfinite(logits[r, : len(e)]).all()) for r, e in enumerate(emitted))
     out = StepOutput(tokens=tuple(e[-1] for e in emitted), new_tokens=tuple(tuple(e) for e in emitted), logits=None,
                      logprobs=emitted_logprobs(facts, logits, emitted), bucket=rows.bucket, batch_size=rows.bsz, finite=finite,
-                     num_drafted=(k - 1,) * n)
+                     num_drafted=(k - 1,) * n if proposal.drafted is None else proposal.drafted)
     return out, new if draft is None else with_draft_state(new, draft)
