@@ -182,12 +182,14 @@ def test_sampled_tokens_always_obey_the_mask(rt, tok, grammars):
 # --- speculation, overlapped decode, the scheduler ------------------------------------------------
 
 
-@pytest.mark.parametrize("draft", ["self", "draft-model"])
+@pytest.mark.parametrize("draft", ["self", "draft-model", "ngram"])
 def test_speculation_yields_the_greedy_tokens_of_plain_decoding(hf, rt, tok, draft):
     sampling = [SamplingParams(structured=s) for s in (CHOICE, REGEX, SCHEMA)] + [SamplingParams()]
     plain, _ = neuronfx.generate(rt, neuronfx.init_state(rt), PROMPTS, max_new_tokens=24, sampling=sampling, tokenizer=tok)
     if draft == "self":
         spec_rt = tiny_runtime(hf, speculation_length=3, draft_layers=1)
+    elif draft == "ngram":  # prompt lookup: drafts cut where the grammar refuses them, filler the mask allows
+        spec_rt = tiny_runtime(hf, speculation_length=4, speculative_method="ngram")
     else:
         spec_rt = neuronfx.with_draft(tiny_runtime(hf, speculation_length=4), tiny_runtime(tiny_hf_model("llama", seed=8)))
     spec, _ = neuronfx.generate(spec_rt, neuronfx.init_state(spec_rt), PROMPTS, max_new_tokens=24, sampling=sampling, tokenizer=tok)
