@@ -186,7 +186,7 @@ def plan(runtime: Runtime, state: State, queue: Queue, budget: int | None, specu
     """One iteration's :class:`Iteration` and the (state, queue) it starts from: admission
     (:func:`_admission`; a chunked prompt's prefix-cache lookup consumes ``state``), then every
     running request's step: refill at the longrope switch, speculate when ``speculative`` and
-    it has room, else decode. Runs no graph."""
+    it has room (prompt lookup: and its sequence has a match), else decode. Runs no graph."""
     running = queue.running
     it, state, queue = _admission(runtime, state, queue, budget)
     switch = rope_switch_refill(runtime)
