@@ -239,6 +239,14 @@ def speculate_live(c, batch):
     return neuronfx.speculate_step(rt, state, batch)
 
 
+def speculate_ngram(c, history):
+    """speculate_step on a prompt-lookup runtime whose slot 0 is live (its own state), with ``history``."""
+    rt = tiny_runtime(c.hf, speculation_length=4, speculative_method="ngram")
+    out, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), P([0], [[5, 6, 7]]))
+    batch = neuronfx.SpeculateBatch(seq_ids=[0], input_ids=out.tokens, sampling=[GREEDY], history=history)
+    return neuronfx.speculate_step(rt, state, batch)
+
+
 def speculate_full(c):
     """speculate_step on a slot whose cache has room for fewer than k = 4 more tokens."""
     rt = speculating_runtime(c)
@@ -343,6 +351,18 @@ CASES: dict[str, Case] = {
     "config-speculation-length-whole-cache": Case(ConfigError, "`speculation_length=64` with `sequence_length=64` (no room after a prompt)",
                                                   lambda c: inference(speculation_length=64),
                                                   ("speculation_length=64", "[2, sequence_length - 1 = 63]")),
+    "config-speculative-method-unknown": Case(ConfigError, "`speculative_method=\"eagle\"`",
+                                              lambda c: inference(speculation_length=4, speculative_method="eagle"),
+                                              ("speculative_method='eagle'", "'ngram'")),
+    "config-ngram-without-speculation": Case(ConfigError, "`speculative_method=\"ngram\"` with `speculation_length=0`",
+                                             lambda c: inference(speculative_method="ngram"),
+                                             ("speculative_method='ngram'", "speculation_length=k >= 2")),
+    "config-ngram-with-draft-layers": Case(ConfigError, "`speculative_method=\"ngram\"` with `draft_layers=1`",
+                                           lambda c: inference(speculation_length=4, speculative_method="ngram", draft_layers=1),
+                                           ("draft_layers=1", "drop draft_layers")),
+    "config-prompt-lookup-min-over-max": Case(ConfigError, "`prompt_lookup_min=5` with `prompt_lookup_max=4`",
+                                              lambda c: inference(prompt_lookup_min=5),
+                                              ("prompt_lookup_min=5", "prompt_lookup_max=4", "lower prompt_lookup_min")),
     "config-prefix-caching-with-speculation": Case(ConfigError, "`enable_prefix_caching=True` with `speculation_length=4`",
                                                    lambda c: inference(enable_prefix_caching=True, speculation_length=4),
                                                    ("enable_prefix_caching=True", "speculation_length=4", "drop one of them")),
@@ -680,6 +700,14 @@ CASES: dict[str, Case] = {
                                        ("DecodeBatch", "neuronfx.SpeculateBatch")),
     "speculate-no-room-for-k": Case(SequenceLengthExceededError, "`speculate_step` on a slot holding 61 of 64 tokens, k = 4",
                                     speculate_full, ("slot 0 holds 61 tokens", "4 more", "sequence_length=64", "decode_step")),
+    "speculate-ngram-without-history": Case(InputError, "`speculate_step` on a prompt-lookup runtime without `SpeculateBatch.history`",
+                                            lambda c: speculate_ngram(c, None), ("speculative_method='ngram'", "history=")),
+    "speculate-ngram-wrong-history": Case(InputError, "`speculate_step` on a prompt-lookup runtime, a history not ending with the input token",
+                                          lambda c: speculate_ngram(c, [[5, 6, 7]]),
+                                          ("history of row 0 ends with [7]", "up to and including its input_ids token")),
+    "draft-on-ngram-runtime": Case(ConfigError, "`with_draft` on a prompt-lookup runtime",
+                                   lambda c: neuronfx.with_draft(tiny_runtime(c.hf, speculation_length=4, speculative_method="ngram"), c.rt),
+                                   ("speculative_method='ngram'", "speculative_method=None")),
     "draft-without-logits": Case(ConfigError, "`with_draft` of a draft runtime compiled with `output_logits=False`",
                                  draft_without_logits, ("output_logits=True",)),
     "draft-other-vocab": Case(ConfigError, "`with_draft` of a draft runtime with another vocabulary",
