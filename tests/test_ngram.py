@@ -12,7 +12,7 @@ import time
 import attrs
 import pytest
 import torch
-from helpers import GREEDY, VOCAB, hf_greedy, random_prompt, tiny_hf_model, tiny_runtime
+from helpers import GREEDY, VOCAB, hf_greedy, random_prompt, serving, tiny_hf_model, tiny_runtime
 from hypothesis import given
 from hypothesis import strategies as st
 from test_sampling import reference_probs
@@ -141,6 +141,30 @@ def test_scheduler_batch_of_requests_equals_plain(hf, ngram_rt):
                                    async_decode=async_decode)
         assert got.token_ids == want.token_ids and got.finish_reasons == want.finish_reasons
         assert sum(s.drafted for s in got.speculation) > 0
+
+
+def test_server_completions_equal_plain(hf, ngram_rt, monkeypatch):
+    """The OpenAI server over a prompt-lookup runtime: plain greedy's text, streamed or not,
+    with speculate steps drafting."""
+    from neuronfx.runtime import scheduler
+
+    drafted = []
+
+    def counted(runtime, state, batch):
+        out, state = speculate(runtime, state, batch)
+        drafted.append(sum(out.num_drafted))
+        return out, state
+
+    speculate = scheduler.PIPELINES["speculate"]
+    monkeypatch.setitem(scheduler.PIPELINES, "speculate", counted)
+    body = {"prompt": "abcabcabd abcab", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for rt in (tiny_runtime(hf, "eager"), ngram_rt):
+        with serving(rt) as client:
+            texts.append(client.post("/v1/completions", json=body).json()["choices"][0]["text"])
+            chunks = client.post("/v1/completions", json=body | {"stream": True}).text.split("data: ")[1:-1]
+            assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks) == texts[-1]
+    assert texts[0] == texts[1] and len(texts[0]) > 0 and sum(drafted) > 0
 
 
 def test_seeded_sampled_rows_are_reproducible(ngram_rt):
