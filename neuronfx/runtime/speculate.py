@@ -71,8 +71,12 @@ class SpeculateBatch:
     input_ids: tuple[int, ...] = attrs.field(converter=row_values("input_ids"))  # [n] last token of each row, not yet cached
     sampling: tuple[SamplingParams, ...] = attrs.field(converter=row_values("sampling"))  # [n]
     constraints: Constraints = attrs.field(default=None, converter=constraint_rows)  # [n] Matcher or None, or None
-    history: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=lambda v: None if v is None else token_rows(
-        "history", "history")(v))  # [n][len] each row's prompt + generated tokens, its input_ids token last
+    history: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=lambda v: _history_rows(v))  # [n][len_r]
+
+
+def _history_rows(value: object) -> tuple[tuple[int, ...], ...] | None:
+    """attrs converter of ``SpeculateBatch.history``: None, or per-row lists of token ids -> tuples."""
+    return None if value is None else token_rows("history", "history")(value)
 
 
 @attrs.frozen(kw_only=True)
