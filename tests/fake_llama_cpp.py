@@ -21,6 +21,7 @@ class FakeLlamaCpp:
         self.loaded: list[bytes] = []
         self.freed: list[str] = []
         self.logits: dict[int, np.ndarray] = {}
+        self.llamas: list[FakeLlama] = []
 
     def llama_backend_init(self) -> None:
         pass
@@ -70,3 +71,52 @@ class FakeLlamaCpp:
 
     def llama_vocab_n_tokens(self, vocab: str) -> int:
         return self.vocab
+
+    # --- the high-level API of ``neuronfx bench prompt-lookup`` ---------------------------------
+
+    def Llama(self, model_path: str, draft_model: object = None, **params: object) -> FakeLlama:
+        llm = FakeLlama(self.vocab, model_path, draft_model, params)
+        self.llamas.append(llm)
+        return llm
+
+
+class FakeLlama:
+    """``llama_cpp.Llama``: ``generate`` yields the fake model's greedy tokens ((t + 1) % vocab)
+    forever; a ``draft_model`` is called on the sequence before each token and its drafts are
+    recorded (the tokens are the same either way, as greedy prompt lookup's)."""
+
+    def __init__(self, vocab: int, model_path: str, draft_model: object, params: dict) -> None:
+        self.vocab, self.model_path, self.draft_model, self.params = vocab, model_path, draft_model, params
+        self.drafts: list[list[int]] = []
+
+    def token_eos(self) -> int:
+        return 0
+
+    def generate(self, tokens: list[int], temp: float = 0.8, reset: bool = True):
+        seq = list(tokens)
+        while True:
+            if self.draft_model is not None:
+                self.drafts.append([int(t) for t in self.draft_model(np.array(seq, dtype=np.intc))])
+            seq.append((seq[-1] + 1) % self.vocab)
+            yield seq[-1]
+
+
+class FakePromptLookup:
+    """``llama_cpp.llama_speculative.LlamaPromptLookupDecoding``: drafts the tokens after the
+    last token's earliest earlier occurrence."""
+
+    def __init__(self, max_ngram_size: int = 2, num_pred_tokens: int = 10) -> None:
+        self.max_ngram_size, self.num_pred_tokens = max_ngram_size, num_pred_tokens
+
+    def __call__(self, input_ids: np.ndarray) -> np.ndarray:
+        ids = input_ids.tolist()
+        hits = [i for i in range(len(ids) - 1) if ids[i] == ids[-1]]
+        return np.array(ids[hits[0] + 1 : hits[0] + 1 + self.num_pred_tokens] if hits else [], dtype=np.intc)
+
+
+def install_high_level(monkeypatch: object, fake: FakeLlamaCpp) -> None:
+    """Put ``fake`` and its ``llama_speculative`` module in sys.modules (``monkeypatch``)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", SimpleNamespace(LlamaPromptLookupDecoding=FakePromptLookup))

@@ -134,3 +134,32 @@ def test_artifacts(tiny_dir, capsys):
     data = run_json(capsys, "artifacts", "--model", str(tiny_dir), "--backend", "eager", "--repeat", "1")
     assert data["identical"] and len(data["tokens"]) == 16
     assert min(data["compile_s"], data["cached_compile_s"], data["load_s"]) > 0
+
+
+def test_prompt_lookup(tmp_path, capsys, monkeypatch):
+    """neuronfx with and without prompt lookup, and llama.cpp (a stand-in) with and without its
+    own, on 2 grounded tasks of a tiny GGUF: each speculating engine's tokens equal its plain
+    run's, every round is timed, the lookup drafted; the plain runs' ratio to neuronfx is exact."""
+    from fake_llama_cpp import install_high_level
+
+    gguf = write_tiny_gguf(str(tmp_path / "tiny.gguf"), tiny_hf_model("llama", seed=5))
+    fake = FakeLlamaCpp(vocab=256)
+    install_high_level(monkeypatch, fake)
+    data = run_json(capsys, "prompt-lookup", "--model", gguf, "--backend", "eager", "--tasks", "2", "--gen-len", "10",
+                    "--rounds", "2", "--num-speculative-tokens", "3", "--prompt-lookup-max", "2", "--compare", "llama.cpp")
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert list(rows) == ["neuronfx", "neuronfx prompt lookup", "llama.cpp", "llama.cpp prompt lookup"]
+    assert rows["neuronfx prompt lookup"]["tokens_equal_plain"] and rows["llama.cpp prompt lookup"]["tokens_equal_plain"]
+    assert all(len(r["rounds_tok_s"]) == 2 and r["decode_tok_s"] > 0 for r in rows.values())
+    assert rows["neuronfx"]["vs_neuronfx"] == 1.0
+    assert rows["llama.cpp"]["vs_neuronfx"] == rows["llama.cpp"]["decode_tok_s"] / rows["neuronfx"]["decode_tok_s"]
+    plain, looked = fake.llamas
+    assert plain.draft_model is None and looked.draft_model.num_pred_tokens == 3 and looked.draft_model.max_ngram_size == 2
+    assert looked.drafts and plain.params["n_threads"] == looked.params["n_threads"] >= 1
+
+
+def test_prompt_lookup_options_are_checked_before_loading(capsys):
+    assert main(["bench", "prompt-lookup", "--tasks", "0"]) == 2
+    assert "--tasks=0 must be in [1, 24]" in capsys.readouterr().err
+    assert main(["bench", "prompt-lookup", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"]) == 2
+    assert "--prompt-lookup-max=2 must be >= --prompt-lookup-min=3" in capsys.readouterr().err

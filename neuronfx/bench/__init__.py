@@ -16,6 +16,7 @@ from neuronfx.bench import (
     latency,
     moe,
     prefix_caching,
+    prompt_lookup,
     serving,
     speculative,
     structured,
@@ -28,5 +29,5 @@ from neuronfx.bench.types import Benchmark
 BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
-    kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK,
+    kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK, prompt_lookup.BENCHMARK,
 )

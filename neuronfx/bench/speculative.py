@@ -38,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], metavar="N", help="tokens per prompt (the first value; default 128)")
 
 
-def chat_prompts(tokenizer: Any) -> list[list[int]]:
-    """Token ids of :data:`SPECULATE_PROMPTS` through the tokenizer's chat template."""
+def chat_prompts(tokenizer: Any, questions: Sequence[str] = SPECULATE_PROMPTS) -> list[list[int]]:
+    """Token ids of ``questions`` (user messages) through the tokenizer's chat template."""
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for q in SPECULATE_PROMPTS]
+                                               tokenize=True, return_dict=True)["input_ids"]) for q in questions]
 
 
 def measure(name: str, generate: Generate, prompts: list[list[int]], log: Log) -> dict[str, Any]:
