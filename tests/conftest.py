@@ -52,19 +52,41 @@ XDIST_GROUPS = {
     "test_models.py": "shared-compiled", "test_faults.py": "shared-compiled", "test_artifacts.py": "shared-compiled",
     "test_compile_time.py": "shared-compiled", "test_overlap.py": "shared-compiled", "test_ngram.py": "shared-compiled",
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
-    "test_server_smollm2.py": "smollm2",
+    "test_server_smollm2.py": "smollm2", "test_prompt_logprobs.py": "smollm2",
 }
+UNIT_SECONDS = {
+    "smollm2": 300, "shared-compiled": 280, "test_speculate.py": 165, "test_tensor_parallel.py": 115, "test_cache.py": 80,
+    "test_moe.py": 75, "test_bench.py": 45, "test_gemma3.py": 45, "test_bench_suite.py": 45, "test_isa_pinned.py": 40,
+    "test_quantized.py": 40, "test_phi3_rope.py": 40, "test_embeddings.py": 35, "test_soak.py": 25, "test_server.py": 25,
+    "test_lowp.py": 25, "test_cli.py": 25, "test_bench_ab.py": 20,
+}
+"""Test seconds of the heaviest work units in a cold ``make test`` (summed setup + call +
+teardown, two workers; 2026-12-04). Units start heaviest first (longest processing time first),
+so that no long unit starts last and runs alone while the other worker idles."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, or its XDIST_GROUPS group."""
+    path = nodeid.split("::", 1)[0]
+    return XDIST_GROUPS.get(os.path.basename(path), path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Heaviest work units first (UNIT_SECONDS; the rest after them in file order). A stable
+    sort: each file's tests stay together and in order."""
+    items.sort(key=lambda item: -UNIT_SECONDS.get(os.path.basename(work_unit(item.nodeid)), 0))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's per-file scheduling with the files of XDIST_GROUPS sharing a work unit."""
+    """xdist's per-file scheduling with the files of XDIST_GROUPS sharing a work unit, handed out
+    in collection order (heaviest first) instead of xdist's default, most tests first."""
     from xdist.scheduler import LoadFileScheduling
 
     class SharedFixtureScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return XDIST_GROUPS.get(os.path.basename(path), path)
+            return work_unit(nodeid)
 
+    config.option.loadscopereorder = False
     return SharedFixtureScheduling(config, log)
 
 

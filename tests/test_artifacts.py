@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-from helpers import random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import hf_greedy, random_prompt, run_steps, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx.errors import ArtifactError, ConfigError
@@ -72,10 +72,13 @@ print(json.dumps(tokens))
 
 
 def test_speculative_inductor_round_trip(inductor_speculative, tmp_path):
-    """Speculate and draft graphs save and load too; greedy speculation gives the same tokens."""
-    _, rt = inductor_speculative
+    """Speculate and draft graphs save and load too; greedy self-speculation at k = 4 on inductor
+    gives transformers' greedy tokens, and the loaded runtime the same ones."""
+    hf, rt = inductor_speculative
     prompts = [random_prompt(9, seed=1), random_prompt(4, seed=2)]
     want, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=10, eos_token_ids=[])
+    assert [list(t) for t in want.token_ids] == [hf_greedy(hf, p, 10) for p in prompts]
+    assert all(s.drafted == 3 * s.target_passes > 0 for s in want.speculation)
     loaded = neuronfx.load(neuronfx.save(rt, tmp_path / "rt"))
     assert loaded.can_speculate and loaded.plan == rt.plan
     got, _ = neuronfx.generate(loaded, neuronfx.init_state(loaded), prompts, max_new_tokens=10, eos_token_ids=[])

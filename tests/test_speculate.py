@@ -159,10 +159,10 @@ def unrelated_inductor():
     return tiny_runtime(tiny_hf_model("llama", seed=99), "inductor", output_logits=True, **INDUCTOR_ONE_ROW)
 
 
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("k", [2, 3, 5])  # k = 4: test_artifacts' and test_ngram's shared inductor runtime
 def test_one_row_speculation_on_inductor_equals_plain_greedy(hf, unrelated_inductor, k):
-    """The default backend, batch 1: self-speculation and a draft model at every k give plain
-    greedy's tokens. At k >= 3 a draft step's uniforms reached the compiled draft epilogue as a
+    """The default backend, batch 1: self-speculation and a draft model at k = 2, 3 and 5 give
+    plain greedy's tokens. At k >= 3 a draft step's uniforms reached the compiled draft epilogue as a
     view of stride k - 1 in a dimension of size 1 (``is_contiguous()``, but not what the graph's
     guards accept) and the step raised; ``call_graph`` now hands every graph dense inputs."""
     rt = tiny_runtime(hf, "inductor", speculation_length=k, draft_layers=1, **INDUCTOR_ONE_ROW)
