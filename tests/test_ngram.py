@@ -68,7 +68,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def ngram_rt(hf):
-    return tiny_runtime(hf, "eager", speculation_length=4, speculative_method="ngram", prompt_lookup_max=3)
+    return tiny_runtime(hf, "eager", speculation_length=4, speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
 
 
 def repeating(seed: int) -> list[int]:
@@ -118,7 +118,8 @@ def test_inductor_speculate_graphs_equal_plain_decode(inductor_speculative):
     on the draft, and its draft graphs go unused), greedy and seeded, batch of 4 with rows
     with and without matches: plain decoding's greedy tokens, and the seeded rows reproducible."""
     _, compiled = inductor_speculative
-    inference = attrs.evolve(compiled.plan.inference, draft_layers=0, speculative_method="ngram", prompt_lookup_max=3)
+    inference = attrs.evolve(compiled.plan.inference, draft_layers=0, speculative_method="ngram", prompt_lookup_min=1,
+                                prompt_lookup_max=3)
     rt = attrs.evolve(compiled, plan=attrs.evolve(compiled.plan, inference=inference))
     prompts = [repeating(7), repeating(8)[:10], random_prompt(6, seed=1), repeating(9)]
     plain, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=12, eos_token_ids=NO_EOS, speculative=False)

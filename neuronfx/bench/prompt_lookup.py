@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads(p)
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float", help="neuronfx's weights (default float)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (vLLM's name; default 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="shortest n-gram matched (default 1)")
+    p.add_argument("--prompt-lookup-min", type=int, default=3, metavar="N", help="shortest n-gram matched (default 3)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="M", help="longest n-gram matched (default 4)")
     p.add_argument("--gen-len", type=int, default=128, metavar="N", help="most tokens per answer (default 128; eos ends one)")
     p.add_argument("--tasks", type=int, default=len(GROUNDED_TASKS), metavar="N", help=f"the first N tasks (default all {len(GROUNDED_TASKS)})")

@@ -146,7 +146,7 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
                    help="ngram: prompt lookup (vLLM's), the drafts follow the latest n-gram's earliest match in prompt + output, no draft model")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="drafts per step, vLLM's name: the same as --speculation-length K + 1")
-    p.add_argument("--prompt-lookup-min", type=int, metavar="N", help="ngram: shortest n-gram matched (default 1)")
+    p.add_argument("--prompt-lookup-min", type=int, metavar="N", help="ngram: shortest n-gram matched (default 3)")
     p.add_argument("--prompt-lookup-max", type=int, metavar="M", help="ngram: longest n-gram matched, tried first (default 4)")
     p.add_argument("--tp-degree", type=int, metavar="N",
                    help="tensor parallel over N ranks (processes); started here unless run under torchrun (default 1)")
