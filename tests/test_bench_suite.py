@@ -146,7 +146,8 @@ def test_prompt_lookup(tmp_path, capsys, monkeypatch):
     fake = FakeLlamaCpp(vocab=256)
     install_high_level(monkeypatch, fake)
     data = run_json(capsys, "prompt-lookup", "--model", gguf, "--backend", "eager", "--tasks", "2", "--gen-len", "10",
-                    "--rounds", "2", "--num-speculative-tokens", "3", "--prompt-lookup-max", "2", "--compare", "llama.cpp")
+                    "--rounds", "2", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1", "--prompt-lookup-max", "2",
+                    "--compare", "llama.cpp")
     rows = {r["engine"]: r for r in data["rows"]}
     assert list(rows) == ["neuronfx", "neuronfx prompt lookup", "llama.cpp", "llama.cpp prompt lookup"]
     assert rows["neuronfx prompt lookup"]["tokens_equal_plain"] and rows["llama.cpp prompt lookup"]["tokens_equal_plain"]
