@@ -104,8 +104,9 @@ def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-def _small_gemm_multi_fake(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in ws)))
+def _small_gemm_multi_fake(x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor | None, w2: torch.Tensor | None,
+                           b0: torch.Tensor | None, b1: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in (w0, w1, w2) if w is not None)))
 
 
 def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -117,9 +118,10 @@ def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | 
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
-def _quant_gemm_multi_fake(x: torch.Tensor, datas: list[torch.Tensor], scales: list, offsets: list, fmt: int,
-                           biases: list, int8_x: bool = False) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], sum(d.shape[0] for d in datas)))
+def _quant_gemm_multi_fake(x: torch.Tensor, fmt: int, int8_x: bool, d0: torch.Tensor, s0: object, o0: object, b0: object,
+                           d1: torch.Tensor | None, s1: object, o1: object, b1: object, d2: torch.Tensor | None, s2: object,
+                           o2: object, b2: object) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(d.shape[0] for d in (d0, d1, d2) if d is not None)))
 
 
 def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor | None, gate_offset: torch.Tensor | None,
@@ -133,6 +135,19 @@ def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+MAX_FUSED = 3
+"""The most weights one ``small_gemm_multi`` / ``quant_gemm_multi`` call takes (Q, K and V): the
+ops take them as separate arguments, not lists, so that inductor's C++ wrapper calls them through
+its C shim (a list argument makes it compile the dispatcher's headers into every layer group's
+wrapper: about 4 s more g++ each, measured 2026-12-04)."""
+
+
+def _check_fused(n_weights: int, n_biases: int) -> None:
+    if not 1 <= n_weights <= MAX_FUSED or n_biases != n_weights:
+        raise ValueError(f"a fused product takes 1 to {MAX_FUSED} weights and one bias (or None) each; got {n_weights} "
+                         f"weights and {n_biases} biases: split the weights into calls of at most {MAX_FUSED}")
+
+
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) in any float dtype @ weight (N, K).T + bias (N,) -> (..., N) in x.dtype;
     fp32 accumulation. Needs :func:`small_gemm_available` to have returned True."""
@@ -143,8 +158,11 @@ def small_gemm_multi(x: torch.Tensor, weights: list[torch.Tensor], biases: list[
     """``[small_gemm(x, w, b) for w, b in zip(weights, biases)]`` in one call and one parallel
     region (fused Q/K/V projections); weights share K and dtype. The op returns one (..., sum N)
     tensor, the weights' columns side by side; these are views of it (a tensor result, unlike a
-    list, is called through the dispatcher from inductor's C++ wrapper)."""
-    out = torch.ops.neuronfx.small_gemm_multi(x, weights, biases)
+    list, is called through the dispatcher from inductor's C++ wrapper). ValueError for more than
+    :data:`MAX_FUSED` weights or a bias count that differs from the weight count."""
+    _check_fused(len(weights), len(biases))
+    pad = [None] * (MAX_FUSED - len(weights))
+    out = torch.ops.neuronfx.small_gemm_multi(x, *weights, *pad, *biases, *pad)
     return list(out.split([w.shape[0] for w in weights], dim=-1))
 
 
@@ -208,11 +226,14 @@ def quant_gemm_multi(x: torch.Tensor, weights: list[QuantizedWeight], biases: li
                      int8_x: bool = False) -> list[torch.Tensor]:
     """``[quant_gemm(x, q, b, int8_x) for q, b in zip(weights, biases)]`` in one call and one
     parallel region (fused Q/K/V projections): x widened (and rounded) once, one fork/join. The
-    weights share format, K and group size (:func:`same_quant_layout`); RuntimeError otherwise.
+    weights share format, K and group size (:func:`same_quant_layout`); RuntimeError otherwise;
+    ValueError as :func:`small_gemm_multi`.
     Views of the op's one (..., sum N) output, as :func:`small_gemm_multi`."""
+    _check_fused(len(weights), len(biases))
     args = [_quant_args(q) for q in weights]
-    out = torch.ops.neuronfx.quant_gemm_multi(x, [a[1] for a in args], [a[2] for a in args], [a[3] for a in args], args[0][0],
-                                              list(biases), int8_x)
+    per_weight = [t for (_, data, scale, offset), bias in zip(args, biases) for t in (data, scale, offset, bias)]
+    pad = [None] * (4 * (MAX_FUSED - len(weights)))
+    out = torch.ops.neuronfx.quant_gemm_multi(x, args[0][0], int8_x, *per_weight, *pad)
     return list(out.split([a[1].shape[0] for a in args], dim=-1))  # views of the op's one output
 
 

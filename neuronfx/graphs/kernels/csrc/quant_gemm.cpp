@@ -805,9 +805,9 @@ void check_x(const at::Tensor& x) {
 
 // x @ w_i.T (+ bias_i) for every weight of one format, K and group size, in one call and one
 // parallel region (fused Q/K/V projections): x is widened once, one fork/join instead of three.
-at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
-                            at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
-                            at::ArrayRef<c10::optional<at::Tensor>> biases, bool int8_x) {
+at::Tensor gemm_multi(const at::Tensor& x, at::TensorList datas, at::ArrayRef<c10::optional<at::Tensor>> scales,
+                      at::ArrayRef<c10::optional<at::Tensor>> offsets, int64_t format,
+                      at::ArrayRef<c10::optional<at::Tensor>> biases, bool int8_x) {
   check_x(x);
   TORCH_CHECK(!datas.empty() && scales.size() == datas.size() && offsets.size() == datas.size() && biases.size() == datas.size(),
               "quant_gemm: one scale, offset and bias (or None) per weight");
@@ -844,10 +844,24 @@ at::Tensor quant_gemm_multi(const at::Tensor& x, at::TensorList datas, at::Array
   return out;
 }
 
+// The op: up to three weights (data, scale, offset, bias each) as separate arguments, not lists,
+// for inductor's C++ wrapper (see small_gemm_multi in small_gemm.cpp).
+using OptT = c10::optional<at::Tensor>;
+at::Tensor quant_gemm_multi(const at::Tensor& x, int64_t format, bool int8_x, const at::Tensor& d0, const OptT& s0,
+                            const OptT& o0, const OptT& b0, const OptT& d1, const OptT& s1, const OptT& o1, const OptT& b1,
+                            const OptT& d2, const OptT& s2, const OptT& o2, const OptT& b2) {
+  TORCH_CHECK(d1.has_value() || !d2.has_value(), "quant_gemm_multi: d2 given without d1");
+  std::vector<at::Tensor> ds = {d0};
+  std::vector<OptT> ss = {s0}, os = {o0}, bs = {b0};
+  if (d1.has_value()) ds.push_back(*d1), ss.push_back(s1), os.push_back(o1), bs.push_back(b1);
+  if (d2.has_value()) ds.push_back(*d2), ss.push_back(s2), os.push_back(o2), bs.push_back(b2);
+  return gemm_multi(x, ds, ss, os, format, bs, int8_x);
+}
+
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
                       const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias, bool int8_x) {
   std::vector<c10::optional<at::Tensor>> s = {scale}, o = {offset}, b = {bias};
-  return quant_gemm_multi(x, {data}, s, o, format, b, int8_x);
+  return gemm_multi(x, {data}, s, o, format, b, int8_x);
 }
 
 // SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one call and one parallel region; the
@@ -894,8 +908,8 @@ std::string quant_int8_x_isa() {
 
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("quant_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? offset, int format, Tensor? bias, bool int8_x=False) -> Tensor");
-  m.def("quant_gemm_multi(Tensor x, Tensor[] datas, Tensor?[] scales, Tensor?[] offsets, int format, Tensor?[] biases, "
-        "bool int8_x=False) -> Tensor");
+  m.def("quant_gemm_multi(Tensor x, int format, bool int8_x, Tensor d0, Tensor? s0, Tensor? o0, Tensor? b0, Tensor? d1, "
+        "Tensor? s1, Tensor? o1, Tensor? b1, Tensor? d2, Tensor? s2, Tensor? o2, Tensor? b2) -> Tensor");
   m.def("quant_glu(Tensor x, Tensor gate, Tensor? gate_scale, Tensor? gate_offset, Tensor up, Tensor? up_scale, Tensor? up_offset, "
         "int format, bool int8_x=False) -> Tensor");
   m.def("quant_isa() -> str", &quant_isa);

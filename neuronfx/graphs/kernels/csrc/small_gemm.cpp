@@ -224,7 +224,7 @@ constexpr int64_t GRAIN = 64;
 // fused Q/K/V projections cost one call and one fork/join instead of three.
 // One output, the weights' columns side by side (one tensor, not a list: inductor's C++ wrapper
 // calls an op with tensor results through the dispatcher, a list result back through Python).
-at::Tensor small_gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef<c10::optional<at::Tensor>> biases) {
+at::Tensor gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(!ws.empty() && biases.size() == ws.size(), "small_gemm: one bias (or None) per weight");
   const int64_t K = ws[0].size(1);
   const auto wtype = ws[0].scalar_type();
@@ -260,9 +260,23 @@ at::Tensor small_gemm_multi(const at::Tensor& x, at::TensorList ws, at::ArrayRef
   return out;
 }
 
+// The op: up to three weights as separate arguments, not a Tensor[]. Inductor's C++ wrapper calls
+// an op whose arguments are all Tensor, Tensor?, int or bool through its C shim; a list argument
+// makes it include the dispatcher's headers instead (about 4 s more g++ per compiled layer group).
+at::Tensor small_gemm_multi(const at::Tensor& x, const at::Tensor& w0, const c10::optional<at::Tensor>& w1,
+                            const c10::optional<at::Tensor>& w2, const c10::optional<at::Tensor>& b0,
+                            const c10::optional<at::Tensor>& b1, const c10::optional<at::Tensor>& b2) {
+  TORCH_CHECK(w1.has_value() || !w2.has_value(), "small_gemm_multi: w2 given without w1");
+  std::vector<at::Tensor> ws = {w0};
+  std::vector<c10::optional<at::Tensor>> bs = {b0};
+  if (w1.has_value()) ws.push_back(*w1), bs.push_back(b1);
+  if (w2.has_value()) ws.push_back(*w2), bs.push_back(b2);
+  return gemm_multi(x, ws, bs);
+}
+
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   std::vector<c10::optional<at::Tensor>> b = {bias};
-  return small_gemm_multi(x, {w}, b);
+  return gemm_multi(x, {w}, b);
 }
 
 // SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), in one parallel region; the product is
@@ -482,7 +496,7 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 TORCH_LIBRARY(neuronfx, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("small_gemm_multi(Tensor x, Tensor[] ws, Tensor?[] biases) -> Tensor");
+  m.def("small_gemm_multi(Tensor x, Tensor w0, Tensor? w1, Tensor? w2, Tensor? b0, Tensor? b1, Tensor? b2) -> Tensor");
   m.def("small_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
   m.def("cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_ids, Tensor mask) -> Tensor");
 }
