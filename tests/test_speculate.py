@@ -156,6 +156,8 @@ INDUCTOR_ONE_ROW = {"batch_size": 1, "prefill_buckets": (32,), "decode_buckets":
 
 @pytest.fixture(scope="module")
 def unrelated_inductor():
+    # The same plan as the targets' below but for their speculation: its prefill and decode parts
+    # are theirs (weights are graph inputs), compiled once and loaded from the kernel store after.
     return tiny_runtime(tiny_hf_model("llama", seed=99), "inductor", output_logits=True, **INDUCTOR_ONE_ROW)
 
 
@@ -165,7 +167,7 @@ def test_one_row_speculation_on_inductor_equals_plain_greedy(hf, unrelated_induc
     plain greedy's tokens. At k >= 3 a draft step's uniforms reached the compiled draft epilogue as a
     view of stride k - 1 in a dimension of size 1 (``is_contiguous()``, but not what the graph's
     guards accept) and the step raised; ``call_graph`` now hands every graph dense inputs."""
-    rt = tiny_runtime(hf, "inductor", speculation_length=k, draft_layers=1, **INDUCTOR_ONE_ROW)
+    rt = tiny_runtime(hf, "inductor", speculation_length=k, draft_layers=1, output_logits=True, **INDUCTOR_ONE_ROW)
     prompt = random_prompt(7, seed=k)
     for runtime in (rt, neuronfx.with_draft(rt, unrelated_inductor)):
         result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), [prompt], max_new_tokens=17, eos_token_ids=NO_EOS)
