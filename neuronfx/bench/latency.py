@@ -1,14 +1,17 @@
 """``neuronfx bench latency``: TTFT, TPOT, ITL percentiles and tok/s of neuronfx per (batch size,
 prompt length, generation length), greedy, with compile time, resident memory and the weight
-bytes a decode step reads against this machine's read bandwidth. ``--compare transformers``
-or ``--compare llama.cpp`` (the same .gguf, the ``[bench]`` extra) runs another engine on the
-same prompts and thread count; ``--rounds N`` alternates the engines case by case. ``--against
-REF`` compares this tree with another checkout instead (:mod:`neuronfx.bench.checkout_ab`)."""
+bytes a decode step reads against this machine's read bandwidth. ``--compare transformers``,
+``--compare llama.cpp`` (the same .gguf, the ``[bench]`` extra) or ``--compare openvino``
+(OpenVINO GenAI on an optimum-intel export of the same weights, the ``[bench-openvino]`` extra:
+:mod:`neuronfx.bench.openvino`) runs another engine on the same prompts and thread count;
+``--rounds N`` alternates the engines case by case. ``--against REF`` compares this tree with
+another checkout instead (:mod:`neuronfx.bench.checkout_ab`)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +19,11 @@ import torch
 from neuronfx.api import check_weight_source
 from neuronfx.bench import checkout_ab
 from neuronfx.bench.bandwidth import format_bandwidth, format_memory
-from neuronfx.bench.latency_run import LatencySpec, OpenEngine, run_bench
+from neuronfx.bench.latency_run import LatencySpec, OpenEngine, format_agreement, run_bench
 from neuronfx.bench.llama_cpp import import_llama_cpp, llama_cpp_engine
-from neuronfx.bench.options import add_model, check_at_least, logger
+from neuronfx.bench.openvino import PipelineSizes, import_genai, openvino_engine
+from neuronfx.bench.openvino_export import cached_ir, check_exporter, ov_weights
+from neuronfx.bench.options import Log, add_model, check_at_least, logger
 from neuronfx.bench.plot import plot
 from neuronfx.bench.rounds import comparison_table, format_rounds
 from neuronfx.bench.timing import BenchResult, transformers_engine
@@ -36,6 +41,7 @@ from neuronfx.config.inference import (
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.device import check_device
 from neuronfx.io import checkpoints
+from neuronfx.io.cache import default_cache_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,9 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
                    help="float (default), or int8: llama.cpp-style int8 activations in the 4-bit decode products "
                         "(--weight-format int4 / gguf; inductor only)")
-    p.add_argument("--compare", choices=["transformers", "llama.cpp"], default=None,
+    p.add_argument("--compare", choices=["transformers", "llama.cpp", "openvino"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
-                        "runs the same .gguf --model on the same prompts and thread count")
+                        "runs the same .gguf --model on the same prompts and thread count; openvino (OpenVINO GenAI, pip install "
+                        "'neuronfx[bench-openvino]') runs an optimum-intel export of the same weights (exported once, cached): "
+                        "fp32 for --weight-format float, int8_asym per channel for int8, int4_asym for int4 (group "
+                        "--weight-group-size) and gguf (group 32), computing in --dtype")
     p.add_argument("--compare-dtype", choices=FLOAT_DTYPES, default=None, help="dtype of the compared transformers model (default: --dtype)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="with --compare or --against: run each case N times in both, alternating, and report each side's median "
@@ -79,23 +88,44 @@ def check_options(args: argparse.Namespace) -> LatencySpec:
     if args.weight_format == "gguf" and args.compare == "transformers":
         raise InputError("--weight-format gguf with --compare transformers: transformers cannot run the kept blocks; compare "
                          "with --compare llama.cpp (same file), or run transformers with --weight-format float.")
-    if args.device != "cpu" and args.compare == "llama.cpp":
-        raise InputError(f"--device {args.device} with --compare llama.cpp: llama.cpp runs on the CPU here; drop --device.")
+    if args.device != "cpu" and args.compare in ("llama.cpp", "openvino"):
+        raise InputError(f"--device {args.device} with --compare {args.compare}: {args.compare} runs on the CPU here; drop --device.")
+    if args.compare == "openvino" and args.compare_dtype:
+        raise InputError("--compare openvino takes no --compare-dtype: OpenVINO computes in --dtype, on the weights --weight-format "
+                         "names (see --help of --compare).")
     check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format,
                                  activation_format=args.activation_format))
     check_weight_source(InferenceConfig(weight_format=args.weight_format), args.model or checkpoints.default_model_path())
     return LatencySpec(backend=args.backend, dtype=args.dtype, batch_sizes=tuple(args.batch_sizes), prompt_lens=tuple(args.prompt_lens),
                        gen_lens=tuple(args.gen_lens), weight_format=args.weight_format, weight_group_size=args.weight_group_size,
-                       device=args.device, activation_format=args.activation_format, rounds=rounds)
+                       device=args.device, activation_format=args.activation_format, rounds=rounds,
+                       agreement=args.compare == "openvino")
 
 
-def compared_engine(args: argparse.Namespace, checkpoint: Any) -> OpenEngine | None:
-    """The engine --compare asks for, opened later (after neuronfx's cases unless --rounds)."""
+def compared_engine(args: argparse.Namespace, checkpoint: Any, spec: LatencySpec, ir: Path | None = None) -> OpenEngine | None:
+    """The engine --compare asks for, opened later (after neuronfx's cases unless --rounds);
+    ``ir``: the OpenVINO IR of --compare openvino (:func:`prepare_openvino`)."""
     if args.compare == "transformers":
         return functools.partial(transformers_engine, checkpoint, args.compare_dtype or args.dtype, args.device)
     if args.compare == "llama.cpp":
         return functools.partial(llama_cpp_engine, str(args.model or checkpoints.default_model_path()), torch.get_num_threads())
+    if args.compare == "openvino":
+        sizes = PipelineSizes(max_batch=max(spec.batch_sizes), max_prompt=max(spec.prompt_lens),
+                              max_tokens=max(spec.prompt_lens) + max(spec.gen_lens))
+        return functools.partial(openvino_engine, ir, ov_weights(args.weight_format, args.weight_group_size), args.dtype,
+                                 torch.get_num_threads(), sizes)
     return None
+
+
+def prepare_openvino(args: argparse.Namespace, log: Log) -> Path:
+    """--compare openvino: the IR of --model's weights in the OpenVINO counterpart of
+    --weight-format, from the cache or exported now (before neuronfx reads anything, so the
+    export's memory is freed before any figure is taken). Raises BackendUnavailableError
+    (naming the extra) when openvino-genai, optimum-intel or nncf is missing, before any work."""
+    import_genai()
+    check_exporter()
+    weights = ov_weights(args.weight_format, args.weight_group_size)
+    return cached_ir(str(args.model or checkpoints.default_model_path()), weights, default_cache_dir(), log)
 
 
 def check_llama_cpp(args: argparse.Namespace) -> None:
@@ -120,9 +150,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return checkout_ab.run_against(args, spec, log)
     if args.compare == "llama.cpp":
         check_llama_cpp(args)
+    ir = prepare_openvino(args, log) if args.compare == "openvino" else None
     ckpt = checkpoints.load_checkpoint(args.model or checkpoints.default_model_path(), dtype=torch_dtype(args.dtype),
                                        gguf_blocks=args.weight_format == "gguf")
-    data = run_bench(ckpt, spec, compared_engine(args, ckpt), log)
+    data = run_bench(ckpt, spec, compared_engine(args, ckpt, spec, ir), log)
     if not args.json:
         for line in report_lines(data, args.compare):
             print(line)
@@ -140,8 +171,9 @@ def report_lines(data: dict[str, Any], compare: str | None) -> list[str]:
         lines.append(f"both engines on {data['threads']} threads")
         lines += comparison_table([BenchResult(**r) for r in data["results"]], compare)
         lines += [format_rounds(row) for row in data["rounds"]]  # each engine's row above is its median round
+        lines += [format_agreement(row) for row in data["agreement"]]
     return lines
 
 
 BENCHMARK = Benchmark(name="latency", help="TTFT, TPOT, ITL and tok/s per batch size, prompt and generation length; against "
-                      "transformers, llama.cpp or another checkout", description=__doc__, add_arguments=add_arguments, run=run)
+                      "transformers, llama.cpp, OpenVINO GenAI or another checkout", description=__doc__, add_arguments=add_arguments, run=run)

@@ -1,7 +1,8 @@
 """The measurement behind ``neuronfx bench latency``: every (batch size, prompt length,
-generation length) case in neuronfx, optionally beside another engine (transformers or
-llama.cpp) on the same prompts, with compile times, resident memory and the weight bytes a
-decode step reads against this machine's read bandwidth."""
+generation length) case in neuronfx, optionally beside another engine (transformers,
+llama.cpp or OpenVINO GenAI) on the same prompts, with compile times, resident memory, the
+weight bytes a decode step reads against this machine's read bandwidth and, for an engine
+that returns its tokens, how many of its greedy tokens equal neuronfx's."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from neuronfx.bench.bandwidth import bandwidth_rows, decode_weight_bytes, format
 from neuronfx.bench.options import Log
 from neuronfx.bench.rounds import alternate, format_rounds, median_round, ratios, round_ratios
 from neuronfx.bench.timing import BenchResult, Engine, bench_plan, format_result, random_prompts, summarize, time_neuronfx
+from neuronfx.config.sampling import SamplingParams
 from neuronfx.graphs.kernels import library as kernels
 from neuronfx.graphs.kernels.gemm_choice import prefill_choice
 from neuronfx.runtime.runtime import Runtime
@@ -43,6 +45,7 @@ class LatencySpec:
     device: str = "cpu"
     activation_format: str = "float"
     rounds: int = 1  # > 1 with a compared engine: each case that many times in both, alternating
+    agreement: bool = False  # keep neuronfx's greedy tokens of each batch size's first case, for the compared engine's agreement
 
     @property
     def label(self) -> str:
@@ -60,18 +63,21 @@ class BatchRun:
     memory: dict[str, Any]
     step_bytes: int
     rounds: tuple[dict[str, Any], ...]
+    tokens: list[list[int]] | None  # neuronfx's greedy tokens of the first case (spec.agreement), B rows of gen_len ids
 
 
 def run_bench(checkpoint: Any, spec: LatencySpec, compare: OpenEngine | None = None, log: Log = print) -> dict[str, Any]:
     """Measure every case; returns JSON-able ``{"results": [BenchResult as dict], "ratios",
-    "compile", "memory", "threads", "read_bandwidth", "bandwidth", "rounds"}``.
+    "compile", "memory", "threads", "read_bandwidth", "bandwidth", "rounds", "agreement"}``.
 
     ``compare`` opens another engine: after all of neuronfx's cases (so its memory does not
     count in neuronfx's RSS), or with ``spec.rounds`` > 1 held beside the runtimes, each case
     then running ``rounds`` times in both engines, alternating; each engine's result is its
     median round and ``"rounds"`` lists the per-round decode tok/s ratios. ``bandwidth``: per
     engine and batch size, the weight bytes one decode step reads over TPOT, against the read
-    bandwidth measured once at the start. A "gguf" spec needs ``checkpoint`` read with
+    bandwidth measured once at the start. ``"agreement"`` (``spec.agreement`` and an engine
+    with ``tokens``): per batch size, its greedy tokens of the first case against neuronfx's
+    (:func:`token_agreement`). A "gguf" spec needs ``checkpoint`` read with
     ``gguf_blocks=True``. Raises ConfigError for a case the plan cannot hold."""
     bandwidth = read_bandwidth()
     for line in (format_read_bandwidth(bandwidth), prefill_16bit(spec), quant_path(spec)):
@@ -82,18 +88,20 @@ def run_bench(checkpoint: Any, spec: LatencySpec, compare: OpenEngine | None = N
         runs = [measure_batch(checkpoint, spec, b, engine, log) for b in spec.batch_sizes]
     results = [r for run in runs for r in run.results]
     step_bytes = {("neuronfx", b): run.step_bytes for b, run in zip(spec.batch_sizes, runs)}
-    compared = []
+    compared, agreement = [], []
     if compare is not None:
         with compare() if not interleaved else contextlib.nullcontext(engine) as other:
             results += [] if interleaved else engine_cases(other, spec, checkpoint.config.vocab_size, log)
             step_bytes |= {(other.name, b): other.decode_bytes(b) for b in spec.batch_sizes if other.decode_bytes is not None}
             compared = ratios(results, other.name)
+            agreement = engine_agreement(other, spec, checkpoint.config.vocab_size, runs)
     return {
         "results": [attrs.asdict(r) for r in results], "ratios": compared,
         "compile": [run.compile for run in runs], "memory": [run.memory for run in runs],
         "threads": torch.get_num_threads(), "read_bandwidth": bandwidth,
         "bandwidth": bandwidth_rows(results, step_bytes, bandwidth["bytes_per_s"]),
         "prefill_16bit": prefill_16bit(spec), "rounds": [row for run in runs for row in run.rounds],
+        "agreement": agreement,
     }
 
 
@@ -143,8 +151,9 @@ def measure_batch(checkpoint: Any, spec: LatencySpec, batch: int, engine: Engine
         for r in case:
             log(format_result(r))
         results += case
+    tokens = greedy_neuronfx(runtime, *first_case(spec, checkpoint.config.vocab_size, batch)) if spec.agreement else None
     return BatchRun(results=tuple(results), compile=compiled, memory=memory, step_bytes=decode_weight_bytes(runtime.weights, batch),
-                    rounds=tuple(rows))
+                    rounds=tuple(rows), tokens=tokens)
 
 
 def cases(spec: LatencySpec, vocab_size: int, batch: int) -> Iterator[tuple[list[list[int]], int]]:
@@ -176,3 +185,54 @@ def engine_cases(engine: Engine, spec: LatencySpec, vocab_size: int, log: Log) -
             log(format_result(r))
             out.append(r)
     return out
+
+
+def first_case(spec: LatencySpec, vocab_size: int, batch: int) -> tuple[list[list[int]], int]:
+    """(prompts, generation length) of one batch size's first case: where tokens are compared."""
+    return next(cases(spec, vocab_size, batch))
+
+
+def greedy_neuronfx(runtime: Runtime, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    """neuronfx's greedy tokens of ``prompts`` (eos ignored): B rows of ``gen_len`` ids."""
+    result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), prompts, max_new_tokens=gen_len,
+                                  sampling=SamplingParams(ignore_eos=True))
+    return [list(row) for row in result.token_ids]
+
+
+def engine_agreement(engine: Engine, spec: LatencySpec, vocab_size: int, runs: list[BatchRun]) -> list[dict[str, Any]]:
+    """Per batch size, ``engine``'s greedy tokens of the first case against neuronfx's
+    (:func:`token_agreement`); empty unless ``spec.agreement`` and the engine gives tokens."""
+    if not spec.agreement or engine.tokens is None:
+        return []
+    out = []
+    for b, run in zip(spec.batch_sizes, runs):
+        prompts, gen_len = first_case(spec, vocab_size, b)
+        out.append(token_agreement(engine.name, run.tokens, engine.tokens(prompts, gen_len), len(prompts[0])))
+    return out
+
+
+def token_agreement(engine: str, ours: list[list[int]], theirs: list[list[int]], prompt_len: int) -> dict[str, Any]:
+    """How far ``engine``'s greedy tokens (``theirs``) follow neuronfx's (``ours``), B rows of
+    gen_len ids each: ``matching`` counts each row's tokens before its first difference (after
+    one, the rows continue different texts, so later equal tokens are not counted), of
+    ``tokens`` = B x gen_len; ``identical_rows``; ``first_difference`` per row (None: none)."""
+    first = [first_difference(x, y) for x, y in zip(ours, theirs, strict=True)]
+    gen_len = len(ours[0])
+    matching = sum(gen_len if f is None else f for f in first)
+    return {"engine": engine, "reference": "neuronfx", "batch_size": len(ours), "prompt_len": prompt_len, "gen_len": gen_len,
+            "matching": matching, "tokens": len(ours) * gen_len, "identical_rows": first.count(None), "first_difference": first}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token rows differ (a shorter row differs where it ends); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def format_agreement(row: dict[str, Any]) -> str:
+    """One line of :func:`token_agreement`."""
+    return (f"B={row['batch_size']} prompt={row['prompt_len']} gen={row['gen_len']}: {row['engine']}'s greedy tokens equal "
+            f"neuronfx's for {row['matching']}/{row['tokens']} tokens (up to each row's first difference), "
+            f"{row['identical_rows']}/{row['batch_size']} rows identical")

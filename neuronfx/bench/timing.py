@@ -34,8 +34,8 @@ Timed = tuple[float, list[float]]
 class BenchResult:
     """One (engine, batch size, prompt length, generation length) measurement; seconds."""
 
-    engine: str  # "neuronfx", "transformers" or "llama.cpp"
-    backend: str  # neuronfx backend, "eager" for transformers, "ggml-cpu" for llama.cpp
+    engine: str  # "neuronfx", "transformers", "llama.cpp" or "openvino"
+    backend: str  # neuronfx backend, "eager" for transformers, "ggml-cpu" for llama.cpp, "cb-cpu" for openvino
     dtype: str
     batch_size: int
     prompt_len: int  # tokens per prompt
@@ -157,13 +157,15 @@ def time_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> Tim
 @attrs.frozen(kw_only=True, eq=False)
 class Engine:
     """An engine compared with neuronfx on the same cases: the names its results carry, how it
-    times one greedy case, and (where known) the weight bytes one decode step of B rows reads."""
+    times one greedy case, (where known) the weight bytes one decode step of B rows reads, and
+    (where it gives them) the greedy token ids of a case, for the token agreement with neuronfx."""
 
-    name: str  # "transformers", "llama.cpp"
-    backend: str  # "eager", "ggml-cpu"
+    name: str  # "transformers", "llama.cpp", "openvino"
+    backend: str  # "eager", "ggml-cpu", "cb-cpu"
     dtype: str  # what its weights are, e.g. "float32" or "Q4_1"
     time: Callable[[list[list[int]], int], Timed]  # (prompts, gen_len) -> (TTFT, [ITL])
     decode_bytes: Callable[[int], int] | None = None
+    tokens: Callable[[list[list[int]], int], list[list[int]]] | None = None  # (prompts, gen_len) -> B rows of gen_len ids
 
 
 @contextmanager
