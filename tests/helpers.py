@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -285,12 +285,13 @@ def _gguf_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, [3, 3, 3] + [1] * (size - 3), merges
 
 
-def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
+def write_tiny_gguf(path: str, hf_model: PreTrainedModel, types: Mapping[str, str] | None = None) -> str:
     """Write a tiny llama, qwen3 or qwen3_moe ``hf_model`` (vocab >= 200) as llama.cpp would:
     GGUF v3, the architecture's metadata, a byte-level BPE tokenizer with a chat template,
     tensors named by gguf-py's ``TensorNameMap``, llama's Q/K rows permuted, the linears
-    quantized to the types of GGUF_LINEARS (gguf.quants), norms and MoE experts F32,
-    embeddings Q8_0, an untied LM head Q4_1. Returns ``path``."""
+    quantized to the types of GGUF_LINEARS (gguf.quants; ``types``: GGUF tensor kind, e.g.
+    "attn_q", -> one type for every layer instead), norms and MoE experts F32, embeddings Q8_0,
+    an untied LM head Q4_1. Returns ``path``."""
     import gguf
 
     cfg = hf_model.config
@@ -308,8 +309,8 @@ def write_tiny_gguf(path: str, hf_model: PreTrainedModel) -> str:
         base, _, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "weight")
         gguf_name = names.get_name(base)
         kind = gguf_name.split(".")[-1]
-        ggml_type = {"token_embd": "Q8_0", "output": "Q4_1"}.get(kind) or (GGUF_LINEARS[kind][1][int(gguf_name.split(".")[1]) % 2]
-                                                                          if kind in GGUF_LINEARS else "F32")
+        ggml_type = ({"token_embd": "Q8_0", "output": "Q4_1"} | dict(types or {})).get(kind) or (
+            GGUF_LINEARS[kind][1][int(gguf_name.split(".")[1]) % 2] if kind in GGUF_LINEARS else "F32")
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             w = _llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
         writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(w.float().numpy(), T[ggml_type]), raw_dtype=T[ggml_type])

@@ -72,7 +72,8 @@ def test_commands_and_benchmarks_are_one_module_each():
 @pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["compile"], ["plan"], ["cache", "list"], ["check-accuracy"],
                                   ["env"], ["bench"], ["bench-serving"], *[["bench", name] for name in (
                                       "latency", "serving", "throughput", "speculative", "tensor-parallel", "weight-formats",
-                                      "prefix-caching", "chunked-prefill", "async", "moe", "kernels", "artifacts", "structured", "choices", "prompt-lookup")]])
+                                      "prefix-caching", "chunked-prefill", "async", "moe", "kernels", "artifacts", "structured", "choices", "prompt-lookup",
+                                      "step-bound")]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--help"])

@@ -19,6 +19,7 @@ from neuronfx.bench import (
     prompt_lookup,
     serving,
     speculative,
+    step_bound,
     structured,
     tensor_parallel,
     throughput,
@@ -30,4 +31,5 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
     kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK, prompt_lookup.BENCHMARK,
+    step_bound.BENCHMARK,
 )
