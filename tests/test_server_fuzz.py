@@ -246,3 +246,14 @@ def test_tokenize_detokenize_never_5xx(http, request):
 @example(method="HEAD", path="/health", body=None)
 def test_other_endpoints_never_5xx(http, method, path, body):
     check_answer(method, http.request(method, path, content=body))
+
+
+def test_a_choice_the_tokenizer_cannot_spell_is_a_400(http):
+    """Found by test_completions_never_5xx: llguidance allowed the first byte token of U+40000 and
+    then refused it, and the request ended with no token (a 500); the choice is now checked at
+    submit against the matcher."""
+    resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "guided_choice": ["\U00040000"]})
+    assert resp.status_code == 400, resp.text
+    assert "cannot be generated with this tokenizer" in resp.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "guided_choice": ["yes", "no"]})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")

@@ -176,7 +176,19 @@ class GuidanceBackend(Backend):
         if m.error() or not bool(first.any()):  # a matcher that cannot start stops in error (it still allows eos)
             raise SamplingParamsError(f"{field} allows no token at the first step (no token of this tokenizer starts a match); "
                                       "fix the spec.")
+        for choice in structured.choice or ():
+            self._check_choice(grammar, choice, field)
         return grammar
+
+    def _check_choice(self, grammar: str, choice: str, field: str) -> None:
+        """SamplingParamsError unless the matcher accepts ``choice`` as this tokenizer encodes it:
+        llguidance can allow a byte token in its first mask yet refuse it when consumed (the first
+        byte of a 4-byte character such as U+40000 with SmolLM2's byte-level BPE, found by
+        tests/test_server_fuzz.py), which would end the request with no token."""
+        ids = self.tokenizer.encode(choice, add_special_tokens=False)
+        if self.matcher(grammar).validate(ids) != len(ids):
+            raise SamplingParamsError(f"{field}: the choice {choice!r:.40} cannot be generated with this tokenizer (the "
+                                      f"grammar matcher refuses its tokens {ids[:8]}); use choices the vocabulary can spell.")
 
     def matcher(self, compiled: str) -> GuidanceMatcher:
         import llguidance
