@@ -18,6 +18,7 @@ import attrs
 import torch
 
 import neuronfx
+from neuronfx.bench.accuracy_report import first_divergence
 from neuronfx.bench.bandwidth import bandwidth_rows, decode_weight_bytes, format_read_bandwidth, read_bandwidth, rss_bytes, unique_tensors
 from neuronfx.bench.options import Log
 from neuronfx.bench.rounds import alternate, format_rounds, median_round, ratios, round_ratios
@@ -216,19 +217,11 @@ def token_agreement(engine: str, ours: list[list[int]], theirs: list[list[int]],
     gen_len ids each: ``matching`` counts each row's tokens before its first difference (after
     one, the rows continue different texts, so later equal tokens are not counted), of
     ``tokens`` = B x gen_len; ``identical_rows``; ``first_difference`` per row (None: none)."""
-    first = [first_difference(x, y) for x, y in zip(ours, theirs, strict=True)]
+    first = [first_divergence(x, y) for x, y in zip(ours, theirs, strict=True)]
     gen_len = len(ours[0])
     matching = sum(gen_len if f is None else f for f in first)
     return {"engine": engine, "reference": "neuronfx", "batch_size": len(ours), "prompt_len": prompt_len, "gen_len": gen_len,
             "matching": matching, "tokens": len(ours) * gen_len, "identical_rows": first.count(None), "first_difference": first}
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token rows differ (a shorter row differs where it ends); None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def format_agreement(row: dict[str, Any]) -> str:
