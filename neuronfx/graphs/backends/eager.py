@@ -24,4 +24,5 @@ def build(plan: Plan, weights: Weights, progress: bool, kernels: Path | None = N
 
 
 EAGER = Backend(name="eager", check=nothing_to_check, build=build, save=no_files,
-                load=lambda plan, weights, src: build(plan, weights, False), cached=False)
+                load=lambda plan, weights, src: build(plan, weights, False), cached=False,
+                traces=False)

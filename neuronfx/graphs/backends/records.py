@@ -56,6 +56,8 @@ class Backend:
     - ``load(plan, weights, src) -> Built``: the graphs from what ``save`` wrote in ``src``
       (checked by the caller's manifest first).
     - ``cached``: whether the compile cache is on by default (it holds graph files worth keeping).
+    - ``traces``: whether ``build`` traces the model (tracing and codegen leave hundreds of MB of
+      garbage, which ``neuronfx.compile`` then collects and hands back to the OS).
     - ``prepare()``: start, in the background, the work every build needs first (inductor: the
       C++ kernel library, compiler probes, precompiled header), so that it overlaps the
       checkpoint load; ``build`` waits for it. Call after ``check``.
@@ -71,6 +73,7 @@ class Backend:
     save: Callable[[Plan, Mapping[GraphKey, Graph], str | None, Path], list[str]]
     load: Callable[[Plan, Weights, Path], Built]
     cached: bool
+    traces: bool = True
     prepare: Callable[[], None] = attrs.field(default=lambda: None)
     choices: Callable[[Plan], dict[str, object]] = attrs.field(default=lambda plan: {})  # none by default
 
