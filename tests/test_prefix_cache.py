@@ -225,12 +225,13 @@ def test_load_and_store_check_their_inputs(rt_on, rt_off) -> None:
 
 
 def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
-    """The engine adds each step's growth of the state's counters to /metrics (vLLM-like names)."""
+    """The engine adds each step's growth of the state's counters to /metrics (vLLM-like names,
+    and vLLM's own for queries and hits), and the hit rate since the start."""
     from neuronfx.server.engine import Engine
     from neuronfx.server.metrics import make_metrics
 
     rt = _bounded(hf, 3)
-    metrics = make_metrics()
+    metrics = make_metrics("tiny")
     engine = Engine(lambda: None, max_waiting=0, metrics=metrics)
     state = neuronfx.init_state(rt)
     for prompt in (BASE[:13], BASE[:13], tail(9, 30)):
@@ -241,6 +242,9 @@ def test_server_metrics_count_prefix_cache_tokens_and_evictions(hf) -> None:
     assert (stats.queries, stats.hits, stats.evictions) == (35, 12, 2)
     for name, value in (("queries", 35), ("hits", 12), ("evictions", 2)):
         assert f"neuronfx_prefix_cache_{name}_total {value:.1f}" in text
+    for name, value in (("queries", 35), ("hits", 12)):
+        assert f'vllm:prefix_cache_{name}_total{{model_name="tiny"}} {value:.1f}' in text
+    assert f"neuronfx_prefix_cache_hit_rate {12 / 35!r}" in text
 
 
 def test_cli_plan_options() -> None:

@@ -485,6 +485,9 @@ def test_load_64_requests_16_concurrent(server, client, reference):
     assert delta("neuronfx_generation_tokens_total") == sum(r[2] for r in results)
     assert delta("neuronfx_time_to_first_token_seconds_count") == delta("neuronfx_e2e_request_latency_seconds_count") == 64
     assert delta("neuronfx_inter_token_latency_seconds_count") == sum(r[2] for r in results) - 64
+    for name in ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",  # vLLM's names too
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_sum"):
+        assert delta(f'vllm:{name}{{model_name="{NAME}"}}') == delta(f"neuronfx_{name}"), name
     assert (after["neuronfx_requests_running"], after["neuronfx_requests_waiting"], after["neuronfx_kv_slots_used"]) == (0, 0, 0)
     assert after["neuronfx_kv_slots"] == 4 and delta("neuronfx_requests_rejected_total") == 0
     rss_after = rss_bytes(server.proc.pid)
@@ -738,10 +741,32 @@ def test_wrong_method_and_the_openai_client_errors(server, client):
     assert_serves(client)
 
 
+def full_gauges(server: ServerProcess) -> dict[str, float]:
+    """/metrics once the gauges show every slot taken and every waiting place filled (they are
+    set once per engine iteration, so a scrape may see the iteration before); the last scrape
+    after 10 s otherwise."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = server_metrics(server)
+        if (got["neuronfx_requests_running"], got["neuronfx_requests_waiting"]) == (4, MAX_WAITING) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+
+
+def router_gauges(got: dict[str, float]) -> tuple[float, ...]:
+    """(running, waiting, KV cache use) as neuronfx names them, then as vLLM's names do (what
+    routers read: the model-server protocol's queue and KV-cache gauges)."""
+    vllm = [got[f'vllm:{name}{{model_name="{NAME}"}}'] for name in ("num_requests_running", "num_requests_waiting",
+                                                                        "kv_cache_usage_perc", "gpu_cache_usage_perc")]
+    return got["neuronfx_requests_running"], got["neuronfx_requests_waiting"], got["neuronfx_kv_cache_usage_perc"], *vllm
+
+
 def test_disconnect_frees_the_slot_and_a_flood_gets_503(server, client):
     """16 streams fill the 4 slots and the 12 waiting places; the 17th request gets 503 with
-    Retry-After at once. Every client then disconnects (one mid-stream): every request is
-    aborted, every slot freed (/metrics), and the server serves on."""
+    Retry-After at once. Meanwhile the router gauges read full (4 running, 12 waiting, KV cache
+    use 1.0, under neuronfx's and vLLM's names) and the limits read 4 slots, 12 waiting places and
+    128 tokens. Every client then disconnects (one mid-stream): every request is aborted, every
+    slot freed (/metrics: the gauges back to 0), and the server serves on."""
     before = server_metrics(server)
     body = json.dumps({"prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True, **GREEDY})
     conns, resps = [], []
@@ -759,6 +784,9 @@ def test_disconnect_frees_the_slot_and_a_flood_gets_503(server, client):
     assert (status, headers["retry-after"]) == (503, "1")
     assert error == _err("the server is busy: all 4 slots are taken and 12 requests wait (--max-waiting); retry in 1 s.",
                          type="server_error", code="overloaded")
+    full = full_gauges(server)
+    assert router_gauges(full) == (4, MAX_WAITING, 1.0, 4, MAX_WAITING, 1.0, 1.0)
+    assert (full["neuronfx_kv_slots"], full["neuronfx_requests_waiting_limit"], full["neuronfx_max_model_len"]) == (4, MAX_WAITING, 128)
     for resp, conn in zip(resps, conns):
         resp.close()
         conn.close()
@@ -771,6 +799,7 @@ def test_disconnect_frees_the_slot_and_a_flood_gets_503(server, client):
     assert after['neuronfx_requests_total{finish_reason="abort"}'] - before['neuronfx_requests_total{finish_reason="abort"}'] == 16
     assert after['neuronfx_requests_total{finish_reason="length"}'] == before['neuronfx_requests_total{finish_reason="length"}']
     assert (after["neuronfx_requests_running"], after["neuronfx_requests_waiting"], after["neuronfx_kv_slots_used"]) == (0, 0, 0)
+    assert router_gauges(after) == (0,) * 7
     assert after["neuronfx_requests_rejected_total"] - before["neuronfx_requests_rejected_total"] == 1
     assert_serves(client)
 

@@ -150,6 +150,7 @@ class Engine:
         self.max_waiting = max_waiting
         self.async_decode = async_decode
         self.metrics = metrics
+        metrics.waiting_limit.set(max_waiting)
         self.failure: BaseException | None = None  # what build raised
         self._build, self._on_failure = build, on_failure
         self._inbox: queue_lib.SimpleQueue = queue_lib.SimpleQueue()
@@ -285,6 +286,7 @@ class Engine:
         """Publish ``served`` (handlers start submitting) and log the runtime's capacities."""
         runtime = served.runtime
         self.metrics.slots.set(state.num_slots)
+        self.metrics.max_model_len.set(runtime.plan.inference.sequence_length)
         with self._lock:
             self._served = served
         inf = runtime.plan.inference
@@ -374,12 +376,14 @@ class Engine:
         self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
         self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
+        self.metrics.kv_usage.set((state.num_slots - len(state.free_slots)) / state.num_slots)
         stats = prefix_stats(state)  # a Pending carries its launched state's prefix cache
         if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
             seen, m = self._prefix_seen, self.metrics
             m.prefix_queries.inc(stats.queries - seen.queries)
             m.prefix_hits.inc(stats.hits - seen.hits)
             m.prefix_evictions.inc(stats.evictions - seen.evictions)
+            m.prefix_hit_rate.set(stats.hits / stats.queries if stats.queries else 0.0)
             self._prefix_seen = stats
 
 

@@ -115,7 +115,7 @@ def serve(build: Callable[[], Served], *, model_name: str, host: str, port: int,
         logger.error("the runtime could not be built: %s: %s", type(exc).__name__, exc)
         server_box[0].should_exit = True
 
-    engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(), on_failure=on_failure,
+    engine = Engine(build, max_waiting=max_waiting, metrics=make_metrics(model_name), on_failure=on_failure,
                     max_num_batched_tokens=max_num_batched_tokens, async_decode=async_decode)
     config = uvicorn.Config(make_app(engine, model_name, tool_parser=tool_parser), timeout_graceful_shutdown=FINAL_WRITE_S, access_log=access_log,
                             log_level="info", lifespan="on")
