@@ -10,9 +10,11 @@ per side for the whole run measured where its memory landed as much as its code.
 public API every checkout has (``neuronfx.make_plan``, ``compile``, ``init_state``,
 ``generate``), so the other side may be any checkout, whatever its command layout. A git ref is
 exported with ``git archive`` into a temporary directory (the repository is not touched). The
-sides alternate, the first going second in odd rounds; the report gives each
-side's median round and the per-round ratios (this / other), and whether both produced the same
-greedy tokens."""
+sides alternate, the first going second in odd rounds (started first too), and each timed case
+follows a short untimed one in the same worker; the report gives each side's median round, the
+per-round ratios (this / other) and their summary over round pairs run in opposite orders
+(``rounds.paired_ratio``; use an even ``--rounds``), and whether both produced the same greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import attrs
 import neuronfx
 from neuronfx.bench.latency_run import LatencySpec
 from neuronfx.bench.options import Log
-from neuronfx.bench.rounds import median
+from neuronfx.bench.rounds import median, paired_ratio
 from neuronfx.errors import InputError, NeuronfxError
 from neuronfx.io import checkpoints
 
@@ -79,6 +81,11 @@ for line in sys.stdin:
 """The worker each side runs (see the module docstring); its protocol lines start with "NFXAB "."""
 
 PROTOCOL = "NFXAB "
+
+REWARM = {"prompt_len": 8, "gen_len": 3}
+"""The untimed case each side runs right before each timed one, at the timed case's batch size
+(the worker's own warm-up): every graph the timed case calls and every weight it reads touched
+just before, on both sides alike."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,11 +238,16 @@ def worker_round(sides: dict[str, tuple[Path, dict[str, Any]]], order: list[str]
     on each side in ``order``, append the results to ``timed`` (per case, "this" and "other"),
     stop both; returns each side's ready report. A fresh process per round because where a
     process's weights land in memory moves its decode speed by several percent on a small
-    machine (one process per side measured 0.905-1.034x of the same tree against itself)."""
+    machine (one process per side measured 0.905-1.034x of the same tree against itself). Each
+    timed case runs right after a short untimed one in the same worker (:data:`REWARM`): a worker
+    that had idled while the other ran measured slower, so whichever side went first in a round
+    lost (this tree against itself at batch 8, 7 rounds: 0.91-0.97x in rounds it went first,
+    1.01-1.12x in the others, 2026-12-04)."""
     with contextlib.ExitStack() as stack:
-        workers = {name: stack.enter_context(start_worker(name, root, config)) for name, (root, config) in sides.items()}
+        workers = {name: stack.enter_context(start_worker(name, *sides[name])) for name in order}
         for case, results in zip(cases, timed):
             for name in order:
+                one_round(workers[name], case | REWARM)
                 results["this" if name == "this" else "other"].append(one_round(workers[name], case) | {"pid": workers[name].process.pid})
         return {name: w.ready for name, w in workers.items()}
 
@@ -247,15 +259,16 @@ def ab_cases(spec: LatencySpec) -> list[dict[str, int]]:
 
 def case_row(case: dict[str, int], timed: dict[str, list[dict[str, Any]]], tolerance: float) -> dict[str, Any]:
     """One case's figures: each side's decode tok/s per round and median, this / other per
-    round and their median, each round's worker process ids, and whether both sides' greedy
-    tokens were the same every round."""
+    round and their summary (``median_ratio``: :func:`~neuronfx.bench.rounds.paired_ratio`, the
+    median of round pairs run in opposite orders), each round's worker process ids, and whether
+    both sides' greedy tokens were the same every round."""
     this, other = ([r["decode_tok_s"] for r in timed[side]] for side in ("this", "other"))
     per_round = [a / b for a, b in zip(this, other, strict=True)]
     digests = {r["tokens_digest"] for side in timed.values() for r in side}
     pids = {side: [r["pid"] for r in timed[side]] for side in ("this", "other")}
     return case | {"this_tok_s": this, "other_tok_s": other, "this_pids": pids["this"], "other_pids": pids["other"], "this_median": median(this), "other_median": median(other),
-                   "ratios": per_round, "median_ratio": median(per_round), "same_tokens": len(digests) == 1,
-                   "within_tolerance": abs(median(per_round) - 1) <= tolerance, "first_tokens": timed["this"][0]["first_tokens"]}
+                   "ratios": per_round, "median_ratio": paired_ratio(per_round), "same_tokens": len(digests) == 1,
+                   "within_tolerance": abs(paired_ratio(per_round) - 1) <= tolerance, "first_tokens": timed["this"][0]["first_tokens"]}
 
 
 def format_case(row: dict[str, Any]) -> str:
@@ -263,5 +276,5 @@ def format_case(row: dict[str, Any]) -> str:
     within = "within" if row["within_tolerance"] else "OUTSIDE"
     return (f"B={row['batch_size']} prompt={row['prompt_len']} gen={row['gen_len']}: decode tok/s this "
             f"{row['this_median']:.1f} / other {row['other_median']:.1f} (median rounds); this / other per round "
-            + " ".join(f"{r:.3f}" for r in row["ratios"]) + f"; median {row['median_ratio']:.3f}x ({within} tolerance); "
+            + " ".join(f"{r:.3f}" for r in row["ratios"]) + f"; median of round pairs {row['median_ratio']:.3f}x ({within} tolerance); "
             f"greedy tokens {'identical' if row['same_tokens'] else 'DIFFER'}")
