@@ -188,6 +188,18 @@ def test_save_into_a_file_or_not_a_runtime(exported, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ArtifactError, match="is a file"):
         neuronfx.save(exported, tmp_path / "file")
+    checkpoint = tmp_path / "checkpoint"  # a model directory: saving into it would overwrite its generation_config.json
+    checkpoint.mkdir()
+    (checkpoint / GENERATION_CONFIG).write_text('{"eos_token_id": 7}')
+    with pytest.raises(ArtifactError, match="holds files but no saved runtime .no manifest.json.; saving would overwrite them"):
+        neuronfx.save(exported, checkpoint)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "file"]  # nothing written, no temp dir left
+    assert [p.name for p in checkpoint.iterdir()] == [GENERATION_CONFIG]
+    assert (checkpoint / GENERATION_CONFIG).read_text() == '{"eos_token_id": 7}'
+    (tmp_path / "empty").mkdir()
+    assert (neuronfx.save(exported, tmp_path / "empty") / MANIFEST).is_file()  # an empty directory is fine
+    with pytest.raises(ArtifactError, match="cannot write in '/proc' .*save to a directory you can write"):
+        neuronfx.save(exported, "/proc/neuronfx-never-written")
     with pytest.raises(neuronfx.errors.InputError, match="runtime is a State"):
         neuronfx.save(neuronfx.init_state(exported), tmp_path / "rt")
     with pytest.raises(neuronfx.errors.InputError, match="directory path or a hub repo id"):

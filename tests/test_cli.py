@@ -219,6 +219,18 @@ def test_plan_lists_the_graphs_compile_builds(tiny_model_dir, tmp_path, capsys):
     assert "KV cache 0.1 MiB; 4 graphs: 2 prefill, 2 decode\n  prefill  batch 1   bucket 32\n" in capsys.readouterr().out
 
 
+def test_compile_into_a_checkpoint_directory_is_refused_before_loading(tiny_model_dir, capsys):
+    """`neuronfx compile MODEL --out MODEL` would overwrite the checkpoint's generation_config.json
+    and add a runtime's files beside it: exit 2 with one line, before the load, nothing written."""
+    before = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir()}
+    plan = ["--backend", "eager", "--batch-size", "1", "--max-context-length", "32", "--sequence-length", "64"]
+    assert main(["compile", str(tiny_model_dir), "--out", str(tiny_model_dir), *plan]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"neuronfx: error: ArtifactError: {str(tiny_model_dir)!r} holds files but no saved runtime (no manifest.json); "
+                   "saving would overwrite them: use a new dir.\n")
+    assert {p.name: p.read_bytes() for p in tiny_model_dir.iterdir()} == before
+
+
 def test_chat_without_a_template_and_missing_draft_model(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--backend", "eager", "--chat", "hi", "--max-new-tokens", "2"]) == 2
     assert "InputError: --chat needs a chat template" in capsys.readouterr().err

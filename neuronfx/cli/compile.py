@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import neuronfx
 from neuronfx.api import check_weight_source
@@ -18,6 +19,7 @@ from neuronfx.config.plan import make_plan
 from neuronfx.graphs.backends import check_backend, prepare_backend
 from neuronfx.graphs.phases.device import check_device
 from neuronfx.io import checkpoints
+from neuronfx.io.artifacts import check_save_target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,8 @@ def compile_command(args: argparse.Namespace) -> dict:
     check_backend(inference.backend)
     model_path = args.model or checkpoints.default_model_path()
     check_weight_source(inference, model_path)
+    if inference.tp_degree == 1:  # before the compile (a minute with inductor), not after it
+        check_save_target(Path(args.out))
     prepare_backend(inference.backend)  # overlaps the load below
     t0 = time.perf_counter()
     ckpt = checkpoints.load_checkpoint(model_path, dtype=torch_dtype(inference.dtype), lazy=inference.tp_degree > 1,

@@ -187,9 +187,9 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     ranks reads them back. ``save`` returns on a rank only when every rank has written its
     part, so any rank may load the directory next.
     Raises InputError when ``runtime`` is not a Runtime; ArtifactError when ``directory`` is a
-    file, an inductor runtime's compiled files were deleted, the tokenizer cannot be saved, or
-    the runtime has a draft runtime attached (save each; attach again with ``with_draft``);
-    TensorParallelError when the ranks were given different directories.
+    file, holds files but no saved runtime, or cannot be written, an inductor runtime's compiled
+    files were deleted, the tokenizer cannot be saved, or the runtime has a draft runtime attached
+    (save each; attach again with ``with_draft``); TensorParallelError when the ranks were given different directories.
     """
     if not isinstance(runtime, Runtime):
         raise InputError(f"runtime is a {type(runtime).__name__}; pass the Runtime neuronfx.compile or neuronfx.load returned.")
@@ -199,19 +199,29 @@ def save(runtime: Runtime, directory: str | os.PathLike, tokenizer: Any = None) 
     out = Path(directory)
     if runtime.plan.tp_degree > 1:  # every rank saves its shard (and graphs) beside the others
         out = out / rank_dir_name(runtime.plan.rank)
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"{str(out)!r} is a file; save to a directory (new, or one holding a saved runtime).")
+    check_save_target(out)
     _write_then_move(runtime, out, tokenizer)
     if runtime.plan.tp_degree > 1:  # a barrier: no rank loads before every part is written, and all wrote to one place
         distributed.check_agreement("save directory", distributed.digest(str(Path(directory).resolve())))
     return out
 
 
+def check_save_target(out: Path) -> None:
+    """Raise ArtifactError when ``out`` is a file, or holds files but no saved runtime (a checkpoint, say)."""
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{str(out)!r} is a file; save to a directory (new, or one holding a saved runtime).")
+    if out.is_dir() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ArtifactError(f"{str(out)!r} holds files but no saved runtime (no {MANIFEST}); saving would overwrite them: use a new dir.")
+
+
 def _write_then_move(runtime: Runtime, out: Path, tokenizer: Any) -> None:
     """Write every file into a temporary directory beside ``out``, then move them into ``out``,
     the manifest last: a failure leaves what ``out`` held as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-saving-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-saving-", dir=out.parent))
+    except OSError as exc:
+        raise ArtifactError(f"cannot write in {str(out.parent)!r} ({exc.strerror or exc}); save to a directory you can write.") from exc
     try:
         _write_all(runtime, tmp, tokenizer)
         out.mkdir(exist_ok=True)
