@@ -704,6 +704,22 @@ def test_bad_input_gets_the_documented_error(server, client, case):
     assert_serves(client)
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_as_another_content_type_names_the_header(server, client, content_type):
+    """curl -d '{...}' without -H sends a form: the 400 names the Content-Type and the fix, not
+    "must be a JSON object" about a body that is one."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    try:
+        conn.request("POST", C, body=json.dumps({"prompt": "hi", "max_tokens": 2}), headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        status, got = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert (status, got) == (400, _err(f"the request body was sent with Content-Type {content_type!r}; send it as JSON with the "
+                                       "header Content-Type: application/json (curl: -H 'Content-Type: application/json')."))
+    assert_serves(client)
+
+
 def test_bench_serving_client(model_dir, server, reference, capsys):
     """6 requests, 3 concurrent: every one completes with exactly its length (ignore_eos and
     min_tokens honoured, counted from usage), its streamed text is the greedy text neuronfx

@@ -36,7 +36,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
+        message, param = content_type_message(exc.errors(), request.headers.get("content-type")) or validation_message(exc.errors())
         return ErrorJSON(p.error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -67,6 +67,16 @@ FIELD_SHAPES = {
     "content": 'text or a list of {"type": "text", "text": ...} parts (images and audio are not supported)',
 }
 """What a union-typed field accepts: its 400 names this instead of one error per union member."""
+
+
+def content_type_message(errors: Sequence[dict], content_type: str | None) -> tuple[str, None] | None:
+    """The 400 for a body sent with a Content-Type other than JSON (curl's ``-d`` alone sends a
+    form), else None: FastAPI then hands the raw bytes to the model, and pydantic's "must be a
+    JSON object ... got b'{...}'" would blame a body that is a JSON object."""
+    if not any(tuple(e["loc"]) == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
+        return None
+    return (f"the request body was sent with Content-Type {content_type!r}; send it as JSON with the header "
+            "Content-Type: application/json (curl: -H 'Content-Type: application/json')."), None
 
 
 def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
