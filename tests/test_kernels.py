@@ -260,3 +260,16 @@ def test_build_lock_clears_a_killed_builds_baton(tmp_path, monkeypatch):
     with build_lock("neuronfx_kernels_test"):
         assert not baton.exists()
         assert (baton.parent / "neuronfx.lock").exists()
+
+
+def test_library_name_differs_per_torch_install(monkeypatch):
+    """Two virtualenvs with the same torch version share ~/.cache/torch_extensions; torch's
+    build.ninja names each install's include paths, so one library name for both rebuilt it
+    whenever the other had run. The name carries the install directory: one build per install."""
+    from neuronfx.graphs.kernels.library import library_name
+
+    here = library_name()
+    assert library_name() == here  # stable in one install
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
+    other = library_name()
+    assert other != here and other.startswith("neuronfx_kernels_") and len(other) == len(here)

@@ -11,7 +11,7 @@ Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``
 with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
 ``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``).
 
-The C++ sources are built once per machine with torch's extension builder (about 30 s; cached
+The C++ sources are built once per machine (and torch install) with torch's extension builder (about 30 s; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
 so the library name carries a hash of the CPU's feature flags: a cache shared between different
 CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
@@ -55,8 +55,12 @@ def cpu_flags() -> str:
 
 
 def library_name() -> str:
-    """Extension name: source hash + CPU feature hash + torch version (one build per machine)."""
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + cpu_flags().encode() + torch.__version__.encode())
+    """Extension name: source hash + CPU feature hash + torch version and install directory (one
+    build per torch install: torch's build.ninja names that install's include paths, so two
+    virtualenvs sharing one build directory rebuilt the library, 30-40 CPU s, each time the
+    other had run)."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + cpu_flags().encode() + torch.__version__.encode() + torch_dir.encode())
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 
 
