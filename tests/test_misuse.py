@@ -557,6 +557,9 @@ CASES: dict[str, Case] = {
     "artifact-missing-file": Case(ArtifactError, "`plan.json` deleted",
                                   lambda c: neuronfx.load(artifact(c, lambda d: (d / "plan.json").unlink())),
                                   ("plan.json", "missing")),
+    "artifact-save-over-checkpoint": Case(ArtifactError, "`neuronfx.save` into a checkpoint's directory (files, no manifest)",
+                                          lambda c: neuronfx.save(c.rt, hf_dir(c, "checkpoint")),
+                                          ("holds files", "no manifest.json", "use a new dir")),
     # --- prefill_step inputs --------------------------------------------------------------------
     "prefill-wrong-batch-type": Case(InputError, "`prefill_step` given a DecodeBatch",
                                      lambda c: prefill(c, D([1], [1])), ("DecodeBatch", "neuronfx.PrefillBatch")),
