@@ -516,8 +516,9 @@ def serving(rt: Runtime) -> Iterator[object]:
     from fastapi.testclient import TestClient
 
     from neuronfx.server.app import make_app
-    from neuronfx.server.engine import Engine, Served
+    from neuronfx.server.engine import Engine
     from neuronfx.server.metrics import make_metrics
+    from neuronfx.server.served import Served
 
     engine = Engine(lambda: Served(runtime=rt, tokenizer=byte_tokenizer()), max_waiting=4, metrics=make_metrics())
     with TestClient(make_app(engine, "tiny"), raise_server_exceptions=False) as client:

@@ -27,8 +27,9 @@ from neuronfx.runtime.generate import collect
 from neuronfx.runtime.overlap import Pending, busy, defer, finish, launch, overlap_abort, overlap_step, settle
 from neuronfx.runtime.requests import Queue, Request, TokenEvent, submit
 from neuronfx.runtime.scheduler import execute, plan
-from neuronfx.server.engine import Engine, Served, Sink
+from neuronfx.server.engine import Engine, Sink
 from neuronfx.server.metrics import make_metrics
+from neuronfx.server.served import Served
 
 NO_EOS: list[int] = []
 PROMPT_LENS = (5, 17, 3, 12, 7, 9, 1)  # 7 requests, 4 slots: three are admitted mid-run; 17 and 12 are chunked at C = 8

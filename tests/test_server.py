@@ -34,9 +34,10 @@ from neuronfx.bench.workload import default_text
 from neuronfx.cli import main
 from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.server.app import make_app
-from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Served, Sink
+from neuronfx.server.engine import Engine, EngineOverloaded, EngineStopping, Sink
 from neuronfx.server.metrics import make_metrics
 from neuronfx.server.serve import GracefulServer
+from neuronfx.server.served import Served
 
 PLAN = ["--backend", "eager", "--batch-size", "4", "--max-context-length", "64", "--sequence-length", "128"]
 MAX_WAITING = 12  # with 4 slots: 16 requests in the server at most
@@ -701,6 +702,25 @@ def test_bad_input_gets_the_documented_error(server, client, case):
     got_status, headers, got = http_request(server, "POST", path, body)
     assert (got_status, got) == (status, error)
     assert headers["content-type"] == "application/json"
+    assert_serves(client)
+
+
+@pytest.mark.parametrize(("path", "field"), [(C, "prompt"), (CHAT, "messages")])
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server, client, reference, path, field):
+    """A text with more characters than max_context_length tokens of this vocabulary can hold
+    (4 x its longest entry per token) is a 400 naming its characters, refused before the
+    tokenizer runs; one character less is tokenized and refused by its token count."""
+    tok = reference.tokenizer
+    limit = 4 * max(len(entry) for entry in tok.get_vocab()) * 64
+    empty_chat = [{"role": "user", "content": ""}]  # the chat template's own characters count too
+    overhead = 0 if field == "prompt" else len(tok.apply_chat_template(empty_chat, add_generation_prompt=True, tokenize=False))
+    for chars, message in ((limit + 1, f"{field} has {limit + 1} characters, more than the {limit} that max_context_length=64 "
+                                       "tokens can hold; shorten it."), (limit, "tokens > max_context_length=64")):
+        text = "a" * (chars - overhead)
+        body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+        status, _, got = http_request(server, "POST", path, body)
+        assert (status, got["error"]["code"], got["error"]["param"]) == (400, "context_length_exceeded", field)
+        assert message in got["error"]["message"], got
     assert_serves(client)
 
 

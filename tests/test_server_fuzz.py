@@ -24,8 +24,9 @@ import neuronfx
 from neuronfx import InferenceConfig, make_plan
 from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 from neuronfx.server.app import make_app
-from neuronfx.server.engine import Engine, Served
+from neuronfx.server.engine import Engine
 from neuronfx.server.metrics import make_metrics
+from neuronfx.server.served import Served
 
 NAME = "tiny"
 VOCAB = 49152  # SmolLM2's

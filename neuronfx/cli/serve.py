@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
     """Check the options, then serve until SIGINT/SIGTERM while the engine thread loads or
     compiles the runtime; returns the exit status. Raises InputError / ConfigError for bad
     options (a busy port is the server's own error, before loading)."""
-    from neuronfx.server.engine import Served  # fastapi and uvicorn load for serve only
     from neuronfx.server.serve import serve
+    from neuronfx.server.served import Served  # fastapi and uvicorn load for serve only
 
     check_server_options(args)
     args.model = args.model or args.model_option

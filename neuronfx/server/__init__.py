@@ -5,6 +5,8 @@
   bodies and OpenAI's error JSON.
 - ``engine``: one thread owns the runtime, the state and the scheduler queue; handlers submit
   requests and receive their token events through thread-safe queues.
+- ``served``: what the engine serves (runtime, tokenizer, grammars) and the prompt-size bound
+  handlers check before tokenizing.
 - ``metrics``: the Prometheus metrics of one app (its own registry).
 - ``structured``: response_format, structured_outputs and guided_* as one StructuredOutputs.
 - ``tools`` and ``tool_parsers``: tool_choice as a grammar or a parser; tool calls read from text,

@@ -29,8 +29,9 @@ from pydantic import StrictInt
 from neuronfx.errors import InputError
 from neuronfx.runtime.embed import check_embed_prompts, embed, is_embedding
 from neuronfx.server import protocol as p
-from neuronfx.server.engine import Engine, Served
+from neuronfx.server.engine import Engine
 from neuronfx.server.requests import check_model, prompt_error, served_by
+from neuronfx.server.served import Served
 
 
 class EmbeddingRequest(p.RequestModel):

@@ -27,7 +27,6 @@ import queue as queue_lib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 
@@ -39,8 +38,8 @@ from neuronfx.runtime.prefix_pool import pool_nbytes
 from neuronfx.runtime.prefix_store import PrefixStats
 from neuronfx.runtime.runtime import Runtime, init_state
 from neuronfx.runtime.scheduler import Queue, Request, TokenEvent, step, submit
-from neuronfx.runtime.structured import Grammars
 from neuronfx.server.metrics import Metrics
+from neuronfx.server.served import Served
 
 logger = logging.getLogger("neuronfx.server")
 
@@ -63,17 +62,6 @@ class EngineStopping(EngineUnavailable):
 
 class EngineOverloaded(EngineUnavailable):
     """Every slot is taken and ``max_waiting`` requests already wait."""
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class Served:
-    """What the engine serves: a runtime, its tokenizer (transformers) and the grammars of its
-    structured outputs (llguidance over that tokenizer, by default: handlers check a request's
-    constraint with them, the scheduler's queue makes its matchers with them; one cache)."""
-
-    runtime: Runtime
-    tokenizer: Any
-    grammars: Grammars = attrs.field(default=attrs.Factory(lambda s: Grammars.for_runtime(s.runtime, s.tokenizer), takes_self=True))
 
 
 @attrs.frozen(eq=False)

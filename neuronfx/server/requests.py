@@ -16,7 +16,8 @@ from neuronfx.runtime.generate import check_stop_strings
 from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import check_request
 from neuronfx.server import protocol as p
-from neuronfx.server.engine import Engine, Served
+from neuronfx.server.engine import Engine
+from neuronfx.server.served import Served
 from neuronfx.server.tools import tool_schemas
 
 
@@ -64,7 +65,19 @@ def completion_prompts(body: p.CompletionRequest, served: Served) -> list[list[i
         prompts = [prompt]
     else:
         prompts = prompt
-    return [list(served.tokenizer(x)["input_ids"]) if isinstance(x, str) else list(x) for x in prompts]
+    return [list(served.tokenizer(check_chars(x, served, "prompt"))["input_ids"]) if isinstance(x, str) else list(x) for x in prompts]
+
+
+def check_chars(text: str, served: Served, field: str) -> str:
+    """``text``, or ApiError 400 (context_length_exceeded) when it has more characters than any
+    prompt of max_context_length tokens can (:func:`engine.prompt_char_limit`): refused before
+    the tokenizer spends seconds on it."""
+    if len(text) > served.max_prompt_chars:
+        inf = served.runtime.plan.inference
+        raise p.ApiError(400, f"{field} has {len(text)} characters, more than the {served.max_prompt_chars} that "
+                              f"max_context_length={inf.max_context_length} tokens can hold; shorten it.", param=field,
+                         code="context_length_exceeded")
+    return text
 
 
 def chat_ids(messages: Sequence[p.ChatMessage], served: Served, add_generation_prompt: bool,
@@ -88,7 +101,7 @@ def template_ids(messages: list[dict[str, Any]], served: Served, add_generation_
     extra = {} if tools is None else {"tools": tools}
     try:
         text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
-        ids = served.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        ids = served.tokenizer(check_chars(text, served, field), add_special_tokens=add_special_tokens)["input_ids"]
     except TemplateError as exc:
         raise p.ApiError(400, f"the model's chat template refused these messages: {exc}", param=field) from exc
     except ValueError as exc:  # transformers: no chat template

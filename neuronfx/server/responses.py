@@ -27,7 +27,8 @@ from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.runtime.requests import TokenEvent
 from neuronfx.server import protocol as p
 from neuronfx.server.echo import echo_logprobs, joined, vllm_prompt_logprobs
-from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Served, Sink
+from neuronfx.server.engine import RETRY_AFTER_S, Engine, EngineNotReady, EngineOverloaded, EngineStopping, Sink
+from neuronfx.server.served import Served
 from neuronfx.server.tool_parsers import Scanner
 from neuronfx.server.tools import CallStream, advance, chat_call_deltas, chat_tool_calls, finish_reason
 

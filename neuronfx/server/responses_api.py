@@ -29,10 +29,11 @@ from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import SamplingParamsError
 from neuronfx.runtime.requests import Request as EngineRequest
 from neuronfx.server import protocol as p
-from neuronfx.server.engine import Engine, Served
+from neuronfx.server.engine import Engine
 from neuronfx.server.requests import check_model, check_tools, checked_request, room, served_by, template_ids
 from neuronfx.server.response_events import EventStream, item_id, output_items, output_messages, responses_usage, status_of
 from neuronfx.server.responses import ENDED, SSE_HEADERS, Choice, submit_requests, whole_choices
+from neuronfx.server.served import Served
 from neuronfx.server.tool_parsers import Scan, Scanner
 from neuronfx.server.tools import advance, tool_plan
 

@@ -27,8 +27,9 @@ import uvicorn
 
 from neuronfx.errors import InputError
 from neuronfx.server.app import make_app
-from neuronfx.server.engine import Engine, Served
+from neuronfx.server.engine import Engine
 from neuronfx.server.metrics import make_metrics
+from neuronfx.server.served import Served
 
 logger = logging.getLogger("neuronfx.server")
 
