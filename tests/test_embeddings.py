@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 import torch
-from helpers import TINY_INFERENCE, random_prompt, serving, tiny_hf_model, tiny_runtime
+from helpers import TINY_INFERENCE, byte_tokenizer, random_prompt, serving, tiny_hf_model, tiny_runtime
 
 import neuronfx
 from neuronfx.config import InferenceConfig, ModelConfig, make_plan
@@ -140,6 +140,9 @@ def test_server_embeddings_with_the_openai_client():
             client.completions.create(model="tiny", prompt="hi", max_tokens=1)
         with pytest.raises(openai.BadRequestError, match="max_context_length"):
             client.embeddings.create(model="tiny", input=["x" * 40])
+        limit = 4 * max(len(entry) for entry in byte_tokenizer().get_vocab()) * 32  # refused before it is tokenized
+        with pytest.raises(openai.BadRequestError, match=f"input has {limit + 1} characters, more than the {limit} that "):
+            client.embeddings.create(model="tiny", input=["x" * (limit + 1)])
         out = client.embeddings.create(model="tiny", input=texts)
         assert [d.index for d in out.data] == [0, 1, 2] and out.model == "tiny"
         torch.testing.assert_close(torch.tensor([d.embedding for d in out.data]), want, atol=1e-6, rtol=0)

@@ -30,7 +30,7 @@ from neuronfx.errors import InputError
 from neuronfx.runtime.embed import check_embed_prompts, embed, is_embedding
 from neuronfx.server import protocol as p
 from neuronfx.server.engine import Engine
-from neuronfx.server.requests import check_model, prompt_error, served_by
+from neuronfx.server.requests import check_chars, check_model, prompt_error, served_by
 from neuronfx.server.served import Served
 
 
@@ -58,7 +58,7 @@ def embedding_prompts(body: EmbeddingRequest, served: Served) -> list[list[int]]
     if not raw:
         raise p.ApiError(400, "input is empty; give a string, a list of strings or token ids.", param="input")
     inputs = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
-    prompts = [list(served.tokenizer(x)["input_ids"]) if isinstance(x, str) else list(x) for x in inputs]
+    prompts = [list(served.tokenizer(check_chars(x, served, "input"))["input_ids"]) if isinstance(x, str) else list(x) for x in inputs]
     try:
         return check_embed_prompts(served.runtime, prompts)
     except InputError as exc:
