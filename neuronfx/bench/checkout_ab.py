@@ -264,11 +264,12 @@ def case_row(case: dict[str, int], timed: dict[str, list[dict[str, Any]]], toler
     both sides' greedy tokens were the same every round."""
     this, other = ([r["decode_tok_s"] for r in timed[side]] for side in ("this", "other"))
     per_round = [a / b for a, b in zip(this, other, strict=True)]
+    summary = paired_ratio(per_round)
     digests = {r["tokens_digest"] for side in timed.values() for r in side}
     pids = {side: [r["pid"] for r in timed[side]] for side in ("this", "other")}
     return case | {"this_tok_s": this, "other_tok_s": other, "this_pids": pids["this"], "other_pids": pids["other"], "this_median": median(this), "other_median": median(other),
-                   "ratios": per_round, "median_ratio": paired_ratio(per_round), "same_tokens": len(digests) == 1,
-                   "within_tolerance": abs(paired_ratio(per_round) - 1) <= tolerance, "first_tokens": timed["this"][0]["first_tokens"]}
+                   "ratios": per_round, "median_ratio": summary, "same_tokens": len(digests) == 1,
+                   "within_tolerance": abs(summary - 1) <= tolerance, "first_tokens": timed["this"][0]["first_tokens"]}
 
 
 def format_case(row: dict[str, Any]) -> str:

@@ -363,8 +363,9 @@ class Engine:
     def _gauges(self, state: Flight, queue: Queue) -> None:
         self.metrics.running.set(len(queue.running) + len(queue.prefilling))  # a prompt being chunked holds a slot
         self.metrics.waiting.set(len(queue.waiting))
-        self.metrics.slots_used.set(state.num_slots - len(state.free_slots))
-        self.metrics.kv_usage.set((state.num_slots - len(state.free_slots)) / state.num_slots)
+        used = state.num_slots - len(state.free_slots)
+        self.metrics.slots_used.set(used)
+        self.metrics.kv_usage.set(used / state.num_slots)
         stats = prefix_stats(state)  # a Pending carries its launched state's prefix cache
         if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
             seen, m = self._prefix_seen, self.metrics

@@ -70,7 +70,7 @@ def completion_prompts(body: p.CompletionRequest, served: Served) -> list[list[i
 
 def check_chars(text: str, served: Served, field: str) -> str:
     """``text``, or ApiError 400 (context_length_exceeded) when it has more characters than any
-    prompt of max_context_length tokens can (:func:`engine.prompt_char_limit`): refused before
+    prompt of max_context_length tokens can (:func:`served.prompt_char_limit`): refused before
     the tokenizer spends seconds on it."""
     if len(text) > served.max_prompt_chars:
         inf = served.runtime.plan.inference
