@@ -18,6 +18,7 @@ from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.errors import UnsupportedModelError
+from neuronfx.graphs.kernels.activation_choice import ALL_PATHS, FLOAT_PATHS
 from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
 from neuronfx.graphs.kernels.library import small_gemm_available
 from neuronfx.graphs.phases.compose import build_module
@@ -26,6 +27,7 @@ from neuronfx.io.checkpoints import load_checkpoint
 
 FLOAT_LAYER = ["neuronfx::small_gemm_multi", "neuronfx::small_gemm", "neuronfx::small_glu", "neuronfx::small_gemm"]
 QUANT_LAYER = ["neuronfx::quant_gemm_multi", "neuronfx::quant_gemm", "neuronfx::quant_glu", "neuronfx::quant_gemm"]
+PATHS = {"float": FLOAT_PATHS, "int8": ALL_PATHS}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,7 +68,7 @@ def graph_calls(runtime: neuronfx.Runtime, dtype: str, activation_format: str) -
     plan built with the CPU kernel ops, run eagerly on its weights."""
     plan = runtime.plan
     spec = next(s for s in plan.graphs if s.phase == "decode" and s.batch_size == 1)
-    graph = build_module(plan, spec, cpu_kernel_ops(dtype, activation_format))
+    graph = build_module(plan, spec, cpu_kernel_ops(dtype, PATHS[activation_format]))
     calls = recorded_kernel_calls(lambda: graph(runtime.weights, empty_kv(plan), example_inputs(plan, spec)))
     return [c for c in calls if c.name != "neuronfx::cached_attention"]
 
@@ -81,7 +83,9 @@ def tiny_case(model_type: str, weight_format: str, dtype: str, **overrides: obje
     ("llama", "float", "float32", "float", {}, FLOAT_LAYER * 2 + ["neuronfx::small_gemm"]),
     ("llama", "float", "bfloat16", "float", {}, FLOAT_LAYER * 2 + ["neuronfx::small_gemm"]),
     ("llama", "int8", "float32", "float", {}, QUANT_LAYER * 2 + ["neuronfx::quant_gemm"]),
-    ("llama", "int4", "float32", "int8", {}, QUANT_LAYER * 2 + ["neuronfx::quant_gemm"]),
+    ("llama", "int4", "float32", "int8", {}, QUANT_LAYER * 2 + ["aten::_int_mm"]),  # the int8 head: integer GEMM
+    # int8 weights with int8 activations: torch's integer GEMM, one per weight (the int8 head too)
+    ("llama", "int8", "float32", "int8", {}, ["aten::_int_mm"] * 15),
     # q/k/v/o and gate/up/down biases: gate and up through small_gemm_multi with their biases
     ("llama", "float", "float32", "float", {"attention_bias": True, "mlp_bias": True},
      ["neuronfx::small_gemm_multi", "neuronfx::small_gemm", "neuronfx::small_gemm_multi", "neuronfx::small_gemm"] * 2
@@ -93,7 +97,7 @@ def tiny_case(model_type: str, weight_format: str, dtype: str, **overrides: obje
 ])
 def test_step_products_are_the_decode_graphs_kernel_calls(model_type, weight_format, dtype, act, overrides, expected):
     rt = tiny_case(model_type, weight_format, dtype, **overrides)
-    calls = kernel_calls(step_products(rt.weights, rt.plan.model), cpu_kernel_ops(dtype, act), getattr(torch, dtype))
+    calls = kernel_calls(step_products(rt.weights, rt.plan.model), cpu_kernel_ops(dtype, PATHS[act]), getattr(torch, dtype))
     assert [c.name for c in calls] == expected
     assert [signature(c) for c in calls] == [signature(c) for c in graph_calls(rt, dtype, act)]
 
@@ -110,12 +114,15 @@ def test_step_products_of_gguf_blocks(tmp_path, types, expected, act):
     ckpt = load_checkpoint(write_tiny_gguf(str(tmp_path / "tiny.gguf"), hf, types), gguf_blocks=True)
     inference = InferenceConfig(**(TINY_INFERENCE | {"batch_size": 1, "weight_format": "gguf", "backend": "eager"}))
     rt = neuronfx.compile(make_plan(ckpt.config, inference), ckpt.state_dict, progress=False)
-    calls = kernel_calls(step_products(rt.weights, rt.plan.model), cpu_kernel_ops("float32", act), torch.float32)
+    calls = kernel_calls(step_products(rt.weights, rt.plan.model), cpu_kernel_ops("float32", PATHS[act]), torch.float32)
     assert [c.name for c in calls] == expected
     assert [signature(c) for c in calls] == [signature(c) for c in graph_calls(rt, "float32", act)]
-    # int8_x: a bool argument, dropped from the recorded call when it is the default False
+    # int8_x: a bool argument, dropped from the recorded call when it is the default False; on for 4-bit weights only
     quant = [c for c in calls if c.name.startswith("neuronfx::quant")]
-    assert [True in [a for a in c.args if isinstance(a, bool)] for c in quant] == [act == "int8"] * len(quant)
+    fmt_arg = {"neuronfx::quant_gemm": 4, "neuronfx::quant_gemm_multi": 1, "neuronfx::quant_glu": 7}
+    four_bit = [c.args[fmt_arg[c.name]] in (1, 2, 3) for c in quant]  # the format id: int4, q4_0, q4_1
+    assert [True in [a for a in c.args if isinstance(a, bool)] for c in quant] == [act == "int8" and f for f in four_bit]
+    assert any(four_bit) and not all(four_bit) if types is MIXED else all(four_bit)
 
 
 def test_products_bytes_counts_each_weight_once():

@@ -331,14 +331,15 @@ def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
     """The plan option reaches the kernels: the ops bundle of ``activation_format="int8"`` runs
     the int8-activation products for decode rows, and prefill rows (> 8) keep the dequantized
     float GEMM; the default bundle keeps float x."""
+    from neuronfx.graphs.kernels.activation_choice import ALL_PATHS
     from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
 
     g = torch.Generator().manual_seed(8)
     k = 224
     q, up = (FORMATS["q4_1"](torch.randn(40, k, generator=g)) for _ in range(2))
     x, prefill = torch.randn(2, k, generator=g), torch.randn(12, k, generator=g)
-    int8_ops, float_ops = cpu_kernel_ops("float32", "int8"), cpu_kernel_ops("float32")
-    assert "int8_activations=True" in int8_ops.name and "int8_activations=False" in float_ops.name
+    int8_ops, float_ops = cpu_kernel_ops("float32", ALL_PATHS), cpu_kernel_ops("float32")
+    assert "int8_activations=4bit/batch, 4bit/one, int8/batch" in int8_ops.name and "int8_activations=none" in float_ops.name
     assert torch.equal(int8_ops.linear(x, q), quant_gemm(x, q, None, True))
     assert torch.equal(int8_ops.projections(x, [q, up], [None, None])[1], quant_gemm(x, up, None, True))
     assert torch.equal(int8_ops.glu(x, q, up), quant_glu(x, q, up, True))

@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights of neuronfx's plans: float (in --dtype), int8, int4, gguf (the .gguf file's blocks kept)")
     p.add_argument("--weight-group-size", type=int, choices=WEIGHT_GROUP_SIZES, default=32, help="int4 group size")
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
-                   help="float (default), or int8: llama.cpp-style int8 activations in the 4-bit decode products "
-                        "(--weight-format int4 / gguf; inductor only)")
+                   help="float (default, token-exact); int8: int8 activations in the quantized products (int8 weights: "
+                        "an integer GEMM; 4-bit decode: llama.cpp's); auto: where they measured faster here (inductor only)")
     p.add_argument("--compare", choices=["transformers", "llama.cpp", "openvino"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
                         "runs the same .gguf --model on the same prompts and thread count; openvino (OpenVINO GenAI, pip install "

@@ -121,8 +121,9 @@ def quant_path(spec: LatencySpec) -> str | None:
         return None
     if not kernels.small_gemm_available():
         return "quantized decode products: torch fallback (the kernel library is unavailable)"
-    path = kernels.quant_int8_x_isa() + " (int8 activations)" if spec.activation_format == "int8" else kernels.quant_isa()
-    return f"quantized decode products: {path} path"
+    paths = {"float": kernels.quant_isa(), "int8": kernels.quant_int8_x_isa() + " (int8 activations)",
+             "auto": kernels.quant_int8_x_isa() + " (int8 activations where they measured faster, else " + kernels.quant_isa() + ")"}
+    return f"quantized decode products: {paths[spec.activation_format]} path"
 
 
 def measure_batch(checkpoint: Any, spec: LatencySpec, batch: int, engine: Engine | None, log: Log) -> BatchRun:

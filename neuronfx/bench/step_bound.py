@@ -21,7 +21,7 @@ Python, a couple of us of dispatch each (about 120 calls a SmolLM2 step), which 
 graph does not pay: the products-alone time is slightly high, so the ratio slightly flatters the
 step. The products are those of the CPU kernel ops whatever --backend runs the step (eager and
 export run plain torch: their ratio compares them with the kernels). --activation-format int8
-gives the 4-bit formats (int4, gguf) int8 activations, as llama.cpp's products (inductor only)."""
+gives the quantized formats int8 activations (inductor only; "auto": where they measured faster)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from neuronfx.config.inference import ACTIVATION_FORMATS, BACKENDS, InferenceCon
 from neuronfx.config.plan import make_plan
 from neuronfx.errors import BackendUnavailableError, InputError
 from neuronfx.graphs.kernels import library as kernels
+from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
 from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
 from neuronfx.io import checkpoints
 
@@ -68,7 +69,7 @@ FORMATS = {"float32": StepFormat(dtype="float32", weight_format="float"),
            "int4": StepFormat(dtype="float32", weight_format="int4"),
            "gguf": StepFormat(dtype="float32", weight_format="gguf")}
 DEFAULT_FORMATS = ("float32", "bfloat16", "int8", "gguf")
-FOUR_BIT = ("int4", "gguf")  # the weight formats whose products take int8 activations
+QUANTIZED = ("int8", "int4", "gguf")  # the weight formats whose products take int8 activations
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-formats", nargs="+", default=list(DEFAULT_FORMATS), metavar="FORMAT",
                    help=f"of {', '.join(FORMATS)} (default: {' '.join(DEFAULT_FORMATS)}; gguf needs a .gguf --model)")
     p.add_argument("--activation-format", default="float", choices=ACTIVATION_FORMATS,
-                   help="int8: the 4-bit formats' products take int8 activations (inductor only; default float)")
+                   help="int8: the quantized formats take int8 activations; auto: where measured faster (inductor only; default float)")
     p.add_argument("--backend", choices=BACKENDS, default="inductor", help="(default inductor)")
     add_threads(p)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens before the timed steps (default 128)")
@@ -90,7 +91,7 @@ def inference_of(fmt: str, args: argparse.Namespace) -> InferenceConfig:
     (``timing.bench_plan``'s, raised to fit the prompt and the tokens), checked now: ConfigError
     for a combination it refuses (int8 activations off inductor)."""
     f = FORMATS[fmt]
-    act = args.activation_format if f.weight_format in FOUR_BIT else "float"
+    act = args.activation_format if f.weight_format in QUANTIZED else "float"
     return InferenceConfig(batch_size=1, batch_buckets=(1,), max_context_length=max(256, args.prompt_len),
                            sequence_length=max(512, args.prompt_len + args.gen_len), dtype=f.dtype, backend=args.backend,
                            weight_format=f.weight_format, activation_format=act)
@@ -127,7 +128,7 @@ def measure(model: str, fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     del ckpt
     gc.collect()
     products = step_products(runtime.weights, plan.model)
-    calls = kernel_calls(products, cpu_kernel_ops(f.dtype, inference.activation_format), torch_dtype(f.dtype))
+    calls = kernel_calls(products, cpu_kernel_ops(f.dtype, plan_int8_paths(plan)), torch_dtype(f.dtype))
     runs = {"step": lambda: median(time_neuronfx(runtime, prompts, args.gen_len)[1]),
             "products": lambda: time_calls(calls, args.gen_len - 1)}
     for run_once in runs.values():
@@ -158,7 +159,7 @@ def table(rows: list[dict[str, Any]], read_gb_s: float) -> list[str]:
              "step GB/s | products GB/s | products / read bandwidth |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        name = r["format"] + ("-int8x" if r["activation_format"] == "int8" else "")
+        name = r["format"] + {"float": "", "int8": "-int8x", "auto": "-auto"}[r["activation_format"]]
         mark = "" if r["within_bound"] else " (over)"
         lines.append(f"| {name} | {r['step_ms']:.2f} | {r['products_ms']:.2f} | {r['rest_ms']:.2f} | {r['ratio']:.3f}x{mark} | "
                      f"{r['step_bytes'] / 1e6:.1f} | {r['products_bytes'] / 1e6:.1f} | {r['step_gb_s']:.2f} | "

@@ -114,7 +114,8 @@ class KernelCall:
 
 
 class _KernelRecorder(TorchDispatchMode):
-    """While active, runs every dispatched op and keeps the neuronfx kernel ops' calls."""
+    """While active, runs every dispatched op and keeps the product ops' calls: neuronfx's kernels
+    and torch's ``_int_mm`` (int8 weights with int8 activations, ``quant.w8a8_linear``)."""
 
     def __init__(self, product: str) -> None:
         super().__init__()
@@ -123,7 +124,7 @@ class _KernelRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace == KERNEL_NAMESPACE:
+        if func.namespace == KERNEL_NAMESPACE or func is torch.ops.aten._int_mm.default:  # _int_mm: int8 weights' integer GEMM
             self.calls.append(KernelCall(product=self.product, op=func, args=args, kwargs=kwargs))
         return func(*args, **kwargs)
 
@@ -147,7 +148,7 @@ def call_product(ops: Ops, product: Product, x: torch.Tensor) -> Any:
 
 def kernel_calls(products: Sequence[Product], ops: Ops, dtype: torch.dtype, seed: int = 0) -> tuple[KernelCall, ...]:
     """The kernel op calls of ``products`` for one row of x: each product runs once through
-    ``ops`` (the plan's bundle, ``kernels.bundles.cpu_kernel_ops(dtype, activation_format)``:
+    ``ops`` (the plan's bundle, ``kernels.bundles.cpu_kernel_ops(dtype, int8_paths)``:
     so the kernel is chosen exactly as in the compiled graph) on x of its ``x_shape`` and ``dtype`` drawn
     from N(0, 1) with ``seed``, and every neuronfx op it dispatches is kept with its arguments.
     Replaying them skips the bundle's Python (shape checks, list building, output views): a

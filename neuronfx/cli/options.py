@@ -160,9 +160,9 @@ def _add_weight_options(p: argparse.ArgumentParser, defaults: InferenceConfig) -
     p.add_argument("--weight-group-size", type=int, metavar="G",
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS,
-                   help="float (default), or int8: decode products with 4-bit weights (int4, gguf Q4_0/Q4_1) round x to int8 "
-                        "and sum integer products, as llama.cpp (faster only where those products are bound by unpacking, "
-                        "see the performance docs; changes the logits; inductor only)")
+                   help="float (default: token-exact), int8: the quantized products round x to int8 (int8 weights: per row, "
+                        "an integer GEMM; 4-bit weights at decode: per 32 values, as llama.cpp; changes the logits), or auto: "
+                        "int8 on the products where it measured faster on this machine (inductor only; see the performance docs)")
 
 
 def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:

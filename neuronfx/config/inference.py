@@ -15,8 +15,8 @@ BACKENDS = ("eager", "export", "inductor", "neuron")
 DEFAULT_BACKEND = "inductor"
 WEIGHT_FORMATS = ("float", "int8", "int4", "gguf")
 """Weight formats a plan may store its linear weights in (``config/quantization.py``)."""
-ACTIVATION_FORMATS = ("float", "int8")
-"""What the quantized decode products multiply the weights with (``config/quantization.py``)."""
+ACTIVATION_FORMATS = ("float", "int8", "auto")
+"""What the quantized products multiply the weights with (``config/quantization.py``)."""
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 """int4 group sizes (weights sharing one scale and offset along the input dim)."""
 DEVICES = ("cpu", "cuda", "cuda:N")
@@ -188,10 +188,11 @@ class InferenceConfig:
       LM head when ``quantize_lm_head``); which weights, and why, in ``config/quantization.py``.
     - ``weight_group_size``: int4 group size, 32, 64 or 128 (ignored by other formats).
     - ``activation_format``: "float" (default: the quantized products take x in the plan's
-      dtype and accumulate in fp32) or "int8": decode products with 4-bit weights (int4, and
-      a GGUF file's Q4_0 / Q4_1 blocks) round x to int8 per 32 values and sum integer
-      products, as llama.cpp does (``config/quantization.py``). Needs weight_format "int4" or
-      "gguf" and the inductor backend (its CPU kernels); prefill keeps float activations.
+      dtype and accumulate in fp32: token-exact), "int8" (x rounded to int8: int8 weights
+      per row through an integer GEMM, decode products of 4-bit weights per 32 values as
+      llama.cpp; ``config/quantization.py``) or "auto" (int8 where it measured faster on this
+      machine, ``graphs/kernels/activation_choice.py``). Needs weight_format "int8", "int4" or
+      "gguf" and the inductor backend.
     - ``quantize_lm_head``: quantize the LM head too (int8 for int8 and int4 plans).
     - ``device``: where weights, KV cache and step inputs live: "cpu" (default), "cuda" (cuda:0;
       rank r of a tensor-parallel plan takes cuda:r) or "cuda:N" (one rank only). CUDA plans
@@ -343,13 +344,13 @@ class InferenceConfig:
                               "on one rank, without generation options; drop them or use task='generate'.")
 
     def _check_activations(self) -> None:
-        """int8 activations exist only in the CPU kernels' 4-bit products."""
+        """int8 activations exist only in the inductor backend's products of quantized weights."""
         if self.activation_format == "float":
             return
-        if self.weight_format not in ("int4", "gguf"):
+        if self.weight_format not in ("int8", "int4", "gguf"):
             raise ConfigError(
                 f"activation_format={self.activation_format!r} with weight_format={self.weight_format!r}: int8 "
-                "activations serve 4-bit weights only; use weight_format='int4' or 'gguf', or activation_format='float'."
+                "activations serve quantized weights only; use weight_format='int8', 'int4' or 'gguf', or activation_format='float'."
             )
         if self.backend != "inductor":
             raise ConfigError(

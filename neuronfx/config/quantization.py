@@ -11,11 +11,15 @@ norms, biases, the router of a mixture of experts and the KV cache stay in the p
 - ``"gguf"``: the GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are (other GGUF types
   are dequantized to the plan's dtype).
 
-``activation_format="int8"`` (opt-in; int4 and gguf plans on the inductor backend) makes the
-decode products of 4-bit weights (int4, Q4_0, Q4_1) integer products, as llama.cpp's: x is
-rounded to int8 with one scale per 32 values and each block's nibble x int8 products are summed
-exactly (AVX512-VNNI), then scaled and accumulated in fp32. It trades x's rounding error (at
-most absmax / 254 per value) for less work per weight; other formats, and prefill, keep float x.
+``activation_format="int8"`` (opt-in; quantized plans on the inductor backend) makes the
+products integer products: int8 weights multiply x rounded to int8 per row (one scale per token,
+torchao's dynamic activation quantization) through an integer GEMM, at every row count; the
+decode products of 4-bit weights (int4, Q4_0, Q4_1) round x per 32 values and sum each block's
+nibble x int8 products exactly (llama.cpp's arithmetic, AVX512-VNNI), then scale and accumulate
+in fp32. It trades x's rounding error (at most absmax / 254 per value of a row or a block of
+32) for less work per weight; Q8_0 weights and 4-bit prefill keep float x.
+``activation_format="auto"`` takes int8 x only on the products where it measured faster on
+this machine (``graphs/kernels/activation_choice.py``). Neither is token-exact.
 
 The LM head is quantized too when ``quantize_lm_head`` (the default): decode reads it whole
 every step (for SmolLM2-135M it is a fifth of all weights). An int4 plan gives it int8, as

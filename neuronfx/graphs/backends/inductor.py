@@ -37,6 +37,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.errors import ArtifactError
 from neuronfx.graphs.backends import compile_workers, cuda_graphs, inductor_dir, inductor_parts, warm_up
 from neuronfx.graphs.backends.records import Backend, Built, progress_bar
+from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.models.layers import Weights
 
@@ -89,11 +90,14 @@ def choices(plan: Plan) -> dict[str, object]:
     """torch's intra-op thread count (inductor's generated C++ is compiled for it and its
     compiled functions guard on it: they refuse to run under another), and the 16-bit prefill
     path of a 16-bit CPU plan (``kernels.bundles.cpu_kernel_ops``), measured once per machine
-    (``kernels/gemm_choice.py``; none on CUDA, where no CPU kernel is bound)."""
+    (``kernels/gemm_choice.py``; none on CUDA, where no CPU kernel is bound), and the products
+    that take int8 activations under ``activation_format="auto"`` (``kernels/activation_choice.py``)."""
     out: dict[str, object] = {"num_threads": torch.get_num_threads()}
     dtype = plan.inference.dtype
     if dtype != "float32" and plan.inference.device == "cpu":
         out["widen_16bit"] = widen_16bit_prefill(dtype)
+    if plan.inference.activation_format == "auto" and plan.inference.device == "cpu":
+        out["int8_activations"] = plan_int8_paths(plan).describe()
     return out
 
 

@@ -23,6 +23,7 @@ from neuronfx.config.attention import layer_period
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import ArtifactError
 from neuronfx.graphs.backends.cuda_graphs import unwrap
+from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
 from neuronfx.graphs.kernels.bundles import compiled_ops
 from neuronfx.graphs.kernels.library import small_gemm_available
 from neuronfx.graphs.models.layers import Weights
@@ -206,7 +207,7 @@ def build_graph(plan: Plan, spec: GraphSpec, weights: Weights, kv: KVCache,
     :class:`SharedCompile` of the graphs built so far for this plan, which this graph reuses
     and extends (None: a new one, nothing shared)."""
     wrap = _wrapper(plan, spec, {} if shared is None else shared)
-    ops = compiled_ops(plan.inference.dtype, plan.inference.device, plan.inference.activation_format)
+    ops = compiled_ops(plan.inference.dtype, plan.inference.device, plan_int8_paths(plan))
     graph = build_module(plan, spec, ops, group_size=phase_group_size(plan, spec.phase), wrap=wrap)
     with torch.no_grad(), device_scope(plan):
         graph(weights, kv, example_inputs(plan, spec))

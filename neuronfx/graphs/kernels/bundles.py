@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronfx.graphs.kernels import library as cpu_kernels
+from neuronfx.graphs.kernels.activation_choice import FLOAT_PATHS, Int8Paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.kernels.library import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
 from neuronfx.graphs.models import quant
@@ -94,16 +95,16 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,
-               int8_x: bool = False) -> Tensor:
+               int8: Int8Paths = FLOAT_PATHS) -> Tensor:
     """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows run ``small_gemm``
     (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
     products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
     ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
     4x slower than fp32) multiplies in fp32; everything else is F.linear. Quantized weights:
-    :func:`quantized_linear` (``int8_x``: its int8-activation products)."""
+    :func:`quantized_linear` (``int8``: the paths that take int8 activations)."""
     rows = _rows(x)
     if isinstance(weight, quant.QUANTIZED_TYPES):
-        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8_x=int8_x)
+        return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8=int8)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return small_gemm(x, weight, bias)
     if weight.dtype != torch.float32 and rows == 1:
@@ -115,13 +116,17 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 
 
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
-                     widen: bool, int8_x: bool = False) -> Tensor:
-    """A quantized weight's product: up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the
-    quantized bytes read once, fp32 accumulation; ``int8_x``: x rounded to int8 for 4-bit
-    weights, ``library.quant_gemm``); more rows (prefill) dequantize the weight and run a GEMM,
+                     widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
+    """A quantized weight's product: int8 weights on a path ``int8`` enables multiply in integers
+    (``quant.w8a8_linear``); up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
+    bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
+    values, ``library.quant_gemm``); more rows (prefill) dequantize the weight and run a GEMM,
     in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS:
-        return cpu_kernels.quant_gemm(x, weight, bias, int8_x)
+    rows = _rows(x)
+    if isinstance(weight, quant.Int8Weight) and int8.uses(weight, rows):
+        return quant.w8a8_linear(x, weight, bias)
+    if kernels and rows <= SMALL_GEMM_MAX_ROWS:
+        return cpu_kernels.quant_gemm(x, weight, bias, int8.uses(weight, rows))
     dense = quant.dequantize(weight, x.shape[-1])
     if x.dtype == torch.float32 or widen:
         return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
@@ -132,26 +137,34 @@ def _any_quantized(weights: Sequence[Weight]) -> bool:
     return any(isinstance(w, quant.QUANTIZED_TYPES) for w in weights)
 
 
+def _one_kernel_call(x: Tensor, weights: Sequence[Weight], kernels: bool, int8: Int8Paths) -> bool:
+    """Whether one fused quantized kernel call serves these weights: decode rows, one layout,
+    and no int8 weight on an integer-GEMM path (that one is torch's ``_int_mm``)."""
+    rows = _rows(x)
+    return (kernels and rows <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights))
+            and not (isinstance(weights[0], quant.Int8Weight) and int8.uses(weights[0], rows)))
+
+
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
-                    widen: bool, int8_x: bool = False) -> list[Tensor]:
+                    widen: bool, int8: Int8Paths = FLOAT_PATHS) -> list[Tensor]:
     """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, or one
     ``quant_gemm_multi`` for quantized weights of one format and group size; otherwise one
     product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights)):
-        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8_x)
-    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8_x=int8_x) for w, b in zip(weights, biases)]
+    if _one_kernel_call(x, weights, kernels, int8):
+        return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
+    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8=int8) for w, b in zip(weights, biases)]
 
 
-def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8_x: bool = False) -> Tensor:
+def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
     """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights) or ``quant_glu``
     (quantized, one format and group size) forms it from the fp32 accumulators and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout([gate, up]):
-        return cpu_kernels.quant_glu(x, gate, up, int8_x)
-    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8_x=int8_x)
+    if _one_kernel_call(x, (gate, up), kernels, int8):
+        return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))
+    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8=int8)
     return F.silu(linear(x, gate)) * linear(x, up)
 
 
@@ -189,20 +202,22 @@ def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids
     return cpu_kernels.cached_attention(q, k_cache, v_cache, seq_ids, mask)
 
 
-def cpu_kernel_ops(dtype: str, activation_format: str = "float") -> Ops:
+def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on this CPU, decided now:
     the ``small_gemm`` kernels when they build (``NEURONFX_KERNELS=0`` turns them off), fp32
     products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
     one (:func:`neuronfx.graphs.kernels.gemm_choice.widen_16bit_prefill`), the cached attention kernel
-    (:func:`fused_cached_attention` without the kernels), and for ``activation_format="int8"``
-    the quantized decode products with int8 activations (without the kernels there are none:
-    prefill's float path serves)."""
+    (:func:`fused_cached_attention` without the kernels), and the quantized products that take
+    int8 activations (``int8``, from the plan's ``activation_format``:
+    ``kernels.activation_choice.int8_paths``; the 4-bit ones need the kernels, without them
+    float x serves)."""
     kernels = small_gemm_available()
     widen = dtype != "float32" and widen_16bit_prefill(dtype)
-    int8_x = kernels and activation_format == "int8"
-    flags = {"kernels": kernels, "widen": widen, "int8_x": int8_x}
+    if not kernels:
+        int8 = Int8Paths(frozenset(p for p in int8.enabled if p[0] == "int8"))
+    flags = {"kernels": kernels, "widen": widen, "int8": int8}
     return Ops(
-        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8_x})",
+        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8.describe()})",
         linear=functools.partial(cpu_linear, **flags),
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
@@ -211,12 +226,12 @@ def cpu_kernel_ops(dtype: str, activation_format: str = "float") -> Ops:
     )
 
 
-def compiled_ops(dtype: str, device: str, activation_format: str = "float") -> Ops:
+def compiled_ops(dtype: str, device: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     """The ops the inductor backend binds for a plan of ``dtype`` on ``device`` (an
-    ``InferenceConfig.device``) and ``activation_format``: :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
+    ``InferenceConfig.device``) with int8 activations on the paths ``int8``: :func:`cpu_kernel_ops` on the CPU; on CUDA the reference ops
     (F.linear is cuBLAS, SDPA picks a fused attention kernel), around which inductor generates
     Triton kernels for the norms, RoPE, masks and sampler. The ``small_gemm`` kernels are CPU
     code and are never bound on CUDA."""
     if device == "cpu":
-        return cpu_kernel_ops(dtype, activation_format)
+        return cpu_kernel_ops(dtype, int8)
     return attrs.evolve(REFERENCE_OPS, name="cuda(torch+triton)")

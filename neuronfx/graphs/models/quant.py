@@ -254,3 +254,38 @@ def reference_int8_x_linear(x: Tensor, q: QuantizedWeight) -> Tensor:
         return x.double() @ w.T
     o = _offsets(q, k).double()
     return _int8_rounded_x(x, g) @ (w - o).T + x.double() @ o.T
+
+
+# ---- int8 activations x int8 weights (integer GEMM) ------------------------------------------
+
+
+def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (..., K) float -> (int8 (M, K), float32 (M, 1)) with M the rows of x: each row rounded
+    (half to even) to a multiple of its scale ``absmax / 127`` (torchao's dynamic per-token
+    activation quantization, ``int8_dynamic_activation_int8_weight``); an all-zero row gets
+    scale 0 and zeros."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    scale = rows.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(rows / safe).clamp(-127, 127).to(torch.int8), scale
+
+
+def w8a8_linear(x: Tensor, q: Int8Weight, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) float @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype, multiplied in
+    integers: x rounded per row (:func:`int8_rows`), int8 x int8 products summed exactly in int32
+    by ``torch._int_mm`` (oneDNN: VNNI or AMX where the CPU has them), then scaled by x's and the
+    weight's scales in fp32. The error added is x's rounding, at most ``absmax / 254`` per value
+    of a row. Reference: :func:`reference_w8a8_linear`."""
+    xq, xs = int8_rows(x)
+    out = torch._int_mm(xq, q.data.t()).float() * xs * q.scale.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], q.data.shape[0])
+
+
+def reference_w8a8_linear(x: Tensor, q: Int8Weight) -> Tensor:
+    """What :func:`w8a8_linear` computes, in float64: x rounded per row as :func:`int8_rows`,
+    times the weight's exact values."""
+    xq, xs = int8_rows(x)
+    out = (xq.double() * xs.double()) @ dequantize(q, x.shape[-1]).double().T
+    return out.reshape(*x.shape[:-1], q.data.shape[0])

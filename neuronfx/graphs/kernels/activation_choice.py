@@ -1,0 +1,220 @@
+"""Where a quantized plan's products take int8 activations: ``activation_format`` "float",
+"int8", or "auto" (measured once per machine and kept, as ``gemm_choice`` keeps its verdict).
+
+A path is (weight kind, rows): the kind is "int8" (:class:`~neuronfx.graphs.models.quant.Int8Weight`)
+or "4bit" (int4, Q4_0, Q4_1); rows are "one" (a decode of batch 1), "batch" (2 to
+``SMALL_GEMM_MAX_ROWS`` rows: larger decode batches, speculation) or "prefill" (more). With int8
+activations:
+
+- int8 weights, any rows: x rounded per row and an integer GEMM (``quant.w8a8_linear``,
+  ``torch._int_mm``: oneDNN's VNNI / AMX), as torchao's and OpenVINO's dynamic quantization;
+- 4-bit weights, decode rows: the kernel's per-32-values integer products (``quant_gemm``'s
+  ``int8_x``, llama.cpp's ``q8_1`` rounding);
+- 4-bit weights, prefill: no int8 path (float x, as with ``activation_format="float"``).
+
+Which is faster depends on the CPU (VNNI, AMX, whether 4-bit unpacking or memory bounds a
+product) and on the shapes, so "auto" times both ways of each path on the plan's own MLP shapes
+(:func:`measure`) and turns on those where int8 is more than :data:`MARGIN` times faster. The
+verdict is kept in a JSON file next to the kernel builds, keyed by the shapes, CPU flags, torch
+version, thread count and ``ONEDNN_MAX_CPU_ISA``; delete it to measure again. int8 activations
+are never token-exact (they add x's rounding error), which is why "float" is the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from neuronfx.config.plan import Plan
+from neuronfx.graphs.kernels import library
+from neuronfx.graphs.models import quant
+
+KINDS = ("int8", "4bit")
+ROWS = ("one", "batch", "prefill")
+AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch")})
+"""The (kind, rows) paths that have an int8-activation product."""
+MARGIN = 1.1
+"""int8 activations only where more than this much faster: a near tie keeps float x (exact)."""
+PREFILL_ROWS = 128
+"""Rows of the timed prefill product (a 128-token prompt)."""
+MAX_PROBE_ROWS = 2048
+"""Output rows of the timed weights at most: the time per weight row is what matters, and a
+large model's MLP would make the probe slow to quantize."""
+FLUSH_BYTES = 128 << 20
+"""Bytes read between timed calls, more than a last-level cache (32 MiB on the EPYC measured):
+a decode step reads each weight once per step, from memory, and a product timed on weights
+still in cache favours the way that reads more bytes (measured: int8 weights at one row, 1.34x
+faster hot with int8 x, a whole decode step 1.45x slower)."""
+REPEATS = 15
+"""Timed calls of each way, interleaved, after a warm-up call each; the best counts."""
+
+
+@attrs.frozen
+class Int8Paths:
+    """The (kind, rows) paths that take int8 activations (a subset of :data:`AVAILABLE`)."""
+
+    enabled: frozenset[tuple[str, str]] = frozenset()
+
+    def uses(self, weight: object, rows: int) -> bool:
+        """Whether a product of ``weight`` (a float tensor or a quantized record) with x of
+        ``rows`` rows takes int8 activations."""
+        kind = weight_kind(weight)
+        return kind is not None and (kind, row_class(rows)) in self.enabled
+
+    def describe(self) -> str:
+        """"none", or the paths as "int8/prefill, 4bit/one"."""
+        return ", ".join(f"{k}/{r}" for k, r in sorted(self.enabled)) or "none"
+
+
+FLOAT_PATHS = Int8Paths()
+ALL_PATHS = Int8Paths(AVAILABLE)
+
+
+def weight_kind(weight: object) -> str | None:
+    """"int8", "4bit" (a format the kernel's int8_x serves), or None (float, Q8_0, other groups)."""
+    if isinstance(weight, quant.Int8Weight):
+        return "int8"
+    return "4bit" if isinstance(weight, quant.QUANTIZED_TYPES) and quant.int8_x_group_size(weight) else None
+
+
+def row_class(rows: int) -> str:
+    if rows == 1:
+        return "one"
+    return "batch" if rows <= library.SMALL_GEMM_MAX_ROWS else "prefill"
+
+
+def _float_way(rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
+    if rows <= library.SMALL_GEMM_MAX_ROWS:
+        return lambda x, q: library.quant_gemm(x, q)
+    return lambda x, q: F.linear(x, quant.dequantize(q, x.shape[-1]))  # prefill: dequantize, then a GEMM
+
+
+def _int8_way(kind: str) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
+    if kind == "int8":  # x rounded beforehand: in a compiled graph the rounding and the scaling are fused passes
+        return lambda x, q: torch._int_mm(x, q.data.t()).float() * q.scale
+    return lambda x, q: library.quant_gemm(x, q, None, True)
+
+
+def _best(ways: list[Callable[[], object]], repeats: int, flush: torch.Tensor) -> list[float]:
+    best = [float("inf")] * len(ways)
+    for i in range(repeats + 1):
+        for j, way in enumerate(ways):  # interleaved: a burst of load from elsewhere hits both
+            flush.sum()  # the weights leave the caches, as a decode step finds them
+            t0 = time.perf_counter()
+            way()
+            if i:  # the first call of each is a warm-up
+                best[j] = min(best[j], time.perf_counter() - t0)
+    return best
+
+
+def measure(hidden: int, intermediate: int, batch_rows: int, repeats: int = REPEATS) -> dict[tuple[str, str], tuple[float, float]]:
+    """Best seconds (float x, int8 x) of each path in :data:`AVAILABLE` on random weights of the
+    MLP's shapes, gate (intermediate, hidden) and down (hidden, intermediate) summed: int8
+    weights and int4 in groups of 32. Rows: 1, ``batch_rows`` (skipped when 1) and
+    :data:`PREFILL_ROWS`. The int8 weights' way is timed as its integer GEMM and output scaling
+    on x rounded beforehand (a compiled graph fuses x's rounding into the pass that makes x;
+    timed eagerly, its dozen small ops would dominate a decode row). Needs the kernel library."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(min(intermediate, MAX_PROBE_ROWS), hidden), (min(hidden, MAX_PROBE_ROWS), intermediate)]
+    weights = {"int8": [quant.quantize_int8(torch.randn(s, generator=g)) for s in shapes],
+               "4bit": [quant.quantize_int4(torch.randn(s, generator=g), 32) for s in shapes]}
+    sizes = {"one": 1, "batch": batch_rows, "prefill": PREFILL_ROWS}
+    flush = torch.ones(FLUSH_BYTES // 4)
+    with torch.no_grad():
+        return {(kind, rows): _time_path(kind, weights[kind], sizes[rows], g, flush, repeats)
+                for kind, rows in sorted(AVAILABLE) if not (rows == "batch" and batch_rows == 1)}
+
+
+def _time_path(kind: str, weights: list[quant.QuantizedWeight], rows: int, g: torch.Generator, flush: torch.Tensor,
+               repeats: int) -> tuple[float, float]:
+    """Best seconds (float x, int8 x) of ``weights``' products with x of ``rows`` rows."""
+    xs = [torch.randn(rows, q.data.shape[1] * (2 if kind == "4bit" else 1), generator=g) for q in weights]
+    xi = [quant.int8_rows(x)[0] for x in xs] if kind == "int8" else xs
+    plain, int8 = _float_way(rows), _int8_way(kind)
+    ways = [lambda: [plain(x, q) for x, q in zip(xs, weights)], lambda: [int8(x, q) for x, q in zip(xi, weights)]]
+    plain_s, int8_s = _best(ways, repeats, flush)
+    return plain_s, int8_s
+
+
+def decide(times: dict[tuple[str, str], tuple[float, float]], margin: float = MARGIN) -> Int8Paths:
+    """The paths whose int8 way was more than ``margin`` times faster than float."""
+    return Int8Paths(frozenset(path for path, (plain, int8) in times.items() if int8 * margin < plain))
+
+
+def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | None = None) -> Path:
+    """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is kept."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(get_default_build_root())
+    key = "\n".join(map(str, [hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
+                              torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
+    return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+
+
+def _read(path: Path) -> Int8Paths | None:
+    try:
+        data = json.loads(path.read_text())
+        enabled = frozenset((str(k), str(r)) for k, r in data["enabled"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: measure again
+    return Int8Paths(enabled & AVAILABLE)
+
+
+def _write(path: Path, paths: Int8Paths, times: dict) -> None:
+    """Write atomically (parallel test workers may race); a read-only directory just measures again next time."""
+    data = {"enabled": sorted(paths.enabled), "seconds": {f"{k}/{r}": list(t) for (k, r), t in sorted(times.items())}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-int8x-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measured_paths(hidden: int, intermediate: int, batch_rows: int, root: Path | None = None) -> Int8Paths:
+    """The kept verdict for these shapes on this machine, or a new measurement (then kept);
+    :data:`FLOAT_PATHS` where the kernel library is unavailable (no int8 product exists)."""
+    if not library.small_gemm_available():
+        return FLOAT_PATHS
+    path = cache_file(hidden, intermediate, batch_rows, root)
+    kept = _read(path)
+    if kept is not None:
+        return kept
+    times = measure(hidden, intermediate, batch_rows)
+    paths = decide(times)
+    _write(path, paths, times)
+    return paths
+
+
+def int8_paths(activation_format: str, hidden: int, intermediate: int, batch_rows: int) -> Int8Paths:
+    """The paths of a plan's ``activation_format`` ("float": none, "int8": all of
+    :data:`AVAILABLE`, "auto": :func:`measured_paths` on its MLP shapes and largest decode batch,
+    at most ``SMALL_GEMM_MAX_ROWS``). ValueError for any other value."""
+    if activation_format == "float":
+        return FLOAT_PATHS
+    if activation_format == "int8":
+        return ALL_PATHS
+    if activation_format == "auto":
+        return measured_paths(hidden, intermediate, min(batch_rows, library.SMALL_GEMM_MAX_ROWS))
+    raise ValueError(f"activation_format={activation_format!r}: expected 'float', 'int8' or 'auto'.")
+
+
+def plan_int8_paths(plan: Plan) -> Int8Paths:
+    """:func:`int8_paths` of a plan: its ``activation_format``, MLP shapes and ``batch_size``;
+    none on CUDA (the int8 products are CPU code)."""
+    inf, model = plan.inference, plan.model
+    if inf.device != "cpu":
+        return FLOAT_PATHS
+    return int8_paths(inf.activation_format, model.hidden_size, model.intermediate_size, inf.batch_size)

@@ -1,0 +1,148 @@
+"""int8 activations with int8 weights (``quant.w8a8_linear``: torch's integer GEMM) and the
+choice of which products take int8 activations (``kernels/activation_choice.py``).
+
+References: a float64 product of x rounded per row (:func:`quant.reference_w8a8_linear`) for
+the op, and transformers whose every linear input is rounded the same way (a forward pre-hook)
+for a compiled plan, within the 1e-4 of every fp32 comparison with transformers (measured:
+4e-7). A value on a rounding boundary could round the other way under another fp32 summation
+order; with these seeded inputs none does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
+
+import neuronfx
+from neuronfx.graphs.backends import inductor
+from neuronfx.graphs.kernels import activation_choice as choice
+from neuronfx.graphs.kernels import library
+from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
+from neuronfx.graphs.models import quant
+from neuronfx.io.cache_key import cache_key
+from neuronfx.io.weights import dequantized_state_dict
+
+PROMPTS = [random_prompt(11, seed=3), random_prompt(5, seed=4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 3, 5), (5, 577, 65), (130, 64, 33)])
+def test_w8a8_linear_matches_its_reference(dtype, m, k, n):
+    g = torch.Generator().manual_seed(m * k + n)
+    x = (torch.randn(2, m, k, generator=g) * 3).to(dtype)
+    q = quant.quantize_int8(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g)
+    got = quant.w8a8_linear(x, q, bias)
+    assert got.shape == (2, m, n) and got.dtype == dtype
+    want = quant.reference_w8a8_linear(x, q) + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the output's rounding
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # against the exact product: x's rounding error is at most absmax / 254 per value of a row
+    exact = x.double() @ quant.dequantize(q, k).double().T
+    bound = (x.double().abs().amax(-1, keepdim=True) / 254) * quant.dequantize(q, k).double().abs().sum(-1)
+    assert ((quant.reference_w8a8_linear(x, q) - exact).abs() <= bound + 1e-9).all()
+
+
+def test_int8_rows_of_a_zero_row_are_zero():
+    xq, xs = quant.int8_rows(torch.tensor([[0.0, 0.0], [1.0, -0.5]]))
+    assert xq.tolist() == [[0, 0], [127, -64]] and xs[0].item() == 0  # -63.5 rounds half to even
+
+
+def test_decide_keeps_float_unless_int8_wins_by_the_margin():
+    times = {("int8", "one"): (1.0, 0.95), ("int8", "prefill"): (1.0, 0.5), ("4bit", "one"): (1.0, 1.2)}
+    assert choice.decide(times).enabled == {("int8", "prefill")}
+    assert choice.decide(times, margin=1.0).enabled == {("int8", "prefill"), ("int8", "one")}
+
+
+def test_int8_paths_of_each_format(monkeypatch):
+    assert choice.int8_paths("float", 64, 128, 4) == choice.FLOAT_PATHS
+    assert choice.int8_paths("int8", 64, 128, 4).enabled == choice.AVAILABLE
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: ("measured", h, i, b))
+    assert choice.int8_paths("auto", 64, 128, 32) == ("measured", 64, 128, library.SMALL_GEMM_MAX_ROWS)
+    with pytest.raises(ValueError, match="activation_format='int4'.*'auto'"):
+        choice.int8_paths("int4", 64, 128, 4)
+
+
+def test_measured_paths_are_kept_per_machine(tmp_path, monkeypatch):
+    """The first call measures (every available path, float and int8 timed) and writes the
+    verdict; the next reads it without measuring; an edited file is what is used."""
+    if not library.small_gemm_available():
+        pytest.fail("the neuronfx kernels did not build on this machine (see the warning above)")
+    first = choice.measured_paths(64, 128, 4, root=tmp_path)
+    (path,) = tmp_path.glob("neuronfx_int8x_*.json")
+    kept = json.loads(path.read_text())
+    assert set(kept["seconds"]) == {f"{k}/{r}" for k, r in choice.AVAILABLE}
+    assert all(t > 0 for pair in kept["seconds"].values() for t in pair)
+    assert first == choice.decide({tuple(p.split("/")): tuple(t) for p, t in kept["seconds"].items()})
+    monkeypatch.setattr(choice, "measure", lambda *a: pytest.fail("measured again"))
+    assert choice.measured_paths(64, 128, 4, root=tmp_path) == first
+    path.write_text(json.dumps({"enabled": [["int8", "prefill"], ["4bit", "prefill"]]}))  # not a path: dropped
+    assert choice.measured_paths(64, 128, 4, root=tmp_path).enabled == {("int8", "prefill")}
+    assert choice.cache_file(64, 128, 4, tmp_path) != choice.cache_file(64, 256, 4, tmp_path)
+
+
+def test_ops_bundle_routes_each_path():
+    """Only the enabled paths take int8 activations: here int8 weights at prefill rows."""
+    g = torch.Generator().manual_seed(2)
+    q = quant.quantize_int8(torch.randn(40, 96, generator=g))
+    q4 = quant.quantize_int4(torch.randn(40, 96, generator=g), 32)
+    decode, prefill = torch.randn(2, 96, generator=g), torch.randn(12, 96, generator=g)
+    ops = cpu_kernel_ops("float32", choice.Int8Paths(frozenset({("int8", "prefill")})))
+    assert "int8_activations=int8/prefill" in ops.name
+    assert torch.equal(ops.linear(prefill, q), quant.w8a8_linear(prefill, q))
+    assert torch.equal(ops.glu(prefill, q, q), torch.nn.functional.silu(quant.w8a8_linear(prefill, q)) * quant.w8a8_linear(prefill, q))
+    torch.testing.assert_close(ops.linear(decode, q), decode @ quant.dequantize(q, 96).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear(prefill, q4), prefill @ quant.dequantize(q4, 96).T, rtol=1e-5, atol=1e-4)
+    both = cpu_kernel_ops("float32", choice.ALL_PATHS).projections(decode, [q, q], [None, torch.ones(40)])
+    assert torch.equal(both[1], quant.w8a8_linear(decode, q, torch.ones(40)))
+
+
+def round_linear_inputs(model: torch.nn.Module) -> None:
+    """Every nn.Linear of ``model`` multiplies x rounded per row as :func:`quant.int8_rows`."""
+    def hook(module, args):
+        xq, xs = quant.int8_rows(args[0])
+        return ((xq.float() * xs).reshape(args[0].shape).to(args[0].dtype),)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook)
+
+
+def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers():
+    """A compiled plan of int8 weights with ``activation_format="int8"`` (prefill, decode and the
+    int8 head through the integer GEMM) gives the greedy tokens and logits of transformers on
+    the same weights with every linear input rounded per row; and differs from float x."""
+    hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
+    rt = tiny_runtime(hf, "inductor", weight_format="int8", activation_format="int8", batch_size=2, max_context_length=16,
+                      prefill_buckets=(16,), decode_buckets=(64,))
+    ref = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
+    ref.load_state_dict(dequantized_state_dict(hf.state_dict(), rt.weights, rt.plan.model), strict=False)
+    plain = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
+    plain.load_state_dict(ref.state_dict())
+    round_linear_inputs(ref)
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
+    moved = 0.0
+    with torch.no_grad():
+        for row, prompt in enumerate(PROMPTS):
+            ids = list(prompt)
+            for got_token, got in zip(tokens[row], logits[row]):
+                want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+                assert got_token == int(want.argmax())
+                moved = max(moved, (plain(torch.tensor([ids])).logits[0, -1] - want).abs().max().item())
+                ids.append(got_token)
+    assert moved > 2e-3  # the rounding is real: float x moves logits by 20x the tolerance (4.5e-3 measured)
+
+
+def test_auto_is_a_backend_choice_in_the_compile_cache_key(monkeypatch):
+    hf = tiny_hf_model("llama", seed=7)
+    plan = tiny_plan(hf, "inductor", weight_format="int8", activation_format="auto")
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: choice.Int8Paths(frozenset({("int8", "prefill")})))
+    assert inductor.choices(plan)["int8_activations"] == "int8/prefill"
+    assert "int8_activations" not in inductor.choices(tiny_plan(hf, "inductor", weight_format="int8", activation_format="int8"))
+    key = cache_key(plan)
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: choice.FLOAT_PATHS)
+    assert cache_key(plan) != key  # a runtime compiled for other paths is not reused
