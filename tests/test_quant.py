@@ -12,7 +12,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from neuronfx.graphs.kernels.library import quant_gemm, quant_gemm_multi, quant_glu, quant_int8_x_isa, quant_isa, small_gemm_available
+from neuronfx.graphs.kernels.library import (
+    quant_gemm,
+    quant_gemm_multi,
+    quant_glu,
+    quant_int8_x_isa,
+    quant_isa,
+    quant_prefill,
+    small_gemm_available,
+)
 from neuronfx.graphs.models import quant as Q
 
 GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
@@ -222,6 +230,36 @@ def test_quant_gemm_multi_and_glu_match_float64(kernel: None, fmt: str, xdtype: 
             tol = tol + 2.0**-8 * ref.abs()
         out = quant_glu(x, gate, up)
         assert out.dtype == xdtype and ((out.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quant_prefill_matches_float64(kernel: None, fmt: str) -> None:
+    """The tiled prefill product: K = 4128 (4127 for int8) makes a tile 48 weight rows, so 67
+    rows are two tiles, the second partial; x has 9 and 2 x 65 rows; the bias is added once."""
+    k = 4127 if fmt.startswith("int8") else 4128
+    g = torch.Generator().manual_seed(3)
+    q = FORMATS[fmt](torch.randn(67, k, generator=g))
+    wq = Q.dequantize(q, k)
+    bias = torch.randn(67, generator=g)
+    for shape, b in (((9, k), None), ((2, 65, k), bias)):
+        x = torch.randn(shape, generator=g)
+        out = quant_prefill(x, q, b)
+        assert out.shape == (*shape[:-1], 67) and out.dtype == torch.float32
+        x2, o2 = x.reshape(-1, k), out.reshape(-1, 67)
+        ref = x2.double() @ wq.double().T + (0 if b is None else b.double())
+        assert ((o2.double() - ref).abs() <= _tolerance(x2, q, wq, ref, k)).all()
+
+
+def test_quant_prefill_rejects_what_it_cannot_serve(kernel: None) -> None:
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        quant_prefill(torch.randn(9, 64).bfloat16(), Q.quantize_int8(w))
+    with pytest.raises(RuntimeError, match="int8 data has 64 columns, x has K = 32"):
+        quant_prefill(torch.randn(9, 32), Q.quantize_int8(w))
+    with pytest.raises(RuntimeError, match="blocks do not match K = 96"):
+        quant_prefill(torch.randn(9, 96), gguf_blocks(w, Q.Q4_1Blocks))
+    with pytest.raises(RuntimeError, match="int4 groups do not cover K"):
+        quant_prefill(torch.randn(9, 96), Q.quantize_int4(w, 32))
 
 
 def test_quant_gemm_multi_rejects_mixed_layouts(kernel: None) -> None:

@@ -79,8 +79,8 @@ def test_quantization_changes_the_weights(hf):
 
 
 def test_inductor_int4_kernels_match_reference(hf):
-    """Decode through ``quant_gemm`` and prefill through dequantized GEMM (inductor) give the
-    reference's tokens and logits."""
+    """Decode through ``quant_gemm`` and prefill through ``quant_prefill`` (tiles dequantized,
+    then fp32 GEMM; inductor) give the reference's tokens and logits."""
     rt = tiny_runtime(hf, "inductor", weight_format="int4", batch_size=2, max_context_length=16, prefill_buckets=(16,),
                       decode_buckets=(64,))
     check_against_reference(hf, rt)

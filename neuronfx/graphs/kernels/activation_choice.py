@@ -32,7 +32,6 @@ from pathlib import Path
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.kernels import library
@@ -95,7 +94,7 @@ def row_class(rows: int) -> str:
 def _float_way(rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
     if rows <= library.SMALL_GEMM_MAX_ROWS:
         return lambda x, q: library.quant_gemm(x, q)
-    return lambda x, q: F.linear(x, quant.dequantize(q, x.shape[-1]))  # prefill: dequantize, then a GEMM
+    return lambda x, q: library.quant_prefill(x, q)  # tiles dequantized in cache, then fp32 GEMM
 
 
 def _int8_way(kind: str) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:

@@ -120,13 +120,17 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     """A quantized weight's product: int8 weights on a path ``int8`` enables multiply in integers
     (``quant.w8a8_linear``); up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
     bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
-    values, ``library.quant_gemm``); more rows (prefill) dequantize the weight and run a GEMM,
-    in fp32 for fp32 plans and 16-bit plans that ``widen``, else in x's dtype."""
+    values, ``library.quant_gemm``); more rows (prefill) run ``library.quant_prefill`` (tiles of
+    the weight dequantized in cache, then fp32 GEMM) for fp32 plans and 16-bit plans that
+    ``widen``; else (no kernels, or a native 16-bit GEMM) the weight is dequantized whole and
+    multiplied in x's dtype."""
     rows = _rows(x)
     if isinstance(weight, quant.Int8Weight) and int8.uses(weight, rows):
         return quant.w8a8_linear(x, weight, bias)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return cpu_kernels.quant_gemm(x, weight, bias, int8.uses(weight, rows))
+    if kernels and (x.dtype == torch.float32 or widen):
+        return cpu_kernels.quant_prefill(x.float(), weight, bias).to(x.dtype)
     dense = quant.dequantize(weight, x.shape[-1])
     if x.dtype == torch.float32 or widen:
         return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)

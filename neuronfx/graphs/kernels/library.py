@@ -38,7 +38,7 @@ SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
 bound and torch's blocked GEMM wins."""
 
-SOURCES = (Path(__file__).parent / "csrc" / "small_gemm.cpp", Path(__file__).parent / "csrc" / "quant_gemm.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
 
 
@@ -100,6 +100,7 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::quant_gemm")(_quant_gemm_fake)
     torch.library.register_fake("neuronfx::quant_gemm_multi")(_quant_gemm_multi_fake)
     torch.library.register_fake("neuronfx::quant_glu")(_quant_glu_fake)
+    torch.library.register_fake("neuronfx::quant_prefill")(_quant_prefill_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     return True
 
@@ -119,6 +120,11 @@ def _small_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> to
 
 def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
                      bias: torch.Tensor | None, int8_x: bool = False) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
+def _quant_prefill_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
+                        bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
@@ -216,6 +222,17 @@ def quant_gemm(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = 
     rounding: at most ``absmax / 254`` per value of each 32."""
     fmt, data, scale, offset = _quant_args(q)
     return torch.ops.neuronfx.quant_gemm(x, data, scale, offset, fmt, bias, int8_x)
+
+
+def quant_prefill(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 @ dequantize(q).T (+ bias (N,)) -> (..., N) float32 for many rows
+    (prefill): tiles of about 1 MiB of weight rows are dequantized into a buffer that stays in
+    cache and multiplied by torch's fp32 GEMM (``csrc/quant_prefill.cpp``), so no float copy of
+    the whole weight is made. The values are ``quant.dequantize``'s; the result equals
+    ``F.linear(x, dequantize(q, K))`` up to the GEMM's summation order. RuntimeError for x not
+    float32 or blocks / groups that do not match K. Needs :func:`small_gemm_available`."""
+    fmt, data, scale, offset = _quant_args(q)
+    return torch.ops.neuronfx.quant_prefill(x, data, scale, offset, fmt, bias)
 
 
 def same_quant_layout(weights: list) -> bool:
