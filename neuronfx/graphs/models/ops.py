@@ -35,6 +35,8 @@ class Ops:
     - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
     - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
       bool (True = attend) -> (B, H, Tq, D); grouped-query, scale 1/sqrt(D).
+    - ``causal_attention(q, k, v)``: ``attention`` with the causal mask of Tq = Tk new tokens
+      starting at position 0 (a fresh prompt): kernels that skip the masked half may serve it.
     - ``cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)``: T new tokens over their
       slots' first ``bucket`` cache positions; k/v_cache (slots, H_kv, S, D), seq_ids (B,),
       mask (B, 1, T, bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
@@ -53,6 +55,7 @@ class Ops:
     projections: Callable[[Tensor, Sequence[Weight], Sequence[Tensor | None]], list[Tensor]]
     glu: Callable[[Tensor, Weight, Weight], Tensor]
     attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    causal_attention: Callable[[Tensor, Tensor, Tensor], Tensor]
     cached_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor], Tensor]
     parallel_in: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)

@@ -49,6 +49,9 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
     parallelism the bucket is read from k's shape (T), not from ``bucket``, so one compiled group
     with a dynamic T serves every prefill bucket (``backends/inductor_parts.py``)."""
     h = x.h
+    # Every layer full-attention: real tokens see only earlier ones, so SDPA's causal flag gives
+    # them the mask's result (pad rows differ; nothing reads them) with half the work.
+    causal = plan.layout.masks == ("full",) and not plan.inference.sequence_parallel
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
 
@@ -57,7 +60,7 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
             n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
             k_cache[x.seq_ids, :, :n] = k[:, :, :n]  # (B, n_kv, T, D) into slots
             v_cache[x.seq_ids, :, :n] = v[:, :, :n]
-            return ops.attention(q, k, v, mask)
+            return ops.causal_attention(q, k, v) if causal else ops.attention(q, k, v, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h
