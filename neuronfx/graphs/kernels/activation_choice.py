@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.kernels import library
+from neuronfx.graphs.kernels.gemm_choice import write_verdict
 from neuronfx.graphs.models import quant
 
 KINDS = ("int8", "4bit")
@@ -169,19 +169,6 @@ def _read(path: Path) -> Int8Paths | None:
     return Int8Paths(enabled & AVAILABLE)
 
 
-def _write(path: Path, paths: Int8Paths, times: dict) -> None:
-    """Write atomically (parallel test workers may race); a read-only directory just measures again next time."""
-    data = {"enabled": sorted(paths.enabled), "seconds": {f"{k}/{r}": list(t) for (k, r), t in sorted(times.items())}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-int8x-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def measured_paths(hidden: int, intermediate: int, batch_rows: int, root: Path | None = None) -> Int8Paths:
     """The kept verdict for these shapes on this machine, or a new measurement (then kept);
     :data:`FLOAT_PATHS` where the kernel library is unavailable (no int8 product exists)."""
@@ -193,7 +180,7 @@ def measured_paths(hidden: int, intermediate: int, batch_rows: int, root: Path |
         return kept
     times = measure(hidden, intermediate, batch_rows)
     paths = decide(times)
-    _write(path, paths, times)
+    write_verdict(path, {"enabled": sorted(paths.enabled), "seconds": {f"{k}/{r}": list(t) for (k, r), t in sorted(times.items())}})
     return paths
 
 

@@ -113,19 +113,23 @@ def _read(path: Path, dtype: str) -> PrefillChoice | None:
         return None  # absent or unreadable: measure again
 
 
-def _write(path: Path, choice: PrefillChoice) -> bool:
-    """Write atomically (temp file + rename: parallel test workers may race); False if it cannot."""
-    data = {"widen": choice.widen, "native_s": choice.native_s, "widened_s": choice.widened_s,
-            "shape": list(choice.shape), "threads": choice.threads, "dtype": choice.dtype}
+def write_verdict(path: Path, data: dict) -> bool:
+    """Write ``data`` as JSON to ``path`` atomically (temp file + rename: parallel test workers
+    may race); False if it cannot (a read-only cache directory: measure again next time)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-prefill16-")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
         return True
     except OSError:
         return False
+
+
+def _write(path: Path, choice: PrefillChoice) -> bool:
+    return write_verdict(path, {"widen": choice.widen, "native_s": choice.native_s, "widened_s": choice.widened_s,
+                                "shape": list(choice.shape), "threads": choice.threads, "dtype": choice.dtype})
 
 
 def prefill_choice(dtype: str, root: Path | None = None) -> PrefillChoice:
