@@ -273,3 +273,23 @@ def test_library_name_differs_per_torch_install(monkeypatch):
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
     other = library_name()
     assert other != here and other.startswith("neuronfx_kernels_") and len(other) == len(here)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_matches_the_prefill_mask_on_real_tokens(dtype: torch.dtype) -> None:
+    """``causal_attention`` (SDPA's causal flag) gives every real token of right-padded prompts
+    what ``attention`` with ``prefill_mask`` gives it (pad rows may differ: nothing reads them),
+    in the reference bundle and the CPU kernel bundle of each dtype."""
+    from neuronfx.config.masks import prefill_mask
+    from neuronfx.graphs.kernels.bundles import REFERENCE_OPS
+
+    g = torch.Generator().manual_seed(4)
+    lens = torch.tensor([37, 64, 1])
+    q, k, v = (torch.randn(3, h, 64, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    mask = prefill_mask(lens, 64)
+    for ops in (REFERENCE_OPS, cpu_kernel_ops(str(dtype).removeprefix("torch."))):
+        got, want = ops.causal_attention(q, k, v), ops.attention(q, k, v, mask)
+        for row, n in enumerate(lens.tolist()):
+            tol = 1e-6 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[row, :, :n].float(), want[row, :, :n].float(), rtol=tol, atol=tol)
+        assert not torch.equal(got[0, :, 37:], want[0, :, 37:])  # pad rows really differ: the flag is not the mask

@@ -37,8 +37,6 @@ from neuronfx.graphs.kernels import library
 from neuronfx.graphs.kernels.gemm_choice import write_verdict
 from neuronfx.graphs.models import quant
 
-KINDS = ("int8", "4bit")
-ROWS = ("one", "batch", "prefill")
 AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch")})
 """The (kind, rows) paths that have an int8-activation product."""
 MARGIN = 1.1
