@@ -149,6 +149,7 @@ def test_prompt_lookup(tmp_path, capsys, monkeypatch):
                     "--rounds", "2", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1", "--prompt-lookup-max", "2",
                     "--compare", "llama.cpp")
     rows = {r["engine"]: r for r in data["rows"]}
+    assert data["weight_format"] == "float" and data["activation_format"] == "float"
     assert list(rows) == ["neuronfx", "neuronfx prompt lookup", "llama.cpp", "llama.cpp prompt lookup"]
     assert rows["neuronfx prompt lookup"]["tokens_equal_plain"] and rows["llama.cpp prompt lookup"]["tokens_equal_plain"]
     assert all(len(r["rounds_tok_s"]) == 2 and r["decode_tok_s"] > 0 for r in rows.values())

@@ -24,7 +24,7 @@ from neuronfx.bench.rounds import alternate, median
 from neuronfx.bench.speculative import chat_prompts
 from neuronfx.bench.types import Benchmark
 from neuronfx.config.dtypes import torch_dtype
-from neuronfx.config.inference import WEIGHT_FORMATS, InferenceConfig
+from neuronfx.config.inference import ACTIVATION_FORMATS, WEIGHT_FORMATS, InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError
@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine(p)
     add_threads(p)
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float", help="neuronfx's weights (default float)")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
+                   help="neuronfx's activations in the quantized products (default float; int8 / auto: inductor only)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (vLLM's name; default 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=3, metavar="N", help="shortest n-gram matched (default 3)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="M", help="longest n-gram matched (default 4)")
@@ -166,7 +168,8 @@ def ngram_runtime(path: str, prompts: Sequence[list[int]], args: argparse.Namesp
     ckpt = checkpoints.load_checkpoint(path, dtype=torch_dtype(args.dtype), gguf_blocks=args.weight_format == "gguf")
     longest, k = max(len(p) for p in prompts), args.num_speculative_tokens + 1
     inference = InferenceConfig(batch_size=1, max_context_length=longest, sequence_length=longest + args.gen_len + k,
-                                dtype=args.dtype, backend=args.backend, weight_format=args.weight_format, speculation_length=k,
+                                dtype=args.dtype, backend=args.backend, weight_format=args.weight_format,
+                                activation_format=args.activation_format, speculation_length=k,
                                 speculative_method="ngram", prompt_lookup_min=args.prompt_lookup_min,
                                 prompt_lookup_max=args.prompt_lookup_max)
     return neuronfx.compile(make_plan(ckpt.config, inference), ckpt.state_dict, progress=log is print)
@@ -189,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report(rows, log)
     return {"tasks": args.tasks, "gen_len": args.gen_len, "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max, "rounds": args.rounds,
-            "backend": args.backend, "dtype": args.dtype, "weight_format": args.weight_format, "rows": rows}
+            "backend": args.backend, "dtype": args.dtype, "weight_format": args.weight_format,
+            "activation_format": args.activation_format, "rows": rows}
 
 
 BENCHMARK = Benchmark(name="prompt-lookup", help="prompt-lookup speculation on input-grounded tasks: neuronfx with and without "
