@@ -84,6 +84,16 @@ def test_measured_paths_are_kept_per_machine(tmp_path, monkeypatch):
     assert choice.cache_file(64, 128, 4, tmp_path) != choice.cache_file(64, 256, 4, tmp_path)
 
 
+def test_verdicts_are_kept_under_torch_extensions_dir(tmp_path, monkeypatch):
+    """The kernel library builds under ``$TORCH_EXTENSIONS_DIR`` where set; the verdicts are kept
+    beside it, not in ``~/.cache`` (which may be read-only: then every process measured again)."""
+    from neuronfx.graphs.kernels import gemm_choice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert choice.cache_file(64, 128, 4).parent == tmp_path
+    assert gemm_choice.cache_file("bfloat16").parent == tmp_path
+
+
 def test_ops_bundle_routes_each_path():
     """Only the enabled paths take int8 activations: here int8 weights at prefill rows."""
     g = torch.Generator().manual_seed(2)

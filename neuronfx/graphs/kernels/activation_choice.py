@@ -34,7 +34,7 @@ import torch
 
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.kernels import library
-from neuronfx.graphs.kernels.gemm_choice import write_verdict
+from neuronfx.graphs.kernels.gemm_choice import verdict_root, write_verdict
 from neuronfx.graphs.models import quant
 
 AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch")})
@@ -148,11 +148,9 @@ def decide(times: dict[tuple[str, str], tuple[float, float]], margin: float = MA
 
 
 def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | None = None) -> Path:
-    """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is kept."""
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(get_default_build_root())
+    """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is
+    kept (``root``: default ``gemm_choice.verdict_root``, which honours ``$TORCH_EXTENSIONS_DIR``)."""
+    root = verdict_root() if root is None else root
     key = "\n".join(map(str, [hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
                               torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
     return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
