@@ -22,6 +22,7 @@ are never token-exact (they add x's rounding error), which is why "float" is the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -172,8 +173,14 @@ def measured_paths(hidden: int, intermediate: int, batch_rows: int, root: Path |
         return FLOAT_PATHS
     path = cache_file(hidden, intermediate, batch_rows, root)
     kept = _read(path)
-    if kept is not None:
-        return kept
+    return kept if kept is not None else _measure_once(path, hidden, intermediate, batch_rows)
+
+
+@functools.cache
+def _measure_once(path: Path, hidden: int, intermediate: int, batch_rows: int) -> Int8Paths:
+    """A new verdict, written to ``path`` when it can be, and kept for this process either way:
+    a compile asks once per graph, and where ``path`` cannot be written (a read-only cache) each
+    ask measured again, slowly, and a near tie could give one plan's graphs different paths."""
     times = measure(hidden, intermediate, batch_rows)
     paths = decide(times)
     write_verdict(path, {"enabled": sorted(paths.enabled), "seconds": {f"{k}/{r}": list(t) for (k, r), t in sorted(times.items())}})
