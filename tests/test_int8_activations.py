@@ -84,6 +84,30 @@ def test_measured_paths_are_kept_per_machine(tmp_path, monkeypatch):
     assert choice.cache_file(64, 128, 4, tmp_path) != choice.cache_file(64, 256, 4, tmp_path)
 
 
+def test_verdicts_are_kept_under_torch_extensions_dir(tmp_path, monkeypatch):
+    """The kernel library builds under ``$TORCH_EXTENSIONS_DIR`` where set; the verdicts are kept
+    beside it, not in ``~/.cache`` (which may be read-only: then every process measured again)."""
+    from neuronfx.graphs.kernels import gemm_choice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert choice.cache_file(64, 128, 4).parent == tmp_path
+    assert gemm_choice.cache_file("bfloat16").parent == tmp_path
+
+
+def test_a_verdict_that_cannot_be_written_is_measured_once_per_process(tmp_path, monkeypatch):
+    """Where the verdict file cannot be written (a read-only cache directory), the compile's
+    many asks (the cache key, then each graph) measure once and all get the same verdict."""
+    if not library.small_gemm_available():
+        pytest.fail("the neuronfx kernels did not build on this machine (see the warning above)")
+    calls = []
+    monkeypatch.setattr(choice, "write_verdict", lambda path, data: False)
+    monkeypatch.setattr(choice, "measure", lambda *a: calls.append(a) or {("int8", "prefill"): (1.0, 0.5)})
+    first = choice.measured_paths(64, 128, 4, root=tmp_path)
+    assert first.enabled == {("int8", "prefill")}
+    assert choice.measured_paths(64, 128, 4, root=tmp_path) == first and len(calls) == 1
+    assert not list(tmp_path.iterdir())
+
+
 def test_ops_bundle_routes_each_path():
     """Only the enabled paths take int8 activations: here int8 weights at prefill rows."""
     g = torch.Generator().manual_seed(2)

@@ -258,8 +258,30 @@ def test_quant_prefill_rejects_what_it_cannot_serve(kernel: None) -> None:
         quant_prefill(torch.randn(9, 32), Q.quantize_int8(w))
     with pytest.raises(RuntimeError, match="blocks do not match K = 96"):
         quant_prefill(torch.randn(9, 96), gguf_blocks(w, Q.Q4_1Blocks))
-    with pytest.raises(RuntimeError, match="int4 groups do not cover K"):
+    with pytest.raises(RuntimeError, match="x has K = 96, the int4 weight holds 2 groups of 32"):
         quant_prefill(torch.randn(9, 96), Q.quantize_int4(w, 32))
+
+
+def test_quant_prefill_checks_the_weight_as_quant_gemm_does(kernel: None) -> None:
+    """Layouts that used to give a silent wrong answer (x narrower than an int4 weight: only its
+    first group multiplied; float bytes read as int8; a (N, 1) bias broadcast across rows) or
+    read past a tensor (int4 scales and offsets of fewer rows) are RuntimeErrors; 0 rows of x
+    give an empty product."""
+    w = torch.randn(8, 64)
+    q4, q8 = Q.quantize_int4(w, 32), Q.quantize_int8(w)
+    op = torch.ops.neuronfx.quant_prefill
+    with pytest.raises(RuntimeError, match="x has K = 32, the int4 weight holds 2 groups of 32"):
+        quant_prefill(torch.randn(9, 32), q4)
+    with pytest.raises(RuntimeError, match="needs int8 data, got Float"):
+        op(torch.randn(9, 64), q8.data.float(), q8.scale, None, 0, None)
+    with pytest.raises(RuntimeError, match="scale and offset must be contiguous \\(N, groups\\)"):
+        op(torch.randn(9, 64), q4.data, q4.scale[:4].contiguous(), q4.offset[:4].contiguous(), 1, None)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32 or bfloat16"):
+        op(torch.randn(9, 64), q8.data, q8.scale.half(), None, 0, None)
+    with pytest.raises(RuntimeError, match="bias must be 1-D of 8 values"):
+        quant_prefill(torch.randn(8, 64), q8, torch.randn(8, 1))
+    empty = quant_prefill(torch.randn(0, 64), q4, torch.randn(8))
+    assert empty.shape == (0, 8) and empty.dtype == torch.float32
 
 
 def test_quant_gemm_multi_rejects_mixed_layouts(kernel: None) -> None:

@@ -22,6 +22,7 @@ are never token-exact (they add x's rounding error), which is why "float" is the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ import torch
 
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.kernels import library
-from neuronfx.graphs.kernels.gemm_choice import write_verdict
+from neuronfx.graphs.kernels.gemm_choice import verdict_root, write_verdict
 from neuronfx.graphs.models import quant
 
 AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch")})
@@ -148,11 +149,9 @@ def decide(times: dict[tuple[str, str], tuple[float, float]], margin: float = MA
 
 
 def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | None = None) -> Path:
-    """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is kept."""
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(get_default_build_root())
+    """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is
+    kept (``root``: default ``gemm_choice.verdict_root``, which honours ``$TORCH_EXTENSIONS_DIR``)."""
+    root = verdict_root() if root is None else root
     key = "\n".join(map(str, [hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
                               torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
     return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
@@ -174,8 +173,14 @@ def measured_paths(hidden: int, intermediate: int, batch_rows: int, root: Path |
         return FLOAT_PATHS
     path = cache_file(hidden, intermediate, batch_rows, root)
     kept = _read(path)
-    if kept is not None:
-        return kept
+    return kept if kept is not None else _measure_once(path, hidden, intermediate, batch_rows)
+
+
+@functools.cache
+def _measure_once(path: Path, hidden: int, intermediate: int, batch_rows: int) -> Int8Paths:
+    """A new verdict, written to ``path`` when it can be, and kept for this process either way:
+    a compile asks once per graph, and where ``path`` cannot be written (a read-only cache) each
+    ask measured again, slowly, and a near tie could give one plan's graphs different paths."""
     times = measure(hidden, intermediate, batch_rows)
     paths = decide(times)
     write_verdict(path, {"enabled": sorted(paths.enabled), "seconds": {f"{k}/{r}": list(t) for (k, r), t in sorted(times.items())}})

@@ -68,12 +68,19 @@ def decide(native_s: float, widened_s: float, margin: float = MARGIN) -> bool:
     return widened_s * margin < native_s
 
 
-def cache_file(dtype: str, root: Path | None = None) -> Path:
-    """Where the verdict of ``dtype`` for this CPU, torch and oneDNN ISA cap is kept."""
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
+def verdict_root() -> Path:
+    """The directory of the kept verdicts: torch's extension build root, ``$TORCH_EXTENSIONS_DIR``
+    where set (torch's ``get_default_build_root`` ignores it: with a read-only home the verdicts
+    were then never kept and measured again in every process), else ``~/.cache/torch_extensions``."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-        root = Path(get_default_build_root())
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def cache_file(dtype: str, root: Path | None = None) -> Path:
+    """Where the verdict of ``dtype`` for this CPU, torch and oneDNN ISA cap is kept (``root``:
+    default :func:`verdict_root`)."""
+    root = verdict_root() if root is None else root
     key = "\n".join([dtype, cpu_flags(), torch.__version__, os.environ.get("ONEDNN_MAX_CPU_ISA", "")])
     return root / f"neuronfx_prefill16_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 

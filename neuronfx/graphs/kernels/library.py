@@ -230,7 +230,8 @@ def quant_prefill(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
     cache and multiplied by torch's fp32 GEMM (``csrc/quant_prefill.cpp``), so no float copy of
     the whole weight is made. The values are ``quant.dequantize``'s; the result equals
     ``F.linear(x, dequantize(q, K))`` up to the GEMM's summation order. RuntimeError for x not
-    float32 or blocks / groups that do not match K. Needs :func:`small_gemm_available`."""
+    float32, blocks / groups that do not match K, data, scales or offsets of the wrong dtype or
+    shape, or a bias that is not (N,). Needs :func:`small_gemm_available`."""
     fmt, data, scale, offset = _quant_args(q)
     return torch.ops.neuronfx.quant_prefill(x, data, scale, offset, fmt, bias)
 

@@ -95,28 +95,52 @@ void dequant_row(const Weight& w, int64_t n, float* dst) {
   for (int64_t b = 0; b < w.K / 32; ++b) block(r + b * bytes, w.format, dst + b * 32);
 }
 
-at::Tensor quant_prefill(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
-                         const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_prefill: x must be float32, got ", x.scalar_type());
+// The weight's layout checked against x's K (as quant_gemm.cpp's check_weight, with int4 groups
+// of any even size up to 256): a mismatch would read past a tensor or give a silent wrong answer.
+Weight check_weight(int64_t K, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                    const c10::optional<at::Tensor>& offset, int64_t format) {
   TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "quant_prefill: data must be a contiguous 2-D tensor");
   TORCH_CHECK(format >= kInt8 && format <= kQ8_0, "quant_prefill: unknown format ", format);
-  TORCH_CHECK((format != kInt8 && format != kInt4) || scale.has_value(), "quant_prefill: int8 and int4 need a scale");
-  TORCH_CHECK(format != kInt4 || offset.has_value(), "quant_prefill: int4 needs an offset");
-  const int64_t K = x.size(-1), N = data.size(0);
-  Weight w{format, N, K, data.size(1), 0, static_cast<const uint8_t*>(data.data_ptr()), scale ? &*scale : nullptr, offset ? &*offset : nullptr};
-  if (format == kInt4) {
-    w.g = 2 * data.size(1) / scale->size(1);
-    TORCH_CHECK(w.g <= 256 && w.g % 2 == 0 && w.g * scale->size(1) >= K, "quant_prefill: int4 groups do not cover K");
-    TORCH_CHECK(scale->is_contiguous() && offset->is_contiguous() && scale->scalar_type() == offset->scalar_type(),
-                "quant_prefill: scale and offset must be contiguous and of one dtype");
-  } else if (format == kInt8) {
-    TORCH_CHECK(scale->is_contiguous() && scale->numel() == N, "quant_prefill: int8 needs one scale per row");
+  TORCH_CHECK(data.scalar_type() == (format == kInt8 ? at::kChar : at::kByte), "quant_prefill: format ", format,
+              " needs ", format == kInt8 ? "int8" : "uint8", " data, got ", data.scalar_type());
+  const int64_t N = data.size(0);
+  Weight w{format, N, K, data.size(1), 0, static_cast<const uint8_t*>(data.data_ptr()), nullptr, nullptr};
+  if (format == kInt8 || format == kInt4) {
+    TORCH_CHECK(scale.has_value(), "quant_prefill: int8 and int4 need a scale");
+    TORCH_CHECK(scale->is_contiguous() && (scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16),
+                "quant_prefill: scale must be a contiguous float32 or bfloat16 tensor, got ", scale->scalar_type());
+    w.scale = &*scale;
+  }
+  if (format == kInt8) {
+    TORCH_CHECK(scale->numel() == N, "quant_prefill: int8 needs one scale per row: ", N, ", got ", scale->numel());
     TORCH_CHECK(data.size(1) == K, "quant_prefill: int8 data has ", data.size(1), " columns, x has K = ", K);
+  } else if (format == kInt4) {
+    TORCH_CHECK(offset.has_value(), "quant_prefill: int4 needs an offset");
+    const int64_t groups = scale->dim() == 2 ? scale->size(1) : 0;
+    TORCH_CHECK(groups > 0 && scale->size(0) == N && offset->sizes() == scale->sizes() && offset->is_contiguous() &&
+                    offset->scalar_type() == scale->scalar_type(),
+                "quant_prefill: int4 scale and offset must be contiguous (N, groups) of one dtype, got ", scale->sizes(), " and ",
+                offset->sizes());
+    w.g = 2 * data.size(1) / groups;
+    TORCH_CHECK(w.g * groups == 2 * data.size(1) && w.g <= 256 && w.g % 2 == 0 && K <= w.g * groups && K > w.g * (groups - 1),
+                "quant_prefill: x has K = ", K, ", the int4 weight holds ", groups, " groups of ", w.g);
+    w.offset = &*offset;
   } else {
     const int64_t bytes = format == kQ4_1 ? 20 : format == kQ4_0 ? 18 : 34;
     TORCH_CHECK(K % 32 == 0 && data.size(1) == K / 32 * bytes, "quant_prefill: blocks do not match K = ", K);
   }
-  TORCH_CHECK(!bias || bias->numel() == N, "quant_prefill: bias has ", bias ? bias->numel() : 0, " values, the weight ", N, " rows");
+  return w;
+}
+
+at::Tensor quant_prefill(const at::Tensor& x, const at::Tensor& data, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& offset, int64_t format, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_prefill: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "quant_prefill: x must have a non-empty last dim");
+  const int64_t K = x.size(-1);
+  const Weight w = check_weight(K, data, scale, offset, format);
+  const int64_t N = w.N;
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->numel() == N), "quant_prefill: bias must be 1-D of ", N, " values (the weight's rows), got ",
+              bias ? bias->sizes() : at::IntArrayRef{});
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor out = at::empty({M, N}, x.options());  // a tile's columns: rows of stride N, what BLAS's ldc takes
