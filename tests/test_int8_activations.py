@@ -120,25 +120,31 @@ def test_ops_bundle_routes_each_path():
     assert torch.equal(ops.glu(prefill, q, q), torch.nn.functional.silu(quant.w8a8_linear(prefill, q)) * quant.w8a8_linear(prefill, q))
     torch.testing.assert_close(ops.linear(decode, q), decode @ quant.dequantize(q, 96).T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.linear(prefill, q4), prefill @ quant.dequantize(q4, 96).T, rtol=1e-5, atol=1e-4)
-    both = cpu_kernel_ops("float32", choice.ALL_PATHS).projections(decode, [q, q], [None, torch.ones(40)])
+    every = cpu_kernel_ops("float32", choice.ALL_PATHS)
+    both = every.projections(decode, [q, q], [None, torch.ones(40)])
     assert torch.equal(both[1], quant.w8a8_linear(decode, q, torch.ones(40)))
+    # the LM head keeps float x for int8 weights (its input's rounding lands on every logit); 4-bit heads keep their paths
+    assert torch.equal(every.head_linear(decode, q), library.quant_gemm(decode, q))
+    assert torch.equal(every.head_linear(decode, q4), library.quant_gemm(decode, q4, None, True))
 
 
 def round_linear_inputs(model: torch.nn.Module) -> None:
-    """Every nn.Linear of ``model`` multiplies x rounded per row as :func:`quant.int8_rows`."""
+    """Every nn.Linear of ``model`` but the LM head multiplies x rounded per row as
+    :func:`quant.int8_rows`."""
     def hook(module, args):
         xq, xs = quant.int8_rows(args[0])
         return ((xq.float() * xs).reshape(args[0].shape).to(args[0].dtype),)
 
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
             module.register_forward_pre_hook(hook)
 
 
 def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers():
-    """A compiled plan of int8 weights with ``activation_format="int8"`` (prefill, decode and the
-    int8 head through the integer GEMM) gives the greedy tokens and logits of transformers on
-    the same weights with every linear input rounded per row; and differs from float x."""
+    """A compiled plan of int8 weights with ``activation_format="int8"`` (prefill and decode
+    through the integer GEMM; the int8 head keeps float x) gives the greedy tokens and logits of
+    transformers on the same weights with every linear input but the head's rounded per row; and
+    differs from float x."""
     hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
     rt = tiny_runtime(hf, "inductor", weight_format="int8", activation_format="int8", batch_size=2, max_context_length=16,
                       prefill_buckets=(16,), decode_buckets=(64,))

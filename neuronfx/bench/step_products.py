@@ -21,7 +21,7 @@ from neuronfx.errors import UnsupportedModelError
 from neuronfx.graphs.models.layers import LayerWeights, Weights
 from neuronfx.graphs.models.ops import Ops, Weight
 
-KINDS = ("projections", "linear", "glu")
+KINDS = ("projections", "linear", "head", "glu")
 """The ops-bundle call a product is: ``ops.projections`` (up to three weights against one x),
 ``ops.linear`` or ``ops.glu`` (SwiGLU's gated product)."""
 
@@ -36,7 +36,7 @@ class Product:
     name: str  # "layers.3.qkv", "layers.3.wo", "layers.3.mlp", "layers.3.down", "lm_head"
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     weights: tuple[Weight, ...]  # float (N, K) tensors or quantized records (graphs/models/quant.py)
-    biases: tuple[torch.Tensor | None, ...]  # one per weight for "projections" and "linear"; () for "glu"
+    biases: tuple[torch.Tensor | None, ...]  # one per weight for "projections", "linear" and "head"; () for "glu"
     x_shape: tuple[int, ...]  # (1, 1, K) in a layer (B, T, K); (1, K) at the LM head, which takes the last row (B, hidden)
 
 
@@ -85,7 +85,7 @@ def step_products(weights: Weights, config: ModelConfig) -> tuple[Product, ...]:
         raise ValueError(f"the weights hold {len(weights['layers'])} layers, the config {config.num_hidden_layers}: pass a "
                          "runtime's weights with the config of its plan (plan.model).")
     layers = [p for i in range(config.num_hidden_layers) for p in layer_products(f"layers.{i}", weights["layers"][i], config)]
-    head = Product(name="lm_head", kind="linear", weights=(weights["lm_head"],), biases=(None,), x_shape=(1, config.hidden_size))
+    head = Product(name="lm_head", kind="head", weights=(weights["lm_head"],), biases=(None,), x_shape=(1, config.hidden_size))
     return (*layers, head)
 
 
@@ -143,6 +143,8 @@ def call_product(ops: Ops, product: Product, x: torch.Tensor) -> Any:
         return ops.projections(x, product.weights, product.biases)
     if product.kind == "glu":
         return ops.glu(x, *product.weights)
+    if product.kind == "head":
+        return ops.head_linear(x, product.weights[0], product.biases[0])
     return ops.linear(x, product.weights[0], product.biases[0])
 
 

@@ -13,7 +13,8 @@ norms, biases, the router of a mixture of experts and the KV cache stay in the p
 
 ``activation_format="int8"`` (opt-in; quantized plans on the inductor backend) makes the
 products integer products: int8 weights multiply x rounded to int8 per row (one scale per token,
-torchao's dynamic activation quantization) through an integer GEMM, at every row count; the
+torchao's dynamic activation quantization) through an integer GEMM, at every row count (the
+int8 LM head keeps float x: the rounding of its input would land on every logit); the
 decode products of 4-bit weights (int4, Q4_0, Q4_1) round x per 32 values and sum each block's
 nibble x int8 products exactly (llama.cpp's arithmetic, AVX512-VNNI), then scale and accumulate
 in fp32. It trades x's rounding error (at most absmax / 254 per value of a row or a block of

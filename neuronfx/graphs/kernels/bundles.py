@@ -74,7 +74,7 @@ def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Ten
 
 
 REFERENCE_OPS = Ops(
-    name="reference", linear=reference_linear, projections=reference_projections, glu=reference_glu,
+    name="reference", linear=reference_linear, head_linear=reference_linear, projections=reference_projections, glu=reference_glu,
     attention=sdpa, causal_attention=causal_sdpa, cached_attention=gathered_attention,
 )
 """Plain torch ops: the eager and export backends, and the reference of every kernel op."""
@@ -234,6 +234,7 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     return Ops(
         name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8.describe()})",
         linear=functools.partial(cpu_linear, **flags),
+        head_linear=functools.partial(cpu_linear, **(flags | {"int8": Int8Paths(frozenset(p for p in int8.enabled if p[0] != "int8"))})),
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
         attention=sdpa_fp32 if widen else sdpa,

@@ -31,6 +31,9 @@ class Ops:
     """The kernels of one graph. Shapes: x (..., in), weights (out, in) as in HF checkpoints.
 
     - ``linear(x, w, b)``: x @ w.T (+ b) -> (..., out) in x's dtype.
+    - ``head_linear(x, w, b)``: the LM head's product: ``linear``, except that an int8 head
+      keeps float x under int8 activations (per-token rounding of the final hidden state lands
+      on every logit).
     - ``projections(x, ws, bs)``: ``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V).
     - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
     - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
@@ -52,6 +55,7 @@ class Ops:
 
     name: str
     linear: Callable[[Tensor, Weight, Tensor | None], Tensor]
+    head_linear: Callable[[Tensor, Weight, Tensor | None], Tensor]
     projections: Callable[[Tensor, Sequence[Weight], Sequence[Tensor | None]], list[Tensor]]
     glu: Callable[[Tensor, Weight, Weight], Tensor]
     attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

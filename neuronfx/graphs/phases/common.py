@@ -94,7 +94,7 @@ def logits(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor
     its logits transform; under tensor parallelism the ranks' vocabulary columns are gathered
     and the padded ids dropped first."""
     model = plan.model
-    local = ops.linear(math.final_norm(hidden, norm, model.rms_norm_eps), lm_head, None)
+    local = ops.head_linear(math.final_norm(hidden, norm, model.rms_norm_eps), lm_head, None)
     out = local if plan.tp_degree == 1 else ops.gather_vocab(local)[..., :model.vocab_size]
     return math.logits(model, out)
 
