@@ -195,6 +195,19 @@ def test_cli_check_accuracy_of_a_quantized_plan(word_model_dir, capsys):
     assert floats["logits"]["max_abs_error"] > dequantized["logits"]["max_abs_error"]
 
 
+def test_cli_int8_activations_on_the_default_backend(word_model_dir, capsys):
+    """``--activation-format int8`` through the CLI on inductor (the default backend, which the
+    option needs): the report names the int8 activations, tokens come out, and the logits move
+    from the int8 weights' exact reference by more than fp32 order (x's rounding), but stay
+    near it."""
+    plan = [a if a != "eager" else "inductor" for a in PLAN]
+    assert main(["check-accuracy", str(word_model_dir), *plan, "--weight-format", "int8", "--activation-format", "int8",
+                 "--prompt", "w5 w9 w11 w3 w200", "--max-new-tokens", "4", "--fail-on", "never", "--json"]) == 0
+    dequantized, _ = json.loads(capsys.readouterr().out)
+    assert dequantized["engine"] == "neuronfx inductor float32 weights int8 int8 activations"
+    assert 1e-4 < dequantized["logits"]["max_abs_error"] < 0.5
+
+
 def test_cli_check_accuracy_of_kept_gguf_blocks_is_one_report(tmp_path, capsys):
     """A gguf plan's kept blocks dequantized are the checkpoint's float weights: one report,
     exact against transformers on them, its engine naming the weights."""
