@@ -68,6 +68,15 @@ class Int8Paths:
         kind = weight_kind(weight)
         return kind is not None and (kind, row_class(rows)) in self.enabled
 
+    def integer_gemm(self, weight: object, rows: int) -> bool:
+        """Whether the product is int8 weights on an int8 path: torch's ``_int_mm``
+        (``quant.w8a8_linear``), not a neuronfx kernel."""
+        return isinstance(weight, quant.Int8Weight) and self.uses(weight, rows)
+
+    def without(self, kind: str) -> Int8Paths:
+        """These paths less those of weight ``kind`` ("int8" or "4bit")."""
+        return Int8Paths(frozenset(p for p in self.enabled if p[0] != kind))
+
     def describe(self) -> str:
         """"none", or the paths as "int8/prefill, 4bit/one"."""
         return ", ".join(f"{k}/{r}" for k, r in sorted(self.enabled)) or "none"

@@ -131,7 +131,7 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     ``widen``; else (no kernels, or a native 16-bit GEMM) the weight is dequantized whole and
     multiplied in x's dtype."""
     rows = _rows(x)
-    if isinstance(weight, quant.Int8Weight) and int8.uses(weight, rows):
+    if int8.integer_gemm(weight, rows):
         return quant.w8a8_linear(x, weight, bias)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return cpu_kernels.quant_gemm(x, weight, bias, int8.uses(weight, rows))
@@ -152,7 +152,7 @@ def _one_kernel_call(x: Tensor, weights: Sequence[Weight], kernels: bool, int8: 
     and no int8 weight on an integer-GEMM path (that one is torch's ``_int_mm``)."""
     rows = _rows(x)
     return (kernels and rows <= SMALL_GEMM_MAX_ROWS and cpu_kernels.same_quant_layout(list(weights))
-            and not (isinstance(weights[0], quant.Int8Weight) and int8.uses(weights[0], rows)))
+            and not int8.integer_gemm(weights[0], rows))
 
 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
@@ -229,12 +229,12 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     kernels = small_gemm_available()
     widen = dtype != "float32" and widen_16bit_prefill(dtype)
     if not kernels:
-        int8 = Int8Paths(frozenset(p for p in int8.enabled if p[0] == "int8"))
+        int8 = int8.without("4bit")
     flags = {"kernels": kernels, "widen": widen, "int8": int8}
     return Ops(
         name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8.describe()})",
         linear=functools.partial(cpu_linear, **flags),
-        head_linear=functools.partial(cpu_linear, **(flags | {"int8": Int8Paths(frozenset(p for p in int8.enabled if p[0] != "int8"))})),
+        head_linear=functools.partial(cpu_linear, **(flags | {"int8": int8.without("int8")})),
         projections=functools.partial(cpu_projections, **flags),
         glu=functools.partial(cpu_glu, **flags),
         attention=sdpa_fp32 if widen else sdpa,
