@@ -50,6 +50,18 @@ def test_small_gemm_matches_float64(dtype: torch.dtype, rows: int, bias: bool) -
     assert err.max().item() <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemm_rows_equal_each_row_alone(dtype: torch.dtype) -> None:
+    """Batch invariance: every row of an M-row product (M = 1..8 and 11) has the bits of that row
+    multiplied alone (a verify row of a speculate step reduces as its decode row)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 197, generator=g).to(dtype)
+    w = torch.randn(67, 197, generator=g).to(dtype)
+    alone = torch.cat([small_gemm(x[i : i + 1], w, None) for i in range(11)])
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+        assert torch.equal(small_gemm(x[:rows], w, None), alone[:rows]), rows
+
+
 def _ops_run(fn: object, *args: torch.Tensor) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(*args)

@@ -200,6 +200,22 @@ def test_quant_gemm_matches_float64(kernel: None, fmt: str, xdtype: torch.dtype)
             assert (err <= _tolerance(x[0], q, wq, ref, k)).all(), (rows, b is None, err.max().item())
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_quant_gemm_rows_equal_each_row_alone(kernel: None, fmt: str, int8_x: bool) -> None:
+    """Batch invariance: every row of an M-row product (M = 1..8 and 11: each chunking of x rows;
+    N = 67 for the column tails) has the bits of that row multiplied alone, so a verify row of a
+    speculate step reduces as the decode row it stands for."""
+    k = {"int8": 197, "int8-bf16-scale": 197, "q4_0": 224, "q4_1": 224, "q8_0": 224}.get(fmt, 256)
+    g = torch.Generator().manual_seed(k + 1)
+    q = FORMATS[fmt](torch.randn(67, k, generator=g))
+    int8_x = int8_x and Q.int8_x_group_size(q) is not None  # formats without the int8-x path ignore it
+    x = torch.randn(11, k, generator=g)
+    alone = torch.cat([quant_gemm(x[i : i + 1], q, None, int8_x) for i in range(11)])
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+        assert torch.equal(quant_gemm(x[:rows], q, None, int8_x), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g96-bf16", "q4_1", "q8_0"])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_quant_gemm_multi_and_glu_match_float64(kernel: None, fmt: str, xdtype: torch.dtype) -> None:

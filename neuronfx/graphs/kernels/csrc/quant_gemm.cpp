@@ -18,6 +18,9 @@
 //   call (llama.cpp's q4_1 dot product splits the same way, ggml-cpu quants.c
 //   ``ggml_vec_dot_q4_1_q8_1``; unlike it, x is never quantized here).
 //
+// Every a * b + c outside the intrinsics is an explicit std::fma: left to the compiler it was
+// contracted in some tile shapes and not others, and a row's bits depended on its neighbours.
+//
 // SIMD path, chosen at compile time from -march=native's macros: AVX-512F (16 fp32 lanes),
 // AVX2 + FMA + F16C (8 lanes), or portable scalar code; ``neuronfx::quant_isa()`` names it.
 // Defining NFX_QUANT_AVX2 or NFX_QUANT_SCALAR forces a narrower path (to test it on a wider CPU).
@@ -74,9 +77,14 @@ struct Isa {
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static __m256 fold(V v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  // The sum of v's lanes added in hsum4's order: an output's bits must not depend on whether its
+  // tile reduced it alone or in a group of four (rows of one call equal the same rows alone).
+  static float hsum(V v) {
+    const __m256 f = fold(v), t = _mm256_hadd_ps(f, f), t2 = _mm256_hadd_ps(t, t);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
   // out[i] = sum of v[i], i < 4: halves folded, then a transposing reduction (hadd).
   static void hsum4(const V* v, float* out) {
@@ -137,11 +145,9 @@ struct Isa {
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static float hsum(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+  static float hsum(V v) {  // in hsum4's order (see the AVX-512 hsum)
+    const __m256 t = _mm256_hadd_ps(v, v), t2 = _mm256_hadd_ps(t, t);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
   }
   static void hsum4(const V* v, float* out) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -166,7 +172,7 @@ struct Isa {
   static V zero() { return 0.f; }
   static V load(const float* p) { return *p; }
   static V set1(float a) { return a; }
-  static V fma(V a, V b, V c) { return a * b + c; }
+  static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V mul(V a, V b) { return a * b; }
   static float hsum(V v) { return v; }
   static void hsum4(const V* v, float* out) { std::copy(v, v + 4, out); }
@@ -332,7 +338,7 @@ inline void group_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
       for (int m = 0; m < MT; ++m) tot[m][j] = Isa::fma(acc[m][j], d, tot[m][j]);
       if constexpr (L::kOffset) {
         const float o = lay.off(n + j, r[j], b);
-        for (int m = 0; m < MT; ++m) corr[m][j] += o * xs.sums[m * xs.groups + b];
+        for (int m = 0; m < MT; ++m) corr[m][j] = std::fma(o, xs.sums[m * xs.groups + b], corr[m][j]);
       }
     }
   }
@@ -392,7 +398,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   s = _mm512_reduce_add_ps(acc);
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
   return s;
 }
 
@@ -473,7 +479,7 @@ inline void int8x_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
             s += q * xs.xq[64 * at + i];
           }
           const float dw = cm.pair ? h[2 * (2 * c + ((l / 4) & 1))] : h[2 * gi];
-          a += static_cast<float>(s) * dw * xs.dxv[16 * at + l];
+          a = std::fma(static_cast<float>(s) * dw, xs.dxv[16 * at + l], a);
         }
         res[m * NT + j] += a;
       }
@@ -488,6 +494,7 @@ inline void int8x_tile(const L& lay, const Xs& xs, int64_t n, int64_t pf_rows, f
 // int8 per output channel: one scale per row, no groups; K need not be a multiple of W.
 template <typename S>
 struct Int8Layout {
+  static constexpr bool kNibbles = false;
   const int8_t* data;
   const S* scale;
   int64_t k;
@@ -513,7 +520,7 @@ inline void int8_tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, int64_t
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) {
       float a = res[m * NT + j];
-      for (int64_t k = KW; k < K; ++k) a += xs.x[m * xs.kp + k] * static_cast<float>(static_cast<int8_t>(r[j][k]));
+      for (int64_t k = KW; k < K; ++k) a = std::fma(xs.x[m * xs.kp + k], static_cast<float>(static_cast<int8_t>(r[j][k])), a);
       res[m * NT + j] = a * to_f(lay.scale[n + j]);
     }
 }
@@ -569,29 +576,47 @@ inline void tile_rows(const L& lay, const Xs& xs, int64_t m0, int64_t n, const O
   out.put(m0, n, MT, NT, res);
 }
 
-// All M rows of x against weight rows [n, n + NT): chunks of MT rows with MT * NT accumulators
-// in registers; the chunks after the first read the tile's weight rows from L1.
-template <int NT, typename L>
-inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out& out) {
-  int64_t m = 0;
-  if constexpr (8 * NT <= Isa::kRegs)
-    for (; m + 8 <= M; m += 8) tile_rows<8, NT>(lay, xs, m, n, out);
-  if constexpr (4 * NT <= Isa::kRegs)
-    for (; m + 4 <= M; m += 4) tile_rows<4, NT>(lay, xs, m, n, out);
-  if constexpr (2 * NT <= Isa::kRegs)
-    for (; m + 2 <= M; m += 2) tile_rows<2, NT>(lay, xs, m, n, out);
-  for (; m < M; ++m) tile_rows<1, NT>(lay, xs, m, n, out);
+// Accumulators a tile of layout L keeps in registers (MT * NT): the 4-bit paths of AVX-512
+// (lookup table, int8 x) keep only their sums, 16 of the 32 zmm; the others Isa::kRegs.
+template <typename L>
+constexpr int regs() {
+#if defined(NFX_Q_AVX512)
+  if constexpr (L::kNibbles) return 16;
+#endif
+  return Isa::kRegs;
 }
 
-// Output columns [n0, n1): tiles of NT weight rows, NT from the largest chunk of x rows
-// (MT * NT = kRegs: one row of x meets 8 weight rows at a time on AVX-512, independent FMA
-// chains for the pipelines and fewer tile ends).
+// Rows [m, m + R) of x against weight rows [n, n + NT), R < 8 known only at run time.
+template <int NT, typename L, int R = 1>
+inline void rest_rows(const L& lay, const Xs& xs, int64_t m, int64_t r, int64_t n, const Out& out) {
+  if constexpr (R < 8 && R * NT <= regs<L>()) {
+    if (r == R) tile_rows<R, NT>(lay, xs, m, n, out);
+    else rest_rows<NT, L, R + 1>(lay, xs, m, r, n, out);
+  }
+}
+
+// All M rows of x against weight rows [n, n + NT): chunks of MT rows (at most 8, MT * NT
+// accumulators), then the rest in one chunk (5 rows: one pass of 5, not 4 and 1, so each
+// weight is unpacked once); chunks after the first read the tile's rows from L1.
+template <int NT, typename L>
+inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out& out) {
+  constexpr int MT = std::min(8, regs<L>() / NT);
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) tile_rows<MT, NT>(lay, xs, m, n, out);
+  if (m < M) rest_rows<NT>(lay, xs, m, M - m, n, out);
+}
+
+// Output columns [n0, n1): tiles of NT weight rows, NT the largest power of two (at most 8)
+// with NT times the rows of a chunk <= regs<L>() (one row of x meets 8 weight rows at a time
+// on AVX-512: independent FMA chains for the pipelines and fewer tile ends).
 template <typename L>
 void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, const Out& out) {
-  const int64_t mt = std::min<int64_t>(M >= 8 ? 8 : M >= 4 ? 4 : M >= 2 ? 2 : 1, Isa::kRegs);
-  const int64_t nt = Isa::kRegs / mt;
+  constexpr int kRegs = regs<L>();
+  const int64_t mt = std::min<int64_t>({M, 8, kRegs});
+  const int64_t per = kRegs / mt;
+  const int64_t nt = per >= 8 ? 8 : per >= 4 ? 4 : per >= 2 ? 2 : 1;
   int64_t n = n0;
-  if constexpr (Isa::kRegs >= 8)
+  if constexpr (kRegs >= 8)
     if (nt == 8)
       for (; n + 8 <= n1; n += 8) all_rows<8>(lay, xs, M, n, out);
   if (nt >= 4)

@@ -69,9 +69,11 @@ inline void tile(const float* x, const W* w, int64_t K, int64_t N, int64_t n, fl
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc_s[m][j] = hsum(acc[m][j]);
 #endif
+  // Explicit fma in the tails: left to the compiler, a * b + c was contracted in some tile
+  // shapes and not others, and a row's bits then depended on the rows beside it.
   for (; k < K; ++k)
     for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NT; ++j) acc_s[m][j] += x[m * K + k] * load1(w + (n + j) * K + k);
+      for (int j = 0; j < NT; ++j) acc_s[m][j] = std::fma(x[m * K + k], load1(w + (n + j) * K + k), acc_s[m][j]);
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) out[m * N + n + j] = acc_s[m][j];
 }
@@ -106,7 +108,7 @@ inline void tile_bf16(const float* xp, const c10::BFloat16* w, int64_t K, int64_
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) {
       float a = hsum(acc[m][j]);
-      for (int64_t k = K16; k < K; ++k) a += xp[m * K + k] * static_cast<float>(w[(n + j) * K + k]);
+      for (int64_t k = K16; k < K; ++k) a = std::fma(xp[m * K + k], static_cast<float>(w[(n + j) * K + k]), a);
       out[m * N + n + j] = a;
     }
 }
@@ -139,10 +141,10 @@ inline void tile_any(const float* x, const W* w, int64_t K, int64_t N, int64_t n
 }
 
 // Rows [n0, n1) of the output for MT rows of x; NT output rows per tile keeps MT * NT
-// accumulators (<= 8) in registers next to the NT weight vectors.
+// accumulators (<= 8, one row: 4) in registers next to the NT weight vectors.
 template <typename W, int MT>
 void rows(const float* x, const W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  constexpr int NT = MT >= 8 ? 1 : (MT >= 4 ? 2 : 4);
+  constexpr int NT = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
   int64_t n = n0;
   for (; n + NT <= n1; n += NT) tile_any<W, MT, NT>(x, w, K, N, n, out);
   for (; n < n1; ++n) tile_any<W, MT, 1>(x, w, K, N, n, out);
@@ -152,9 +154,18 @@ template <typename W>
 void rows_m(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) rows<W, 8>(x + m * K, w, K, N, n0, n1, out + m * N);
-  if (M - m >= 4) { rows<W, 4>(x + m * K, w, K, N, n0, n1, out + m * N); m += 4; }
-  if (M - m >= 2) { rows<W, 2>(x + m * K, w, K, N, n0, n1, out + m * N); m += 2; }
-  if (M - m >= 1) { rows<W, 1>(x + m * K, w, K, N, n0, n1, out + m * N); }
+  // The rest in one pass over the weights (5 rows: once, not as 4 and 1: twice from memory).
+  x += m * K, out += m * N;
+  switch (M - m) {
+    case 1: rows<W, 1>(x, w, K, N, n0, n1, out); break;
+    case 2: rows<W, 2>(x, w, K, N, n0, n1, out); break;
+    case 3: rows<W, 3>(x, w, K, N, n0, n1, out); break;
+    case 4: rows<W, 4>(x, w, K, N, n0, n1, out); break;
+    case 5: rows<W, 5>(x, w, K, N, n0, n1, out); break;
+    case 6: rows<W, 6>(x, w, K, N, n0, n1, out); break;
+    case 7: rows<W, 7>(x, w, K, N, n0, n1, out); break;
+    default: break;
+  }
 }
 
 // out[m, n] for n in [n0, n1) into acc (M, N) fp32, by weight dtype.
