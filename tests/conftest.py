@@ -53,9 +53,10 @@ XDIST_GROUPS = {
     "test_compile_time.py": "shared-compiled", "test_overlap.py": "shared-compiled", "test_ngram.py": "shared-compiled",
     "test_checkpoints.py": "smollm2", "test_e2e_smollm2.py": "smollm2", "test_e2e_tensor_parallel.py": "smollm2",
     "test_server_smollm2.py": "smollm2", "test_prompt_logprobs.py": "smollm2",
+    "test_speculate.py": "speculation", "test_fused.py": "speculation",  # one worker compiles their shared k = 5 parts once
 }
 UNIT_SECONDS = {
-    "smollm2": 250, "shared-compiled": 215, "test_speculate.py": 120, "test_tensor_parallel.py": 120, "test_moe.py": 60,
+    "smollm2": 250, "shared-compiled": 215, "speculation": 130, "test_tensor_parallel.py": 120, "test_moe.py": 60,
     "test_cache.py": 35, "test_phi3_rope.py": 30, "test_gemma3.py": 30, "test_isa_pinned.py": 30, "test_bench.py": 25,
     "test_quantized.py": 25, "test_int8_activations.py": 30, "test_server.py": 25, "test_lowp.py": 25, "test_soak.py": 20, "test_server_structured.py": 20,
     "test_bench_ab.py": 20, "test_embeddings.py": 20, "test_bench_suite.py": 20, "test_kernels.py": 15,

@@ -133,17 +133,21 @@ def test_throughput_tiny(tiny_checkpoint, capsys):
 
 
 def test_speculative_tiny(tmp_path, capsys):
-    """Self-speculation with the first layer of two and the model as its own draft: every row
-    decodes; the draft model's acceptance is 1 (it is the target) and emits k tokens per pass."""
+    """Self-speculation with the first layer of two and the model as its own draft, each also
+    fused: every row decodes; the draft model's acceptance is 1 (it is the target) and emits k
+    tokens per pass; fused rows accept as their unfused ones."""
     smollm2_vocab_model(tmp_path)
     assert main(["bench", "speculative", "--model", str(tmp_path), "--backend", "eager", "--speculation-length", "3",
-                 "--draft-layers", "1", "--draft-model", str(tmp_path), "--gen-lens", "9", "--json"]) == 0
+                 "--draft-layers", "1", "--draft-model", str(tmp_path), "--gen-lens", "9", "--fused", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     names = [r["name"] for r in data["rows"]]
-    assert names == ["plain decode", "self-speculation N=1 k=3", "draft model k=3"] and data["rows"][0]["speedup"] == 1.0
-    draft = data["rows"][2]
+    assert names == ["plain decode", "self-speculation N=1 k=3", "self-speculation N=1 k=3 fused", "draft model k=3",
+                     "draft model k=3 fused"] and data["rows"][0]["speedup"] == 1.0
+    draft = data["rows"][3]
     assert draft["acceptance_rate"] == 1.0 and draft["mean_accepted_length"] > 2.5
     assert 0 <= data["rows"][1]["acceptance_rate"] <= 1
+    for unfused, fused in (data["rows"][1:3], data["rows"][3:5]):  # fused: the same tokens, so the same acceptance
+        assert fused["acceptance_rate"] == unfused["acceptance_rate"]
 
 
 def test_tp_bench_cli_json(tiny_checkpoint, capsys):

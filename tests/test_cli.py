@@ -37,6 +37,7 @@ from neuronfx.cli import main
         (["--device", "tpu"], "ConfigError"),
         (["--speculation-length", "4"], "InputError"),
         (["--draft-layers", "2"], "InputError"),
+        (["--fused-speculation"], "InputError"),
         (["--json-schema", "/nonexistent/schema.json"], "InputError"),
         (["--grammar", "/nonexistent/grammar.lark"], "InputError"),
         (["--json-schema", __file__], "SamplingParamsError"),  # not JSON
@@ -152,6 +153,9 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     overlapped = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft,
                           "--async-decode")  # overlapped scheduling, speculating: the same tokens
     assert overlapped["token_ids"] == plain["token_ids"] and overlapped["text"] == plain["text"]
+    fused = run_json(capsys, "--model", str(tiny_model_dir), *prompts, *OPTIONS, "--speculation-length", "3", *draft,
+                     "--fused-speculation")  # draft passes, verify and acceptance in one call: the same tokens
+    assert fused["token_ids"] == plain["token_ids"] and fused["speculation"] == spec["speculation"]
     assert [len(t) for t in spec["token_ids"]] == [12, 12]
     assert plain["speculation"] is None and all(s["emitted"] == 11 for s in spec["speculation"])
     for a, b in zip(spec["logprobs"], plain["logprobs"], strict=True):

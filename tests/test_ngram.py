@@ -24,8 +24,8 @@ from neuronfx.cli import main
 from neuronfx.config.sampling import pack_sampling
 from neuronfx.errors import ConfigError, InputError
 from neuronfx.runtime.acceptance import RowFacts, Uniforms, accept
+from neuronfx.runtime.drafts import ngram_proposal
 from neuronfx.runtime.ngram import ngram_propose
-from neuronfx.runtime.speculate import ngram_proposal
 
 NO_EOS: list[int] = []
 

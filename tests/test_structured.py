@@ -182,8 +182,10 @@ def test_sampled_tokens_always_obey_the_mask(rt, tok, grammars):
 # --- speculation, overlapped decode, the scheduler ------------------------------------------------
 
 
-@pytest.mark.parametrize("draft", ["self", "draft-model", "ngram"])
+@pytest.mark.parametrize("draft", ["self", "draft-model", "ngram", "fused-draft-model"])
 def test_speculation_yields_the_greedy_tokens_of_plain_decoding(hf, rt, tok, draft):
+    """Constrained and free rows speculate to plain decoding's tokens; on a fused runtime
+    (``fused_speculation``) the batch with grammar rows runs unfused."""
     sampling = [SamplingParams(structured=s) for s in (CHOICE, REGEX, SCHEMA)] + [SamplingParams()]
     plain, _ = neuronfx.generate(rt, neuronfx.init_state(rt), PROMPTS, max_new_tokens=24, sampling=sampling, tokenizer=tok)
     if draft == "self":
@@ -191,7 +193,9 @@ def test_speculation_yields_the_greedy_tokens_of_plain_decoding(hf, rt, tok, dra
     elif draft == "ngram":  # prompt lookup: drafts cut where the grammar refuses them, filler the mask allows
         spec_rt = tiny_runtime(hf, speculation_length=4, speculative_method="ngram")
     else:
-        spec_rt = neuronfx.with_draft(tiny_runtime(hf, speculation_length=4), tiny_runtime(tiny_hf_model("llama", seed=8)))
+        fused = draft == "fused-draft-model"
+        spec_rt = neuronfx.with_draft(tiny_runtime(hf, speculation_length=4, fused_speculation=fused),
+                                      tiny_runtime(tiny_hf_model("llama", seed=8)))
     spec, _ = neuronfx.generate(spec_rt, neuronfx.init_state(spec_rt), PROMPTS, max_new_tokens=24, sampling=sampling, tokenizer=tok)
     assert spec.token_ids == plain.token_ids and spec.finish_reasons == plain.finish_reasons
     assert sum(s.accepted for s in spec.speculation) > 0  # drafts were accepted, under the masks

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="self-speculation with the model's first N layers, one row each (default 8 15)")
     p.add_argument("--draft-model", default=None, metavar="PATH", help="also a draft model sharing the tokenizer")
     p.add_argument("--gen-lens", type=int, nargs="+", default=[128], metavar="N", help="tokens per prompt (the first value; default 128)")
+    p.add_argument("--fused", action="store_true", help="also each speculating row fused (fused_speculation: one call per step)")
 
 
 def chat_prompts(tokenizer: Any, questions: Sequence[str] = SPECULATE_PROMPTS) -> list[list[int]]:
@@ -70,9 +71,10 @@ def generator(runtime: Runtime, gen_len: int, speculative: bool = True) -> Gener
 
 
 def run_speculative_bench(checkpoint: Any, tokenizer: Any, backend: str, dtype: str, k: int, draft_layers: Sequence[int],
-                          draft_checkpoint: Any = None, gen_len: int = 128, log: Log = print) -> dict[str, Any]:
+                          draft_checkpoint: Any = None, gen_len: int = 128, log: Log = print, fused: bool = False) -> dict[str, Any]:
     """The rows of the module docstring; the first is plain decode, each row's ``speedup`` is
-    its tok/s over plain decode's. Raises ConfigError for a draft the plan cannot take."""
+    its tok/s over plain decode's; with ``fused`` each speculating row is followed by the same
+    draft fused (``fused_speculation``). Raises ConfigError for a draft the plan cannot take."""
     prompts = chat_prompts(tokenizer)
 
     def runtime_for(ckpt: Any, **extra: Any) -> Runtime:
@@ -80,17 +82,20 @@ def run_speculative_bench(checkpoint: Any, tokenizer: Any, backend: str, dtype: 
         return neuronfx.compile(make_plan(ckpt.config, inference), ckpt.state_dict, progress=log is print)
 
     rows = []
+    variants = (False, True) if fused else (False,)
     for n in draft_layers:
-        rt = runtime_for(checkpoint, speculation_length=k, draft_layers=n)
-        if not rows:
-            rows.append(measure("plain decode", generator(rt, gen_len, speculative=False), prompts, log))
-        rows.append(measure(f"self-speculation N={n} k={k}", generator(rt, gen_len), prompts, log))
+        for f in variants:
+            rt = runtime_for(checkpoint, speculation_length=k, draft_layers=n, fused_speculation=f)
+            if not rows:
+                rows.append(measure("plain decode", generator(rt, gen_len, speculative=False), prompts, log))
+            rows.append(measure(f"self-speculation N={n} k={k}" + " fused" * f, generator(rt, gen_len), prompts, log))
     if draft_checkpoint is not None:
-        rt = runtime_for(checkpoint, speculation_length=k)
-        if not rows:
-            rows.append(measure("plain decode", generator(rt, gen_len), prompts, log))
-        with_draft = neuronfx.with_draft(rt, runtime_for(draft_checkpoint, output_logits=True))
-        rows.append(measure(f"draft model k={k}", generator(with_draft, gen_len), prompts, log))
+        draft = runtime_for(draft_checkpoint, output_logits=True)
+        for f in variants:
+            rt = runtime_for(checkpoint, speculation_length=k, fused_speculation=f)
+            if not rows:
+                rows.append(measure("plain decode", generator(rt, gen_len, speculative=False), prompts, log))
+            rows.append(measure(f"draft model k={k}" + " fused" * f, generator(neuronfx.with_draft(rt, draft), gen_len), prompts, log))
     for row in rows:
         row["speedup"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
     return {"k": k, "gen_len": gen_len, "dtype": dtype, "backend": backend, "rows": rows}
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = checkpoints.load_checkpoint(path, dtype=torch_dtype(args.dtype))
     draft = checkpoints.load_checkpoint(args.draft_model, dtype=torch_dtype(args.dtype)) if args.draft_model else None
     return run_speculative_bench(ckpt, checkpoints.load_tokenizer(path), args.backend, args.dtype, args.speculation_length,
-                                 args.draft_layers, draft, gen_len=args.gen_lens[0], log=logger(args))
+                                 args.draft_layers, draft, gen_len=args.gen_lens[0], log=logger(args), fused=args.fused)
 
 
 BENCHMARK = Benchmark(name="speculative", help="speculative decoding at batch 1: plain decode against self-speculation and a "

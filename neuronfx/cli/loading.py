@@ -140,7 +140,7 @@ def with_draft_model(args: argparse.Namespace, runtime: neuronfx.Runtime, infere
     if not args.draft_model:
         return runtime
     ckpt = checkpoints.load_checkpoint(args.draft_model, dtype=torch_dtype(inference.dtype))
-    draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, output_logits=True)
+    draft_inf = attrs.evolve(inference, speculation_length=0, draft_layers=0, fused_speculation=False, output_logits=True)
     draft = neuronfx.compile(make_plan(ckpt.config, draft_inf), ckpt.state_dict, progress=progress)
     return neuronfx.with_draft(runtime, draft)
 

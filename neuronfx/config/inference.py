@@ -170,6 +170,11 @@ class InferenceConfig:
       with ``neuronfx.with_draft``) or "ngram": prompt lookup, vLLM's ``method="ngram"`` (no draft
       graphs: the drafts are the tokens that followed the latest n-gram's earliest match in the
       sequence, ``runtime/ngram.py``); needs ``speculation_length`` >= 2 and ``draft_layers`` 0.
+    - ``fused_speculation``: a speculate step runs its k - 1 draft passes, the verify pass and
+      the acceptance as one call with no host step between them (NxDI's
+      ``enable_fused_speculation``; ``runtime/fused.py``); the same tokens as unfused
+      speculation. Needs ``speculation_length`` >= 2 and a draft (``draft_layers`` or a draft
+      runtime), not "ngram"; rows with structured outputs speculate unfused.
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram lengths "ngram" tries, longest
       first (vLLM's names; 1 <= min <= max). Defaults 3 and 4, measured: on SmolLM2 (kept GGUF
       blocks, 4 drafts, ``neuronfx bench prompt-lookup``, 2026-12-04) min 1 made decoding 0.88x
@@ -244,6 +249,7 @@ class InferenceConfig:
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)
     draft_layers: int = attrs.field(default=0, validator=non_negative_int)
     speculative_method: str | None = attrs.field(default=None, validator=one_of((None, *SPECULATIVE_METHODS)))
+    fused_speculation: bool = attrs.field(default=False, validator=boolean)
     prompt_lookup_min: int = attrs.field(default=3, validator=positive_int)
     prompt_lookup_max: int = attrs.field(default=4, validator=positive_int)
     tp_degree: int = attrs.field(default=1, validator=positive_int)
@@ -295,7 +301,8 @@ class InferenceConfig:
 
     def _check_speculation(self) -> None:
         """The draft options: draft_layers needs speculation_length; "ngram" needs
-        speculation_length and no draft_layers; prompt_lookup_min <= prompt_lookup_max."""
+        speculation_length and no draft_layers; fused speculation needs speculation_length and
+        a draft model; prompt_lookup_min <= prompt_lookup_max."""
         if self.draft_layers and not self.speculation_length:
             raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -303,6 +310,10 @@ class InferenceConfig:
                               "n-gram lengths tried are min..max; lower prompt_lookup_min or raise prompt_lookup_max.")
         if self.speculative_method == "ngram" and not self.speculation_length:
             raise ConfigError("speculative_method='ngram' needs speculation_length=k >= 2 (k - 1 drafts per step); set it.")
+        if self.fused_speculation and (self.speculation_length < 2 or self.speculative_method is not None):
+            raise ConfigError(f"fused_speculation=True fuses a draft model's passes with the verify pass: it needs "
+                              f"speculation_length >= 2 (got {self.speculation_length}) and speculative_method=None (got "
+                              f"{self.speculative_method!r}); set them, or drop fused_speculation.")
         if self.speculative_method == "ngram" and self.draft_layers:
             raise ConfigError(f"speculative_method='ngram' with draft_layers={self.draft_layers}: prompt lookup drafts "
                               "without a model; drop draft_layers (or speculative_method).")

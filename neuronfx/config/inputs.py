@@ -13,7 +13,7 @@ Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (p
 prompt bucket; decode and draft: 1; speculate: ``speculation_length``; chunk:
 ``prefill_chunk_size``), ``V`` vocabulary size,
 ``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``), ``W`` = ceil(V / 32) words of
-a token bitmask.
+a token bitmask, ``D`` draft tokens per row (fused speculation: T - 1).
 
 Modelled on vLLM's ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``): a plain record with a
 shape comment per field, from which dummy inputs are made.
@@ -110,6 +110,29 @@ class EmbedInputs(NamedTuple):
     position_ids: Annotated[Tensor, "B T", "int32", "position of each token: 0 .. T - 1"]  # (B, T)
     seq_ids: Annotated[Tensor, "B", "int32", "unused (0): an embed graph keeps no cache"]  # (B,)
     prompt_lens: Annotated[Tensor, "B", "int32", "real tokens per row, >= 1 (padding rows: 1)"]  # (B,)
+
+
+class FusedSpeculateInputs(NamedTuple):
+    """Fused speculation (``runtime/fused.py``): one speculate step of k = T tokens per row in one
+    call, its T - 1 draft passes (D = T - 1), the verify pass and the acceptance. The rows'
+    sampler inputs before the step: each speculated position's are derived in the call
+    (``graphs/phases/speculation.py``). Rows: the larger of the two runtimes' batch buckets,
+    each graph reading its first rows."""
+
+    input_ids: Annotated[Tensor, "B", "int32", "the row's last token, not yet cached"]  # (B,)
+    position_ids: Annotated[Tensor, "B", "int32", "its position: the slot's cache_len (padding rows: 0)"]  # (B,)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    draft_seq_ids: Annotated[Tensor, "B", "int32", "the row's slot in the drafter's cache (its scratch slot for padding)"]  # (B,)
+    sampling_params: Annotated[Tensor, "B P", "float32", "the row's SamplingParams, top_k packed for the target's width"]  # (B, P)
+    draft_sampling_params: Annotated[Tensor, "B P", "float32", "the same, top_k packed for the drafter's width"]  # (B, P)
+    output_counts: Annotated[Tensor, "B V", "int32", "times the row's request generated each token before the step"]  # (B, V)
+    prompt_mask: Annotated[Tensor, "B V", "bool", "token occurs in the row's prompt (repetition penalty)"]  # (B, V)
+    logits_bias: Annotated[Tensor, "B V", "float32", "the request's logit_bias"]  # (B, V)
+    stop_mask: Annotated[Tensor, "B V", "bool", "the row's eos and stop ids, which min_tokens holds back"]  # (B, V)
+    min_tokens_left: Annotated[Tensor, "B", "int32", "speculated positions before min_tokens is reached (0: none)"]  # (B,)
+    draft_rand: Annotated[Tensor, "B D", "float32", "uniforms drawing the draft token at each position"]  # (B, D)
+    accept_rand: Annotated[Tensor, "B D", "float32", "uniforms of the acceptance test of each draft"]  # (B, D)
+    final_rand: Annotated[Tensor, "B T", "float32", "uniforms drawing the resampled or bonus token at each position"]  # (B, T)
 
 
 PHASE_INPUTS: dict[str, type] = {
@@ -214,10 +237,11 @@ def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
     row a tensor in call order: field, shape, dtype, what it holds (docs/design.md shows it)."""
     tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
-              "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket"}
+              "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket",
+              "FusedSpeculateInputs": "T = speculation_length, D = T - 1"}
     out = []
-    for cls in dict.fromkeys(PHASE_INPUTS.values()):
-        phases = ", ".join(p for p, c in PHASE_INPUTS.items() if c is cls)
+    for cls in [*dict.fromkeys(PHASE_INPUTS.values()), FusedSpeculateInputs]:
+        phases = ", ".join(p for p, c in PHASE_INPUTS.items() if c is cls) or "fused speculation"
         rows = [f"`{cls.__name__}` ({phases}; {tokens[cls.__name__]}):", "",
                 "| field | shape | dtype | what it holds |", "| --- | --- | --- | --- |"]
         for f in leaf_fields(cls):

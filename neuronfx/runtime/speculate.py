@@ -3,12 +3,9 @@
 tokens (``acceptance.py``); and :func:`follow_draft`, which keeps a draft runtime's cache in
 step with the target's through any other step.
 
-Drafts, behind one small interface (:class:`Drafter`, chosen once by :func:`drafter_of`;
-:func:`propose`): self-speculation (the runtime's own "draft" graphs: its first
-``draft_layers`` layers, final norm and LM head, sharing its weights and KV cache), a draft
-runtime attached with ``neuronfx.with_draft`` (its own KV cache in ``State.draft``, slot for
-slot), or prompt lookup (``speculative_method="ngram"``, vLLM's: :func:`ngram_proposal`, no
-graph; the batch carries each row's ``history``).
+Drafts: ``drafts.py`` (self-speculation, a draft runtime, prompt lookup). A runtime compiled
+with ``fused_speculation`` drafts, verifies and accepts in one call (``fused.py``) unless a row
+has a grammar.
 
 Acceptance applies every SamplingParams field at every verified position exactly as a decode
 step would: the logit bias of min_tokens, the penalties over the counts including the tokens
@@ -29,29 +26,26 @@ from typing import Any
 import attrs
 import torch
 
+from neuronfx.config.buckets import select_bucket
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import ConfigError, InputError
-from neuronfx.graphs.phases.inputs import KVCache
-from neuronfx.graphs.phases.sampling import sample
 from neuronfx.runtime.acceptance import (
-    Proposal,
     RowFacts,
     Uniforms,
     accept,
     emitted_logprobs,
-    position_sampler,
     speculation_uniforms,
 )
 from neuronfx.runtime.batch import sampler_inputs
 from neuronfx.runtime.checks import check_decode, check_room, check_token_ids, row_values, token_rows
-from neuronfx.runtime.ngram import ngram_propose
+from neuronfx.runtime.drafts import GREEDY, Drafter, drafter_of, propose
+from neuronfx.runtime.fused import batch_rows, fused_inputs, fused_step
 from neuronfx.runtime.pipeline import Rows, StepOutput, commit, plan_rows, run_rows
 from neuronfx.runtime.runtime import Runtime, check_runtime
 from neuronfx.runtime.state import State, advance, with_draft_state
-from neuronfx.runtime.structured import Constraints, constraint_rows, token_bitmask
+from neuronfx.runtime.structured import Constraints, constraint_rows
 
 Tensor = torch.Tensor
-GREEDY = SamplingParams()
 
 
 @attrs.frozen(kw_only=True)
@@ -115,186 +109,12 @@ def follow_draft(step: Callable[[Runtime, State, Any], tuple[StepOutput, State]]
     return out, with_draft_state(new, step(runtime.draft, state.draft, greedy)[1])
 
 
-# --- drafts -------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Drafter:
-    """Who proposes the draft tokens of a runtime, decided once (:func:`drafter_of`):
-
-    - ``runtime``: the runtime whose graphs draft (the target itself, or its draft runtime);
-    - ``phase``: the graphs it runs ("draft": the target's first ``draft_layers`` layers;
-      "decode": the draft runtime's own; "ngram": none, prompt lookup);
-    - ``own_cache``: whether it drafts into a KV cache of its own (``State.draft``), which must
-      then follow the target's accepted length; else it shares the target's cache.
-    """
-
-    runtime: Runtime
-    phase: str
-    own_cache: bool
-
-    def kv(self, state: State) -> KVCache:
-        """The KV cache this drafter writes in ``state``."""
-        return state.draft.kv if self.own_cache else state.kv
-
-
-def drafter_of(runtime: Runtime) -> Drafter:
-    """The drafter of a runtime that can speculate: its draft runtime when one is attached
-    (``with_draft``), prompt lookup for ``speculative_method="ngram"``, else self-speculation
-    through its "draft" graphs."""
-    if runtime.draft is not None:
-        return Drafter(runtime=runtime.draft, phase="decode", own_cache=True)
-    if runtime.plan.inference.speculative_method == "ngram":
-        return Drafter(runtime=runtime, phase="ngram", own_cache=False)
-    return Drafter(runtime=runtime, phase="draft", own_cache=False)
-
-
-def propose(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], u: Uniforms,
-            constraints: Constraints = None, history: Sequence[Sequence[int]] | None = None) -> Proposal:
-    """k - 1 draft tokens per row after ``x0`` at positions cache_len .. cache_len + k - 2, from
-    ``drafter``'s graphs on its KV cache (one token per row per pass). Each draft token is
-    sampled with the row's parameters and the same penalty counts, bias and token bitmask the
-    target applies at that position (``top_k`` packed for the drafter's static width). A row's
-    matcher in ``constraints`` is advanced through the row's drafts (each mask is the one after
-    the drafts before it; the k-th, for the bonus token, after all of them) and rolled back.
-    A "ngram" drafter proposes by prompt lookup over ``history`` instead (:func:`ngram_proposal`)."""
-    if drafter.phase == "ngram":
-        return ngram_proposal(runtime, rows, x0, history, u, constraints)
-    k = runtime.plan.inference.speculation_length
-    proposal = Proposal(tokens=[[] for _ in rows.slots], logits=[], samplers=[], targets=[], masks=[])
-    walk = DraftWalk(constraints)
-    try:  # the matchers are net unchanged even when a mask is refused
-        for i in range(k - 1):
-            draft_position(runtime, drafter, state, rows, x0, u.draft[:, i], proposal, walk.mask(runtime, rows, i))
-            walk.advance([row[-1] for row in proposal.tokens])
-        proposal.masks.append(walk.mask(runtime, rows, k - 1))
-    finally:
-        walk.rollback()
-    return proposal
-
-
-def draft_position(runtime: Runtime, drafter: Drafter, state: State, rows: RowFacts, x0: Sequence[int], rand: Tensor,
-                   proposal: Proposal, mask: Tensor | None) -> None:
-    """Draft the token at position i = len(proposal.masks) of every row (one pass of the
-    drafter's graph) under ``mask`` ((n, W) int32 or None) and append it, its logits, its
-    sampler and the target's sampler at that position to ``proposal``."""
-    i, n, drt = len(proposal.masks), len(rows.slots), drafter.runtime
-    proposal.masks.append(mask)
-    last = [(x if i == 0 else row[-1],) for x, row in zip(x0, proposal.tokens)]
-    step = plan_rows(drt, drafter.phase, drt.plan.decode_buckets, rows.slots, last,
-                     [state.cache_lens[s] + i for s in rows.slots], width=1)
-    target = position_sampler(runtime, rows, proposal.tokens, i, rand, mask)
-    sampler = sampler_inputs(drt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand,
-                             step.bsz, mask)
-    out = run_rows(drt, drafter.kv(state), step, sampler)
-    if not drt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
-        out = out | sample(out["logits"], sampler, drt.plan.topk_width, 0)
-    for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):
-        row.append(t)
-    proposal.logits.append(out["logits"][:n])
-    proposal.samplers.append(type(sampler)(*(t[:n] for t in sampler)))
-    proposal.targets.append(target)
-
-
-def ngram_proposal(runtime: Runtime, rows: RowFacts, x0: Sequence[int], history: Sequence[Sequence[int]], u: Uniforms,
-                   constraints: Constraints = None) -> Proposal:
-    """k - 1 drafts per row by prompt lookup (``ngram.ngram_propose`` over the row's
-    ``history`` with ``prompt_lookup_min`` / ``prompt_lookup_max``; a structured row's lookup is
-    cut where its grammar refuses it), padded to k - 1 with filler (:func:`_filler`). Each
-    draft's logits (n, V) are one-hot at the draft and drawn "greedy" with zero counts and bias,
-    so acceptance's q is one-hot there: greedy rows stay token-identical to plain decoding and
-    sampled rows keep the target's distribution (rejection sampling with a deterministic draft).
-    The target's sampler and mask at each position are as for any drafter (:class:`DraftWalk`).
-    ``Proposal.drafted``: each row's lookup length (0 when nothing matched: the row is verified
-    all the same, its filler accepted only where the target agrees)."""
-    inf = runtime.plan.inference
-    k, n, vocab = inf.speculation_length, len(rows.slots), runtime.plan.model.vocab_size
-    found = [list(ngram_propose(h, k - 1, inf.prompt_lookup_min, inf.prompt_lookup_max)) for h in history]
-    if constraints is not None:  # a matcher must never consume a token its grammar refuses
-        found = [f[: m.validate(f)] if m is not None and f else f for f, m in zip(found, constraints)]
-    zeros = torch.zeros(n, vocab)
-    greedy = sampler_inputs(runtime, [GREEDY] * n, zeros.int(), zeros.bool(), zeros, torch.zeros(n), n)
-    proposal = Proposal(tokens=[[] for _ in range(n)], logits=[], samplers=[], targets=[], masks=[],
-                        drafted=tuple(len(f) for f in found))
-    walk = DraftWalk(constraints)
-    try:  # the matchers are net unchanged even when a mask is refused
-        for i in range(k - 1):
-            mask = walk.mask(runtime, rows, i)
-            for r, row in enumerate(proposal.tokens):
-                allowed = mask[r] if mask is not None and walk.walking(r) else None
-                row.append(found[r][i] if i < len(found[r]) else _filler(row, x0[r], allowed))
-            drafts = torch.tensor([[row[i]] for row in proposal.tokens])
-            proposal.masks.append(mask)
-            proposal.targets.append(position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i], mask))
-            proposal.logits.append(zeros.scatter(1, drafts, 1.0))
-            proposal.samplers.append(greedy)
-            walk.advance([row[i] for row in proposal.tokens])
-        proposal.masks.append(walk.mask(runtime, rows, k - 1))
-    finally:
-        walk.rollback()
-    return proposal
-
-
-def _filler(row: Sequence[int], x0: int, allowed: Tensor | None) -> int:
-    """A padding draft: with ``allowed`` (the (W,) int32 bitmask of a row whose grammar is
-    walking) the first token it allows (its matcher must accept every draft), else the row's
-    last token (``x0`` before any draft). Filler is verified like any draft."""
-    if allowed is not None:
-        words = torch.nonzero(allowed).flatten()
-        if len(words):
-            w = int(words[0])
-            word = int(allowed[w]) & 0xFFFFFFFF
-            return w * 32 + (word & -word).bit_length() - 1
-    return row[-1] if row else x0
-
-
-class DraftWalk:
-    """The row matchers of a speculate step walked through its drafts: :meth:`mask` at each
-    position, :meth:`advance` over the drafts just sampled, :meth:`rollback` at the end (net
-    unchanged). A row whose matcher stopped (its grammar complete) masks nothing after: its
-    request ends at that token and the later ones are dropped."""
-
-    def __init__(self, constraints: Constraints) -> None:
-        self.constraints = constraints
-        self.consumed = [0] * (0 if constraints is None else len(constraints))
-        self.live = [m is not None for m in constraints or ()]
-
-    def mask(self, runtime: Runtime, rows: RowFacts, i: int) -> Tensor | None:
-        """(n, W) int32 bitmask of speculated position ``i`` (None: no row constrained)."""
-        if self.constraints is None:
-            return None
-        walking = tuple(m if live else None for m, live in zip(self.constraints, self.live))
-        model = runtime.plan.model
-        return token_bitmask(walking, rows.params, [g + i for g in rows.generated], model.eos_token_ids, model.vocab_size)
-
-    def walking(self, r: int) -> bool:
-        """Whether row ``r`` has a matcher that still masks (not stopped, not in error)."""
-        return self.constraints is not None and self.constraints[r] is not None and self.live[r]
-
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Each live row's matcher consumes its new draft; one that stops is no longer masked."""
-        for r, (m, t) in enumerate(zip(self.constraints or (), tokens)):
-            if self.live[r] and m is not None:
-                if not m.consume([t]):  # a draft is always drawn under the mask; an error leaves it unmasked
-                    self.live[r] = False
-                    continue
-                self.consumed[r] += 1
-                self.live[r] = not m.is_stopped()
-
-    def rollback(self) -> None:
-        """Undo every draft consumed."""
-        for m, n in zip(self.constraints or (), self.consumed):
-            if m is not None:
-                m.rollback(n)
-
-
-def sync_draft(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list[int]], ends: list[int], k: int) -> State | None:
-    """A drafter with its own cache, after the target accepted up to ``ends``: a row that
-    accepted every draft feeds the last one (the draft never consumed it), then every row's
-    draft cache_len is set to the target's (positions past it are stale and never read).
-    Returns the draft's new state, or None for a drafter sharing the target's cache."""
+def catch_up(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list[int]], ends: list[int], k: int) -> None:
+    """A drafter with its own cache, after the target accepted up to ``ends``: each row that
+    accepted every draft feeds the last one into the draft cache (the draft never consumed it).
+    Nothing for a drafter sharing the target's cache."""
     if not drafter.own_cache:
-        return None
+        return
     draft, dstate = drafter.runtime, state.draft
     full = [r for r, s in enumerate(rows.slots) if ends[r] == state.cache_lens[s] + k]
     if full:
@@ -304,8 +124,17 @@ def sync_draft(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list
         zeros = torch.zeros(len(full), draft.plan.model.vocab_size)
         run_rows(draft, dstate.kv, step, sampler_inputs(draft, [GREEDY] * len(full), zeros.int(), zeros.bool(), zeros,
                                                         torch.zeros(len(full)), step.bsz))
+
+
+def sync_draft(drafter: Drafter, state: State, slots: Sequence[int], ends: Sequence[int]) -> State | None:
+    """A drafter with its own cache, once its cache holds every accepted token: its new state,
+    each row's cache_len the target's ``ends`` (positions past it are stale and never read).
+    None for a drafter sharing the target's cache."""
+    if not drafter.own_cache:
+        return None
+    dstate = state.draft
     lens = list(dstate.cache_lens)
-    for s, end in zip(rows.slots, ends):
+    for s, end in zip(slots, ends):
         lens[s] = end
     return advance(dstate, cache_lens=tuple(lens), generated=dstate.generated, live=dstate.live, rng_key=dstate.rng_key)
 
@@ -374,6 +203,48 @@ def verify(runtime: Runtime, state: State, slots: Sequence[int], x0: Sequence[in
     return rows, run_rows(runtime, state.kv, rows)["logits"][: len(slots)]
 
 
+@attrs.frozen
+class Verified:
+    """What a speculate step's passes left for its commit: each row's emitted tokens, the verify
+    pass's logits (n, k, V) float32, each row's real drafts (None: k - 1 each), and the verify
+    graph's batch bucket and KV bucket."""
+
+    emitted: list[list[int]]
+    logits: Tensor
+    drafted: tuple[int, ...] | None
+    bsz: int
+    bucket: int
+
+
+def unfused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatch, facts: RowFacts, u: Uniforms) -> Verified:
+    """Propose (one host step per draft), verify, accept on the host, then catch the draft cache up."""
+    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints, batch.history)
+    rows, logits = verify(runtime, state, facts.slots, batch.input_ids, proposal.tokens)
+    emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
+    catch_up(drafter, state, facts, proposal.tokens, [s + len(e) for s, e in zip(rows.starts, emitted)],
+             runtime.plan.inference.speculation_length)
+    return Verified(emitted=emitted, logits=logits, drafted=proposal.drafted, bsz=rows.bsz, bucket=rows.bucket)
+
+
+def fused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatch, facts: RowFacts, u: Uniforms) -> Verified:
+    """The whole step in one call (``runtime/fused.py``)."""
+    n, starts = len(facts.slots), [state.cache_lens[s] for s in facts.slots]
+    inputs = fused_inputs(runtime, drafter.runtime, facts, batch.input_ids, starts, u)
+    out = fused_step(runtime, drafter.runtime, drafter.phase, state.kv, drafter.kv(state), inputs, n, starts,
+                     any(not sp.greedy for sp in facts.params))
+    emitted = [out["tokens"][r, :m].tolist() for r, m in enumerate(out["emitted"].tolist())]
+    bucket = select_bucket(runtime.plan.decode_buckets, max(starts) + runtime.plan.inference.speculation_length)
+    return Verified(emitted=emitted, logits=out["logits"], drafted=None, bsz=batch_rows(runtime, drafter.runtime, n)[0],
+                    bucket=bucket)
+
+
+def fuses(runtime: Runtime, drafter: Drafter, batch: SpeculateBatch) -> bool:
+    """Whether this step runs fused: the plan asks for it, a model drafts and no row has a
+    grammar (its matcher masks each draft on the host)."""
+    constrained = batch.constraints is not None and any(m is not None for m in batch.constraints)
+    return runtime.plan.inference.fused_speculation and drafter.phase != "ngram" and not constrained
+
+
 def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[StepOutput, State]:
     """:func:`speculate_step` without its checks (``batch`` must be valid for ``state``)."""
     k, slots = runtime.plan.inference.speculation_length, list(batch.seq_ids)
@@ -381,16 +252,13 @@ def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[St
                      counts=state.output_counts[slots], prompt_mask=state.prompt_mask[slots])
     u, key = speculation_uniforms(state.rng_key, facts.params, facts.generated, k)
     drafter = drafter_of(runtime)
-    proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints, batch.history)
-    rows, logits = verify(runtime, state, slots, batch.input_ids, proposal.tokens)
-    emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
-    ends = [start + len(e) for start, e in zip(rows.starts, emitted)]
-    draft = sync_draft(drafter, state, facts, proposal.tokens, ends, k)
-    new = commit(state, slots, ends, emitted, key)
-    n = len(slots)
+    v = (fused if fuses(runtime, drafter, batch) else unfused)(runtime, drafter, state, batch, facts, u)
+    ends = [state.cache_lens[s] + len(e) for s, e in zip(slots, v.emitted)]
+    draft = sync_draft(drafter, state, slots, ends)
+    new = commit(state, slots, ends, v.emitted, key)
     # Finiteness of the positions the row's tokens came from (a NaN past them is a rejected draft's).
-    finite = tuple(bool(torch.isfinite(logits[r, : len(e)]).all()) for r, e in enumerate(emitted))
-    out = StepOutput(tokens=tuple(e[-1] for e in emitted), new_tokens=tuple(tuple(e) for e in emitted), logits=None,
-                     logprobs=emitted_logprobs(facts, logits, emitted), bucket=rows.bucket, batch_size=rows.bsz, finite=finite,
-                     num_drafted=(k - 1,) * n if proposal.drafted is None else proposal.drafted)
+    finite = tuple(bool(torch.isfinite(v.logits[r, : len(e)]).all()) for r, e in enumerate(v.emitted))
+    out = StepOutput(tokens=tuple(e[-1] for e in v.emitted), new_tokens=tuple(tuple(e) for e in v.emitted), logits=None,
+                     logprobs=emitted_logprobs(facts, v.logits, v.emitted), bucket=v.bucket, batch_size=v.bsz, finite=finite,
+                     num_drafted=(k - 1,) * len(slots) if v.drafted is None else v.drafted)
     return out, new if draft is None else with_draft_state(new, draft)
