@@ -7,8 +7,8 @@ position derived from the record in between; no host step, no token read back, u
 returns each row's emitted tokens. A drafter with its own cache (a draft runtime) needs its last
 draft cached only when a row accepted every draft: that k-th pass runs, inside the call, only
 then (NxDI's draft runs k times every step; here a k-th pass in every step made a fused step
-1.10-1.13x the unfused one, SmolLM2 with an 8-layer draft, while the host work it saves is
-under 1%).
+1.10-1.13x the unfused one, SmolLM2 with an 8-layer draft, more than fusing saves:
+docs/usage/speculation.md#fused-speculation).
 
 The same uniforms, samplers and functions as unfused speculation (``speculate.py``), so a step
 emits the same tokens fused or not. ``speculate.speculate`` chooses it; rows with structured
