@@ -193,6 +193,9 @@ def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, caps
     for option in (["--batch-size", "1"], ["--sequence-length", "512"], ["--backend", "inductor"], ["--speculation-length", "0"]):
         assert main(["generate", *gen, *option, "--json"]) == 2, option  # 1, 512, inductor, 0: the defaults
         assert "the saved runtime" in capsys.readouterr().err
+    # a flag takes no value: the hint to compile again must be a command that parses
+    assert main(["generate", *gen, *plan[-4:], "--fused-speculation", "--json"]) == 2
+    assert "compile again: neuronfx compile MODEL --out DIR --fused-speculation." in capsys.readouterr().err
 
 
 def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -52,9 +52,18 @@ def saved_inference(args: argparse.Namespace, saved: Path) -> InferenceConfig:
         if given != saved_value:
             raise InputError(
                 f"--{name.replace('_', '-')}={given} but the saved runtime {saved} was compiled with {saved_value}; drop the "
-                f"option, or compile again: neuronfx compile MODEL --out DIR --{name.replace('_', '-')} {given}."
+                f"option, or compile again: neuronfx compile MODEL --out DIR {option_text(name, given)}."
             )
     return inference
+
+
+def option_text(name: str, value: object) -> str:
+    """Plan option ``name`` = ``value`` as typed on the command line: a bool is a bare flag
+    (``--fused-speculation``; False: ``--no-normalize``), which takes no value."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
 
 
 def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tuple[Path | None, InferenceConfig]:
