@@ -150,6 +150,17 @@ def test_fused_speculation_needs_a_draft_model(options):
         neuronfx.InferenceConfig(fused_speculation=True, **options)
 
 
+def test_fused_runtime_without_a_draft_names_only_fixes_it_accepts(hf):
+    """A fused runtime compiled with neither draft_layers nor a draft runtime: speculate_step
+    names draft_layers and with_draft, not prompt lookup (fused_speculation refuses it)."""
+    rt = tiny_runtime(hf, "eager", speculation_length=4, fused_speculation=True)
+    out, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), neuronfx.PrefillBatch(seq_ids=[0], prompts=[[1, 2, 3]],
+                                                                                         sampling=[GREEDY]))
+    with pytest.raises(ConfigError, match=r"draft_layers=N \(self-speculation\), or attach a draft runtime") as exc:
+        neuronfx.speculate_step(rt, state, neuronfx.SpeculateBatch(seq_ids=[0], input_ids=out.tokens, sampling=[GREEDY]))
+    assert "ngram" not in str(exc.value)
+
+
 def test_fused_on_inductor_equals_plain_greedy(hf):
     """The default backend: self-speculation and a draft model, fused, batch 1, k = 5: plain
     greedy's tokens (the plan's parts are test_speculate's k = 5 ones, from the kernel store)."""

@@ -148,9 +148,10 @@ def check_speculate(runtime: Runtime) -> None:
     if inf.speculation_length < 2:
         raise ConfigError("this runtime has no speculate graphs: compile with InferenceConfig(speculation_length=k >= 2).")
     if not runtime.can_speculate:
-        raise ConfigError("this runtime has no draft: compile with draft_layers=N (self-speculation) or "
-                          "speculative_method='ngram' (prompt lookup), or attach a draft runtime with "
-                          "neuronfx.with_draft(runtime, draft_runtime).")
+        # fused_speculation refuses prompt lookup (its drafts come from the host): offer only a model there
+        lookup = "" if inf.fused_speculation else " or speculative_method='ngram' (prompt lookup)"
+        raise ConfigError(f"this runtime has no draft: compile with draft_layers=N (self-speculation){lookup}, or attach a "
+                          "draft runtime with neuronfx.with_draft(runtime, draft_runtime).")
 
 
 def check_history(runtime: Runtime, batch: SpeculateBatch) -> None:
