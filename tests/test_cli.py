@@ -194,8 +194,14 @@ def test_saved_runtime_options_and_no_speculation(tiny_model_dir, tmp_path, caps
         assert main(["generate", *gen, *option, "--json"]) == 2, option  # 1, 512, inductor, 0: the defaults
         assert "the saved runtime" in capsys.readouterr().err
     # a flag takes no value: the hint to compile again must be a command that parses
-    assert main(["generate", *gen, *plan[-4:], "--fused-speculation", "--json"]) == 2
+    assert main(["generate", *gen, "--fused-speculation", "--json"]) == 2
     assert "compile again: neuronfx compile MODEL --out DIR --fused-speculation." in capsys.readouterr().err
+    # a runtime saved fused takes --fused-speculation alone (its plan has the draft), same tokens
+    fused = tmp_path / "fused"
+    assert main(["compile", str(tiny_model_dir), "--out", str(fused), *plan, "--fused-speculation", "--json"]) == 0
+    capsys.readouterr()
+    gen[1] = str(fused)
+    assert run_json(capsys, *gen, "--fused-speculation")["token_ids"] == spec["token_ids"]
 
 
 def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys, monkeypatch):

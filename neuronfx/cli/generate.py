@@ -23,6 +23,7 @@ from neuronfx.cli.options import (
     add_structured_options,
     check_cli_flags,
     check_cli_limits,
+    check_fused_flag,
     check_request_options,
     inference_from_args,
     structured_from_args,
@@ -61,6 +62,8 @@ def tp_degree(args: argparse.Namespace) -> int:
     the options first, so a bad value fails before any rank starts."""
     check_generate_flags(args)
     saved = saved_runtime(args.model)
+    if saved is None:
+        check_fused_flag(args)
     inference = saved_inference(args, saved) if saved is not None else inference_from_args(args)
     check_cli_limits(args, inference)
     return inference.tp_degree

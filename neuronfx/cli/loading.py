@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 import neuronfx
 from neuronfx.api import check_weight_source
-from neuronfx.cli.options import given_plan_options, inference_from_args
+from neuronfx.cli.options import check_fused_flag, given_plan_options, inference_from_args
 from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import make_plan
@@ -74,6 +74,8 @@ def plan_inference(args: argparse.Namespace, defaults: dict | None = None) -> tu
     saved = saved_runtime(args.model)
     if saved is None and getattr(args, "task", None) == "embed":  # pooling the model's sentence-transformers config names, unless given
         defaults = (defaults or {}) | (pooling_config(args.model or checkpoints.default_model_path()) or {})
+    if saved is None:
+        check_fused_flag(args)
     inference = saved_inference(args, saved) if saved is not None else inference_from_args(args, defaults)
     check_device(inference)
     check_backend(inference.backend)

@@ -237,11 +237,17 @@ def check_cli_flags(args: argparse.Namespace) -> None:
                              "PATH or --speculative-method ngram (prompt lookup).")
     elif not length and (args.draft_layers or args.draft_model):
         raise InputError("--draft-layers/--draft-model need --speculation-length K (>= 2).")
-    if given.get("fused_speculation") and (not length or ngram):
-        raise InputError("--fused-speculation fuses a draft model's passes with the verify pass: give --speculation-length K "
-                         "with --draft-layers N or --draft-model PATH (not --speculative-method ngram).")
     if args.draft_model and not Path(args.draft_model).exists():
         raise CheckpointError(f"--draft-model {args.draft_model!r} does not exist; check the path (nothing is downloaded).")
+
+
+def check_fused_flag(args: argparse.Namespace) -> None:
+    """InputError when --fused-speculation comes without a draft model's options (checked for a
+    checkpoint; a saved runtime's plan has its own, compared option by option)."""
+    given = given_plan_options(args)
+    if given.get("fused_speculation") and (not given.get("speculation_length") or given.get("speculative_method") == "ngram"):
+        raise InputError("--fused-speculation fuses a draft model's passes with the verify pass: give --speculation-length K "
+                         "with --draft-layers N or --draft-model PATH (not --speculative-method ngram).")
 
 
 def check_cli_limits(args: argparse.Namespace, inference: InferenceConfig) -> None:
