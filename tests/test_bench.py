@@ -324,3 +324,16 @@ def test_quant_path_line_names_the_kernels_path_of_quantized_inductor_plans_only
     assert quant_path(spec("inductor", "cpu", "gguf", "float")) == f"quantized decode products: {kernels.quant_isa()} path"
     assert quant_path(spec("inductor", "cpu", "int4", "int8")) == (
         f"quantized decode products: {kernels.quant_int8_x_isa()} (int8 activations) path")
+
+
+def test_speculative_bench_needs_a_chat_template():
+    """A tokenizer with no chat template: an InputError naming the fix, not transformers' traceback."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from neuronfx.bench.speculative import chat_prompts
+    from neuronfx.errors import InputError
+
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0")))
+    with pytest.raises(InputError, match="cannot render chat prompts .* an instruct model"):
+        chat_prompts(plain)

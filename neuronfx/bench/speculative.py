@@ -16,6 +16,7 @@ from neuronfx.config.dtypes import torch_dtype
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import make_plan
 from neuronfx.config.sampling import SamplingParams
+from neuronfx.errors import InputError
 from neuronfx.io import checkpoints
 from neuronfx.runtime.runtime import Runtime
 
@@ -40,9 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def chat_prompts(tokenizer: Any, questions: Sequence[str] = SPECULATE_PROMPTS) -> list[list[int]]:
-    """Token ids of ``questions`` (user messages) through the tokenizer's chat template."""
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    """Token ids of ``questions`` (user messages) through the tokenizer's chat template.
+    Raises InputError when the tokenizer has none (transformers' ValueError)."""
+    try:
+        return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"]) for q in questions]
+    except ValueError as exc:
+        raise InputError(f"the model's tokenizer cannot render chat prompts ({exc}); benchmark an instruct model, whose "
+                         "tokenizer has a chat template (the default SmolLM2-135M-Instruct has one).") from None
 
 
 def measure(name: str, generate: Generate, prompts: list[list[int]], log: Log) -> dict[str, Any]:
