@@ -20,6 +20,7 @@ from neuronfx.graphs.kernels.library import (
     quant_isa,
     quant_prefill,
     small_gemm_available,
+    w8a8_gemm,
 )
 from neuronfx.graphs.models import quant as Q
 
@@ -421,3 +422,34 @@ def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
     assert torch.equal(int8_ops.glu(x, q, up), quant_glu(x, q, up, True))
     assert torch.equal(float_ops.linear(x, q), quant_gemm(x, q))
     torch.testing.assert_close(int8_ops.linear(prefill, q), prefill @ Q.dequantize(q, k).T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [197, 576])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_w8a8_gemm_equals_w8a8_linear_bit_for_bit(kernel: None, k: int, xdtype: torch.dtype) -> None:
+    """The decode-rows integer kernel against ``quant.w8a8_linear`` (torch._int_mm): the same bits
+    at every row count (a K tail short of 64 included), with and without bias, an all-zero row
+    (scale 0) among them; each row equal to that row alone; 0 rows give (0, N)."""
+    g = torch.Generator().manual_seed(k)
+    q = Q.quantize_int8(torch.randn(67, k, generator=g))
+    bias = torch.randn(67, generator=g)
+    x = torch.randn(11, k, generator=g).to(xdtype)
+    x[3] = 0
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+        for b in (None, bias):
+            assert torch.equal(w8a8_gemm(x[:rows], q, b), Q.w8a8_linear(x[:rows], q, b)), (rows, b is None)
+    alone = torch.cat([w8a8_gemm(x[i : i + 1], q) for i in range(11)])
+    assert torch.equal(w8a8_gemm(x, q), alone) and not alone[3].any()
+    assert w8a8_gemm(x.view(1, 11, k), q).shape == (1, 11, 67) and w8a8_gemm(x[:0], q).shape == (0, 67)
+
+
+def test_w8a8_gemm_rejects_what_it_cannot_serve(kernel: None) -> None:
+    q = Q.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        w8a8_gemm(torch.randn(1, 32), q)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        w8a8_gemm(torch.randn(1, 64), q, torch.randn(3))
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        w8a8_gemm(torch.randn(1, 64), Q.Int8Weight(data=q.data.float(), scale=q.scale))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        w8a8_gemm(torch.randn(1, 64).half(), q)

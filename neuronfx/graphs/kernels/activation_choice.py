@@ -6,8 +6,9 @@ or "4bit" (int4, Q4_0, Q4_1); rows are "one" (a decode of batch 1), "batch" (2 t
 ``SMALL_GEMM_MAX_ROWS`` rows: larger decode batches, speculation) or "prefill" (more). With int8
 activations:
 
-- int8 weights, any rows: x rounded per row and an integer GEMM (``quant.w8a8_linear``,
-  ``torch._int_mm``: oneDNN's VNNI / AMX), as torchao's and OpenVINO's dynamic quantization;
+- int8 weights, any rows: x rounded per row and an integer GEMM, as torchao's and OpenVINO's
+  dynamic quantization: decode rows through the kernel ``library.w8a8_gemm`` (VNNI), more rows
+  through ``quant.w8a8_linear`` (``torch._int_mm``: oneDNN's VNNI / AMX), the same bits;
 - 4-bit weights, decode rows: the kernel's per-32-values integer products (``quant_gemm``'s
   ``int8_x``, llama.cpp's ``q8_1`` rounding);
 - 4-bit weights, prefill: no int8 path (float x, as with ``activation_format="float"``).
@@ -69,8 +70,8 @@ class Int8Paths:
         return kind is not None and (kind, row_class(rows)) in self.enabled
 
     def integer_gemm(self, weight: object, rows: int) -> bool:
-        """Whether the product is int8 weights on an int8 path: torch's ``_int_mm``
-        (``quant.w8a8_linear``), not a neuronfx kernel."""
+        """Whether the product is int8 weights on an int8 path: an integer GEMM
+        (``library.w8a8_gemm`` for decode rows, else ``quant.w8a8_linear``), not ``quant_gemm``."""
         return isinstance(weight, quant.Int8Weight) and self.uses(weight, rows)
 
     def without(self, kind: str) -> Int8Paths:
@@ -105,7 +106,9 @@ def _float_way(rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], tor
     return lambda x, q: library.quant_prefill(x, q)  # tiles dequantized in cache, then fp32 GEMM
 
 
-def _int8_way(kind: str) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
+def _int8_way(kind: str, rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
+    if kind == "int8" and rows <= library.SMALL_GEMM_MAX_ROWS:
+        return lambda x, q: library.w8a8_gemm(x, q)  # rounds x itself
     if kind == "int8":  # x rounded beforehand: in a compiled graph the rounding and the scaling are fused passes
         return lambda x, q: torch._int_mm(x, q.data.t()).float() * q.scale
     return lambda x, q: library.quant_gemm(x, q, None, True)
@@ -127,9 +130,9 @@ def measure(hidden: int, intermediate: int, batch_rows: int, repeats: int = REPE
     """Best seconds (float x, int8 x) of each path in :data:`AVAILABLE` on random weights of the
     MLP's shapes, gate (intermediate, hidden) and down (hidden, intermediate) summed: int8
     weights and int4 in groups of 32. Rows: 1, ``batch_rows`` (skipped when 1) and
-    :data:`PREFILL_ROWS`. The int8 weights' way is timed as its integer GEMM and output scaling
-    on x rounded beforehand (a compiled graph fuses x's rounding into the pass that makes x;
-    timed eagerly, its dozen small ops would dominate a decode row). Needs the kernel library."""
+    :data:`PREFILL_ROWS`. The int8 weights' way: at decode rows the ``w8a8_gemm`` kernel (which
+    rounds x itself); at prefill rows the integer GEMM and output scaling on x rounded beforehand
+    (a compiled graph fuses x's rounding into the pass that makes x). Needs the kernel library."""
     g = torch.Generator().manual_seed(0)
     shapes = [(min(intermediate, MAX_PROBE_ROWS), hidden), (min(hidden, MAX_PROBE_ROWS), intermediate)]
     weights = {"int8": [quant.quantize_int8(torch.randn(s, generator=g)) for s in shapes],
@@ -145,8 +148,8 @@ def _time_path(kind: str, weights: list[quant.QuantizedWeight], rows: int, g: to
                repeats: int) -> tuple[float, float]:
     """Best seconds (float x, int8 x) of ``weights``' products with x of ``rows`` rows."""
     xs = [torch.randn(rows, q.data.shape[1] * (2 if kind == "4bit" else 1), generator=g) for q in weights]
-    xi = [quant.int8_rows(x)[0] for x in xs] if kind == "int8" else xs
-    plain, int8 = _float_way(rows), _int8_way(kind)
+    xi = [quant.int8_rows(x)[0] for x in xs] if kind == "int8" and rows > library.SMALL_GEMM_MAX_ROWS else xs
+    plain, int8 = _float_way(rows), _int8_way(kind, rows)
     ways = [lambda: [plain(x, q) for x, q in zip(xs, weights)], lambda: [int8(x, q) for x, q in zip(xi, weights)]]
     plain_s, int8_s = _best(ways, repeats, flush)
     return plain_s, int8_s
@@ -161,7 +164,7 @@ def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | Non
     """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is
     kept (``root``: default ``gemm_choice.verdict_root``, which honours ``$TORCH_EXTENSIONS_DIR``)."""
     root = verdict_root() if root is None else root
-    key = "\n".join(map(str, [hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
+    key = "\n".join(map(str, ["w8a8_gemm", hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
                               torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
     return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 

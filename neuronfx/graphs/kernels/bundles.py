@@ -124,7 +124,8 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
                      widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
     """A quantized weight's product: int8 weights on a path ``int8`` enables multiply in integers
-    (``quant.w8a8_linear``); up to SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
+    (decode rows: ``library.w8a8_gemm``; more: ``quant.w8a8_linear``, equal bit for bit); up to
+    SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
     bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
     values, ``library.quant_gemm``); more rows (prefill) run ``library.quant_prefill`` (tiles of
     the weight dequantized in cache, then fp32 GEMM) for fp32 plans and 16-bit plans that
@@ -132,6 +133,8 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     multiplied in x's dtype."""
     rows = _rows(x)
     if int8.integer_gemm(weight, rows):
+        if kernels and rows <= SMALL_GEMM_MAX_ROWS:  # the same integers and bits; _int_mm reads small M slowly
+            return cpu_kernels.w8a8_gemm(x, weight, bias)
         return quant.w8a8_linear(x, weight, bias)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return cpu_kernels.quant_gemm(x, weight, bias, int8.uses(weight, rows))

@@ -38,7 +38,7 @@ SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
 bound and torch's blocked GEMM wins."""
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
 
 
@@ -101,6 +101,7 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::quant_gemm_multi")(_quant_gemm_multi_fake)
     torch.library.register_fake("neuronfx::quant_glu")(_quant_glu_fake)
     torch.library.register_fake("neuronfx::quant_prefill")(_quant_prefill_fake)
+    torch.library.register_fake("neuronfx::w8a8_gemm")(_w8a8_gemm_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     return True
 
@@ -125,6 +126,10 @@ def _quant_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | 
 
 def _quant_prefill_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, offset: torch.Tensor | None, fmt: int,
                         bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
+def _w8a8_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
@@ -234,6 +239,23 @@ def quant_prefill(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
     shape, or a bias that is not (N,). Needs :func:`small_gemm_available`."""
     fmt, data, scale, offset = _quant_args(q)
     return torch.ops.neuronfx.quant_prefill(x, data, scale, offset, fmt, bias)
+
+
+def w8a8_gemm(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.w8a8_linear`` for decode rows (<= :data:`SMALL_GEMM_MAX_ROWS`): x (..., K) float32
+    or bfloat16 rounded per row exactly as ``quant.int8_rows``, the int8 x int8 products summed
+    exactly in int32 (AVX512-VNNI ``vpdpbusd`` where the CPU has it, :func:`w8a8_vnni`; each
+    weight row read once against every row), scaled by x's and the weight's scales in fp32
+    (+ bias (N,)) -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``). torch's ``_int_mm`` reads
+    such small-M products slowly and rounds and scales in separate ops. RuntimeError for data
+    that is not a contiguous int8 (N, K), or x, scale or bias of the wrong shape."""
+    return torch.ops.neuronfx.w8a8_gemm(x, q.data, q.scale, bias)
+
+
+def w8a8_vnni() -> bool:
+    """Whether :func:`w8a8_gemm` was built with AVX512-VNNI (else scalar integer code)."""
+    _loaded()
+    return bool(torch.ops.neuronfx.w8a8_vnni())
 
 
 def same_quant_layout(weights: list) -> bool:

@@ -1,0 +1,200 @@
+// int8 weights x int8 activations for decode rows: out[m, n] = (sum_k xq[m, k] * w[n, k]) *
+// xs[m] * ws[n] (+ bias[n]), x rounded per row exactly as ``quant.int8_rows`` (absmax / 127,
+// half to even) and the integer sums exact in int32, so the result has the bits of
+// ``quant.w8a8_linear`` (torch._int_mm), whose oneDNN GEMM reads small-M products slowly and
+// leaves x's rounding and the scaling to separate ops.
+//
+// AVX512-VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes, so each weight byte is read as
+// w + 128 (xor 0x80) and 128 * sum_k xq[m, k] is taken off each sum; 64 products per
+// instruction, each weight row read once against every row of x. Without VNNI the same
+// integers in scalar code.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define NFX_W8A8_VNNI 1
+#endif
+
+namespace {
+
+// x rounded per row: int8 rows of kp (K padded with zeros to whole 64s), their scales and sums.
+struct XRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t kp;
+};
+
+// One row of x (fp32, K values) rounded into q: torch.round(x / safe).clamp(-127, 127), an
+// IEEE fp32 division then half to even, 16 lanes at a time where AVX-512 is; returns the sum.
+inline int32_t round_row(const float* x, int64_t K, float safe, int8_t* q) {
+  int32_t sum = 0;
+  int64_t k = 0;
+#if defined(NFX_W8A8_VNNI)
+  const __m512 d = _mm512_set1_ps(safe), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  __m512i acc = _mm512_setzero_si512();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
+    acc = _mm512_add_epi32(acc, i);
+  }
+  sum = _mm512_reduce_add_epi32(acc);
+#endif
+  for (; k < K; ++k) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / safe)));
+    q[k] = static_cast<int8_t>(v);
+    sum += static_cast<int32_t>(v);
+  }
+  return sum;
+}
+
+template <typename X>
+XRows round_rows(const X* x, int64_t M, int64_t K) {
+  XRows r{std::vector<int8_t>(M * ((K + 63) / 64 * 64), 0), std::vector<float>(M), std::vector<int32_t>(M, 0), (K + 63) / 64 * 64};
+  std::vector<float> row(K);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      row[k] = static_cast<float>(x[m * K + k]);
+      amax = std::max(amax, std::fabs(row[k]));
+    }
+    const float s = amax / 127.f;
+    r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
+    r.scale[m] = s;
+  }
+  return r;
+}
+
+#if defined(NFX_W8A8_VNNI)
+inline __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
+// out[i] = the sum of v[i]'s lanes, i < C, four at a time through a transposing reduction (a
+// tile's sums are few products long, so one reduction per sum would cost as much as the products).
+template <int C>
+inline void sums(const __m512i* v, int32_t* out) {
+  int i = 0;
+  for (; i + 4 <= C; i += 4) {
+    const __m256i ab = _mm256_hadd_epi32(fold(v[i]), fold(v[i + 1])), cd = _mm256_hadd_epi32(fold(v[i + 2]), fold(v[i + 3]));
+    const __m256i abcd = _mm256_hadd_epi32(ab, cd);  // lane j of each 128-bit half: part of sum j
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1)));
+  }
+  for (; i < C; ++i) out[i] = _mm512_reduce_add_epi32(v[i]);
+}
+#endif
+
+// Rows [m0, m0 + MT) of x against weight rows [n, n + NT): their exact int32 sums into tot.
+template <int MT, int NT>
+inline void tile(const XRows& xr, int64_t m0, const int8_t* w, int64_t K, int64_t n, int32_t* tot) {
+#if defined(NFX_W8A8_VNNI)
+  __m512i acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~0ULL : (1ULL << (K - k)) - 1;  // masked bytes read 0 (x is 0 there)
+    __m512i wv[NT];
+    for (int j = 0; j < NT; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j + 2 * NT) * K + k), _MM_HINT_T1);
+      wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (n + j) * K + k), flip);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xr.q.data() + (m0 + m) * xr.kp + k);
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wv[j], xv);
+    }
+  }
+  sums<MT * NT>(&acc[0][0], tot);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) tot[m * NT + j] -= 128 * xr.sum[m0 + m];
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(xr.q[(m0 + m) * xr.kp + k]) * w[(n + j) * K + k];
+      tot[m * NT + j] = s;
+    }
+#endif
+}
+
+// Rows [m0, m0 + mc) (mc <= 8) against weight rows [n, n + nt): nt is 4 for up to 4 rows and 2
+// above (16 int32 sums in registers), or 1 at the end of a task's range.
+void tile_any(const XRows& xr, int64_t m0, int64_t mc, const int8_t* w, int64_t K, int64_t n, int nt, int32_t* tot) {
+#define NFX_W8A8_CASE(MT, NT) \
+  if (mc == MT && nt == NT) return tile<MT, NT>(xr, m0, w, K, n, tot);
+  NFX_W8A8_CASE(1, 4) NFX_W8A8_CASE(2, 4) NFX_W8A8_CASE(3, 4) NFX_W8A8_CASE(4, 4)
+  NFX_W8A8_CASE(5, 2) NFX_W8A8_CASE(6, 2) NFX_W8A8_CASE(7, 2) NFX_W8A8_CASE(8, 2)
+  NFX_W8A8_CASE(1, 1) NFX_W8A8_CASE(2, 1) NFX_W8A8_CASE(3, 1) NFX_W8A8_CASE(4, 1)
+  NFX_W8A8_CASE(5, 1) NFX_W8A8_CASE(6, 1) NFX_W8A8_CASE(7, 1) NFX_W8A8_CASE(8, 1)
+#undef NFX_W8A8_CASE
+}
+
+at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_gemm: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kChar && data.is_contiguous(),
+              "w8a8_gemm: data must be a contiguous int8 (N, K) tensor");
+  const int64_t N = data.size(0), K = data.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "w8a8_gemm: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "w8a8_gemm: scale must be (", N, ",)");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N), "w8a8_gemm: bias must be (", N, ",)");
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  const XRows xr = x.scalar_type() == at::kFloat ? round_rows(xc.data_ptr<float>(), M, K)
+                                                 : round_rows(xc.data_ptr<c10::BFloat16>(), M, K);
+  const at::Tensor ws = scale.to(at::kFloat).contiguous();
+  const at::Tensor bs = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* w = data.data_ptr<int8_t>();
+  const float* wsp = ws.data_ptr<float>();
+  const float* bp = bias ? bs.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int32_t tot[16];
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mc = std::min<int64_t>(8, M - m0);
+      const int wide = mc <= 4 ? 4 : 2;
+      for (int64_t n = n0; n < n1;) {
+        const int nt = n + wide <= n1 ? wide : 1;
+        tile_any(xr, m0, mc, w, K, n, nt, tot);
+        for (int64_t m = 0; m < mc; ++m)
+          for (int j = 0; j < nt; ++j) {
+            // w8a8_linear's order: (sum * x scale) * weight scale, rounded, then + bias (the fma
+            // with 0 keeps the compiler from fusing the last product with the bias)
+            const float v = std::fma(static_cast<float>(tot[m * nt + j]) * xr.scale[m0 + m], wsp[n + j], 0.f);
+            o[(m0 + m) * N + n + j] = bp ? v + bp[n + j] : v;
+          }
+        n += nt;
+      }
+    }
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.to(x.scalar_type()).view(shape);
+}
+
+bool w8a8_vnni() {
+#if defined(NFX_W8A8_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
+  m.def("w8a8_gemm(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_vnni() -> bool", &w8a8_vnni);
+}
+TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
+  m.impl("w8a8_gemm", &w8a8_gemm);
+}
