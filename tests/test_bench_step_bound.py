@@ -84,8 +84,8 @@ def tiny_case(model_type: str, weight_format: str, dtype: str, **overrides: obje
     ("llama", "float", "bfloat16", "float", {}, FLOAT_LAYER * 2 + ["neuronfx::small_gemm"]),
     ("llama", "int8", "float32", "float", {}, QUANT_LAYER * 2 + ["neuronfx::quant_gemm"]),
     ("llama", "int4", "float32", "int8", {}, QUANT_LAYER * 2 + ["neuronfx::quant_gemm"]),  # the int8 head keeps float x
-    # int8 weights with int8 activations: torch's integer GEMM, one per weight; the int8 head keeps float x
-    ("llama", "int8", "float32", "int8", {}, ["aten::_int_mm"] * 14 + ["neuronfx::quant_gemm"]),
+    # int8 weights with int8 activations: the integer GEMM kernel at decode rows, one per weight; the int8 head keeps float x
+    ("llama", "int8", "float32", "int8", {}, ["neuronfx::w8a8_gemm"] * 14 + ["neuronfx::quant_gemm"]),
     # q/k/v/o and gate/up/down biases: gate and up through small_gemm_multi with their biases
     ("llama", "float", "float32", "float", {"attention_bias": True, "mlp_bias": True},
      ["neuronfx::small_gemm_multi", "neuronfx::small_gemm", "neuronfx::small_gemm_multi", "neuronfx::small_gemm"] * 2
