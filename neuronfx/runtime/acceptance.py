@@ -20,6 +20,7 @@ import torch
 from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.graphs.phases.sampling import distribution, inverse_cdf, penalized_logits, raw_logprobs
+from neuronfx.graphs.phases.speculation import stack_positions
 from neuronfx.runtime.batch import logits_bias, sampler_inputs, seeded_uniform
 from neuronfx.runtime.pipeline import Logprobs, row_logprobs
 from neuronfx.runtime.runtime import Runtime
@@ -110,11 +111,6 @@ def position_sampler(runtime: Runtime, rows: RowFacts, drafts: Sequence[Sequence
     return sampler_inputs(runtime, rows.params, counts, rows.prompt_mask, bias, rand, len(rows.params), bitmask)
 
 
-def stack_samplers(samplers: Sequence[SamplerInputs]) -> SamplerInputs:
-    """Row r, position i -> row r * k + i of one record (k = len(samplers))."""
-    return SamplerInputs(*(torch.stack(column, 1).flatten(0, 1) for column in zip(*samplers)))
-
-
 @attrs.frozen
 class Proposal:
     """What the drafter proposed: ``tokens`` [n][k-1], and for each draft position the draft's
@@ -141,7 +137,7 @@ def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposa
     n, k = logits.shape[:2]
     drafts = proposal.tokens
     last = position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n), proposal.masks[k - 1])
-    stacked = stack_samplers([*proposal.targets, last])
+    stacked = stack_positions([*proposal.targets, last])
     flat_logits = logits.reshape(n * k, -1)
     argmax = penalized_logits(flat_logits, stacked).argmax(-1).reshape(n, k).tolist()
     p = q = None

@@ -102,8 +102,8 @@ def sampler_inputs(runtime: Runtime, params: Sequence[SamplingParams], counts: T
         allowed[: bitmask.shape[0]] = bitmask
     return SamplerInputs(
         sampling_params=torch.tensor(rows, dtype=torch.float32),
-        output_counts=_pad_rows(counts, bsz), prompt_mask=_pad_rows(prompt_mask, bsz),
-        logits_bias=_pad_rows(bias, bsz), rand=_pad_rows(rand, bsz), token_bitmask=allowed,
+        output_counts=pad_rows(counts, bsz), prompt_mask=pad_rows(prompt_mask, bsz),
+        logits_bias=pad_rows(bias, bsz), rand=pad_rows(rand, bsz), token_bitmask=allowed,
     )
 
 
@@ -115,7 +115,7 @@ def dense(t: Tensor) -> Tensor:
     return t if t.stride() == dense_strides(t.shape) else t.clone(memory_format=torch.contiguous_format)
 
 
-def _pad_rows(t: Tensor, bsz: int) -> Tensor:
+def pad_rows(t: Tensor, bsz: int) -> Tensor:
     """``t`` with zero rows appended up to ``bsz`` rows, dense (:func:`dense`)."""
     if t.shape[0] == bsz:
         return dense(t)

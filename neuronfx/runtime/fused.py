@@ -30,7 +30,7 @@ from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.graphs.phases.sampling import sample
 from neuronfx.graphs.phases.speculation import accept_rows, position_sampler, stack_positions, with_drafts
 from neuronfx.runtime.acceptance import RowFacts, Uniforms
-from neuronfx.runtime.batch import dense_record, logits_bias, pad, stop_ids
+from neuronfx.runtime.batch import dense_record, logits_bias, pad, pad_rows, stop_ids
 from neuronfx.runtime.runtime import Runtime
 
 Tensor = torch.Tensor
@@ -55,11 +55,6 @@ def fused_inputs(runtime: Runtime, drafter: Runtime, rows: RowFacts, x0: Sequenc
         if done < sp.min_tokens:
             stop_mask[r, stop_ids(model.eos_token_ids, sp)] = True
 
-    def padded(t: Tensor) -> Tensor:
-        out = torch.zeros(size, *t.shape[1:], dtype=t.dtype)
-        out[:n] = t
-        return out
-
     def ints(values: Sequence[int], fill: int) -> Tensor:
         return torch.tensor(pad(values, size, fill), dtype=torch.int32)
 
@@ -68,11 +63,11 @@ def fused_inputs(runtime: Runtime, drafter: Runtime, rows: RowFacts, x0: Sequenc
         draft_seq_ids=ints(rows.slots, drafter.plan.kv.scratch_slot),
         sampling_params=torch.tensor(pack_sampling(params, runtime.plan.topk_width), dtype=torch.float32),
         draft_sampling_params=torch.tensor(pack_sampling(params, drafter.plan.topk_width), dtype=torch.float32),
-        output_counts=padded(rows.counts), prompt_mask=padded(rows.prompt_mask),
+        output_counts=pad_rows(rows.counts, size), prompt_mask=pad_rows(rows.prompt_mask, size),
         # generated = min_tokens: the request's logit_bias alone (the held-back stop ids are stop_mask's)
         logits_bias=logits_bias(runtime, rows.params, [sp.min_tokens for sp in rows.params], size),
         stop_mask=stop_mask, min_tokens_left=ints([max(0, sp.min_tokens - g) for sp, g in zip(rows.params, rows.generated)], 0),
-        draft_rand=padded(u.draft), accept_rand=padded(u.accept), final_rand=padded(u.final),
+        draft_rand=pad_rows(u.draft, size), accept_rand=pad_rows(u.accept, size), final_rand=pad_rows(u.final, size),
     )
 
 

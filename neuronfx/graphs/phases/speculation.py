@@ -44,8 +44,8 @@ def position_sampler(inputs: FusedSpeculateInputs, params: Tensor, counts: Tenso
 
 
 def stack_positions(samplers: list[SamplerInputs]) -> SamplerInputs:
-    """Row r, position i -> row r * k + i of one record (k = len(samplers)), as
-    ``runtime/acceptance.stack_samplers``."""
+    """Row r, position i -> row r * k + i of one record (k = len(samplers)): the target's
+    sampler inputs of every speculated position as one record (fused and unfused acceptance)."""
     return SamplerInputs(*(torch.stack(column, 1).flatten(0, 1) for column in zip(*samplers)))
 
 
