@@ -74,7 +74,7 @@ def test_commands_and_benchmarks_are_one_module_each():
                                   ["env"], ["bench"], ["bench-serving"], *[["bench", name] for name in (
                                       "latency", "serving", "throughput", "speculative", "tensor-parallel", "weight-formats",
                                       "prefix-caching", "chunked-prefill", "async", "moe", "kernels", "artifacts", "structured", "choices", "prompt-lookup",
-                                      "step-bound")]])
+                                      "step-bound", "engines")]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--help"])

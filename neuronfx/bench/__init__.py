@@ -12,6 +12,7 @@ from neuronfx.bench import (
     async_decode,
     choices,
     chunked_prefill,
+    engines,
     kernels,
     latency,
     moe,
@@ -31,5 +32,5 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
     kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK, prompt_lookup.BENCHMARK,
-    step_bound.BENCHMARK,
+    step_bound.BENCHMARK, engines.BENCHMARK,
 )

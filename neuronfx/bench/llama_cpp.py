@@ -106,6 +106,18 @@ def decode_greedy(lib: Any, ctx: Any, batch: Any, last: list[int], n_vocab: int)
 def time_llama_cpp(lib: Any, model: Any, prompts: list[list[int]], gen_len: int, threads: int) -> tuple[float, list[float]]:
     """Greedy run of ``prompts`` (B rows of token ids, equal lengths) for ``gen_len`` tokens per
     row in a fresh context: (TTFT, [ITL per decode step]) in seconds, as ``time_neuronfx``."""
+    ttft, itl, _ = run_llama_cpp(lib, model, prompts, gen_len, threads)
+    return ttft, itl
+
+
+def greedy_llama_cpp(lib: Any, model: Any, prompts: list[list[int]], gen_len: int, threads: int) -> list[list[int]]:
+    """llama.cpp's greedy tokens of ``prompts``: B rows of ``gen_len`` ids."""
+    return run_llama_cpp(lib, model, prompts, gen_len, threads)[2]
+
+
+def run_llama_cpp(lib: Any, model: Any, prompts: list[list[int]], gen_len: int, threads: int) -> tuple[float, list[float], list[list[int]]]:
+    """Greedy run of ``prompts`` in a fresh context: (TTFT, [ITL per decode step], B rows of
+    ``gen_len`` generated ids)."""
     b, p = len(prompts), len(prompts[0])
     ctx_per_seq = -(-(p + gen_len) // 256) * 256
     n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
@@ -116,15 +128,17 @@ def time_llama_cpp(lib: Any, model: Any, prompts: list[list[int]], gen_len: int,
             t0 = time.perf_counter()
             tokens = decode_greedy(lib, ctx, batch, last, n_vocab)
             ttft = time.perf_counter() - t0
-            itl = []
+            itl, rows = [], [[t] for t in tokens]
             for step in range(gen_len - 1):
                 t0 = time.perf_counter()
                 last = fill_batch(batch, [[t] for t in tokens], [p + step] * b)
                 tokens = decode_greedy(lib, ctx, batch, last, n_vocab)
                 itl.append(time.perf_counter() - t0)
+                for row, t in zip(rows, tokens):
+                    row.append(t)
         finally:
             lib.llama_batch_free(batch)
-    return ttft, itl
+    return ttft, itl, rows
 
 
 def gguf_decode_bytes(path: str, batch_size: int) -> int:
@@ -160,4 +174,5 @@ def llama_cpp_engine(path: str, threads: int) -> Iterator[Engine]:
     with load_model(lib, path) as model:
         yield Engine(name="llama.cpp", backend="ggml-cpu", dtype=gguf_weight_type(path),
                      time=lambda prompts, gen_len: time_llama_cpp(lib, model, prompts, gen_len, threads),
-                     decode_bytes=lambda batch_size: gguf_decode_bytes(path, batch_size))
+                     decode_bytes=lambda batch_size: gguf_decode_bytes(path, batch_size),
+                     tokens=lambda prompts, gen_len: greedy_llama_cpp(lib, model, prompts, gen_len, threads))

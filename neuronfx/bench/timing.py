@@ -154,6 +154,15 @@ def time_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> Tim
     return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def greedy_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    """``model``'s greedy tokens of ``prompts`` (eos ignored): B rows of ``gen_len`` ids."""
+    ids = torch.tensor(prompts, device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                             do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class Engine:
     """An engine compared with neuronfx on the same cases: the names its results carry, how it
@@ -172,4 +181,5 @@ class Engine:
 def transformers_engine(checkpoint: Any, dtype: str, device: str = "cpu") -> Iterator[Engine]:
     """transformers on ``checkpoint``'s weights in ``dtype`` on ``device``, held while the block runs."""
     model = transformers_model(checkpoint, dtype, device)
-    yield Engine(name="transformers", backend="eager", dtype=dtype, time=functools.partial(time_transformers, model))
+    yield Engine(name="transformers", backend="eager", dtype=dtype, time=functools.partial(time_transformers, model),
+                 tokens=functools.partial(greedy_transformers, model))
