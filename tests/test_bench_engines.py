@@ -37,7 +37,7 @@ def engines(model: str, *args: str) -> list[str]:
 def test_engines_table_with_llama_cpp(tiny_gguf, capsys, monkeypatch):
     """neuronfx fp32 and kept blocks, transformers and llama.cpp (a stand-in whose next token is
     the last one plus 1): one row per engine and case with both rounds, neuronfx fp32's greedy
-    tokens equal transformers' (token-exact)."""
+    tokens of the three chat prompts (the tiny .gguf has a tokenizer) equal transformers' (token-exact)."""
     fake = FakeLlamaCpp(vocab=256)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     argv = engines(tiny_gguf, "--engines", "neuronfx-fp32", "neuronfx-gguf", "transformers", "llama.cpp", "--json")
@@ -48,7 +48,7 @@ def test_engines_table_with_llama_cpp(tiny_gguf, capsys, monkeypatch):
     assert sorted({r["engine"] for r in data["rows"]}) == ["llama.cpp", "neuronfx-fp32", "neuronfx-gguf", "transformers"]
     assert all(len(r["decode_tok_s_rounds"]) == 2 and r["decode_tok_s"] > 0 for r in data["rows"])
     agree = {a["engine"]: a for a in data["agreement"]}
-    assert agree["neuronfx-fp32"]["matching"] == 3 and agree["neuronfx-fp32"]["reference"] == "transformers"
+    assert agree["neuronfx-fp32"]["matching"] == agree["neuronfx-fp32"]["tokens"] == 9 and agree["neuronfx-fp32"]["reference"] == "transformers"
     assert set(agree) == {"neuronfx-fp32", "neuronfx-gguf", "llama.cpp"}
     assert {t["target"] for t in data["targets"]} == {"batch-1 decode over llama.cpp's", "TTFT at the prompt length over the best peer's",
                                                        "TTFT at the long prompt over the best peer's"}
@@ -58,12 +58,13 @@ def test_engines_table_with_llama_cpp(tiny_gguf, capsys, monkeypatch):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| engine | weights | decode tok/s B=1 | decode tok/s B=2 | TTFT ms B=1 | TTFT ms B=2 | TTFT ms 12 tokens")
     assert [line.split(" | ")[0][2:] for line in lines[2:]] == ["neuronfx-fp32", "neuronfx-gguf", "transformers", "llama.cpp"]
-    assert lines[4].endswith("| reference |") and lines[2].endswith("| 3/3 |")
+    assert lines[4].endswith("| reference |") and lines[2].endswith("| 9/9 |")
 
 
 def test_engines_with_openvino(tiny_dir, capsys, monkeypatch, tmp_path):
     """OpenVINO engines run on their exports (cached under NEURONFX_CACHE_DIR); the stand-in's
-    tokens are transformers', so its agreement is full; batch-8 targets need a batch of 8."""
+    tokens are transformers', so its agreement is full (the tiny directory has no tokenizer: the random
+    prompt); batch-8 targets need a batch of 8."""
     monkeypatch.setenv("NEURONFX_CACHE_DIR", str(tmp_path / "cache"))
     fake = fake_openvino.install(monkeypatch)
     assert main(engines(tiny_dir, "--engines", "neuronfx-fp32", "transformers", "openvino-fp32", "openvino-int8",

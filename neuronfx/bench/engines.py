@@ -14,8 +14,9 @@ Cases, each greedy on random prompts (``bench/timing.py``): for each --batch-siz
 --prompt-len tokens and --gen-len new tokens (decode tok/s and TTFT); then one prompt of
 --long-prompt-len tokens (its TTFT; 0 skips it). Every case runs --rounds times in every engine,
 rounds alternating the order (``rounds.alternate``); an engine's figure is its median round.
-Token agreement: each engine's first --agreement-tokens greedy tokens of the batch-1 case's
-prompt against transformers' (counted up to the first difference). Then the targets of issue 34
+Token agreement: each engine's first --agreement-tokens greedy tokens of check-accuracy's three
+chat prompts (random ids without a tokenizer), one at a time, against transformers' (counted up
+to each prompt's first difference). Then the targets of issue 34
 that the table decides: best neuronfx batch-1 decode over llama.cpp's, best batch-8 decode over
 the best OpenVINO format's, TTFT over the best peer's."""
 
@@ -32,6 +33,7 @@ import attrs
 import torch
 
 import neuronfx
+from neuronfx.bench.accuracy import default_prompts
 from neuronfx.bench.latency_run import greedy_neuronfx, token_agreement
 from neuronfx.bench.llama_cpp import llama_cpp_engine
 from neuronfx.bench.openvino import PipelineSizes, openvino_engine
@@ -41,7 +43,7 @@ from neuronfx.bench.rounds import alternate, median
 from neuronfx.bench.timing import Engine, bench_plan, random_prompts, summarize, time_neuronfx, transformers_engine
 from neuronfx.bench.types import Benchmark
 from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND
-from neuronfx.errors import InputError
+from neuronfx.errors import CheckpointError, InputError
 from neuronfx.io import checkpoints
 from neuronfx.io.cache import default_cache_dir
 
@@ -236,19 +238,34 @@ def measure(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int, log:
     return rows
 
 
+def agreement_prompts(spec: EnginesSpec, vocab_size: int) -> list[list[int]]:
+    """The prompts of the token agreement: check-accuracy's chat prompts
+    (``accuracy.DEFAULT_CHATS`` through the chat template) when --model has a tokenizer, else
+    the batch-1 case's random prompt. Random token ids leave a model's next-token distribution
+    flat, so quantized weights part from transformers within a few tokens there (SmolLM2 int8:
+    3 of 24) where a chat answer is decided (24 of 24)."""
+    try:
+        tokenizer = checkpoints.load_tokenizer(spec.model)
+    except CheckpointError:
+        return random_prompts(vocab_size, 1, spec.prompt_len)
+    return default_prompts(tokenizer)
+
+
 def agreement(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int) -> list[dict[str, Any]]:
-    """Each engine's first ``spec.agreement_tokens`` greedy tokens of the batch-1 case's prompt
-    against transformers' (``latency_run.token_agreement``); empty without transformers."""
+    """Each engine's first ``spec.agreement_tokens`` greedy tokens of each agreement prompt (one
+    at a time) against transformers' (``latency_run.token_agreement``, the prompts as its rows);
+    empty without transformers."""
     if REFERENCE not in engines:
         return []
-    prompts = random_prompts(vocab_size, 1, spec.prompt_len)
-    reference = engines[REFERENCE].tokens(prompts, spec.agreement_tokens)
-    out = []
-    for name, e in engines.items():
-        if name != REFERENCE and e.tokens is not None:
-            row = token_agreement(name, reference, e.tokens(prompts, spec.agreement_tokens), spec.prompt_len)
-            out.append(row | {"reference": REFERENCE})
-    return out
+    prompts = agreement_prompts(spec, vocab_size)
+    n = spec.agreement_tokens
+
+    def greedy(e: Engine) -> list[list[int]]:
+        return [e.tokens([p], n)[0] for p in prompts]
+
+    reference = greedy(engines[REFERENCE])
+    return [token_agreement(name, reference, greedy(e), len(prompts[0])) | {"reference": REFERENCE}
+            for name, e in engines.items() if name != REFERENCE and e.tokens is not None]
 
 
 def figure(rows: list[dict[str, Any]], engine: str, batch: int, prompt_len: int, key: str) -> float | None:
