@@ -111,3 +111,32 @@ def test_engines_names_the_missing_extra(tiny_gguf, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     assert main(["bench", "engines", "--model", tiny_gguf, "--engines", "llama.cpp"]) == 2
     assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
+
+
+def test_agreement_counts_up_to_transformers_eos(tiny_dir):
+    """Rows are compared over transformers' tokens before its eos: an engine that takes the eos
+    (or forbids it) and goes on is not counted against there; a difference before it is."""
+    from neuronfx.bench.engines import agreement
+    from neuronfx.bench.timing import Engine
+
+    def engine(name: str, row: list[int]) -> Engine:
+        return Engine(name=name, backend="x", dtype="x", time=lambda p, g: (0.0, []), tokens=lambda p, g: [row[:g]])
+
+    spec = EnginesSpec(engines=(), model=tiny_dir, backend="eager", batch_sizes=(1,), prompt_len=4, long_prompt_len=0, gen_len=4,
+                       agreement_tokens=5, rounds=1)
+    engines = {"transformers": engine("transformers", [5, 6, 7]), "same": engine("same", [5, 6, 7, 2, 2]),
+               "late": engine("late", [5, 6, 9, 2, 2]), "none": engine("none", [1, 6, 7, 9, 9])}
+    got = {a["engine"]: (a["matching"], a["tokens"], a["first_difference"]) for a in agreement(engines, spec, vocab_size=64)}
+    assert got == {"same": (3, 3, [None]), "late": (2, 3, [2]), "none": (0, 3, [0])}
+
+
+def test_greedy_transformers_ends_before_eos():
+    from neuronfx.bench.timing import greedy_transformers
+
+    model = tiny_hf_model("llama", seed=3).eval()
+    prompts = [[3, 4, 5, 6]]
+    free = greedy_transformers(model, prompts, 6)[0]
+    assert len(free) == 6
+    model.generation_config.eos_token_id = free[2]
+    cut = free.index(free[2])  # the eos' first occurrence
+    assert greedy_transformers(model, prompts, 6) == [free[:cut]]

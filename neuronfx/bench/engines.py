@@ -16,7 +16,7 @@ Cases, each greedy on random prompts (``bench/timing.py``): for each --batch-siz
 rounds alternating the order (``rounds.alternate``); an engine's figure is its median round.
 Token agreement: each engine's first --agreement-tokens greedy tokens of check-accuracy's three
 chat prompts (random ids without a tokenizer), one at a time, against transformers' (counted up
-to each prompt's first difference). Then the targets of issue 34
+to each prompt's first difference, over transformers' tokens before its eos). Then the targets of issue 34
 that the table decides: best neuronfx batch-1 decode over llama.cpp's, best batch-8 decode over
 the best OpenVINO format's, TTFT over the best peer's."""
 
@@ -34,7 +34,8 @@ import torch
 
 import neuronfx
 from neuronfx.bench.accuracy import default_prompts
-from neuronfx.bench.latency_run import greedy_neuronfx, token_agreement
+from neuronfx.bench.accuracy_report import first_divergence
+from neuronfx.bench.latency_run import greedy_neuronfx
 from neuronfx.bench.llama_cpp import llama_cpp_engine
 from neuronfx.bench.openvino import PipelineSizes, openvino_engine
 from neuronfx.bench.openvino_export import cached_ir, ov_weights
@@ -252,20 +253,24 @@ def agreement_prompts(spec: EnginesSpec, vocab_size: int) -> list[list[int]]:
 
 
 def agreement(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int) -> list[dict[str, Any]]:
-    """Each engine's first ``spec.agreement_tokens`` greedy tokens of each agreement prompt (one
-    at a time) against transformers' (``latency_run.token_agreement``, the prompts as its rows);
-    empty without transformers."""
+    """Per engine: how many of its first ``spec.agreement_tokens`` greedy tokens of each
+    agreement prompt (one at a time) equal transformers', counted up to the first difference
+    and over transformers' tokens before its eos (``timing.greedy_transformers``); empty
+    without transformers. ``{"engine", "reference", "matching", "tokens", "first_difference"}``."""
     if REFERENCE not in engines:
         return []
     prompts = agreement_prompts(spec, vocab_size)
     n = spec.agreement_tokens
-
-    def greedy(e: Engine) -> list[list[int]]:
-        return [e.tokens([p], n)[0] for p in prompts]
-
-    reference = greedy(engines[REFERENCE])
-    return [token_agreement(name, reference, greedy(e), len(prompts[0])) | {"reference": REFERENCE}
-            for name, e in engines.items() if name != REFERENCE and e.tokens is not None]
+    reference = [engines[REFERENCE].tokens([p], n)[0] for p in prompts]
+    lengths = [len(r) for r in reference]  # the tokens before an eos
+    out = []
+    for name, e in engines.items():
+        if name == REFERENCE or e.tokens is None:
+            continue
+        first = [first_divergence(r[:k], e.tokens([p], n)[0][:k]) for p, r, k in zip(prompts, reference, lengths)]
+        out.append({"engine": name, "reference": REFERENCE, "matching": sum(k if f is None else f for f, k in zip(first, lengths)),
+                    "tokens": sum(lengths), "first_difference": first})
+    return out
 
 
 def figure(rows: list[dict[str, Any]], engine: str, batch: int, prompt_len: int, key: str) -> float | None:

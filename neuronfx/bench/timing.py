@@ -155,12 +155,20 @@ def time_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> Tim
 
 
 def greedy_transformers(model: Any, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
-    """``model``'s greedy tokens of ``prompts`` (eos ignored): B rows of ``gen_len`` ids."""
+    """``model``'s greedy tokens of ``prompts``: B rows of up to ``gen_len`` ids, a row ending
+    before its first eos (the other engines' rows are compared up to there: at an eos, engines that
+    ignore it continue from different distributions, transformers' ``min_new_tokens`` by
+    forbidding eos, llama.cpp's and neuronfx's by taking it)."""
     ids = torch.tensor(prompts, device=model.device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                             do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, do_sample=False, pad_token_id=0)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        end = next((i for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:end])
+    return rows
 
 
 @attrs.frozen(kw_only=True, eq=False)
