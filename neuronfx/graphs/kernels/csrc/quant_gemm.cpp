@@ -629,6 +629,20 @@ void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, con
 // Grain: at least 64 output rows per task, so the 192-row K/V projections split in two (as small_gemm).
 constexpr int64_t GRAIN = 64;
 
+// The sum of g values (a group of x, for the offsets' share). AVX-512: 16 lanes, then one
+// reduction (a sequential sum was a chain of g dependent adds, about 2 us per call at K = 1536).
+inline float group_sum(const float* v, int64_t g) {
+  int64_t k = 0;
+  float a = 0.f;
+#if defined(NFX_Q_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; k + 16 <= g; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(v + k));
+  a = _mm512_reduce_add_ps(acc);
+#endif
+  for (; k < g; ++k) a += v[k];
+  return a;
+}
+
 // x (M, K) -> fp32 (M, kp) zero-padded, then (when sums) the sum of each group of g.
 template <typename X>
 void widen(const X* src, int64_t M, int64_t K, int64_t kp, int64_t g, bool sums, float* dst) {
@@ -639,11 +653,7 @@ void widen(const X* src, int64_t M, int64_t K, int64_t kp, int64_t g, bool sums,
     for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(src[m * K + k]);
     for (int64_t k = K; k < kp; ++k) row[k] = 0.f;
     if (!sums) continue;
-    for (int64_t b = 0; b < groups; ++b) {
-      float a = 0.f;
-      for (int64_t k = 0; k < g; ++k) a += row[b * g + k];
-      s[m * groups + b] = a;
-    }
+    for (int64_t b = 0; b < groups; ++b) s[m * groups + b] = group_sum(row + b * g, g);
   }
 }
 
@@ -748,6 +758,25 @@ int64_t chunk_element(const ChunkMap& cm, int64_t c, int h, int i) {
   return gi * cm.g + h * (cm.g / 2) + 32 * sub + i;
 }
 
+#if defined(NFX_Q_AVX512)
+// Chunk c of the pair layout (g = 32: lanes [a 0-15, b 0-15] per half, a = group 2c, b = group
+// 2c + 1, zeros when b is past the last group) rounded to int8 with its two scales: the scalar
+// loop's values bit for bit (max is exact, one multiply per value, and cvtps rounds half to
+// even as nearbyint does in the default rounding mode), without its per-value index arithmetic.
+inline void quantize_pair_chunk(const float* row, int64_t c, bool second, int8_t* xq, float* dxv) {
+  for (int h = 0; h < 2; ++h) {
+    const __m512 a = _mm512_loadu_ps(row + 64 * c + 16 * h);
+    const __m512 b = second ? _mm512_loadu_ps(row + 64 * c + 32 + 16 * h) : _mm512_setzero_ps();
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const __m512 s = _mm512_set1_ps(inv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * h), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, s))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * h + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, s))));
+    _mm256_storeu_ps(dxv + 8 * h, _mm256_set1_ps(d));
+  }
+}
+#endif
+
 // The int8-activation inputs of xb's widened x (rows of kp, exact group sums after them).
 void quantize_x(XBuf& xb, int64_t kp) {
   Xs& xs = xb.xs;
@@ -758,6 +787,16 @@ void quantize_x(XBuf& xb, int64_t kp) {
   xb.hw.assign(M * hs, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* row = xs.x + m * kp;
+#if defined(NFX_Q_AVX512)
+    if (cm.pair) {
+      for (int64_t c = 0; c < cm.chunks; ++c) {
+        const int64_t at = m * cm.chunks + c;
+        quantize_pair_chunk(row, c, 2 * c + 1 < cm.groups, xb.xq.data() + 64 * at, xb.dxv.data() + 16 * at);
+      }
+      for (int64_t b = 0; b < xs.groups; ++b) xb.hw[m * hs + 2 * b + 1] = xs.sums[m * xs.groups + b];
+      continue;
+    }
+#endif
     for (int64_t c = 0; c < cm.chunks; ++c)
       for (int h = 0; h < 2; ++h) {
         float v[32], amax = 0.f;
