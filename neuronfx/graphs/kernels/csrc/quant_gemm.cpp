@@ -576,12 +576,19 @@ inline void tile_rows(const L& lay, const Xs& xs, int64_t m0, int64_t n, const O
   out.put(m0, n, MT, NT, res);
 }
 
+template <typename L>
+struct IsInt8 : std::false_type {};
+template <typename S>
+struct IsInt8<Int8Layout<S>> : std::true_type {};
+
 // Accumulators a tile of layout L keeps in registers (MT * NT): the 4-bit paths of AVX-512
-// (lookup table, int8 x) keep only their sums, 16 of the 32 zmm; the others Isa::kRegs.
+// (lookup table, int8 x) and int8 per channel (no groups: no partial sums) keep only their
+// sums, 16 of the 32 zmm (8 rows of x meet 2 weight rows, so each x load serves two FMAs);
+// the others Isa::kRegs.
 template <typename L>
 constexpr int regs() {
 #if defined(NFX_Q_AVX512)
-  if constexpr (L::kNibbles) return 16;
+  if constexpr (L::kNibbles || IsInt8<L>::value) return 16;
 #endif
   return Isa::kRegs;
 }
