@@ -107,10 +107,14 @@ def test_engines_checks_options_before_loading(tiny_dir, args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_engines_names_the_missing_extra(tiny_gguf, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    assert main(["bench", "engines", "--model", tiny_gguf, "--engines", "llama.cpp"]) == 2
-    assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
+@pytest.mark.parametrize("engine, module, extra", [("llama.cpp", "llama_cpp", "neuronfx[bench]"),
+                                                   ("openvino-int4", "openvino_genai", "neuronfx[bench-openvino]")])
+def test_engines_names_the_missing_extra(tiny_gguf, capsys, monkeypatch, engine, module, extra):
+    """One line naming this command's --engines (not bench latency's --compare alone) and the extra."""
+    monkeypatch.setitem(sys.modules, module, None)
+    assert main(["bench", "engines", "--model", tiny_gguf, "--engines", engine]) == 2
+    err = capsys.readouterr().err
+    assert f"pip install '{extra}'" in err and "bench engines --engines " in err and len(err.strip().splitlines()) == 1
 
 
 def test_agreement_counts_up_to_transformers_eos(tiny_dir):
