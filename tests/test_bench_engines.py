@@ -101,10 +101,16 @@ def test_targets_pick_the_best_of_each_side():
     (["--engines", "neuronfx-gguf"], "--model must be a .gguf file"),
     (["--gen-len", "1"], "--gen-len has [1]"),
     (["--rounds", "0"], "--rounds has [0]"),
+    (["--batch-sizes", "1", "2", "1"], "--batch-sizes 1 2 1 repeats a size"),
+    (["--prompt-len", "16", "--long-prompt-len", "16"], "--long-prompt-len 16 must be longer than --prompt-len 16"),
+    (["--engines", "neuronfx-fp32", "neuronfx-int8-auto", "--backend", "eager"],
+     "--engines neuronfx-int8-auto with --backend eager: activation_format='auto' with backend='eager'"),
 ])
-def test_engines_checks_options_before_loading(tiny_dir, args, message, capsys):
+def test_engines_checks_options_before_loading(tiny_dir, args, message, capsys, monkeypatch):
+    monkeypatch.setattr("neuronfx.io.checkpoints.load_checkpoint", None)  # nothing is read: the checks come first
     assert main(["bench", "engines", "--model", tiny_dir, *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("engine, module, extra", [("llama.cpp", "llama_cpp", "neuronfx[bench]"),
