@@ -35,7 +35,7 @@ import torch
 import neuronfx
 from neuronfx.bench.accuracy import default_prompts
 from neuronfx.bench.accuracy_report import first_divergence
-from neuronfx.bench.engines_options import NEURONFX, OPENVINO, EnginesSpec, add_arguments, check_options
+from neuronfx.bench.engines_options import NEURONFX, OPENVINO, EnginesSpec, add_arguments, batch1_sizes, check_options, check_positions
 from neuronfx.bench.latency_run import greedy_neuronfx
 from neuronfx.bench.llama_cpp import llama_cpp_engine
 from neuronfx.bench.openvino import PipelineSizes, openvino_engine
@@ -75,20 +75,15 @@ def spec_cases(spec: EnginesSpec) -> list[Case]:
 
 
 def neuronfx_engine(name: str, checkpoint: Any, spec: EnginesSpec, log: Callable[[str], Any]) -> Engine:
-    """The neuronfx engine ``name``: one compiled plan per batch size (batch 1's holds the long
-    prompt too), each case run on its batch size's runtime."""
+    """The neuronfx engine ``name``: one compiled plan per batch size and batch 1 (whose plan holds
+    the long prompt and the token agreement too, :func:`batch1_sizes`), each case run on its batch size's runtime."""
     fmt = NEURONFX[name]
     runtimes = {}
-    for b in spec.batch_sizes:
-        prompt = max(spec.prompt_len, spec.long_prompt_len if b == 1 else 0)
-        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, spec.gen_len, fmt.weight_format,
-                          activation_format=fmt.activation_format)
+    for b in sorted({1, *spec.batch_sizes}):  # batch 1 runs the long prompt and the token agreement too
+        prompt, gen = batch1_sizes(spec) if b == 1 else (spec.prompt_len, spec.gen_len)
+        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, gen, fmt.weight_format, activation_format=fmt.activation_format)
         log(f"{name}: compiling the batch-{b} plan")
         runtimes[b] = neuronfx.compile(plan, checkpoint.state_dict, progress=False)
-    if 1 not in runtimes:  # the long prompt's case and the token agreement run at batch 1
-        plan = bench_plan(checkpoint, spec.backend, "float32", 1, max(spec.prompt_len, spec.long_prompt_len), spec.gen_len,
-                          fmt.weight_format, activation_format=fmt.activation_format)
-        runtimes[1] = neuronfx.compile(plan, checkpoint.state_dict, progress=False)
     label = "float32" if fmt.weight_format == "float" else f"float32/{fmt.weight_format}"
     return Engine(name=name, backend=spec.backend, dtype=label + ("/auto" if fmt.activation_format == "auto" else ""),
                   time=lambda prompts, gen_len: time_neuronfx(runtimes[len(prompts)], prompts, gen_len),
@@ -102,8 +97,8 @@ def openvino_ir(name: str, spec: EnginesSpec, log: Callable[[str], Any]) -> Path
 
 def openvino_engine_of(name: str, ir: Path, spec: EnginesSpec) -> contextlib.AbstractContextManager[Engine]:
     """The OpenVINO engine ``name`` on ``ir``, sized for every case of ``spec``."""
-    longest = max(spec.prompt_len, spec.long_prompt_len)
-    sizes = PipelineSizes(max_batch=max(spec.batch_sizes), max_prompt=longest, max_tokens=longest + spec.gen_len)
+    prompt, gen = batch1_sizes(spec)
+    sizes = PipelineSizes(max_batch=max(spec.batch_sizes), max_prompt=prompt, max_tokens=prompt + gen)
     return openvino_engine(ir, ov_weights(OPENVINO[name], 32), "float32", torch.get_num_threads(), sizes)
 
 
@@ -171,15 +166,13 @@ def agreement_prompts(spec: EnginesSpec, vocab_size: int) -> list[list[int]]:
     return default_prompts(tokenizer)
 
 
-def agreement(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int) -> list[dict[str, Any]]:
-    """Per engine: how many of its first ``spec.agreement_tokens`` greedy tokens of each
-    agreement prompt (one at a time) equal transformers', counted up to the first difference
-    and over transformers' tokens before its eos (``timing.greedy_transformers``); empty
-    without transformers. ``{"engine", "reference", "matching", "tokens", "first_difference"}``."""
+def agreement(engines: dict[str, Engine], prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
+    """Per engine: how many of its first ``n`` greedy tokens of each agreement prompt
+    (:func:`agreement_prompts`, one at a time) equal transformers', counted up to the first
+    difference and over transformers' tokens before its eos (``timing.greedy_transformers``);
+    empty without transformers. ``{"engine", "reference", "matching", "tokens", "first_difference"}``."""
     if REFERENCE not in engines:
         return []
-    prompts = agreement_prompts(spec, vocab_size)
-    n = spec.agreement_tokens
     reference = [engines[REFERENCE].tokens([p], n)[0] for p in prompts]
     lengths = [len(r) for r in reference]  # the tokens before an eos
     out = []
@@ -260,10 +253,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = check_options(args)
     set_threads(args.threads)
     log = logger(args)
-    vocab_size = checkpoints.load_checkpoint(spec.model, lazy=True).config.vocab_size
+    config = checkpoints.load_checkpoint(spec.model, lazy=True).config
+    prompts = agreement_prompts(spec, config.vocab_size) if REFERENCE in spec.engines else []
+    spec = attrs.evolve(spec, agreement_prompt_len=max(map(len, prompts), default=0))  # batch 1's plans hold them
+    check_positions(spec, config.max_position_embeddings)
     with open_engines(spec, log) as engines:
-        rows = measure(engines, spec, vocab_size, log)
-        agreed = agreement(engines, spec, vocab_size)
+        rows = measure(engines, spec, config.vocab_size, log)
+        agreed = agreement(engines, prompts, spec.agreement_tokens)
     goals = targets(rows, spec)
     if not args.json:
         print(f"{spec.model}, {spec.backend}, {torch.get_num_threads()} threads, {spec.rounds} rounds alternating; "

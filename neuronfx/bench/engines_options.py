@@ -58,6 +58,24 @@ class EnginesSpec:
     gen_len: int
     agreement_tokens: int
     rounds: int
+    agreement_prompt_len: int = 0  # the longest token-agreement prompt, tokens (0: no agreement); known once tokenized
+
+
+def batch1_sizes(spec: EnginesSpec) -> tuple[int, int]:
+    """(prompt tokens, new tokens) batch 1 must hold: its decode case, the long prompt, the token agreement."""
+    return max(spec.prompt_len, spec.long_prompt_len, spec.agreement_prompt_len), max(spec.gen_len, spec.agreement_tokens)
+
+
+def check_positions(spec: EnginesSpec, max_positions: int) -> None:
+    """InputError naming each part of the run whose rows (prompt + new tokens) pass the model's
+    ``max_position_embeddings``: positions it was not trained for (transformers only warns)."""
+    need = [("--prompt-len + --gen-len", spec.prompt_len + spec.gen_len)]
+    need += [("--long-prompt-len + its 2 new tokens", spec.long_prompt_len + 2)] if spec.long_prompt_len else []
+    need += [(f"the longest agreement prompt ({spec.agreement_prompt_len} tokens) + --agreement-tokens",
+              spec.agreement_prompt_len + spec.agreement_tokens)] if spec.agreement_prompt_len else []
+    over = [f"{what} = {n}" for what, n in need if n > max_positions]
+    if over:
+        raise InputError(f"{'; '.join(over)} positions: past the model's max_position_embeddings {max_positions}; lower them to fit.")
 
 
 def check_options(args: argparse.Namespace) -> EnginesSpec:
