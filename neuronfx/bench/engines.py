@@ -12,7 +12,8 @@ dequantized), the gguf engines its blocks.
 
 Cases, each greedy on random prompts (``bench/timing.py``): for each --batch-sizes B, B prompts of
 --prompt-len tokens and --gen-len new tokens (decode tok/s and TTFT); then one prompt of
---long-prompt-len tokens (its TTFT; 0 skips it). Every case runs --rounds times in every engine,
+--long-prompt-len tokens (its TTFT; longer than --prompt-len, or 0 to skip it); every row must fit the
+model's max_position_embeddings. Every case runs --rounds times in every engine,
 rounds alternating the order (``rounds.alternate``); an engine's figure is its median round.
 Token agreement: each engine's first --agreement-tokens greedy tokens of check-accuracy's three
 chat prompts (random ids without a tokenizer), one at a time, against transformers' (counted up
