@@ -101,19 +101,59 @@ def test_targets_pick_the_best_of_each_side():
     (["--engines", "neuronfx-gguf"], "--model must be a .gguf file"),
     (["--gen-len", "1"], "--gen-len has [1]"),
     (["--rounds", "0"], "--rounds has [0]"),
+    (["--batch-sizes", "1", "2", "1"], "--batch-sizes 1 2 1 repeats a size"),
+    (["--prompt-len", "16", "--long-prompt-len", "16"], "--long-prompt-len 16 must be longer than --prompt-len 16"),
+    (["--engines", "neuronfx-fp32", "neuronfx-int8-auto", "--backend", "eager"],
+     "--engines neuronfx-int8-auto with --backend eager: activation_format='auto' with backend='eager'"),
 ])
-def test_engines_checks_options_before_loading(tiny_dir, args, message, capsys):
+def test_engines_checks_options_before_loading(tiny_dir, args, message, capsys, monkeypatch):
+    monkeypatch.setattr("neuronfx.io.checkpoints.load_checkpoint", None)  # nothing is read: the checks come first
     assert main(["bench", "engines", "--model", tiny_dir, *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_engines_names_the_missing_extra(tiny_gguf, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    assert main(["bench", "engines", "--model", tiny_gguf, "--engines", "llama.cpp"]) == 2
-    assert "pip install 'neuronfx[bench]'" in capsys.readouterr().err
+@pytest.mark.parametrize("engine, module, extra", [("llama.cpp", "llama_cpp", "neuronfx[bench]"),
+                                                   ("openvino-int4", "openvino_genai", "neuronfx[bench-openvino]")])
+def test_engines_names_the_missing_extra(tiny_gguf, capsys, monkeypatch, engine, module, extra):
+    """One line naming this command's --engines (not bench latency's --compare alone) and the extra."""
+    monkeypatch.setitem(sys.modules, module, None)
+    assert main(["bench", "engines", "--model", tiny_gguf, "--engines", engine]) == 2
+    err = capsys.readouterr().err
+    assert f"pip install '{extra}'" in err and "bench engines --engines " in err and len(err.strip().splitlines()) == 1
 
 
-def test_agreement_counts_up_to_transformers_eos(tiny_dir):
+def test_agreement_longer_than_the_decode_plans(tmp_path, capsys):
+    """--agreement-tokens past the plans' default 512 positions, batch 1 not among --batch-sizes:
+    the batch-1 plan is sized for the agreement (it failed after every case was timed), and
+    neuronfx fp32's 520 tokens equal transformers' (the tiny directory has no tokenizer: the random prompt)."""
+    tiny_hf_model("llama", seed=0, max_position_embeddings=1024).save_pretrained(tmp_path)
+    argv = ["bench", "engines", "--model", str(tmp_path), "--backend", "eager", "--engines", "neuronfx-fp32", "transformers",
+            "--batch-sizes", "2", "--prompt-len", "5", "--gen-len", "2", "--long-prompt-len", "0", "--agreement-tokens", "520",
+            "--rounds", "1", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["agreement"] == [{"engine": "neuronfx-fp32", "reference": "transformers", "matching": 520,
+                                                                  "tokens": 520, "first_difference": [None]}]
+
+
+@pytest.mark.parametrize("model, args, message", [
+    ("dir", ["--prompt-len", "250", "--gen-len", "10"], "--prompt-len + --gen-len = 260; the longest agreement prompt (250 tokens) "
+     "+ --agreement-tokens = 274 positions: past the model's max_position_embeddings 256; lower them"),  # the random prompt
+    ("dir", ["--long-prompt-len", "300"], "--long-prompt-len + its 2 new tokens = 302 positions"),
+    ("gguf", ["--agreement-tokens", "250"], "the longest agreement prompt ("),
+])
+def test_engines_checks_positions_before_loading(tiny_dir, tiny_gguf, model, args, message, capsys, monkeypatch):
+    """Rows past the model's max_position_embeddings (256 here; the chat prompts are tokenized
+    first): one line before any engine opens."""
+    monkeypatch.setattr("neuronfx.bench.engines.open_engines", None)
+    argv = ["bench", "engines", "--model", tiny_dir if model == "dir" else tiny_gguf, "--backend", "eager",
+            "--engines", "neuronfx-fp32", "transformers", "--prompt-len", "5", "--gen-len", "4", "--long-prompt-len", "0", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_agreement_counts_up_to_transformers_eos():
     """Rows are compared over transformers' tokens before its eos: an engine that takes the eos
     (or forbids it) and goes on is not counted against there; a difference before it is."""
     from neuronfx.bench.engines import agreement
@@ -122,11 +162,9 @@ def test_agreement_counts_up_to_transformers_eos(tiny_dir):
     def engine(name: str, row: list[int]) -> Engine:
         return Engine(name=name, backend="x", dtype="x", time=lambda p, g: (0.0, []), tokens=lambda p, g: [row[:g]])
 
-    spec = EnginesSpec(engines=(), model=tiny_dir, backend="eager", batch_sizes=(1,), prompt_len=4, long_prompt_len=0, gen_len=4,
-                       agreement_tokens=5, rounds=1)
     engines = {"transformers": engine("transformers", [5, 6, 7]), "same": engine("same", [5, 6, 7, 2, 2]),
                "late": engine("late", [5, 6, 9, 2, 2]), "none": engine("none", [1, 6, 7, 9, 9])}
-    got = {a["engine"]: (a["matching"], a["tokens"], a["first_difference"]) for a in agreement(engines, spec, vocab_size=64)}
+    got = {a["engine"]: (a["matching"], a["tokens"], a["first_difference"]) for a in agreement(engines, [[3, 4, 5]], 5)}
     assert got == {"same": (3, 3, [None]), "late": (2, 3, [2]), "none": (0, 3, [0])}
 
 

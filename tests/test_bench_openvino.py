@@ -91,13 +91,13 @@ def test_missing_packages_name_the_extra(fake, monkeypatch, capsys, tmp_path):
     """openvino-genai, optimum-intel or nncf missing: one line naming the extra, before the
     checkpoint is read (it does not exist here)."""
     absent = str(tmp_path / "absent.gguf")
-    for missing, named in (("openvino_genai", "needs openvino-genai"), ("optimum.intel", "needs optimum-intel to export"),
-                           ("nncf", "needs nncf to export")):
+    for missing, named in (("openvino_genai", "need openvino-genai"), ("optimum.intel", "need optimum-intel to export"),
+                           ("nncf", "need nncf to export")):
         with monkeypatch.context() as m:
             m.setitem(sys.modules, missing, None)  # import (or find_spec) finds nothing
             assert latency(absent) == 2
         err = capsys.readouterr().err
-        assert f"BackendUnavailableError: bench latency --compare openvino {named}" in err
+        assert f"BackendUnavailableError: the OpenVINO engines (bench latency --compare openvino, bench engines --engines openvino-*) {named}" in err
         assert "pip install 'neuronfx[bench-openvino]'" in err and len(err.strip().splitlines()) == 1
     assert fake.exports == []
 

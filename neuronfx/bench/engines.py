@@ -12,7 +12,8 @@ dequantized), the gguf engines its blocks.
 
 Cases, each greedy on random prompts (``bench/timing.py``): for each --batch-sizes B, B prompts of
 --prompt-len tokens and --gen-len new tokens (decode tok/s and TTFT); then one prompt of
---long-prompt-len tokens (its TTFT; 0 skips it). Every case runs --rounds times in every engine,
+--long-prompt-len tokens (its TTFT; longer than --prompt-len, or 0 to skip it); every row must fit the
+model's max_position_embeddings. Every case runs --rounds times in every engine,
 rounds alternating the order (``rounds.alternate``); an engine's figure is its median round.
 Token agreement: each engine's first --agreement-tokens greedy tokens of check-accuracy's three
 chat prompts (random ids without a tokenizer), one at a time, against transformers' (counted up
@@ -35,104 +36,23 @@ import torch
 import neuronfx
 from neuronfx.bench.accuracy import default_prompts
 from neuronfx.bench.accuracy_report import first_divergence
+from neuronfx.bench.engines_options import NEURONFX, OPENVINO, EnginesSpec, add_arguments, batch1_sizes, check_options, check_positions
 from neuronfx.bench.latency_run import greedy_neuronfx
 from neuronfx.bench.llama_cpp import llama_cpp_engine
 from neuronfx.bench.openvino import PipelineSizes, openvino_engine
 from neuronfx.bench.openvino_export import cached_ir, ov_weights
-from neuronfx.bench.options import add_model, add_threads, check_at_least, logger, set_threads
+from neuronfx.bench.options import logger, set_threads
 from neuronfx.bench.rounds import alternate, median
 from neuronfx.bench.timing import Engine, bench_plan, random_prompts, summarize, time_neuronfx, transformers_engine
 from neuronfx.bench.types import Benchmark
-from neuronfx.config.inference import BACKENDS, DEFAULT_BACKEND
-from neuronfx.errors import CheckpointError, InputError
+from neuronfx.errors import CheckpointError
 from neuronfx.io import checkpoints
 from neuronfx.io.cache import default_cache_dir
 
-
-@attrs.frozen(kw_only=True)
-class NeuronfxFormat:
-    """One neuronfx engine: the weights and activations of its plans (dtype float32)."""
-
-    weight_format: str
-    activation_format: str
-
-
-NEURONFX = {"neuronfx-fp32": NeuronfxFormat(weight_format="float", activation_format="float"),
-            "neuronfx-int8": NeuronfxFormat(weight_format="int8", activation_format="float"),
-            "neuronfx-int8-auto": NeuronfxFormat(weight_format="int8", activation_format="auto"),
-            "neuronfx-gguf": NeuronfxFormat(weight_format="gguf", activation_format="float"),
-            "neuronfx-gguf-auto": NeuronfxFormat(weight_format="gguf", activation_format="auto")}
-OPENVINO = {"openvino-fp32": "float", "openvino-int8": "int8", "openvino-int4": "int4"}  # -> neuronfx's --weight-format it stands for
-ENGINES = (*NEURONFX, "transformers", "llama.cpp", *OPENVINO)
 REFERENCE = "transformers"  # the token agreement's reference
 TARGETS = {"batch-1 decode over llama.cpp's": 1.25, "batch-8 decode over the best OpenVINO's": 1.2,
            "TTFT at the prompt length over the best peer's": 0.8, "TTFT at the long prompt over the best peer's": 1.0}
 """Issue 34's targets the table decides (tok/s ratios at least, TTFT ratios at most)."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --engines, --backend, --batch-sizes, --prompt-len, --long-prompt-len, --gen-len, --agreement-tokens, --rounds, --threads."""
-    add_model(p)
-    p.add_argument("--engines", nargs="+", default=list(ENGINES), metavar="ENGINE",
-                   help=f"of {', '.join(ENGINES)} (default: all; the gguf engines and llama.cpp need a .gguf --model)")
-    p.add_argument("--backend", choices=BACKENDS, default=DEFAULT_BACKEND, help=f"neuronfx's backend (default {DEFAULT_BACKEND})")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode cases (default 128)")
-    p.add_argument("--long-prompt-len", type=int, default=1024, help="prompt tokens of the batch-1 TTFT case (default 1024; 0: none)")
-    p.add_argument("--gen-len", type=int, default=128, help="new tokens per row of the decode cases (default 128)")
-    p.add_argument("--agreement-tokens", type=int, default=24, help="greedy tokens compared with transformers' (default 24)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per case, the engines' order alternating (default 3)")
-    add_threads(p)
-
-
-@attrs.frozen(kw_only=True)
-class EnginesSpec:
-    """The checked options of a run."""
-
-    engines: tuple[str, ...]
-    model: str
-    backend: str
-    batch_sizes: tuple[int, ...]
-    prompt_len: int
-    long_prompt_len: int
-    gen_len: int
-    agreement_tokens: int
-    rounds: int
-
-
-def check_options(args: argparse.Namespace) -> EnginesSpec:
-    """The spec, checked before anything loads. InputError for an unknown or repeated engine,
-    sizes out of range, a gguf engine or llama.cpp without a .gguf --model;
-    BackendUnavailableError (naming the extra) when llama-cpp-python or the OpenVINO packages
-    are missing for the engines asked for."""
-    unknown = [e for e in args.engines if e not in ENGINES]
-    if unknown or len(set(args.engines)) != len(args.engines):
-        raise InputError(f"--engines {' '.join(args.engines)}: each of {', '.join(ENGINES)}, once "
-                         f"({'unknown: ' + ', '.join(unknown) if unknown else 'one is repeated'}).")
-    check_at_least("batch_sizes", args.batch_sizes, 1)
-    check_at_least("prompt_len", args.prompt_len, 1)
-    check_at_least("long_prompt_len", args.long_prompt_len, 0)
-    check_at_least("gen_len", args.gen_len, 2)
-    check_at_least("agreement_tokens", args.agreement_tokens, 1)
-    check_at_least("rounds", args.rounds, 1)
-    model = str(args.model or checkpoints.default_model_path())
-    needs_gguf = [e for e in args.engines if e == "llama.cpp" or (e in NEURONFX and NEURONFX[e].weight_format == "gguf")]
-    if needs_gguf and not model.endswith(".gguf"):
-        raise InputError(f"--engines {' '.join(needs_gguf)} run a .gguf's blocks: --model must be a .gguf file, not {model!r} "
-                         "(the default is SmolLM2's Q4_1 .gguf), or leave them out of --engines.")
-    if "llama.cpp" in args.engines:
-        from neuronfx.bench.llama_cpp import import_llama_cpp
-
-        import_llama_cpp()
-    if any(e in OPENVINO for e in args.engines):
-        from neuronfx.bench.openvino import import_genai
-        from neuronfx.bench.openvino_export import check_exporter
-
-        import_genai()
-        check_exporter()
-    return EnginesSpec(engines=tuple(args.engines), model=model, backend=args.backend, batch_sizes=tuple(args.batch_sizes),
-                       prompt_len=args.prompt_len, long_prompt_len=args.long_prompt_len, gen_len=args.gen_len,
-                       agreement_tokens=args.agreement_tokens, rounds=args.rounds)
 
 
 @attrs.frozen(kw_only=True)
@@ -156,20 +76,15 @@ def spec_cases(spec: EnginesSpec) -> list[Case]:
 
 
 def neuronfx_engine(name: str, checkpoint: Any, spec: EnginesSpec, log: Callable[[str], Any]) -> Engine:
-    """The neuronfx engine ``name``: one compiled plan per batch size (batch 1's holds the long
-    prompt too), each case run on its batch size's runtime."""
+    """The neuronfx engine ``name``: one compiled plan per batch size and batch 1 (whose plan holds
+    the long prompt and the token agreement too, :func:`batch1_sizes`), each case run on its batch size's runtime."""
     fmt = NEURONFX[name]
     runtimes = {}
-    for b in spec.batch_sizes:
-        prompt = max(spec.prompt_len, spec.long_prompt_len if b == 1 else 0)
-        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, spec.gen_len, fmt.weight_format,
-                          activation_format=fmt.activation_format)
+    for b in sorted({1, *spec.batch_sizes}):  # batch 1 runs the long prompt and the token agreement too
+        prompt, gen = batch1_sizes(spec) if b == 1 else (spec.prompt_len, spec.gen_len)
+        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, gen, fmt.weight_format, activation_format=fmt.activation_format)
         log(f"{name}: compiling the batch-{b} plan")
         runtimes[b] = neuronfx.compile(plan, checkpoint.state_dict, progress=False)
-    if 1 not in runtimes:  # the long prompt's case and the token agreement run at batch 1
-        plan = bench_plan(checkpoint, spec.backend, "float32", 1, max(spec.prompt_len, spec.long_prompt_len), spec.gen_len,
-                          fmt.weight_format, activation_format=fmt.activation_format)
-        runtimes[1] = neuronfx.compile(plan, checkpoint.state_dict, progress=False)
     label = "float32" if fmt.weight_format == "float" else f"float32/{fmt.weight_format}"
     return Engine(name=name, backend=spec.backend, dtype=label + ("/auto" if fmt.activation_format == "auto" else ""),
                   time=lambda prompts, gen_len: time_neuronfx(runtimes[len(prompts)], prompts, gen_len),
@@ -183,8 +98,8 @@ def openvino_ir(name: str, spec: EnginesSpec, log: Callable[[str], Any]) -> Path
 
 def openvino_engine_of(name: str, ir: Path, spec: EnginesSpec) -> contextlib.AbstractContextManager[Engine]:
     """The OpenVINO engine ``name`` on ``ir``, sized for every case of ``spec``."""
-    longest = max(spec.prompt_len, spec.long_prompt_len)
-    sizes = PipelineSizes(max_batch=max(spec.batch_sizes), max_prompt=longest, max_tokens=longest + spec.gen_len)
+    prompt, gen = batch1_sizes(spec)
+    sizes = PipelineSizes(max_batch=max(spec.batch_sizes), max_prompt=prompt, max_tokens=prompt + gen)
     return openvino_engine(ir, ov_weights(OPENVINO[name], 32), "float32", torch.get_num_threads(), sizes)
 
 
@@ -252,15 +167,13 @@ def agreement_prompts(spec: EnginesSpec, vocab_size: int) -> list[list[int]]:
     return default_prompts(tokenizer)
 
 
-def agreement(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int) -> list[dict[str, Any]]:
-    """Per engine: how many of its first ``spec.agreement_tokens`` greedy tokens of each
-    agreement prompt (one at a time) equal transformers', counted up to the first difference
-    and over transformers' tokens before its eos (``timing.greedy_transformers``); empty
-    without transformers. ``{"engine", "reference", "matching", "tokens", "first_difference"}``."""
+def agreement(engines: dict[str, Engine], prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
+    """Per engine: how many of its first ``n`` greedy tokens of each agreement prompt
+    (:func:`agreement_prompts`, one at a time) equal transformers', counted up to the first
+    difference and over transformers' tokens before its eos (``timing.greedy_transformers``);
+    empty without transformers. ``{"engine", "reference", "matching", "tokens", "first_difference"}``."""
     if REFERENCE not in engines:
         return []
-    prompts = agreement_prompts(spec, vocab_size)
-    n = spec.agreement_tokens
     reference = [engines[REFERENCE].tokens([p], n)[0] for p in prompts]
     lengths = [len(r) for r in reference]  # the tokens before an eos
     out = []
@@ -341,10 +254,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = check_options(args)
     set_threads(args.threads)
     log = logger(args)
-    vocab_size = checkpoints.load_checkpoint(spec.model, lazy=True).config.vocab_size
+    config = checkpoints.load_checkpoint(spec.model, lazy=True).config
+    prompts = agreement_prompts(spec, config.vocab_size) if REFERENCE in spec.engines else []
+    spec = attrs.evolve(spec, agreement_prompt_len=max(map(len, prompts), default=0))  # batch 1's plans hold them
+    check_positions(spec, config.max_position_embeddings)
     with open_engines(spec, log) as engines:
-        rows = measure(engines, spec, vocab_size, log)
-        agreed = agreement(engines, spec, vocab_size)
+        rows = measure(engines, spec, config.vocab_size, log)
+        agreed = agreement(engines, prompts, spec.agreement_tokens)
     goals = targets(rows, spec)
     if not args.json:
         print(f"{spec.model}, {spec.backend}, {torch.get_num_threads()} threads, {spec.rounds} rounds alternating; "

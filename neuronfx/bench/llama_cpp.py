@@ -37,7 +37,8 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError as exc:
-        raise BackendUnavailableError(f"bench latency --compare llama.cpp needs llama-cpp-python: {INSTALL_HINT}.") from exc
+        raise BackendUnavailableError(f"the llama.cpp engine (bench latency --compare llama.cpp, bench engines --engines llama.cpp) "
+                                      f"needs llama-cpp-python: {INSTALL_HINT}.") from exc
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log goes to stderr otherwise
     return llama_cpp
 

@@ -50,7 +50,8 @@ def import_genai() -> tuple[Any, Any]:
         import openvino
         import openvino_genai
     except ImportError as exc:
-        raise BackendUnavailableError(f"bench latency --compare openvino needs openvino-genai: {INSTALL_HINT}.") from exc
+        raise BackendUnavailableError(f"the OpenVINO engines (bench latency --compare openvino, bench engines --engines openvino-*) "
+                                      f"need openvino-genai: {INSTALL_HINT}.") from exc
     return openvino_genai, openvino
 
 

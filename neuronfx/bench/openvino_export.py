@@ -92,7 +92,8 @@ def check_exporter() -> None:
     (found without importing them: optimum-intel imports transformers and torch)."""
     missing = [name for name, module in (("optimum-intel", "optimum.intel"), ("nncf", "nncf")) if not _installed(module)]
     if missing:
-        raise BackendUnavailableError(f"bench latency --compare openvino needs {' and '.join(missing)} to export the weights: "
+        raise BackendUnavailableError(f"the OpenVINO engines (bench latency --compare openvino, bench engines --engines openvino-*) "
+                                      f"need {' and '.join(missing)} to export the weights: "
                                       f"{INSTALL_HINT}.")
 
 
