@@ -182,7 +182,8 @@ class Engine:
     dtype: str  # what its weights are, e.g. "float32" or "Q4_1"
     time: Callable[[list[list[int]], int], Timed]  # (prompts, gen_len) -> (TTFT, [ITL])
     decode_bytes: Callable[[int], int] | None = None
-    tokens: Callable[[list[list[int]], int], list[list[int]]] | None = None  # (prompts, gen_len) -> B rows of gen_len ids
+    # (prompts, gen_len) -> B rows of gen_len ids (transformers': cut before its eos)
+    tokens: Callable[[list[list[int]], int], list[list[int]]] | None = None
 
 
 @contextmanager
