@@ -63,7 +63,7 @@ def main() -> None:
         for path, flag in PATHS.items():
             ns = f"nfx_check_{path}"
             (Path(build) / path).mkdir()
-            load(name=ns, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp", flag, f"-Dneuronfx={ns}"],
+            load(name=ns, sources=[str(SOURCE)], extra_cflags=[*kernels.CFLAGS, flag, f"-Dneuronfx={ns}"],
                  extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(Path(build) / path), verbose=False)
             isa = getattr(torch.ops, ns).quant_isa()
             worst, variant = check(ns)

@@ -40,6 +40,11 @@ bound and torch's blocked GEMM wins."""
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+"""The kernels' compiler flags (part of the library's name). -O2 built the library in 28 s
+instead of 38 (quant_gemm.cpp 22 s of one core instead of 32, GCC 12), but its tiles ran slower:
+SmolLM2's kept Q4_1 blocks decoded at 0.91x at batch 1 and 0.67x at batch 8 (``bench latency
+--against``, 4 rounds, 2026-12-05)."""
 
 
 def cpu_flags() -> str:
@@ -60,7 +65,8 @@ def library_name() -> str:
     virtualenvs sharing one build directory rebuilt the library, 30-40 CPU s, each time the
     other had run)."""
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + cpu_flags().encode() + torch.__version__.encode() + torch_dir.encode())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode() + cpu_flags().encode()
+                       + torch.__version__.encode() + torch_dir.encode())
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 
 
@@ -89,7 +95,7 @@ def small_gemm_available() -> bool:
 
     try:
         with build_lock(library_name()):
-            load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
