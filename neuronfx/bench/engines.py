@@ -14,7 +14,8 @@ Cases, each greedy on random prompts (``bench/timing.py``): for each --batch-siz
 --prompt-len tokens and --gen-len new tokens (decode tok/s and TTFT); then one prompt of
 --long-prompt-len tokens (its TTFT; longer than --prompt-len, or 0 to skip it); every row must fit the
 model's max_position_embeddings. Every case runs --rounds times in every engine,
-rounds alternating the order (``rounds.alternate``); an engine's figure is its median round.
+rounds alternating the order (``rounds.alternate``); each figure is the median of its rounds
+(decode tok/s and TTFT each on its own, so a TTFT is not tied to the round of the median decode).
 Token agreement: each engine's first --agreement-tokens greedy tokens of check-accuracy's three
 chat prompts (random ids without a tokenizer), one at a time, against transformers' (counted up
 to each prompt's first difference, over transformers' tokens before its eos). Then the targets of issue 34
@@ -107,7 +108,6 @@ def openvino_engine_of(name: str, ir: Path, spec: EnginesSpec) -> contextlib.Abs
 def open_engines(spec: EnginesSpec, log: Callable[[str], Any]) -> Iterator[dict[str, Engine]]:
     """Every engine of ``spec``, held while the block runs (OpenVINO's IRs exported first, so
     the export's memory is gone before anything is timed)."""
-
     irs = {e: openvino_ir(e, spec, log) for e in spec.engines if e in OPENVINO}  # exported before anything else loads
     with contextlib.ExitStack() as stack:
         engines: dict[str, Engine] = {}
@@ -132,7 +132,7 @@ def open_engines(spec: EnginesSpec, log: Callable[[str], Any]) -> Iterator[dict[
 
 def measure(engines: dict[str, Engine], spec: EnginesSpec, vocab_size: int, log: Callable[[str], Any]) -> list[dict[str, Any]]:
     """Every case in every engine, ``spec.rounds`` rounds alternating: one row per (engine,
-    case) with the median round's figures and each round's decode tok/s and TTFT."""
+    case) with the median over rounds of decode tok/s and of TTFT, and each round's values."""
     for b in sorted({c.batch_size for c in spec_cases(spec)}):
         warm = random_prompts(vocab_size, b, 8, seed=1)
         for engine in engines.values():
@@ -159,7 +159,7 @@ def agreement_prompts(spec: EnginesSpec, vocab_size: int) -> list[list[int]]:
     (``accuracy.DEFAULT_CHATS`` through the chat template) when --model has a tokenizer, else
     the batch-1 case's random prompt. Random token ids leave a model's next-token distribution
     flat, so quantized weights part from transformers within a few tokens there (SmolLM2 int8:
-    3 of 24) where a chat answer is decided (24 of 24)."""
+    3 of 24 on random ids, 40 of 51 on the chat prompts, 2026-12-05)."""
     try:
         tokenizer = checkpoints.load_tokenizer(spec.model)
     except CheckpointError:
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     goals = targets(rows, spec)
     if not args.json:
         print(f"{spec.model}, {spec.backend}, {torch.get_num_threads()} threads, {spec.rounds} rounds alternating; "
-              "each figure the median round")
+              "each figure the median of its rounds")
         for line in table_lines(rows, agreed, spec) + [format_target(t) for t in goals]:
             print(line)
     return {"threads": torch.get_num_threads(), "rows": rows, "agreement": agreed, "targets": goals}
