@@ -67,6 +67,7 @@ def _rank_weights(plan: Plan, state_dict: Mapping[str, torch.Tensor] | None) -> 
         check_agreement("weights", weights_fingerprint(state_dict))
     weights = convert_hf_state_dict(dict(state_dict), plan.model, plan.inference.dtype, plan.shard,
                                     quantized_formats(plan.inference), plan.inference.weight_group_size)
+    weights = get_backend(plan.inference.backend).prepare_weights(plan, weights)  # e.g. int8 packed for its kernel
     return to_device(weights, plan_device(plan))  # a checkpoint read here: only this rank's shard stays resident
 
 

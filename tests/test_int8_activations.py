@@ -128,6 +128,39 @@ def test_ops_bundle_routes_each_path():
     assert torch.equal(every.head_linear(decode, q4), library.quant_gemm(decode, q4, None, True))
 
 
+def test_packed_int8_weights_take_int8_x_at_every_row_count():
+    """A packed int8 weight multiplies int8 x through ``w8a8_packed`` whatever the paths say
+    (packing is decided once for the plan), the bits of ``quant.w8a8_linear`` on the row-major
+    weight; Q/K/V of packed weights go one product each."""
+    g = torch.Generator().manual_seed(3)
+    q = quant.quantize_int8(torch.randn(48, 96, generator=g))
+    p = quant.pack_int8(q)
+    ops = cpu_kernel_ops("float32", choice.FLOAT_PATHS)
+    for rows in (1, 4, 12):
+        x = torch.randn(rows, 96, generator=g)
+        assert torch.equal(ops.linear(x, p), quant.w8a8_linear(x, q))
+        assert torch.equal(ops.glu(x, p, p), torch.nn.functional.silu(quant.w8a8_linear(x, q)) * quant.w8a8_linear(x, q))
+        assert torch.equal(ops.projections(x, [p, p], [None, torch.ones(48)])[1], quant.w8a8_linear(x, q, torch.ones(48)))
+
+
+def test_plans_pack_int8_weights_only_where_every_product_takes_int8_x(monkeypatch):
+    """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head (tied embedding here)
+    stays row-major; float weights and other formats are left alone."""
+    hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
+    weights = neuronfx.api._rank_weights(tiny_plan(hf, "inductor", weight_format="int8", activation_format="float"), hf.state_dict())
+    assert isinstance(weights["layers"][0]["wq"], quant.Int8Weight)
+    for batch, enabled, packs in [(1, {("int8", "one"), ("int8", "prefill")}, True), (1, {("int8", "one"), ("int8", "batch")}, False),
+                                  (1, {("int8", "batch"), ("int8", "prefill")}, False), (2, {("int8", "batch"), ("int8", "prefill")}, True),
+                                  (2, choice.AVAILABLE, True)]:
+        monkeypatch.setattr(choice, "measured_paths", lambda h, i, b, e=enabled: choice.Int8Paths(frozenset(e)))
+        plan = tiny_plan(hf, "inductor", weight_format="int8", activation_format="auto", batch_size=batch)
+        packed = choice.pack_int8_weights(plan, weights)
+        assert all(isinstance(w, quant.Int8Packed if packs else quant.Int8Weight) for w in packed["layers"][1].values()
+                   if isinstance(w, quant.QUANTIZED_TYPES)), enabled
+        assert packed["embed"] is weights["embed"] and isinstance(packed["embed"], quant.Int8Weight)
+        assert torch.equal(packed["layers"][1]["mlp_norm"], weights["layers"][1]["mlp_norm"])
+
+
 def round_linear_inputs(model: torch.nn.Module) -> None:
     """Every nn.Linear of ``model`` but the LM head multiplies x rounded per row as
     :func:`quant.int8_rows`."""
@@ -153,6 +186,7 @@ def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers(
     plain = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
     plain.load_state_dict(ref.state_dict())
     round_linear_inputs(ref)
+    assert isinstance(rt.weights["layers"][0]["gate"], quant.Int8Packed)  # int8 x everywhere: packed for vpdpbusd
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
     moved = 0.0
     with torch.no_grad():

@@ -21,6 +21,7 @@ from neuronfx.graphs.kernels.library import (
     quant_prefill,
     small_gemm_available,
     w8a8_gemm,
+    w8a8_packed,
 )
 from neuronfx.graphs.models import quant as Q
 
@@ -441,6 +442,50 @@ def test_w8a8_gemm_equals_w8a8_linear_bit_for_bit(kernel: None, k: int, xdtype: 
     alone = torch.cat([w8a8_gemm(x[i : i + 1], q) for i in range(11)])
     assert torch.equal(w8a8_gemm(x, q), alone) and not alone[3].any()
     assert w8a8_gemm(x.view(1, 11, k), q).shape == (1, 11, 67) and w8a8_gemm(x[:0], q).shape == (0, 67)
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_w8a8_packed_equals_w8a8_linear_bit_for_bit(kernel: None, xdtype: torch.dtype) -> None:
+    """The packed int8 weights' kernel against ``quant.w8a8_linear`` (torch._int_mm on the
+    row-major weight): the same bits at decode and prefill row counts (8-row tiles and their
+    tails, rows rounded in parallel past 16), with and without bias, an all-zero row among them;
+    each row equal to that row alone."""
+    g = torch.Generator().manual_seed(5)
+    q = Q.quantize_int8(torch.randn(80, 196, generator=g))  # 5 blocks of 16 channels: the 4-wide and 2-wide tiles' tails
+    p = Q.pack_int8(q)
+    bias = torch.randn(80, generator=g)
+    x = torch.randn(37, 196, generator=g).to(xdtype)
+    x[3] = 0
+    for rows in [1, 2, 3, 4, 5, 8, 9, 13, 37]:
+        for b in (None, bias):
+            assert torch.equal(w8a8_packed(x[:rows], p, b), Q.w8a8_linear(x[:rows], q, b)), (rows, b is None)
+    alone = torch.cat([w8a8_packed(x[i : i + 1], p) for i in range(37)])
+    assert torch.equal(w8a8_packed(x, p), alone) and not alone[3].any()
+    assert w8a8_packed(x.view(1, 37, 196), p).shape == (1, 37, 80) and w8a8_packed(x[:0], p).shape == (0, 80)
+
+
+def test_int8_packing_keeps_the_values() -> None:
+    """pack_int8 lays 16 channels x 4 features per 64 bytes, offset by 128; unpack_int8 and
+    dequantize give the weight back exactly; shapes it cannot pack are a ValueError."""
+    g = torch.Generator().manual_seed(6)
+    q = Q.quantize_int8(torch.randn(32, 12, generator=g))
+    p = Q.pack_int8(q)
+    assert p.data.shape == (2, 3, 64) and p.data.dtype == torch.uint8 and p.shape == (32, 12)
+    assert int(p.data[1, 2, 4 * 5 + 3]) == int(q.data[16 + 5, 4 * 2 + 3]) + 128  # block 1, quad 2, channel 5, feature 3
+    assert torch.equal(Q.unpack_int8(p).data, q.data) and torch.equal(Q.dequantize(p, 12), Q.dequantize(q, 12))
+    assert Q.packable(q) and not Q.packable(Q.quantize_int8(torch.randn(24, 12))) and not Q.packable(Q.quantize_int4(torch.randn(32, 64), 32))
+    with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 4 == 0, got \(32, 10\)"):
+        Q.pack_int8(Q.quantize_int8(torch.randn(32, 10)))
+
+
+def test_w8a8_packed_rejects_what_it_cannot_serve(kernel: None) -> None:
+    p = Q.pack_int8(Q.quantize_int8(torch.randn(16, 64)))
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        w8a8_packed(torch.randn(1, 32), p)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        w8a8_packed(torch.randn(1, 64), p, torch.randn(3))
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \(N / 16, K / 4, 64\)"):
+        w8a8_packed(torch.randn(1, 64), Q.Int8Packed(data=p.data.view(16, 64), scale=p.scale))
 
 
 def test_w8a8_gemm_rejects_what_it_cannot_serve(kernel: None) -> None:

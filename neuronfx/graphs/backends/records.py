@@ -61,6 +61,9 @@ class Backend:
     - ``prepare()``: start, in the background, the work every build needs first (inductor: the
       C++ kernel library, compiler probes, precompiled header), so that it overlaps the
       checkpoint load; ``build`` waits for it. Call after ``check``.
+    - ``prepare_weights(plan, weights) -> weights``: the weights in the layout this backend's
+      graphs take, given the converted checkpoint (inductor: int8 layer weights packed for
+      ``vpdpbusd`` where the plan multiplies them by int8 activations; the others: unchanged).
     - ``choices(plan) -> dict``: what this machine or process decided that the built graphs bake
       in (part of the compile-cache key: graphs built under one choice are not served under
       another; inductor: the thread count, the 16-bit prefill path; export and eager: nothing,
@@ -76,6 +79,7 @@ class Backend:
     traces: bool = True
     prepare: Callable[[], None] = attrs.field(default=lambda: None)
     choices: Callable[[Plan], dict[str, object]] = attrs.field(default=lambda plan: {})  # none by default
+    prepare_weights: Callable[[Plan, Weights], Weights] = attrs.field(default=lambda plan, weights: weights)
 
 
 def progress_bar(plan: Plan, progress: bool, total: int | None = None) -> tqdm | LogBar:

@@ -123,7 +123,8 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
                      widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
-    """A quantized weight's product: int8 weights on a path ``int8`` enables multiply in integers
+    """A quantized weight's product: packed int8 weights (``quant.Int8Packed``) multiply int8 x in
+    integers at any rows (``library.w8a8_packed``); int8 weights on a path ``int8`` enables multiply in integers
     (decode rows: ``library.w8a8_gemm``; more: ``quant.w8a8_linear``, equal bit for bit); up to
     SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
     bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
@@ -132,6 +133,8 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     ``widen``; else (no kernels, or a native 16-bit GEMM) the weight is dequantized whole and
     multiplied in x's dtype."""
     rows = _rows(x)
+    if isinstance(weight, quant.Int8Packed):  # packed where every product of int8 weights takes int8 x
+        return cpu_kernels.w8a8_packed(x, weight, bias) if kernels else quant.w8a8_linear(x, weight, bias)
     if int8.integer_gemm(weight, rows):
         if kernels and rows <= SMALL_GEMM_MAX_ROWS:  # the same integers and bits; _int_mm reads small M slowly
             return cpu_kernels.w8a8_gemm(x, weight, bias)

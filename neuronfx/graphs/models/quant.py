@@ -82,7 +82,28 @@ class Q8_0Blocks(NamedTuple):
         return _block_shape(self.data, "q8_0")
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks
+class Int8Packed(NamedTuple):
+    """:class:`Int8Weight`'s values laid out for VNNI's ``vpdpbusd``: data uint8 (N / 16, K / 4, 64),
+    block b, quad q holding ``w[16 b + c, 4 q + i] + 128`` at byte ``4 c + i`` (16 output channels
+    of 4 input features per 64 bytes, the weight read unsigned as the instruction takes it);
+    scale float32 or bfloat16 (N,). Made by :func:`pack_int8` for plans whose int8 weights always
+    multiply int8 activations (``kernels.activation_choice``), read by ``library.w8a8_packed``."""
+
+    data: Tensor
+    scale: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight."""
+        return (self.data.shape[0] * PACK_CHANNELS, self.data.shape[1] * PACK_FEATURES)
+
+
+PACK_CHANNELS = 16
+"""Output channels per block of :class:`Int8Packed` (int32 lanes of a 512-bit register)."""
+PACK_FEATURES = 4
+"""Input features per lane of :class:`Int8Packed` (bytes ``vpdpbusd`` sums into one int32)."""
+
+QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks | Int8Packed
 FORMAT_NAMES = {Int8Weight: "int8", Int4Weight: "int4", Q4_0Blocks: "q4_0", Q4_1Blocks: "q4_1", Q8_0Blocks: "q8_0"}
 """Format name of each class (the kernel's ``format`` argument)."""
 
@@ -142,10 +163,38 @@ def _blocks(data: Tensor, fmt: str) -> Tensor:
     return data.view(*data.shape[:-1], data.shape[-1] // size, size)
 
 
+def packable(q: QuantizedWeight) -> bool:
+    """Whether ``q`` is an int8 (N, K) weight :func:`pack_int8` takes: N a multiple of
+    :data:`PACK_CHANNELS` and K of :data:`PACK_FEATURES`."""
+    return (isinstance(q, Int8Weight) and q.data.dim() == 2 and q.data.shape[0] % PACK_CHANNELS == 0
+            and q.data.shape[1] % PACK_FEATURES == 0)
+
+
+def pack_int8(q: Int8Weight) -> Int8Packed:
+    """:class:`Int8Weight` -> :class:`Int8Packed`, the same values; ValueError when not
+    :func:`packable` (N not a multiple of 16 or K of 4)."""
+    if not packable(q):
+        raise ValueError(f"an int8 weight packs when it is (N, K) with N % {PACK_CHANNELS} == 0 and K % {PACK_FEATURES} == 0, "
+                         f"got {tuple(q.data.shape)}")
+    n, k = q.data.shape
+    blocks = q.data.view(n // PACK_CHANNELS, PACK_CHANNELS, k // PACK_FEATURES, PACK_FEATURES).transpose(1, 2)
+    data = (blocks.to(torch.int16) + 128).to(torch.uint8).reshape(n // PACK_CHANNELS, k // PACK_FEATURES, -1)
+    return Int8Packed(data.contiguous(), q.scale)
+
+
+def unpack_int8(p: Int8Packed) -> Int8Weight:
+    """:class:`Int8Packed` -> :class:`Int8Weight`, the inverse of :func:`pack_int8`."""
+    nb, k4, _ = p.data.shape
+    blocks = (p.data.to(torch.int16) - 128).to(torch.int8).view(nb, k4, PACK_CHANNELS, PACK_FEATURES).transpose(1, 2)
+    return Int8Weight(blocks.reshape(nb * PACK_CHANNELS, k4 * PACK_FEATURES), p.scale)
+
+
 def dequantize(q: QuantizedWeight, k: int) -> Tensor:
     """Any quantized weight (leading dims ``...``: (N,) for a weight, the ids' shape after
     :func:`gather_rows`) -> float32 (..., k), the first k input features (drops int4's padding).
     The GGUF formats follow ggml's ``dequantize_row_q4_0 / q4_1 / q8_0`` (ggml-quants.c)."""
+    if isinstance(q, Int8Packed):
+        q = unpack_int8(q)
     if isinstance(q, Int8Weight):
         return (q.data.float() * q.scale.float()[..., None])[..., :k]
     if isinstance(q, Int4Weight):
@@ -187,7 +236,7 @@ def weight_bytes(q: QuantizedWeight) -> int:
 
 BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
 """The GGUF block records (kept from a file, never made by neuronfx's quantizer)."""
-QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES)
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES, Int8Packed)
 """Every quantized weight record: what ``isinstance`` tells from a float tensor."""
 
 for _cls in QUANTIZED_TYPES:
@@ -270,12 +319,14 @@ def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(rows / safe).clamp(-127, 127).to(torch.int8), scale
 
 
-def w8a8_linear(x: Tensor, q: Int8Weight, bias: Tensor | None = None) -> Tensor:
+def w8a8_linear(x: Tensor, q: Int8Weight | Int8Packed, bias: Tensor | None = None) -> Tensor:
     """x (..., K) float @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype, multiplied in
     integers: x rounded per row (:func:`int8_rows`), int8 x int8 products summed exactly in int32
     by ``torch._int_mm`` (oneDNN: VNNI or AMX where the CPU has them), then scaled by x's and the
     weight's scales in fp32. The error added is x's rounding, at most ``absmax / 254`` per value
     of a row. Reference: :func:`reference_w8a8_linear`."""
+    if isinstance(q, Int8Packed):
+        q = unpack_int8(q)
     xq, xs = int8_rows(x)
     out = torch._int_mm(xq, q.data.t()).float() * xs * q.scale.float()
     if bias is not None:
@@ -283,7 +334,7 @@ def w8a8_linear(x: Tensor, q: Int8Weight, bias: Tensor | None = None) -> Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], q.data.shape[0])
 
 
-def reference_w8a8_linear(x: Tensor, q: Int8Weight) -> Tensor:
+def reference_w8a8_linear(x: Tensor, q: Int8Weight | Int8Packed) -> Tensor:
     """What :func:`w8a8_linear` computes, in float64: x rounded per row as :func:`int8_rows`,
     times the weight's exact values."""
     xq, xs = int8_rows(x)

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -57,21 +58,31 @@ inline int32_t round_row(const float* x, int64_t K, float safe, int8_t* q) {
   return sum;
 }
 
+// Rows in parallel past ROUND_GRAIN of them (a prefill's x); decode rows on the calling thread.
+constexpr int64_t ROUND_GRAIN = 16;
+
 template <typename X>
 XRows round_rows(const X* x, int64_t M, int64_t K) {
   XRows r{std::vector<int8_t>(M * ((K + 63) / 64 * 64), 0), std::vector<float>(M), std::vector<int32_t>(M, 0), (K + 63) / 64 * 64};
-  std::vector<float> row(K);
-  for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      row[k] = static_cast<float>(x[m * K + k]);
-      amax = std::max(amax, std::fabs(row[k]));
+  at::parallel_for(0, M, ROUND_GRAIN, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = static_cast<float>(x[m * K + k]);
+        amax = std::max(amax, std::fabs(row[k]));
+      }
+      const float s = amax / 127.f;
+      r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
+      r.scale[m] = s;
     }
-    const float s = amax / 127.f;
-    r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
-    r.scale[m] = s;
-  }
+  });
   return r;
+}
+
+template <typename X>
+XRows round_any(const at::Tensor& xc) {
+  return round_rows(xc.data_ptr<X>(), xc.size(0), xc.size(1));
 }
 
 #if defined(NFX_W8A8_VNNI)
@@ -181,6 +192,132 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& data, const at::Tens
   return out.to(x.scalar_type()).view(shape);
 }
 
+// ---- int8 weights packed for vpdpbusd (quant.Int8Packed) -------------------------------------
+// data uint8 (N / 16, K / 4, 64): block b, quad q holds w[16 b + c, 4 q + i] + 128 at byte 4 c + i,
+// so one load is 4 input features of 16 output channels and x's 4 bytes are broadcast against
+// it: the 16 channels' sums stay in the lanes of one register (no horizontal sums, which cost
+// as much as the products over K = 576 in the row-major kernel above). The same int32 sums and
+// the same scaling, so the same bits as w8a8_gemm and quant.w8a8_linear.
+
+// Rows [m0, m0 + MT) of x against blocks [b, b + NT): the int32 sums, x's offset taken off.
+template <int MT, int NT>
+inline void packed_tile(const XRows& xr, int64_t m0, const uint8_t* data, int64_t K4, int64_t b, int32_t* tot) {
+#if defined(NFX_W8A8_VNNI)
+  __m512i acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_setzero_si512();
+  const uint8_t* wb = data + b * K4 * 64;
+  const int8_t* xq = xr.q.data() + m0 * xr.kp;
+  for (int64_t q = 0; q < K4; ++q) {
+    __m512i wv[NT];
+    for (int j = 0; j < NT; ++j) {
+      // the next tile's line at this quad: the weights stream from memory while this tile computes
+      _mm_prefetch(reinterpret_cast<const char*>(wb + ((NT + j) * K4 + q) * 64), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(wb + (j * K4 + q) * 64);
+    }
+    for (int m = 0; m < MT; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, xq + m * xr.kp + 4 * q, 4);
+      const __m512i xv = _mm512_set1_epi32(x4);
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wv[j], xv);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m512i off = _mm512_set1_epi32(128 * xr.sum[m0 + m]);
+    for (int j = 0; j < NT; ++j) _mm512_storeu_si512(tot + (m * NT + j) * 16, _mm512_sub_epi32(acc[m][j], off));
+  }
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j)
+      for (int c = 0; c < 16; ++c) {
+        int32_t s = 0;
+        for (int64_t q = 0; q < K4; ++q)
+          for (int i = 0; i < 4; ++i)
+            s += static_cast<int32_t>(xr.q[(m0 + m) * xr.kp + 4 * q + i]) * (static_cast<int32_t>(data[((b + j) * K4 + q) * 64 + 4 * c + i]) - 128);
+        tot[(m * NT + j) * 16 + c] = s;
+      }
+#endif
+}
+
+// mc (<= 8) rows against nt blocks: nt is 4 for up to 4 rows and 2 above (16 accumulators), or
+// 1 at the end of a task's range.
+void packed_tile_any(const XRows& xr, int64_t m0, int64_t mc, const uint8_t* data, int64_t K4, int64_t b, int nt, int32_t* tot) {
+#define NFX_PACKED_CASE(MT, NT) \
+  if (mc == MT && nt == NT) return packed_tile<MT, NT>(xr, m0, data, K4, b, tot);
+  NFX_PACKED_CASE(1, 4) NFX_PACKED_CASE(2, 4) NFX_PACKED_CASE(3, 4) NFX_PACKED_CASE(4, 4)
+  NFX_PACKED_CASE(1, 2) NFX_PACKED_CASE(2, 2) NFX_PACKED_CASE(3, 2) NFX_PACKED_CASE(4, 2)
+  NFX_PACKED_CASE(5, 2) NFX_PACKED_CASE(6, 2) NFX_PACKED_CASE(7, 2) NFX_PACKED_CASE(8, 2)
+  NFX_PACKED_CASE(1, 1) NFX_PACKED_CASE(2, 1) NFX_PACKED_CASE(3, 1) NFX_PACKED_CASE(4, 1)
+  NFX_PACKED_CASE(5, 1) NFX_PACKED_CASE(6, 1) NFX_PACKED_CASE(7, 1) NFX_PACKED_CASE(8, 1)
+#undef NFX_PACKED_CASE
+}
+
+// out[m, n] = (sum * x scale) * weight scale (+ bias), w8a8_linear's order and rounding.
+void packed_store(const XRows& xr, int64_t m0, int64_t mc, int64_t n0, int nt, const int32_t* tot, const float* ws,
+                  const float* bias, float* out, int64_t N) {
+#if defined(NFX_W8A8_VNNI)
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t m = 0; m < mc; ++m) {
+    const __m512 xs = _mm512_set1_ps(xr.scale[m0 + m]);
+    for (int j = 0; j < nt; ++j) {
+      const int64_t n = n0 + 16 * j;
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(tot + (m * nt + j) * 16)), xs);
+      const __m512 v = _mm512_fmadd_ps(t, _mm512_loadu_ps(ws + n), zero);  // rounded before the bias, as below
+      _mm512_storeu_ps(out + (m0 + m) * N + n, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + n)) : v);
+    }
+  }
+  return;
+#endif
+  for (int64_t m = 0; m < mc; ++m)
+    for (int64_t c = 0; c < nt * 16; ++c) {
+      const int64_t n = n0 + c;
+      const float v = std::fma(static_cast<float>(tot[m * nt * 16 + c]) * xr.scale[m0 + m], ws[n], 0.f);
+      out[(m0 + m) * N + n] = bias ? v + bias[n] : v;
+    }
+}
+
+at::Tensor w8a8_packed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_packed: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(data.dim() == 3 && data.size(2) == 64 && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "w8a8_packed: data must be a contiguous uint8 (N / 16, K / 4, 64) tensor");
+  const int64_t NB = data.size(0), K4 = data.size(1), N = NB * 16, K = K4 * 4;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "w8a8_packed: x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "w8a8_packed: scale must be (", N, ",)");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N), "w8a8_packed: bias must be (", N, ",)");
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  const XRows xr = x.scalar_type() == at::kFloat ? round_any<float>(xc) : round_any<c10::BFloat16>(xc);
+  const at::Tensor ws = scale.to(at::kFloat).contiguous();
+  const at::Tensor bs = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  const float* wsp = ws.data_ptr<float>();
+  const float* bp = bias ? bs.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  // Blocks split between threads; within a task each tile of blocks meets every row of x while
+  // it is in L1 (a prefill's rows in 8s).
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    int32_t tot[8 * 4 * 16];
+    const int wide = M <= 4 ? 4 : 2;
+    for (int64_t b = b0; b < b1;) {
+      const int nt = b + wide <= b1 ? wide : 1;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mc = std::min<int64_t>(8, M - m0);
+        const int t = mc <= 4 ? std::min(nt, 4) : std::min(nt, 2);
+        for (int64_t bb = b; bb < b + nt; bb += t) {
+          packed_tile_any(xr, m0, mc, w, K4, bb, t, tot);
+          packed_store(xr, m0, mc, bb * 16, t, tot, wsp, bp, o, N);
+        }
+      }
+      b += nt;
+    }
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.to(x.scalar_type()).view(shape);
+}
+
 bool w8a8_vnni() {
 #if defined(NFX_W8A8_VNNI)
   return true;
@@ -193,8 +330,10 @@ bool w8a8_vnni() {
 
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("w8a8_gemm(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_packed(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_vnni() -> bool", &w8a8_vnni);
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("w8a8_gemm", &w8a8_gemm);
+  m.impl("w8a8_packed", &w8a8_packed);
 }
