@@ -22,6 +22,8 @@ from neuronfx.graphs.kernels.library import (
     small_gemm_available,
     w8a8_gemm,
     w8a8_packed,
+    w8a8_packed_glu,
+    w8a8_packed_multi,
 )
 from neuronfx.graphs.models import quant as Q
 
@@ -462,6 +464,28 @@ def test_w8a8_packed_equals_w8a8_linear_bit_for_bit(kernel: None, xdtype: torch.
     alone = torch.cat([w8a8_packed(x[i : i + 1], p) for i in range(37)])
     assert torch.equal(w8a8_packed(x, p), alone) and not alone[3].any()
     assert w8a8_packed(x.view(1, 37, 196), p).shape == (1, 37, 80) and w8a8_packed(x[:0], p).shape == (0, 80)
+
+
+def test_w8a8_packed_multi_and_glu_are_the_single_products(kernel: None) -> None:
+    """Q/K/V of packed weights in one call: each weight's columns the bits of its own
+    ``w8a8_packed`` (biases on some); the gated product within fp32 rounding of silu(gate) * up
+    (its exp is std::exp, torch's silu its own)."""
+    g = torch.Generator().manual_seed(8)
+    ws = [Q.pack_int8(Q.quantize_int8(torch.randn(n, 96, generator=g))) for n in (48, 16, 80)]
+    biases = [None, torch.randn(16, generator=g), torch.randn(80, generator=g)]
+    for rows in (1, 5, 13):
+        x = torch.randn(rows, 96, generator=g)
+        got = w8a8_packed_multi(x, ws, biases)
+        assert [tuple(t.shape) for t in got] == [(rows, 48), (rows, 16), (rows, 80)]
+        for out, w, b in zip(got, ws, biases):
+            assert torch.equal(out, w8a8_packed(x, w, b))
+        gate, up = ws[2], Q.pack_int8(Q.quantize_int8(torch.randn(80, 96, generator=g)))
+        want = torch.nn.functional.silu(w8a8_packed(x, gate)) * w8a8_packed(x, up)
+        torch.testing.assert_close(w8a8_packed_glu(x, gate, up), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="gate has 80 rows, up has 48"):
+        w8a8_packed_glu(x, ws[2], ws[0])
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        w8a8_packed_multi(x, ws + ws[:1], biases + [None])
 
 
 def test_int8_packing_keeps_the_values() -> None:

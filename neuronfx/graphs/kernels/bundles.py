@@ -163,21 +163,26 @@ def _one_kernel_call(x: Tensor, weights: Sequence[Weight], kernels: bool, int8: 
 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
                     widen: bool, int8: Int8Paths = FLOAT_PATHS) -> list[Tensor]:
-    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, or one
-    ``quant_gemm_multi`` for quantized weights of one format and group size; otherwise one
-    product each."""
+    """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, one
+    ``w8a8_packed_multi`` for packed int8 weights (any rows), or one ``quant_gemm_multi`` for
+    quantized weights of one format and group size; otherwise one product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
+    if kernels and all(isinstance(w, quant.Int8Packed) for w in weights):
+        return cpu_kernels.w8a8_packed_multi(x, list(weights), list(biases))
     if _one_kernel_call(x, weights, kernels, int8):
         return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
     return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8=int8) for w, b in zip(weights, biases)]
 
 
 def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
-    """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights) or ``quant_glu``
-    (quantized, one format and group size) forms it from the fp32 accumulators and rounds once."""
+    """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights), ``w8a8_packed_glu``
+    (packed int8, any rows) or ``quant_glu`` (quantized, one format and group size) forms it from
+    the fp32 values and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
+    if kernels and isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed):
+        return cpu_kernels.w8a8_packed_glu(x, gate, up)
     if _one_kernel_call(x, (gate, up), kernels, int8):
         return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))
     linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8=int8)

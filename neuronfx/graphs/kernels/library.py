@@ -109,6 +109,8 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::quant_prefill")(_quant_prefill_fake)
     torch.library.register_fake("neuronfx::w8a8_gemm")(_w8a8_gemm_fake)
     torch.library.register_fake("neuronfx::w8a8_packed")(_w8a8_packed_fake)
+    torch.library.register_fake("neuronfx::w8a8_packed_multi")(_w8a8_packed_multi_fake)
+    torch.library.register_fake("neuronfx::w8a8_packed_glu")(_w8a8_packed_glu_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     return True
 
@@ -142,6 +144,16 @@ def _w8a8_gemm_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bi
 
 def _w8a8_packed_fake(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], scale.shape[0]))
+
+
+def _w8a8_packed_multi_fake(x: torch.Tensor, d0: torch.Tensor, s0: torch.Tensor, b0: object, d1: object, s1: torch.Tensor | None,
+                            b1: object, d2: object, s2: torch.Tensor | None, b2: object) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(s.shape[0] for s in (s0, s1, s2) if s is not None)))
+
+
+def _w8a8_packed_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor,
+                          up_scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], gate_scale.shape[0]))
 
 
 def _quant_gemm_multi_fake(x: torch.Tensor, fmt: int, int8_x: bool, d0: torch.Tensor, s0: object, o0: object, b0: object,
@@ -274,6 +286,25 @@ def w8a8_packed(x: torch.Tensor, q: Int8Packed, bias: torch.Tensor | None = None
     for data that is not a contiguous uint8 (N / 16, K / 4, 64), or x, scale or bias of the
     wrong shape."""
     return torch.ops.neuronfx.w8a8_packed(x, q.data, q.scale, bias)
+
+
+def w8a8_packed_multi(x: torch.Tensor, weights: list[Int8Packed], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[w8a8_packed(x, q, b) for q, b in zip(weights, biases)]`` in one call (fused Q/K/V
+    projections): x rounded once, one parallel region over every weight's blocks, the same bits.
+    Views of the op's one (..., sum N) output; ValueError for more than :data:`MAX_FUSED` weights
+    or a bias list of another length; RuntimeError as :func:`w8a8_packed`."""
+    _check_fused(len(weights), len(biases))
+    args = [t for q, b in zip(weights, biases) for t in (q.data, q.scale, b)]
+    out = torch.ops.neuronfx.w8a8_packed_multi(x, *args, *[None] * (3 * (MAX_FUSED - len(weights))))
+    return list(out.split([q.scale.shape[0] for q in weights], dim=-1))
+
+
+def w8a8_packed_glu(x: torch.Tensor, gate: Int8Packed, up: Int8Packed) -> torch.Tensor:
+    """``silu(w8a8_packed(x, gate)) * w8a8_packed(x, up)`` -> (..., N) in x.dtype in one call: x
+    rounded once, each product's fp32 values those of :func:`w8a8_packed`, the gated product
+    formed in fp32 (``std::exp``, within an ulp or two of torch's silu) and rounded once.
+    RuntimeError as :func:`w8a8_packed`, or for gate and up of different N."""
+    return torch.ops.neuronfx.w8a8_packed_glu(x, gate.data, gate.scale, up.data, up.scale)
 
 
 def w8a8_vnni() -> bool:

@@ -252,70 +252,148 @@ void packed_tile_any(const XRows& xr, int64_t m0, int64_t mc, const uint8_t* dat
 #undef NFX_PACKED_CASE
 }
 
-// out[m, n] = (sum * x scale) * weight scale (+ bias), w8a8_linear's order and rounding.
-void packed_store(const XRows& xr, int64_t m0, int64_t mc, int64_t n0, int nt, const int32_t* tot, const float* ws,
-                  const float* bias, float* out, int64_t N) {
+// Rows [m0, m0 + mc) of a tile of nt blocks: out[m, c] = (sum * x scale) * weight scale (+ bias),
+// w8a8_linear's order and rounding; ws, bias and out start at the tile's first channel, out rows
+// ld apart.
+void packed_store(const XRows& xr, int64_t m0, int64_t mc, int nt, const int32_t* tot, const float* ws, const float* bias,
+                  float* out, int64_t ld) {
 #if defined(NFX_W8A8_VNNI)
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t m = 0; m < mc; ++m) {
     const __m512 xs = _mm512_set1_ps(xr.scale[m0 + m]);
     for (int j = 0; j < nt; ++j) {
-      const int64_t n = n0 + 16 * j;
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(tot + (m * nt + j) * 16)), xs);
-      const __m512 v = _mm512_fmadd_ps(t, _mm512_loadu_ps(ws + n), zero);  // rounded before the bias, as below
-      _mm512_storeu_ps(out + (m0 + m) * N + n, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + n)) : v);
+      const __m512 v = _mm512_fmadd_ps(t, _mm512_loadu_ps(ws + 16 * j), zero);  // rounded before the bias, as below
+      _mm512_storeu_ps(out + (m0 + m) * ld + 16 * j, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j)) : v);
     }
   }
   return;
 #endif
   for (int64_t m = 0; m < mc; ++m)
     for (int64_t c = 0; c < nt * 16; ++c) {
-      const int64_t n = n0 + c;
-      const float v = std::fma(static_cast<float>(tot[m * nt * 16 + c]) * xr.scale[m0 + m], ws[n], 0.f);
-      out[(m0 + m) * N + n] = bias ? v + bias[n] : v;
+      const float v = std::fma(static_cast<float>(tot[m * nt * 16 + c]) * xr.scale[m0 + m], ws[c], 0.f);
+      out[(m0 + m) * ld + c] = bias ? v + bias[c] : v;
     }
 }
 
-at::Tensor w8a8_packed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_packed: x must be float32 or bfloat16, got ",
-              x.scalar_type());
+// One packed weight: data (NB, K4, 64), its fp32 scales and bias (or null), and the output column
+// its channel 0 goes to.
+struct PackedWeight {
+  const uint8_t* data;
+  const float* ws;
+  const float* bias;
+  int64_t NB;
+  int64_t col;
+};
+
+// Blocks [b0, b1) of w against all M rows of x into out (M rows, ld apart). Each tile of blocks
+// meets every row of x while it is in L1 (a prefill's rows in 8s).
+void packed_range(const XRows& xr, int64_t M, int64_t K4, const PackedWeight& w, int64_t b0, int64_t b1, float* out, int64_t ld) {
+  int32_t tot[8 * 4 * 16];
+  const int wide = M <= 4 ? 4 : 2;
+  for (int64_t b = b0; b < b1;) {
+    const int nt = b + wide <= b1 ? wide : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mc = std::min<int64_t>(8, M - m0);
+      const int t = mc <= 4 ? std::min(nt, 4) : std::min(nt, 2);
+      for (int64_t bb = b; bb < b + nt; bb += t) {
+        packed_tile_any(xr, m0, mc, w.data, K4, bb, t, tot);
+        const int64_t c = 16 * bb;
+        packed_store(xr, m0, mc, t, tot, w.ws + c, w.bias ? w.bias + c : nullptr, out + w.col + c, ld);
+      }
+    }
+    b += nt;
+  }
+}
+
+using OptT = c10::optional<at::Tensor>;
+
+// A packed weight's tensors checked against x's K, its scale and bias made fp32 (kept in keep).
+PackedWeight check_packed(int64_t K, const at::Tensor& data, const at::Tensor& scale, const OptT& bias, int64_t col,
+                          std::vector<at::Tensor>& keep) {
   TORCH_CHECK(data.dim() == 3 && data.size(2) == 64 && data.scalar_type() == at::kByte && data.is_contiguous(),
               "w8a8_packed: data must be a contiguous uint8 (N / 16, K / 4, 64) tensor");
-  const int64_t NB = data.size(0), K4 = data.size(1), N = NB * 16, K = K4 * 4;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "w8a8_packed: x has ", x.size(-1), " features, the weight ", K);
+  const int64_t N = data.size(0) * 16;
+  TORCH_CHECK(data.size(1) * 4 == K, "w8a8_packed: x has ", K, " features, the weight ", data.size(1) * 4);
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N, "w8a8_packed: scale must be (", N, ",)");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N), "w8a8_packed: bias must be (", N, ",)");
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
-  const XRows xr = x.scalar_type() == at::kFloat ? round_any<float>(xc) : round_any<c10::BFloat16>(xc);
-  const at::Tensor ws = scale.to(at::kFloat).contiguous();
-  const at::Tensor bs = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  keep.push_back(scale.to(at::kFloat).contiguous());
+  const float* ws = keep.back().data_ptr<float>();
+  const float* bp = nullptr;
+  if (bias) {
+    keep.push_back(bias->to(at::kFloat).contiguous());
+    bp = keep.back().data_ptr<float>();
+  }
+  return PackedWeight{data.data_ptr<uint8_t>(), ws, bp, data.size(0), col};
+}
+
+XRows rounded_x(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_packed: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "w8a8_packed: x must have a feature dimension");
+  const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous();
+  return x.scalar_type() == at::kFloat ? round_any<float>(xc) : round_any<c10::BFloat16>(xc);
+}
+
+at::Tensor shaped(const at::Tensor& out, const at::Tensor& x) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out.size(1);
+  return out.to(x.scalar_type()).view(shape);
+}
+
+// Up to three packed weights sharing x (Q, K, V): x rounded once, one parallel region over all
+// their blocks, their columns side by side in one output (M, sum N).
+at::Tensor w8a8_packed_multi(const at::Tensor& x, const at::Tensor& d0, const at::Tensor& s0, const OptT& b0, const OptT& d1,
+                             const OptT& s1, const OptT& b1, const OptT& d2, const OptT& s2, const OptT& b2) {
+  TORCH_CHECK(d1.has_value() == s1.has_value() && d2.has_value() == s2.has_value() && (d1.has_value() || !d2.has_value()),
+              "w8a8_packed_multi: each weight needs its data and scale, d2 only after d1");
+  const XRows xr = rounded_x(x);
+  const int64_t K = x.size(-1), M = static_cast<int64_t>(xr.scale.size());
+  std::vector<at::Tensor> keep;
+  std::vector<PackedWeight> ws = {check_packed(K, d0, s0, b0, 0, keep)};
+  if (d1) ws.push_back(check_packed(K, *d1, *s1, b1, ws.back().col + 16 * ws.back().NB, keep));
+  if (d2) ws.push_back(check_packed(K, *d2, *s2, b2, ws.back().col + 16 * ws.back().NB, keep));
+  std::vector<int64_t> start = {0};
+  for (const auto& w : ws) start.push_back(start.back() + w.NB);
+  const int64_t N = 16 * start.back();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const uint8_t* w = data.data_ptr<uint8_t>();
-  const float* wsp = ws.data_ptr<float>();
-  const float* bp = bias ? bs.data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  // Blocks split between threads; within a task each tile of blocks meets every row of x while
-  // it is in L1 (a prefill's rows in 8s).
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    int32_t tot[8 * 4 * 16];
-    const int wide = M <= 4 ? 4 : 2;
-    for (int64_t b = b0; b < b1;) {
-      const int nt = b + wide <= b1 ? wide : 1;
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int64_t mc = std::min<int64_t>(8, M - m0);
-        const int t = mc <= 4 ? std::min(nt, 4) : std::min(nt, 2);
-        for (int64_t bb = b; bb < b + nt; bb += t) {
-          packed_tile_any(xr, m0, mc, w, K4, bb, t, tot);
-          packed_store(xr, m0, mc, bb * 16, t, tot, wsp, bp, o, N);
-        }
-      }
-      b += nt;
+  at::parallel_for(0, start.back(), 4, [&](int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t b0 = std::max(r0, start[i]) - start[i], b1 = std::min(r1, start[i + 1]) - start[i];
+      if (b0 < b1) packed_range(xr, M, K / 4, ws[i], b0, b1, o, N);
     }
   });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return out.to(x.scalar_type()).view(shape);
+  return shaped(out, x);
+}
+
+at::Tensor w8a8_packed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const OptT& bias) {
+  return w8a8_packed_multi(x, data, scale, bias, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
+}
+
+// SwiGLU's first half, silu(x @ gate.T) * (x @ up.T), of packed gate and up: x rounded once, one
+// parallel region; each product's fp32 values as w8a8_packed's, then silu(g) * u rounded once
+// (as quant_glu).
+at::Tensor w8a8_packed_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& gate_scale, const at::Tensor& up,
+                           const at::Tensor& up_scale) {
+  const XRows xr = rounded_x(x);
+  const int64_t K = x.size(-1), M = static_cast<int64_t>(xr.scale.size());
+  std::vector<at::Tensor> keep;
+  const PackedWeight g = check_packed(K, gate, gate_scale, c10::nullopt, 0, keep), u = check_packed(K, up, up_scale, c10::nullopt, 0, keep);
+  TORCH_CHECK(g.NB == u.NB, "w8a8_packed_glu: gate has ", 16 * g.NB, " rows, up has ", 16 * u.NB);
+  const int64_t N = 16 * g.NB;
+  at::Tensor gv = at::empty({M, N}, x.options().dtype(at::kFloat)), uv = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float *gp = gv.data_ptr<float>(), *up_ = uv.data_ptr<float>();
+  at::parallel_for(0, g.NB, 2, [&](int64_t b0, int64_t b1) {
+    packed_range(xr, M, K / 4, g, b0, b1, gp, N);
+    packed_range(xr, M, K / 4, u, b0, b1, up_, N);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 16 * b0; n < 16 * b1; ++n) {
+        const float a = gp[m * N + n];
+        gp[m * N + n] = a / (1.f + std::exp(-a)) * up_[m * N + n];
+      }
+  });
+  return shaped(gv, x);
 }
 
 bool w8a8_vnni() {
@@ -331,9 +409,14 @@ bool w8a8_vnni() {
 TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("w8a8_gemm(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
   m.def("w8a8_packed(Tensor x, Tensor data, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("w8a8_packed_multi(Tensor x, Tensor d0, Tensor s0, Tensor? b0, Tensor? d1, Tensor? s1, Tensor? b1, Tensor? d2, Tensor? s2, "
+        "Tensor? b2) -> Tensor");
+  m.def("w8a8_packed_glu(Tensor x, Tensor gate, Tensor gate_scale, Tensor up, Tensor up_scale) -> Tensor");
   m.def("w8a8_vnni() -> bool", &w8a8_vnni);
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("w8a8_gemm", &w8a8_gemm);
   m.impl("w8a8_packed", &w8a8_packed);
+  m.impl("w8a8_packed_multi", &w8a8_packed_multi);
+  m.impl("w8a8_packed_glu", &w8a8_packed_glu);
 }
