@@ -17,13 +17,14 @@ import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
 
 import neuronfx
+from neuronfx.config.quantization import quantized_formats
 from neuronfx.graphs.backends import inductor
 from neuronfx.graphs.kernels import activation_choice as choice
 from neuronfx.graphs.kernels import library
 from neuronfx.graphs.kernels.bundles import cpu_kernel_ops
 from neuronfx.graphs.models import quant
 from neuronfx.io.cache_key import cache_key
-from neuronfx.io.weights import dequantized_state_dict
+from neuronfx.io.weights import convert_hf_state_dict, dequantized_state_dict
 
 PROMPTS = [random_prompt(11, seed=3), random_prompt(5, seed=4)]
 
@@ -148,8 +149,9 @@ def test_plans_pack_int8_weights_only_where_every_product_takes_int8_x(monkeypat
     """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head (tied embedding here)
     stays row-major; float weights and other formats are left alone."""
     hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
-    weights = neuronfx.api._rank_weights(tiny_plan(hf, "inductor", weight_format="int8", activation_format="float"), hf.state_dict())
-    assert isinstance(weights["layers"][0]["wq"], quant.Int8Weight)
+    float_x = tiny_plan(hf, "inductor", weight_format="int8", activation_format="float")
+    weights = convert_hf_state_dict(hf.state_dict(), float_x.model, "float32", float_x.shard, quantized_formats(float_x.inference))
+    assert choice.pack_int8_weights(float_x, weights) is weights and isinstance(weights["layers"][0]["wq"], quant.Int8Weight)
     for batch, enabled, packs in [(1, {("int8", "one"), ("int8", "prefill")}, True), (1, {("int8", "one"), ("int8", "batch")}, False),
                                   (1, {("int8", "batch"), ("int8", "prefill")}, False), (2, {("int8", "batch"), ("int8", "prefill")}, True),
                                   (2, choice.AVAILABLE, True)]:

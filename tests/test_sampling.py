@@ -517,36 +517,6 @@ def test_compiles_fullgraph_static_and_matches_eager():
     torch.testing.assert_close(compiled["sampled_logprobs"], eager["sampled_logprobs"])
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_skipping_the_draw_of_an_all_greedy_step_changes_no_token(mixed):
-    """``skip_greedy_draw`` (a torch.cond on the rows' temperatures), compiled and eager: the
-    tokens and logprobs of the plain sampler, for an all-greedy batch (penalties, bias and a
-    bitmask on its rows: the argmax sees them) and for one with a sampled row (the draw runs)."""
-    g = torch.Generator().manual_seed(7)
-    b, v, width = 4, 40, 16
-    sps = [SamplingParams(), SamplingParams(repetition_penalty=1.5), SamplingParams(presence_penalty=1.0), SamplingParams()]
-    if mixed:
-        sps[2] = SamplingParams(temperature=0.8, top_k=5)
-    args = (
-        torch.randn(b, v, generator=g) * 2,
-        torch.tensor(pack_sampling(sps, width)),
-        torch.randint(0, 3, (b, v), generator=g, dtype=torch.int32),
-        torch.rand(b, v, generator=g) < 0.2,
-        torch.where(torch.rand(b, v, generator=g) < 0.1, float("-inf"), 0.0),
-        torch.rand(b, generator=g),
-        torch.randint(-2**31, 2**31 - 1, (b, -(-v // 32)), generator=g, dtype=torch.int32) | 1,
-    )
-    plain = sample(args[0], SamplerInputs(*args[1:]), width, 2)
-
-    def skipping(logits, *sampler):
-        return sample(logits, SamplerInputs(*sampler), width, 2, skip_greedy_draw=True)
-
-    for got in (skipping(*args), torch.compile(skipping, fullgraph=True, dynamic=False)(*args)):
-        assert set(got) == set(plain) and torch.equal(got["tokens"], plain["tokens"])
-        assert torch.equal(got["top_ids"], plain["top_ids"])
-        torch.testing.assert_close(got["sampled_logprobs"], plain["sampled_logprobs"])
-
-
 # --- property: the drawn token is always allowed ----------------------------------------------
 
 

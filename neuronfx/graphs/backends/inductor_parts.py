@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 import attrs
 import torch
@@ -237,15 +236,6 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
     return part_files(spec)
 
 
-def _load_compiled(f: BinaryIO) -> Callable:
-    """``torch.compiler.load_compiled_function(f)`` inside a tracing context: unpickling a part that
-    holds a ``torch.cond`` (the sampler's all-greedy branch) installs a guard on an import, which
-    needs one (torch 2.13: "TracingContext.get() must be called within an ongoing trace"); the
-    part then runs under its saved guards."""
-    with torch._guards.tracing(torch._guards.TracingContext(None)):
-        return torch.compiler.load_compiled_function(f)
-
-
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (inductor's cache directory must hold its kernels, or they
     are compiled again from the saved source)."""
@@ -254,6 +244,6 @@ def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     fns = []
     for name in part_files(spec):
         with open(src / name, "rb") as f:
-            fns.append(PrecompiledPart(None, _load_compiled(f)))
+            fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
     parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=phase_group_size(plan, spec.phase))
     return GraphModule(parts, spec.phase, phase_num_layers(plan, spec.phase))

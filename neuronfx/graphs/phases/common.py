@@ -99,13 +99,6 @@ def logits(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor
     return math.logits(model, out)
 
 
-def skips_greedy_draw(plan: Plan) -> bool:
-    """Whether ``plan``'s samplers skip the top-k draw of an all-greedy step (``sampling.sample``'s
-    ``skip_greedy_draw``, a ``torch.cond``): CPU plans but the neuron backend's (its tracer takes
-    no data-dependent branch); not CUDA, whose graphs are captured as CUDA graphs."""
-    return plan.inference.device == "cpu" and plan.inference.backend != "neuron"
-
-
 def head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, hidden: Tensor,
          sampler: SamplerInputs) -> dict[str, Tensor]:
     """hidden (B, hidden) -> {"tokens": (B,) int32, logprob outputs (see ``sample``) and/or
@@ -114,7 +107,7 @@ def head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, 
     out_logits = logits(plan, ops, math, norm, lm_head, hidden)  # (B, V)
     out = {"finite": torch.isfinite(out_logits).all(-1)}  # (B,) one reduction over logits already here
     if plan.inference.on_device_sampling:
-        out |= sample(out_logits, sampler, plan.topk_width, plan.logprobs_width, skips_greedy_draw(plan))
+        out |= sample(out_logits, sampler, plan.topk_width, plan.logprobs_width)
     if plan.inference.output_logits:
         out["logits"] = out_logits
     return out

@@ -12,7 +12,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
-from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack, skips_greedy_draw
+from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack
 from neuronfx.graphs.phases.inputs import KVPairs
 from neuronfx.graphs.phases.records import DecodeHidden
 from neuronfx.graphs.phases.sampling import sample
@@ -70,4 +70,4 @@ def draft_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Te
                    sampler: SamplerInputs) -> dict[str, Tensor]:
     """The draft's sampled token (B,) and its logits (B, V) (rejection sampling needs q)."""
     out = logits(plan, ops, math, norm, lm_head, x.h[:, 0])
-    return sample(out, sampler, plan.topk_width, 0, skips_greedy_draw(plan)) | {"logits": out}
+    return sample(out, sampler, plan.topk_width, 0) | {"logits": out}

@@ -140,29 +140,7 @@ def _scaled_topk(penalized: torch.Tensor, params: torch.Tensor, topk_width: int)
     return greedy, vals, idx
 
 
-def _drawn(penalized: torch.Tensor, params: torch.Tensor, rand: torch.Tensor, topk_width: int) -> torch.Tensor:
-    """The token drawn for each row (B,) int64 (steps 5-9); greedy rows draw too, and are then
-    replaced by their argmax."""
-    _, vals, idx = _scaled_topk(penalized, params, topk_width)
-    choice = inverse_cdf(filtered_probs(vals, params), rand)  # (B,)
-    return idx.gather(1, choice[:, None]).squeeze(1)
-
-
-def _draw_unless_all_greedy(penalized: torch.Tensor, params: torch.Tensor, rand: torch.Tensor, greedy: torch.Tensor,
-                            topk_width: int) -> torch.Tensor:
-    """:func:`_drawn`, or zeros (never used: every row takes its argmax) when every row is
-    greedy, chosen in the graph by ``torch.cond`` on the rows' temperatures."""
-    def none(penalized: torch.Tensor, params: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(penalized.shape[0], dtype=torch.int64, device=penalized.device)
-
-    def drawn(penalized: torch.Tensor, params: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-        return _drawn(penalized, params, rand, topk_width)
-
-    return torch.cond(greedy.all(), none, drawn, (penalized, params, rand))
-
-
-def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_logprobs: int,
-           skip_greedy_draw: bool = False) -> dict[str, torch.Tensor]:
+def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_logprobs: int) -> dict[str, torch.Tensor]:
     """Sample one token per row with vLLM V1 semantics.
 
     Inputs:
@@ -186,20 +164,14 @@ def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_lo
     (``runtime/structured.py``); a row allowing none would sample garbage, never NaN-free.
 
     The order of the steps and the differences from vLLM are the module's docstring.
-
-    ``skip_greedy_draw``: when every row is greedy, skip the top-k and the draw (``torch.cond``
-    on the rows' temperatures; the tokens are the same either way). Measured on a CPU (inductor,
-    B = 8, V = 49,152, width 256, 2 threads): 0.51 ms a step against 1.39. For graphs whose
-    backend runs a data-dependent branch (not a CUDA graph, not the neuron tracer).
     """
     out: dict[str, torch.Tensor] = {}
     masked = masked_logits(logits, sampler.token_bitmask)  # (B, V) first: vLLM masks before its sampler
     raw = torch.log_softmax(masked, dim=-1) if num_logprobs > 0 else None  # (B, V)
     penalized = _bias_and_penalties(masked, sampler)  # (B, V)
-    params = sampler.sampling_params
-    greedy = column(params, "temperature") <= GREEDY_TEMPERATURE  # (B, 1)
-    drawn = (_draw_unless_all_greedy(penalized, params, sampler.rand, greedy, topk_width) if skip_greedy_draw
-             else _drawn(penalized, params, sampler.rand, topk_width))  # (B,)
+    greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width)  # (B, 1), (B, K) x 2
+    choice = inverse_cdf(filtered_probs(vals, sampler.sampling_params), sampler.rand)  # (B,)
+    drawn = idx.gather(1, choice[:, None]).squeeze(1)  # (B,)
     out["tokens"] = torch.where(greedy[:, 0], penalized.argmax(-1), drawn).to(torch.int32)
     if raw is not None:
         out.update(raw_logprobs(raw, out["tokens"], num_logprobs))
