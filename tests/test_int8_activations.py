@@ -141,7 +141,7 @@ def test_packed_int8_weights_take_int8_x_at_every_row_count():
         x = torch.randn(rows, 96, generator=g)
         assert torch.equal(ops.linear(x, p), quant.w8a8_linear(x, q))
         want = torch.nn.functional.silu(quant.w8a8_linear(x, q)) * quant.w8a8_linear(x, q)
-        torch.testing.assert_close(ops.glu(x, p, p), want, rtol=1e-6, atol=1e-6)  # one call: silu's exp is std::exp
+        torch.testing.assert_close(ops.glu(x, p, p), want, rtol=1e-5, atol=1e-6)  # one call: its own exp
         assert torch.equal(ops.projections(x, [p, p], [None, torch.ones(48)])[1], quant.w8a8_linear(x, q, torch.ones(48)))
 
 
