@@ -276,6 +276,41 @@ __attribute__((noinline)) void packed_tile<8, 2>(const XRows& xr, int64_t m0, co
 }
 #endif
 
+#if defined(NFX_W8A8_VNNI)
+// packed_tile<4, 4> the same way (a prefill's tiles).
+template <>
+__attribute__((noinline)) void packed_tile<4, 4>(const XRows& xr, int64_t m0, const uint8_t* data, int64_t K4, int64_t b, int32_t* tot) {
+  const __m512i z = _mm512_setzero_si512();
+  __m512i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z, a20 = z, a21 = z, a22 = z, a23 = z, a30 = z,
+          a31 = z, a32 = z, a33 = z;
+  const uint8_t* w0 = data + b * K4 * 64;
+  const int8_t* x = xr.q.data() + m0 * xr.kp;
+  const int64_t kp = xr.kp, s = K4 * 64;
+  for (int64_t q = 0; q < K4; ++q) {
+    const __m512i v0 = _mm512_loadu_si512(w0 + q * 64), v1 = _mm512_loadu_si512(w0 + s + q * 64),
+                  v2 = _mm512_loadu_si512(w0 + 2 * s + q * 64), v3 = _mm512_loadu_si512(w0 + 3 * s + q * 64);
+    int32_t t;
+#define NFX_PACKED_ROW4(M, A0, A1, A2, A3)                                          \
+  {                                                                                 \
+    std::memcpy(&t, x + (M) * kp + 4 * q, 4);                                       \
+    const __m512i xv = _mm512_set1_epi32(t);                                        \
+    A0 = _mm512_dpbusd_epi32(A0, v0, xv);                                           \
+    A1 = _mm512_dpbusd_epi32(A1, v1, xv);                                           \
+    A2 = _mm512_dpbusd_epi32(A2, v2, xv);                                           \
+    A3 = _mm512_dpbusd_epi32(A3, v3, xv);                                           \
+  }
+    NFX_PACKED_ROW4(0, a00, a01, a02, a03) NFX_PACKED_ROW4(1, a10, a11, a12, a13) NFX_PACKED_ROW4(2, a20, a21, a22, a23)
+    NFX_PACKED_ROW4(3, a30, a31, a32, a33)
+#undef NFX_PACKED_ROW4
+  }
+  const __m512i acc[16] = {a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33};
+  for (int m = 0; m < 4; ++m) {
+    const __m512i off = _mm512_set1_epi32(128 * xr.sum[m0 + m]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(tot + (m * 4 + j) * 16, _mm512_sub_epi32(acc[m * 4 + j], off));
+  }
+}
+#endif
+
 // mc (<= 8) rows against nt blocks: nt is 4 for up to 4 rows and 2 above (16 accumulators), or
 // 1 at the end of a task's range.
 void packed_tile_any(const XRows& xr, int64_t m0, int64_t mc, const uint8_t* data, int64_t K4, int64_t b, int nt, int32_t* tot) {
@@ -323,22 +358,24 @@ struct PackedWeight {
   int64_t col;
 };
 
-#ifndef NFX_ROW_CHUNK
-#define NFX_ROW_CHUNK 64
-#endif
-constexpr int64_t ROW_CHUNK = NFX_ROW_CHUNK;
+// A prefill's rows go in chunks of ROW_CHUNK against a task's blocks (x's chunk stays near while
+// the blocks pass), in tiles of 4 rows x 4 blocks: 1,024 rows of SmolLM2's gate 2.61 ms against
+// 2.88 in 8 x 2 tiles over all rows at once (torch's _int_mm: 2.1 ms plus x's rounding).
+constexpr int64_t ROW_CHUNK = 64;
 
 // Blocks [b0, b1) of w against all M rows of x into out (M rows, ld apart). Each tile of blocks
 // meets every row of x while it is in L1 (a prefill's rows in 8s).
 void packed_range(const XRows& xr, int64_t M, int64_t K4, const PackedWeight& w, int64_t b0, int64_t b1, float* out, int64_t ld) {
   int32_t tot[8 * 4 * 16];
-  const int wide = M <= 4 ? 4 : 2;
+  const bool prefill = M > 8;
+  const int wide = M <= 4 || prefill ? 4 : 2;
+  const int64_t step = prefill ? 4 : 8;
   for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
     const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
     for (int64_t b = b0; b < b1;) {
       const int nt = b + wide <= b1 ? wide : 1;
-      for (int64_t m0 = r0; m0 < r1; m0 += 8) {
-        const int64_t mc = std::min<int64_t>(8, r1 - m0);
+      for (int64_t m0 = r0; m0 < r1; m0 += step) {
+        const int64_t mc = std::min<int64_t>(step, r1 - m0);
         const int t = mc <= 4 ? std::min(nt, 4) : std::min(nt, 2);
         for (int64_t bb = b; bb < b + nt; bb += t) {
           packed_tile_any(xr, m0, mc, w.data, K4, bb, t, tot);
