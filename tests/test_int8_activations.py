@@ -137,7 +137,7 @@ def test_packed_int8_weights_take_int8_x_at_every_row_count():
     q = quant.quantize_int8(torch.randn(48, 96, generator=g))
     p = quant.pack_int8(q)
     ops = cpu_kernel_ops("float32", choice.FLOAT_PATHS)
-    for rows in (1, 4, 12):
+    for rows in (1, 4, 12, 70):  # 70: above PACKED_KERNEL_MAX_ROWS, torch's integer GEMM on the rows kept
         x = torch.randn(rows, 96, generator=g)
         assert torch.equal(ops.linear(x, p), quant.w8a8_linear(x, q))
         want = torch.nn.functional.silu(quant.w8a8_linear(x, q)) * quant.w8a8_linear(x, q)

@@ -489,14 +489,15 @@ def test_w8a8_packed_multi_and_glu_are_the_single_products(kernel: None) -> None
 
 
 def test_int8_packing_keeps_the_values() -> None:
-    """pack_int8 lays 16 channels x 4 features per 64 bytes, offset by 128; unpack_int8 and
-    dequantize give the weight back exactly; shapes it cannot pack are a ValueError."""
+    """pack_int8 lays 16 channels x 4 features per 64 bytes, offset by 128 (read back exactly) and
+    keeps the row-major data for prefill; dequantize gives the weight back exactly; shapes it
+    cannot pack are a ValueError."""
     g = torch.Generator().manual_seed(6)
     q = Q.quantize_int8(torch.randn(32, 12, generator=g))
     p = Q.pack_int8(q)
     assert p.data.shape == (2, 3, 64) and p.data.dtype == torch.uint8 and p.shape == (32, 12)
     assert int(p.data[1, 2, 4 * 5 + 3]) == int(q.data[16 + 5, 4 * 2 + 3]) + 128  # block 1, quad 2, channel 5, feature 3
-    assert torch.equal(Q.unpack_int8(p).data, q.data) and torch.equal(Q.dequantize(p, 12), Q.dequantize(q, 12))
+    assert torch.equal(Q.packed_values(p), q.data) and p.rows is q.data and torch.equal(Q.dequantize(p, 12), Q.dequantize(q, 12))
     assert Q.packable(q) and not Q.packable(Q.quantize_int8(torch.randn(24, 12))) and not Q.packable(Q.quantize_int4(torch.randn(32, 64), 32))
     with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 4 == 0, got \(32, 10\)"):
         Q.pack_int8(Q.quantize_int8(torch.randn(32, 10)))
@@ -509,7 +510,7 @@ def test_w8a8_packed_rejects_what_it_cannot_serve(kernel: None) -> None:
     with pytest.raises(RuntimeError, match="bias must be"):
         w8a8_packed(torch.randn(1, 64), p, torch.randn(3))
     with pytest.raises(RuntimeError, match=r"contiguous uint8 \(N / 16, K / 4, 64\)"):
-        w8a8_packed(torch.randn(1, 64), Q.Int8Packed(data=p.data.view(16, 64), scale=p.scale))
+        w8a8_packed(torch.randn(1, 64), p._replace(data=p.data.view(16, 64)))
 
 
 def test_w8a8_gemm_rejects_what_it_cannot_serve(kernel: None) -> None:

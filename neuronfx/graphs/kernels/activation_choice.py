@@ -117,9 +117,11 @@ def _float_way(rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], tor
     return lambda x, q: library.quant_prefill(x, q)  # tiles dequantized in cache, then fp32 GEMM
 
 
-def _int8_way(kind: str) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
-    if kind == "int8":  # what runs where int8 wins: the packed weights' kernel, which rounds x itself
+def _int8_way(kind: str, rows: int) -> Callable[[torch.Tensor, quant.QuantizedWeight], torch.Tensor]:
+    if kind == "int8" and rows <= library.PACKED_KERNEL_MAX_ROWS:  # the packed weights' kernel, which rounds x itself
         return lambda x, q: library.w8a8_packed(x, q)
+    if kind == "int8":  # x rounded beforehand: in a compiled graph the rounding and the scaling are fused passes
+        return lambda x, q: torch._int_mm(x, q.rows.t()).float() * q.scale
     return lambda x, q: library.quant_gemm(x, q, None, True)
 
 
@@ -158,8 +160,9 @@ def _time_path(kind: str, weights: list[quant.QuantizedWeight], rows: int, g: to
     """Best seconds (float x, int8 x) of ``weights``' products with x of ``rows`` rows."""
     xs = [torch.randn(rows, q.data.shape[1] * (2 if kind == "4bit" else 1), generator=g) for q in weights]
     packed = [quant.pack_int8(q) for q in weights] if kind == "int8" else weights
-    plain, int8 = _float_way(rows), _int8_way(kind)
-    ways = [lambda: [plain(x, q) for x, q in zip(xs, weights)], lambda: [int8(x, q) for x, q in zip(xs, packed)]]
+    xi = [quant.int8_rows(x)[0] for x in xs] if kind == "int8" and rows > library.PACKED_KERNEL_MAX_ROWS else xs
+    plain, int8 = _float_way(rows), _int8_way(kind, rows)
+    ways = [lambda: [plain(x, q) for x, q in zip(xs, weights)], lambda: [int8(x, q) for x, q in zip(xi, packed)]]
     plain_s, int8_s = _best(ways, repeats, flush)
     return plain_s, int8_s
 
@@ -226,8 +229,10 @@ def pack_int8_weights(plan: Plan, weights: Weights) -> Weights:
     N a multiple of 16 and K of 4) when ``plan``'s int8 weights take int8 activations at its
     decode rows and at prefill rows (:meth:`Int8Paths.packs_int8`) and the kernel library
     builds; else ``weights`` unchanged. The LM head and a tied embedding stay row-major (float
-    x, and the rows an embedding lookup reads). Measured (SmolLM2's 210 layer products, weights
-    from memory, 2 threads of the EPYC): 8 rows 7.1-7.5 ms packed against 11.0-12.2 row-major."""
+    x, and the rows an embedding lookup reads). A packed weight keeps its row-major values too
+    (prefill's integer GEMM), so the layers' int8 weights take twice their bytes. Measured
+    (SmolLM2's 210 layer products, weights from memory, 2 threads of the EPYC): 8 rows 7.1-7.5
+    ms packed against 11.0-12.2 row-major."""
     inf = plan.inference
     if inf.device != "cpu" or not library.small_gemm_available() or not plan_int8_paths(plan).packs_int8(inf.batch_size):
         return weights

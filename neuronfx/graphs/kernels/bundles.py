@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from neuronfx.graphs.kernels import library as cpu_kernels
 from neuronfx.graphs.kernels.activation_choice import FLOAT_PATHS, Int8Paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
-from neuronfx.graphs.kernels.library import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
+from neuronfx.graphs.kernels.library import (
+    PACKED_KERNEL_MAX_ROWS,
+    SMALL_GEMM_MAX_ROWS,
+    small_gemm,
+    small_gemm_available,
+    small_gemm_multi,
+    small_glu,
+)
 from neuronfx.graphs.models import quant
 from neuronfx.graphs.models.ops import Ops, Weight
 
@@ -124,7 +131,8 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
                      widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
     """A quantized weight's product: packed int8 weights (``quant.Int8Packed``) multiply int8 x in
-    integers at any rows (``library.w8a8_packed``); int8 weights on a path ``int8`` enables multiply in integers
+    integers at any rows (``library.w8a8_packed`` up to :data:`PACKED_KERNEL_MAX_ROWS`, then
+    ``quant.w8a8_linear`` on their row-major copy); int8 weights on a path ``int8`` enables multiply in integers
     (decode rows: ``library.w8a8_gemm``; more: ``quant.w8a8_linear``, equal bit for bit); up to
     SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
     bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
@@ -134,7 +142,7 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     multiplied in x's dtype."""
     rows = _rows(x)
     if isinstance(weight, quant.Int8Packed):  # packed where every product of int8 weights takes int8 x
-        return cpu_kernels.w8a8_packed(x, weight, bias) if kernels else quant.w8a8_linear(x, weight, bias)
+        return cpu_kernels.w8a8_packed(x, weight, bias) if _packed_kernel(x, kernels) else quant.w8a8_linear(x, weight, bias)
     if int8.integer_gemm(weight, rows):
         if kernels and rows <= SMALL_GEMM_MAX_ROWS:  # the same integers and bits; _int_mm reads small M slowly
             return cpu_kernels.w8a8_gemm(x, weight, bias)
@@ -147,6 +155,10 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     if x.dtype == torch.float32 or widen:
         return F.linear(x.float(), dense, None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, dense.to(x.dtype), bias)
+
+
+def _packed_kernel(x: Tensor, kernels: bool) -> bool:
+    return kernels and _rows(x) <= PACKED_KERNEL_MAX_ROWS
 
 
 def _any_quantized(weights: Sequence[Weight]) -> bool:
@@ -168,7 +180,7 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
     quantized weights of one format and group size; otherwise one product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
-    if kernels and all(isinstance(w, quant.Int8Packed) for w in weights):
+    if _packed_kernel(x, kernels) and all(isinstance(w, quant.Int8Packed) for w in weights):
         return cpu_kernels.w8a8_packed_multi(x, list(weights), list(biases))
     if _one_kernel_call(x, weights, kernels, int8):
         return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
@@ -181,7 +193,7 @@ def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, 
     the fp32 values and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
-    if kernels and isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed):
+    if _packed_kernel(x, kernels) and isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed):
         return cpu_kernels.w8a8_packed_glu(x, gate, up)
     if _one_kernel_call(x, (gate, up), kernels, int8):
         return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))

@@ -86,11 +86,14 @@ class Int8Packed(NamedTuple):
     """:class:`Int8Weight`'s values laid out for VNNI's ``vpdpbusd``: data uint8 (N / 16, K / 4, 64),
     block b, quad q holding ``w[16 b + c, 4 q + i] + 128`` at byte ``4 c + i`` (16 output channels
     of 4 input features per 64 bytes, the weight read unsigned as the instruction takes it);
-    scale float32 or bfloat16 (N,). Made by :func:`pack_int8` for plans whose int8 weights always
-    multiply int8 activations (``kernels.activation_choice``), read by ``library.w8a8_packed``."""
+    scale float32 or bfloat16 (N,); rows: the same values row-major, int8 (N, K), for products of
+    many rows (a prefill's: torch's integer GEMM is faster there, see ``kernels.bundles``). Made
+    by :func:`pack_int8` for plans whose int8 weights always multiply int8 activations
+    (``kernels.activation_choice``), read by ``library.w8a8_packed``."""
 
     data: Tensor
     scale: Tensor
+    rows: Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -171,22 +174,28 @@ def packable(q: QuantizedWeight) -> bool:
 
 
 def pack_int8(q: Int8Weight) -> Int8Packed:
-    """:class:`Int8Weight` -> :class:`Int8Packed`, the same values; ValueError when not
-    :func:`packable` (N not a multiple of 16 or K of 4)."""
+    """:class:`Int8Weight` -> :class:`Int8Packed`, the same values (``q.data`` kept as its rows);
+    ValueError when not :func:`packable` (N not a multiple of 16 or K of 4)."""
     if not packable(q):
         raise ValueError(f"an int8 weight packs when it is (N, K) with N % {PACK_CHANNELS} == 0 and K % {PACK_FEATURES} == 0, "
                          f"got {tuple(q.data.shape)}")
     n, k = q.data.shape
     blocks = q.data.view(n // PACK_CHANNELS, PACK_CHANNELS, k // PACK_FEATURES, PACK_FEATURES).transpose(1, 2)
     data = (blocks.to(torch.int16) + 128).to(torch.uint8).reshape(n // PACK_CHANNELS, k // PACK_FEATURES, -1)
-    return Int8Packed(data.contiguous(), q.scale)
+    return Int8Packed(data.contiguous(), q.scale, q.data)
 
 
 def unpack_int8(p: Int8Packed) -> Int8Weight:
-    """:class:`Int8Packed` -> :class:`Int8Weight`, the inverse of :func:`pack_int8`."""
+    """:class:`Int8Packed` -> :class:`Int8Weight`, the inverse of :func:`pack_int8` (its rows)."""
+    return Int8Weight(p.rows, p.scale)
+
+
+def packed_values(p: Int8Packed) -> Tensor:
+    """int8 (N, K): the values ``p.data`` holds, read back from the packed layout (what
+    ``p.rows`` must equal)."""
     nb, k4, _ = p.data.shape
     blocks = (p.data.to(torch.int16) - 128).to(torch.int8).view(nb, k4, PACK_CHANNELS, PACK_FEATURES).transpose(1, 2)
-    return Int8Weight(blocks.reshape(nb * PACK_CHANNELS, k4 * PACK_FEATURES), p.scale)
+    return blocks.reshape(nb * PACK_CHANNELS, k4 * PACK_FEATURES)
 
 
 def dequantize(q: QuantizedWeight, k: int) -> Tensor:
