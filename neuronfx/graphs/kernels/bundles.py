@@ -180,7 +180,8 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
     quantized weights of one format and group size; otherwise one product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
-    if _packed_kernel(x, kernels) and all(isinstance(w, quant.Int8Packed) for w in weights):
+    # the weights' type first: the row test would guard a prefill's dynamic bucket in every plan
+    if all(isinstance(w, quant.Int8Packed) for w in weights) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_multi(x, list(weights), list(biases))
     if _one_kernel_call(x, weights, kernels, int8):
         return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
@@ -193,7 +194,7 @@ def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, 
     the fp32 values and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
-    if _packed_kernel(x, kernels) and isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed):
+    if isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_glu(x, gate, up)
     if _one_kernel_call(x, (gate, up), kernels, int8):
         return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))
