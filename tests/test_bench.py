@@ -270,7 +270,7 @@ def test_decode_weight_bytes_counts_leaves_once():
     embedding B rows, or nothing more when it is the (tied) LM head."""
     import torch
 
-    from neuronfx.graphs.models.quant import Int8Weight
+    from neuronfx.graphs.models.quant import Int8Weight, pack_int8
 
     embed = torch.zeros(100, 8)  # 3200 bytes, 32 per row
     layer = {"q": Int8Weight(torch.zeros(8, 8, dtype=torch.int8), torch.zeros(8)), "norm": torch.zeros(8, dtype=torch.bfloat16)}
@@ -278,6 +278,10 @@ def test_decode_weight_bytes_counts_leaves_once():
     assert decode_weight_bytes(untied, 3) == (64 + 32 + 16) + 32 + 1600 + 3 * 32  # the shared layer once
     tied = untied | {"lm_head": embed}
     assert decode_weight_bytes(tied, 3) == (64 + 32 + 16) + 32 + 3200
+    # a packed int8 weight: its packed data and scales, not the row-major copy prefill reads
+    q16 = Int8Weight(torch.zeros(16, 8, dtype=torch.int8), torch.zeros(16))  # 128 + 64 bytes, packed or not
+    packed = untied | {"layers": [layer | {"q": pack_int8(q16)}]}
+    assert decode_weight_bytes(packed, 3) == (128 + 64 + 16) + 32 + 1600 + 3 * 32
 
 
 def test_bandwidth_rows():

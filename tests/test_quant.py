@@ -498,6 +498,7 @@ def test_int8_packing_keeps_the_values() -> None:
     assert p.data.shape == (2, 3, 64) and p.data.dtype == torch.uint8 and p.shape == (32, 12)
     assert int(p.data[1, 2, 4 * 5 + 3]) == int(q.data[16 + 5, 4 * 2 + 3]) + 128  # block 1, quad 2, channel 5, feature 3
     assert torch.equal(Q.packed_values(p), q.data) and p.rows is q.data and torch.equal(Q.dequantize(p, 12), Q.dequantize(q, 12))
+    assert Q.weight_bytes(p) == Q.weight_bytes(q) == 32 * 12 + 32 * 4  # a decode product reads the packed copy
     assert Q.packable(q) and not Q.packable(Q.quantize_int8(torch.randn(24, 12))) and not Q.packable(Q.quantize_int4(torch.randn(32, 64), 32))
     with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 4 == 0, got \(32, 10\)"):
         Q.pack_int8(Q.quantize_int8(torch.randn(32, 10)))

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from neuronfx.bench.timing import BenchResult
+from neuronfx.graphs.models import quant as Q
 
 READ_PROBE_BYTES = 128 * 2**20
 """Size of the tensor :func:`read_bandwidth` sums: several times any CPU's last-level cache
@@ -45,7 +46,11 @@ def decode_weight_bytes(weights: Any, batch_size: int) -> int:
     """Bytes of weights one decode step of ``batch_size`` rows reads: every tensor leaf of the
     nested weights (all layers, the final norm, the LM head; quantized formats by their
     ``.nbytes`` of data, scales and offsets), each storage once, except the embedding, of which
-    a step reads only ``batch_size`` rows (all of it when it is also the LM head, tied)."""
+    a step reads only ``batch_size`` rows (all of it when it is also the LM head, tied). A
+    packed int8 weight counts its packed data and scales, not the row-major copy prefill reads
+    (``quant.read_tensors``)."""
+    weights = tree_map(lambda w: Q.read_tensors(w) if isinstance(w, Q.Int8Packed) else w, weights,
+                       is_leaf=lambda w: isinstance(w, Q.QUANTIZED_TYPES))
     embed_leaves = [t for t in tree_leaves(weights["embed"]) if isinstance(t, torch.Tensor)]
     rest = unique_tensors({k: v for k, v in weights.items() if k != "embed"})
     shared = {t.data_ptr() for t in rest}

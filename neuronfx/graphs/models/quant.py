@@ -239,8 +239,15 @@ def reference_linear(x: Tensor, q: QuantizedWeight, bias: Tensor | None = None) 
 
 
 def weight_bytes(q: QuantizedWeight) -> int:
-    """Bytes a product reads from the weight (data, scales and offsets)."""
-    return sum(t.numel() * t.element_size() for t in q)
+    """Bytes a product reads from the weight (data, scales and offsets; a packed int8 weight's
+    packed data and scales: its row-major copy serves only prefill)."""
+    return sum(t.numel() * t.element_size() for t in read_tensors(q))
+
+
+def read_tensors(q: QuantizedWeight) -> tuple[Tensor, ...]:
+    """The tensors a decode product of ``q`` reads: all its fields, but an :class:`Int8Packed`'s
+    ``rows`` (the row-major copy prefill reads)."""
+    return (q.data, q.scale) if isinstance(q, Int8Packed) else tuple(q)
 
 
 BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
