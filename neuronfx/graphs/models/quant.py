@@ -13,6 +13,9 @@ NamedTuples). Shapes give everything else: N = ``data.shape[0]``, K = the input'
 - :class:`Q4_0Blocks`, :class:`Q4_1Blocks`, :class:`Q8_0Blocks`: GGUF blocks of 32 weights
   kept as the file stores them (ggml's ``block_q4_0`` / ``block_q4_1`` / ``block_q8_0``,
   ggml-common.h), one row of blocks per output channel: uint8 (N, K / 32 * block bytes).
+- :class:`Int8Packed`: an :class:`Int8Weight` laid out for VNNI (16 channels x 4 features per
+  64 bytes) beside its row-major values, made at compile for plans that multiply int8 weights
+  by int8 activations (``kernels.activation_choice.pack_int8_weights``).
 """
 
 from __future__ import annotations
