@@ -262,10 +262,11 @@ def check_accuracy(
 
 
 def engine_name(runtime: Runtime) -> str:
-    """The report's engine line, e.g. "neuronfx inductor float32 weights gguf int8 activations"."""
+    """The report's engine line, e.g. "neuronfx inductor float32 weights gguf int8 activations KV cache int8"."""
     inf = runtime.plan.inference
     return (f"neuronfx {inf.backend} {inf.dtype}" + (f" weights {inf.weight_format}" if inf.weight_format != "float" else "")
-            + (" int8 activations" if inf.activation_format == "int8" else "") + (f" tp {inf.tp_degree}" if inf.tp_degree > 1 else ""))
+            + (" int8 activations" if inf.activation_format == "int8" else "") + (f" tp {inf.tp_degree}" if inf.tp_degree > 1 else "")
+            + (f" KV cache {inf.kv_cache_dtype}" if inf.kv_cache_dtype != "auto" else ""))
 
 
 def _checked_prompts(runtime: Runtime, tokenizer: Any, prompts: Sequence[Sequence[int]] | None, max_new_tokens: int) -> list[list[int]]:

@@ -164,6 +164,8 @@ def worker_config(args: argparse.Namespace, spec: LatencySpec, overrides: dict[s
     inference = {"max_context_length": max(256, longest), "sequence_length": max(512, longest + most), "dtype": spec.dtype,
                  "backend": spec.backend, "weight_format": spec.weight_format, "weight_group_size": spec.weight_group_size,
                  "activation_format": spec.activation_format, "device": spec.device}
+    if spec.kv_cache_dtype != "auto":  # only when given: a checkout older than the option would reject the key
+        inference["kv_cache_dtype"] = spec.kv_cache_dtype
     return {"model": str(args.model or checkpoints.default_model_path()), "dtype": spec.dtype,
             "gguf_blocks": spec.weight_format == "gguf", "batch_sizes": list(spec.batch_sizes), "inference": inference | overrides}
 

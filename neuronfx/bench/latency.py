@@ -29,6 +29,7 @@ from neuronfx.bench.rounds import comparison_table, format_rounds
 from neuronfx.bench.timing import BenchResult, transformers_engine
 from neuronfx.bench.types import Benchmark
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
+from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.inference import (
     ACTIVATION_FORMATS,
     BACKENDS,
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
                    help="float (default, token-exact); int8: int8 activations in the quantized products (int8 weights: "
                         "an integer GEMM; 4-bit decode: llama.cpp's); auto: where they measured faster here (inductor only)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what neuronfx's KV cache stores: auto (--dtype), bf16, int8 (scaled per token and head), fp8")
     p.add_argument("--compare", choices=["transformers", "llama.cpp", "openvino"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "
                         "runs the same .gguf --model on the same prompts and thread count; openvino (OpenVINO GenAI, pip install "
@@ -98,7 +101,7 @@ def check_options(args: argparse.Namespace) -> LatencySpec:
     check_weight_source(InferenceConfig(weight_format=args.weight_format), args.model or checkpoints.default_model_path())
     return LatencySpec(backend=args.backend, dtype=args.dtype, batch_sizes=tuple(args.batch_sizes), prompt_lens=tuple(args.prompt_lens),
                        gen_lens=tuple(args.gen_lens), weight_format=args.weight_format, weight_group_size=args.weight_group_size,
-                       device=args.device, activation_format=args.activation_format, rounds=rounds,
+                       device=args.device, activation_format=args.activation_format, kv_cache_dtype=args.kv_cache_dtype, rounds=rounds,
                        agreement=args.compare == "openvino")
 
 

@@ -45,6 +45,7 @@ class LatencySpec:
     weight_group_size: int = 32
     device: str = "cpu"
     activation_format: str = "float"
+    kv_cache_dtype: str = "auto"
     rounds: int = 1  # > 1 with a compared engine: each case that many times in both, alternating
     agreement: bool = False  # keep neuronfx's greedy tokens of each batch size's first case, for the compared engine's agreement
 
@@ -52,7 +53,8 @@ class LatencySpec:
     def label(self) -> str:
         """The dtype name neuronfx's results carry: "float32", "float32/gguf", "float32/gguf/int8x"."""
         label = self.dtype if self.weight_format == "float" else f"{self.dtype}/{self.weight_format}"
-        return label + ("/int8x" if self.activation_format == "int8" else "")
+        label += "/int8x" if self.activation_format == "int8" else ""
+        return label + ("" if self.kv_cache_dtype == "auto" else f"/kv-{self.kv_cache_dtype}")
 
 
 @attrs.frozen(kw_only=True)
@@ -130,7 +132,7 @@ def measure_batch(checkpoint: Any, spec: LatencySpec, batch: int, engine: Engine
     """Compile the plan of one batch size, warm it up, and time its cases (alternating with
     ``engine`` in rounds when one is given)."""
     plan = bench_plan(checkpoint, spec.backend, spec.dtype, batch, max(spec.prompt_lens), max(spec.gen_lens), spec.weight_format,
-                      spec.weight_group_size, spec.device, spec.activation_format)
+                      spec.weight_group_size, spec.device, spec.activation_format, spec.kv_cache_dtype)
     gc.collect()
     t0 = time.perf_counter()
     runtime = neuronfx.compile(plan, checkpoint.state_dict, progress=log is print)

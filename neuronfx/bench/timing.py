@@ -111,13 +111,13 @@ def time_neuronfx(runtime: Runtime, prompts: list[list[int]], gen_len: int) -> T
 
 def bench_plan(checkpoint: Any, backend: str, dtype: str, batch_size: int, prompt_len: int, gen_len: int,
                weight_format: str = "float", weight_group_size: int = 32, device: str = "cpu",
-               activation_format: str = "float") -> Plan:
+               activation_format: str = "float", kv_cache_dtype: str = "auto") -> Plan:
     """The plan a latency case compiles: the default capacities, raised to fit the case; static
     batches, so only the full batch size is compiled. Raises ConfigError from make_plan."""
     inference = InferenceConfig(
         batch_size=batch_size, batch_buckets=(batch_size,), max_context_length=max(256, prompt_len),
         sequence_length=max(512, prompt_len + gen_len), dtype=dtype, backend=backend, weight_format=weight_format,
-        weight_group_size=weight_group_size, device=device, activation_format=activation_format,
+        weight_group_size=weight_group_size, device=device, activation_format=activation_format, kv_cache_dtype=kv_cache_dtype,
     )
     return make_plan(checkpoint.config, inference)
 

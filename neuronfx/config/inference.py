@@ -7,6 +7,7 @@ import re
 import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
+from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -152,6 +153,11 @@ class InferenceConfig:
     - ``enable_bucketing``: derive power-of-two bucket ladders; otherwise one bucket per phase.
     - ``prefill_buckets`` / ``decode_buckets``: explicit ladders (tokens), override derivation.
     - ``dtype``: weights, activations and KV cache ("float32", "bfloat16", "float16").
+    - ``kv_cache_dtype``: what the KV cache stores (vLLM's ``kv_cache_dtype``): "auto" (default:
+      ``dtype``, token-exact), "bf16" / "bfloat16", "int8" (one fp32 scale per token and KV head,
+      stored after its values: about half the bytes of bf16) or "fp8" / "fp8_e4m3" (torch's
+      float8_e4m3fn, saturated at +-448). The attention kernels read them directly; prefill
+      attends its own fresh K/V, later steps read the stored ones (``config/kv.py``).
     - ``on_device_sampling``: graphs return sampled tokens; ``max_topk`` caps top_k in the graph.
     - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
       20); 0 compiles no logprob outputs.
@@ -240,6 +246,7 @@ class InferenceConfig:
     prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     dtype: str = attrs.field(default="float32", validator=one_of(FLOAT_DTYPES))
+    kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(KV_CACHE_DTYPES))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
@@ -325,6 +332,11 @@ class InferenceConfig:
                 f"weight_format={self.weight_format!r} with tp_degree={self.tp_degree}: quantized weights are not "
                 "sharded over tensor-parallel ranks yet; use tp_degree=1 or weight_format='float'."
             )
+        if self.kv_cache_dtype != "auto" and self.backend == "neuron":
+            raise ConfigError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} with backend='neuron': the neuron backend keeps the KV cache "
+                "in the plan's dtype; use kv_cache_dtype='auto' (or dtype='bfloat16' for a 16-bit cache)."
+            )
         if self.weight_format != "float" and self.backend == "neuron":
             raise ConfigError(
                 f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
@@ -349,7 +361,7 @@ class InferenceConfig:
             return
         given = [f"{name}={getattr(self, name)!r}" for name, off in (
             ("speculation_length", 0), ("prefill_chunk_size", None), ("enable_prefix_caching", False),
-            ("enable_prompt_logprobs", False), ("tp_degree", 1)) if getattr(self, name) != off]
+            ("enable_prompt_logprobs", False), ("tp_degree", 1), ("kv_cache_dtype", "auto")) if getattr(self, name) != off]
         if given:
             raise ConfigError(f"task='embed' with {', '.join(given)}: an embedding plan runs whole prompts through embed graphs "
                               "on one rank, without generation options; drop them or use task='generate'.")

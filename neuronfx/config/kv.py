@@ -6,13 +6,41 @@ import attrs
 import torch
 
 from neuronfx.config.dtypes import dtype_bytes
-from neuronfx.errors import BucketOverflowError
+from neuronfx.errors import BucketOverflowError, ConfigError
+
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "int8", "fp8", "fp8_e4m3")
+"""Values of ``InferenceConfig.kv_cache_dtype`` (vLLM's ``--kv-cache-dtype`` names): "auto" keeps
+the plan's dtype; "bf16" / "bfloat16" stores bfloat16; "int8" stores int8 with one fp32 scale per
+(token, head) (:data:`INT8_SCALE_BYTES`); "fp8" / "fp8_e4m3" stores torch's float8_e4m3fn, saturated
+at +-448 (vLLM's fp8 cache with its default scale of 1)."""
+INT8_SCALE_BYTES = 4
+"""An int8 KV row ends in its fp32 scale's 4 bytes: a (token, head) row is head_dim int8 values
+then the scale, so every copy of cache rows (prefix blocks, forks) moves the scales with them."""
+_STORAGE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, dtype: str, head_dim: int) -> str:
+    """The dtype name the KV cache stores (a key of ``config.dtypes.DTYPES``) for
+    ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`) in a plan of ``dtype``. Raises ConfigError
+    for an unknown name, or int8 with a head_dim not a multiple of 4 (its fp32 scale must sit
+    4-byte aligned after the values)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in _STORAGE:
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}; pick one "
+                          "('auto' keeps the plan's dtype).")
+    if kv_cache_dtype == "int8" and head_dim % INT8_SCALE_BYTES:
+        raise ConfigError(f"kv_cache_dtype='int8' needs head_dim divisible by {INT8_SCALE_BYTES} (got {head_dim}): each "
+                          "row's fp32 scale follows its values; use kv_cache_dtype='bf16' or 'fp8_e4m3' for this model.")
+    return _STORAGE[kv_cache_dtype]
 
 
 @attrs.frozen(kw_only=True)
 class KVLayout:
     """Static KV-cache layout: per layer one K and one V of shape
-    [num_slots, num_kv_heads, sequence_length, head_dim].
+    [num_slots, num_kv_heads, sequence_length, row_width] in ``dtype``, the stored dtype
+    (:func:`kv_storage_dtype`): ``row_width`` is head_dim, or head_dim + 4 for int8 rows, whose
+    last 4 bytes hold the row's fp32 scale.
 
     ``num_slots = batch_size + 1``: the last slot (``scratch_slot``) absorbs the writes of padding
     rows, so a padded batch never writes into a live or free request slot.
@@ -26,9 +54,14 @@ class KVLayout:
     dtype: str
 
     @property
+    def row_width(self) -> int:
+        """Elements of one stored (token, head) row: head_dim, plus the scale's bytes for int8."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.dtype == "int8" else 0)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
-        """Shape of each K or V tensor: (num_slots, num_kv_heads, sequence_length, head_dim)."""
-        return (self.num_slots, self.num_kv_heads, self.sequence_length, self.head_dim)
+        """Shape of each K or V tensor: (num_slots, num_kv_heads, sequence_length, row_width)."""
+        return (self.num_slots, self.num_kv_heads, self.sequence_length, self.row_width)
 
     @property
     def scratch_slot(self) -> int:
@@ -38,7 +71,7 @@ class KVLayout:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole cache (all layers, K and V)."""
-        n = self.num_slots * self.num_kv_heads * self.sequence_length * self.head_dim
+        n = self.num_slots * self.num_kv_heads * self.sequence_length * self.row_width
         return 2 * self.num_layers * n * dtype_bytes(self.dtype)
 
 

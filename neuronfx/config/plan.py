@@ -8,7 +8,7 @@ from neuronfx.config.attention import AttentionLayout, attention_layout
 from neuronfx.config.buckets import MIN_BUCKET, chunk_buckets, generate_buckets
 from neuronfx.config.inference import InferenceConfig, prefill_limit
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
-from neuronfx.config.kv import KVLayout
+from neuronfx.config.kv import KVLayout, kv_storage_dtype
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.quantization import check_quantization
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
@@ -180,7 +180,7 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
     embed = inference.task == "embed"  # embed graphs keep no cache: a one-slot, one-position placeholder
     kv = KVLayout(num_layers=model.num_hidden_layers, num_slots=1 if embed else inference.batch_size + 1,
                   num_kv_heads=shard.num_kv_heads, sequence_length=1 if embed else inference.sequence_length,
-                  head_dim=model.head_dim, dtype=inference.dtype)
+                  head_dim=model.head_dim, dtype=kv_storage_dtype(inference.kv_cache_dtype, inference.dtype, model.head_dim))
     return Plan(
         model=model, inference=inference, batch_buckets=batches, prefill_buckets=prefill, decode_buckets=decode, kv=kv,
         topk_width=min(inference.max_topk, model.vocab_size), graphs=graph_specs(model, inference, batches, prefill, decode, chunks),

@@ -1,7 +1,7 @@
 """The prefix cache's tensors: a pool of KV blocks, and exact copies between it and a slot.
 
 Design (issue 18, option (a)): a pool separate from the slots. Per layer one K and one V of
-shape [num_blocks, num_kv_heads, block_size, head_dim] in the plan's dtype; pool block i holds
+shape [num_blocks, num_kv_heads, block_size, row_width] in the cache's dtype; pool block i holds
 the K/V of one cached prompt block (``runtime/prefix_store.py`` says which). A hit is copied into
 the request's slot (:func:`copy_to_slot`) and a prefilled prompt's new full blocks out of it
 (:func:`copy_to_pool`). Slots, batch capacity and every graph stay as they are; the memory bound
@@ -52,7 +52,7 @@ def pool_nbytes(plan: Plan) -> int:
     inf, kv = plan.inference, plan.kv
     if not inf.enable_prefix_caching:
         return 0
-    per_block = kv.num_kv_heads * inf.prefix_block_size * kv.head_dim * dtype_bytes(kv.dtype)
+    per_block = kv.num_kv_heads * inf.prefix_block_size * kv.row_width * dtype_bytes(kv.dtype)
     return 2 * kv.num_layers * num_prefix_blocks(inf) * per_block
 
 
@@ -63,7 +63,7 @@ def empty_prefix_cache(plan: Plan) -> PrefixCache | None:
     if not inf.enable_prefix_caching:
         return None
     n = num_prefix_blocks(inf)
-    shape = (n, kv.num_kv_heads, inf.prefix_block_size, kv.head_dim)
+    shape = (n, kv.num_kv_heads, inf.prefix_block_size, kv.row_width)
 
     def zeros() -> torch.Tensor:
         return torch.zeros(shape, dtype=torch_dtype(kv.dtype))

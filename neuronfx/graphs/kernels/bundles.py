@@ -34,6 +34,7 @@ from neuronfx.graphs.kernels.library import (
     small_glu,
 )
 from neuronfx.graphs.models import quant
+from neuronfx.graphs.models.kv_rows import load_rows
 from neuronfx.graphs.models.ops import Ops, Weight
 
 Tensor = torch.Tensor
@@ -75,8 +76,8 @@ def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Ten
     attends (past the row's last new token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
     (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
     hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no new token (past the last, or out of every window)
-    keys = k_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
-    values = v_cache[:, :, :bucket][seq_ids].masked_fill(hidden, 0.0)
+    keys = load_rows(k_cache[:, :, :bucket][seq_ids], q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+    values = load_rows(v_cache[:, :, :bucket][seq_ids], q.dtype).masked_fill(hidden, 0.0)
     return sdpa(q, keys, values, mask)
 
 
@@ -222,8 +223,8 @@ def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids:
     b, h, t, d = q.shape
     n_kv = k_cache.shape[1]
     g = h // n_kv
-    keys = k_cache[:, :, :bucket][seq_ids].float()  # (B, n_kv, S, D)
-    values = v_cache[:, :, :bucket][seq_ids].float()
+    keys = load_rows(k_cache[:, :, :bucket][seq_ids], torch.float32)  # (B, n_kv, S, D)
+    values = load_rows(v_cache[:, :, :bucket][seq_ids], torch.float32)
     qg = q.float().reshape(b, n_kv, g * t, d) * (1.0 / math.sqrt(d))  # query heads of one KV head
     scores = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # (B, n_kv, G*T, S)
     m = mask[:, :, None].expand(b, 1, g, t, bucket).reshape(b, 1, g * t, bucket)

@@ -220,7 +220,9 @@ def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
     """Attention of T new tokens per row over their slots' cache: q (B, H, T, D) float32 /
-    bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, D) of one float dtype, seq_ids
+    bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, W) of one stored dtype
+    (``graphs/models/kv_rows.py``: float32 / bfloat16 / float16 / float8_e4m3fn with W = D, or
+    int8 rows of D values and their fp32 scale, W = D + 4), seq_ids
     (B,) int, mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype. Grouped-query
     (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale 1/sqrt(D), fp32 math;
     what positions the mask hides hold (stale rows, NaN) never reaches the output (their scores

@@ -10,6 +10,7 @@ from neuronfx.config.kv import chunk_write_slots
 from neuronfx.config.masks import chunk_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
+from neuronfx.graphs.models.kv_rows import load_rows, store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, layer_tables, mask_stack
@@ -49,11 +50,11 @@ def chunk_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
-            k_cache[x.write_slots, :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
-            v_cache[x.write_slots, :, pos] = v.transpose(1, 2)
+            k_cache[x.write_slots, :, pos] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
+            v_cache[x.write_slots, :, pos] = store_rows(v.transpose(1, 2), v_cache)
             hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no token of the row
-            keys = k_cache[:, :, :n][x.seq_ids].masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
-            values = v_cache[:, :, :n][x.seq_ids].masked_fill(hidden, 0.0)
+            keys = load_rows(k_cache[:, :, :n][x.seq_ids], q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+            values = load_rows(v_cache[:, :, :n][x.seq_ids], q.dtype).masked_fill(hidden, 0.0)
             return ops.attention(q, keys, values, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

@@ -10,6 +10,7 @@ from neuronfx.config.inputs import DecodeInputs, SamplerInputs, SpeculateInputs
 from neuronfx.config.masks import decode_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
+from neuronfx.graphs.models.kv_rows import store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack
@@ -46,8 +47,8 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
-            k_cache[seq_ids[:, None], :, pos] = k.transpose(1, 2)  # (B, T, n_kv, D)
-            v_cache[seq_ids[:, None], :, pos] = v.transpose(1, 2)
+            k_cache[seq_ids[:, None], :, pos] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
+            v_cache[seq_ids[:, None], :, pos] = store_rows(v.transpose(1, 2), v_cache)
             return ops.cached_attention(q, k_cache, v_cache, seq_ids, mask.shape[-1], mask)  # mask (B, 1, T, S)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

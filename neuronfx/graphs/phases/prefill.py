@@ -9,6 +9,7 @@ from neuronfx.config.inputs import PrefillInputs, SamplerInputs
 from neuronfx.config.masks import prefill_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
+from neuronfx.graphs.models.kv_rows import store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_tables, mask_stack
@@ -58,8 +59,8 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
             n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
-            k_cache[x.seq_ids, :, :n] = k[:, :, :n]  # (B, n_kv, T, D) into slots
-            v_cache[x.seq_ids, :, :n] = v[:, :, :n]
+            k_cache[x.seq_ids, :, :n] = store_rows(k[:, :, :n], k_cache)  # (B, n_kv, T, D) into slots
+            v_cache[x.seq_ids, :, :n] = store_rows(v[:, :, :n], v_cache)
             return ops.causal_attention(q, k, v) if causal else ops.attention(q, k, v, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

@@ -9,10 +9,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -25,6 +28,28 @@ namespace {
 inline float load1(const float* p) { return *p; }
 inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
+// KV caches only (kv_cache_dtype): int8 rows carry their scale (row_scale), fp8 is e4m3fn.
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+inline float load1(const c10::Float8_e4m3fn* p) { return static_cast<float>(*p); }
+
+// The 256 values of float8_e4m3fn, decoded once: a gather from this table widens 8 at a time.
+inline const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// A stored KV row's scale: 1 for float rows; an int8 row's fp32 scale follows its D values.
+template <typename C>
+inline float row_scale(const C*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
 
 #ifdef NFX_AVX2
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -34,6 +59,13 @@ inline __m256 load8(const c10::BFloat16* p) {
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_i32gather_ps(fp8_table(), idx, 4);
 }
 // The same position one tile ahead: a tile's rows are short (1-3 KB), too short for the hardware
 // stream prefetcher to ramp up; this measured 10-20% faster at 1 and 8 rows (AMD EPYC, AVX2).
@@ -318,9 +350,9 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // out[b, h, t] = softmax_j(q[b, h, t] . k[j] / sqrt(D), j attended) @ v[j] for the T new tokens
 // of row b over its slot's first S cache positions (k, v: KV head h / (H / H_kv), HF repeat_kv).
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
-// their values are never added (blocks of four hidden keys are not even read); a
-// token that attends nothing gets zeros. One task per (row, query head); scores in two passes
-// (max, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
+// their values are never added (blocks of four hidden keys are not even read); a token that
+// attends nothing gets zeros. One task per (row, KV head) (attend_group); scores in two passes
+// (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
 #ifdef NFX_AVX2
 // e^x for x <= 0 (scores minus their max), about 1 ulp: x = n ln2 + r, e^r by Cephes expf's
@@ -386,33 +418,116 @@ inline void axpy(const float* p, const C* v, int64_t ld, int64_t D, float* acc) 
     for (int i = 0; i < N; ++i) acc[d] += p[i] * load1(v + i * ld + d);
 }
 
-// One query row q (D) over keys/values k, v (S rows of stride ``ld``) where ``mask`` (S) is
-// true; ``w`` is scratch for S weights. Writes out (D) in fp32. Keys go four at a time; a block
-// with a hidden position computes its product anyway and then selects -inf over it, so a NaN
-// there is never used, and its values are added one by one, skipping the hidden ones.
+#if defined(NFX_AVX2) && defined(__AVX512F__)
+#define NFX_ATTN_AVX512 1
+// 16 cache values widened to fp32 (the AVX-512 forms of load8).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), fp8_table(), 4);
+}
+inline __m256 halves(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// The R x 4 dot products of query rows q + r * D with keys k + i * ld (D a multiple of 16): each
+// key chunk is loaded and widened once for all R rows (the query heads sharing the KV head).
+template <int R, typename C>
+inline void dot_rows(const float* q, const C* k, int64_t ld, int64_t D, float* out) {
+  __m512 acc[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 k0 = load16(k + d), k1 = load16(k + ld + d), k2 = load16(k + 2 * ld + d), k3 = load16(k + 3 * ld + d);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * D + d);
+      acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(acc[r][0]), halves(acc[r][1])),
+                                       _mm256_hadd_ps(halves(acc[r][2]), halves(acc[r][3])));
+    _mm_storeu_ps(out + 4 * r, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+}
+
+// out rows r (stride D) += sum_i p[4 r + i] * v_i for the 4 values v + i * ld, each value chunk
+// loaded and widened once for all R rows.
+template <int R, typename C>
+inline void axpy_rows(const float* p, const C* v, int64_t ld, int64_t D, float* out) {
+  __m512 pv[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) pv[r][i] = _mm512_set1_ps(p[4 * r + i]);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v0 = load16(v + d), v1 = load16(v + ld + d), v2 = load16(v + 2 * ld + d), v3 = load16(v + 3 * ld + d);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m512 a = _mm512_loadu_ps(out + r * D + d);
+      a = _mm512_fmadd_ps(pv[r][0], v0, a);
+      a = _mm512_fmadd_ps(pv[r][1], v1, a);
+      a = _mm512_fmadd_ps(pv[r][2], v2, a);
+      a = _mm512_fmadd_ps(pv[r][3], v3, a);
+      _mm512_storeu_ps(out + r * D + d, a);
+    }
+  }
+}
+#endif
+
+// dots[4 r + i] = q_r . k_i for n <= 4 query rows (stride D) and 4 keys (stride ld).
 template <typename C>
-void attend_row(const float* q, const C* k, const C* v, int64_t ld, int64_t S, int64_t D, const bool* mask, float scale,
-                float* w, float* out) {
+inline void dots_4keys(int64_t n, const float* q, const C* k, int64_t ld, int64_t D, float* dots) {
+#ifdef NFX_ATTN_AVX512
+  if (D % 16 == 0) {
+    switch (n) {
+      case 4: return dot_rows<4>(q, k, ld, D, dots);
+      case 3: return dot_rows<3>(q, k, ld, D, dots);
+      case 2: return dot_rows<2>(q, k, ld, D, dots);
+      default: return dot_rows<1>(q, k, ld, D, dots);
+    }
+  }
+#endif
+  for (int64_t r = 0; r < n; ++r) dot4(q + r * D, k, ld, D, dots + 4 * r);
+}
+
+// out rows r += sum_i p[4 r + i] * v_i for n <= 4 rows (stride D) and 4 values (stride ld).
+template <typename C>
+inline void axpy_4values(int64_t n, const float* p, const C* v, int64_t ld, int64_t D, float* out) {
+#ifdef NFX_ATTN_AVX512
+  if (D % 16 == 0) {
+    switch (n) {
+      case 4: return axpy_rows<4>(p, v, ld, D, out);
+      case 3: return axpy_rows<3>(p, v, ld, D, out);
+      case 2: return axpy_rows<2>(p, v, ld, D, out);
+      default: return axpy_rows<1>(p, v, ld, D, out);
+    }
+  }
+#endif
+  for (int64_t r = 0; r < n; ++r) axpy<4>(p + 4 * r, v, ld, D, out + r * D);
+}
+
+// w (S scores) -> e^(w - max) where finite, 0 where -inf; returns their sum (0 when every
+// score is -inf: the row attends nothing).
+inline float softmax_weights(float* w, int64_t S) {
   float mx = -INFINITY;
+  for (int64_t j = 0; j < S; ++j) mx = std::max(mx, w[j]);
+  if (mx == -INFINITY) {
+    std::fill(w, w + S, 0.f);
+    return 0.f;
+  }
   int64_t j = 0;
-  for (; j + 4 <= S; j += 4) {
-    if (!(mask[j] | mask[j + 1] | mask[j + 2] | mask[j + 3])) {
-      w[j] = w[j + 1] = w[j + 2] = w[j + 3] = -INFINITY;
-      continue;
-    }
-    dot4(q, k + j * ld, ld, D, w + j);
-    for (int i = 0; i < 4; ++i) {
-      w[j + i] = mask[j + i] ? w[j + i] * scale : -INFINITY;
-      mx = std::max(mx, w[j + i]);
-    }
-  }
-  for (; j < S; ++j) {
-    w[j] = mask[j] ? dot(q, k + j * ld, D) * scale : -INFINITY;
-    mx = std::max(mx, w[j]);
-  }
-  std::fill(out, out + D, 0.f);
-  if (mx == -INFINITY) return;  // attends nothing
-  j = 0;
   float sum = 0.f;
 #ifdef NFX_AVX2
   __m256 sv = _mm256_setzero_ps();
@@ -426,21 +541,86 @@ void attend_row(const float* q, const C* k, const C* v, int64_t ld, int64_t S, i
   sum = hsum(sv);
 #endif
   for (; j < S; ++j) {
-    w[j] = mask[j] ? std::exp(w[j] - mx) : 0.f;
+    w[j] = w[j] == -INFINITY ? 0.f : std::exp(w[j] - mx);
     sum += w[j];
   }
-  for (j = 0; j + 4 <= S; j += 4) {
-    if (mask[j] & mask[j + 1] & mask[j + 2] & mask[j + 3]) {
-      axpy<4>(w + j, v + j * ld, ld, D, out);
+  return sum;
+}
+
+// Whether any (all) of the T mask rows (stride S) attends keys j .. j + 3.
+inline bool any4(const bool* m, int64_t T, int64_t S, int64_t j) {
+  bool any = false;
+  for (int64_t t = 0; t < T; ++t) any |= m[t * S + j] | m[t * S + j + 1] | m[t * S + j + 2] | m[t * S + j + 3];
+  return any;
+}
+inline bool all4(const bool* m, int64_t T, int64_t S, int64_t j) {
+  bool all = true;
+  for (int64_t t = 0; t < T; ++t) all &= m[t * S + j] & m[t * S + j + 1] & m[t * S + j + 2] & m[t * S + j + 3];
+  return all;
+}
+
+// The R = group x T query rows that share one KV head of one batch row (grouped-query
+// attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
+// masks + t * S; w is scratch for R x S weights; writes out (R, D) fp32. Keys go four at a time,
+// each loaded and widened once for up to four query rows (dots_4keys); a group of four with a
+// hidden key computes its products anyway and then selects -inf over it, so a NaN there is never
+// used, and its values are added one by one, skipping the hidden ones; four keys no row attends
+// are not read. An int8 row's scale multiplies its score and its weight.
+template <typename C>
+void attend_group(const float* q, const C* k, const C* v, int64_t ld, int64_t S, int64_t D, int64_t group, int64_t T,
+                  const bool* masks, float scale, float* w, float* out) {
+  const int64_t R = group * T;
+  float dots[16], p[16];
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {
+    if (!any4(masks, T, S, j)) {
+      for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
       continue;
     }
-    for (int i = 0; i < 4; ++i)
-      if (mask[j + i]) axpy<1>(w + j + i, v + (j + i) * ld, ld, D, out);
+    float ks[4];
+    for (int i = 0; i < 4; ++i) ks[i] = scale * row_scale(k + (j + i) * ld, D);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t n = std::min<int64_t>(4, R - r0);
+      dots_4keys(n, q + r0 * D, k + j * ld, ld, D, dots);
+      for (int64_t rr = 0; rr < n; ++rr) {
+        const bool* m = masks + ((r0 + rr) % T) * S + j;
+        for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + j + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
+      }
+    }
   }
   for (; j < S; ++j)
-    if (mask[j]) axpy<1>(w + j, v + j * ld, ld, D, out);
-  const float inv = 1.f / sum;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    for (int64_t r = 0; r < R; ++r)
+      w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, k + j * ld, D) * scale * row_scale(k + j * ld, D) : -INFINITY;
+  std::vector<float> sums(R);
+  for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, S);
+  std::fill(out, out + R * D, 0.f);
+  auto one = [&](int64_t r, int64_t jj) {  // one value for one row, if its mask lets it through
+    if (!masks[(r % T) * S + jj]) return;
+    const float pj = w[r * S + jj] * row_scale(v + jj * ld, D);
+    axpy<1>(&pj, v + jj * ld, ld, D, out + r * D);
+  };
+  for (j = 0; j + 4 <= S; j += 4) {
+    if (!all4(masks, T, S, j)) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < 4; ++i) one(r, j + i);
+      continue;
+    }
+    float vs[4];
+    for (int i = 0; i < 4; ++i) vs[i] = row_scale(v + (j + i) * ld, D);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t n = std::min<int64_t>(4, R - r0);
+      for (int64_t rr = 0; rr < n; ++rr)
+        for (int i = 0; i < 4; ++i) p[4 * rr + i] = w[(r0 + rr) * S + j + i] * vs[i];
+      axpy_4values(n, p, v + j * ld, ld, D, out + r0 * D);
+    }
+  }
+  for (; j < S; ++j)
+    for (int64_t r = 0; r < R; ++r) one(r, j);
+  for (int64_t r = 0; r < R; ++r) {
+    if (sums[r] == 0.f) continue;  // attends nothing: zeros
+    const float inv = 1.f / sums[r];
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inv;
+  }
 }
 
 template <typename C>
@@ -454,17 +634,14 @@ void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor
   TORCH_CHECK(v_cache.stride(2) == ld, "cached_attention: k_cache and v_cache must share a layout");
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   // Tasks of at least ~32K multiply-adds: a fork/join (a few us) costs more than a smaller one.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, T * S * D));
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> w(S);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group * T * S * D));
+  at::parallel_for(0, B * n_kv, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> w(group * T * S);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H, kvh = h / group;
-      const C* k = kc + slots[b] * ks0 + kvh * ks1;
-      const C* v = vc + slots[b] * vs0 + kvh * vs1;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t row = (b * H + h) * T + t;
-        attend_row(q + row * D, k, v, ld, S, D, mask + (b * T + t) * S, scale, w.data(), out + row * D);
-      }
+      const int64_t b = i / n_kv, kvh = i % n_kv;
+      const int64_t first = (b * H + kvh * group) * T * D;  // query rows (g, t) of heads kvh * group ...
+      attend_group(q + first, kc + slots[b] * ks0 + kvh * ks1, vc + slots[b] * vs0 + kvh * vs1, ld, S, D, group, T,
+                   mask + b * T * S, scale, w.data(), out + first);
     }
   });
 }
@@ -478,8 +655,10 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), S = mask.size(3);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "cached_attention: k_cache and v_cache differ");
-  TORCH_CHECK(k_cache.size(3) == D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "cached_attention: cache head dim must be ", D, " and contiguous");
+  // an int8 cache row is D values and its fp32 scale (neuronfx/graphs/models/kv_rows.py)
+  const int64_t width = D + (k_cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
+  TORCH_CHECK(k_cache.size(3) == width && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "cached_attention: cache rows must be ", width, " wide and contiguous");
   TORCH_CHECK(H % k_cache.size(1) == 0, "cached_attention: ", H, " query heads over ", k_cache.size(1), " KV heads");
   TORCH_CHECK(S <= k_cache.size(2), "cached_attention: mask covers ", S, " positions, cache holds ", k_cache.size(2));
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
@@ -498,7 +677,10 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     case at::kFloat: attention_tasks<float>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
     case at::kBFloat16: attention_tasks<c10::BFloat16>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
     case at::kHalf: attention_tasks<c10::Half>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
-    default: TORCH_CHECK(false, "cached_attention: cache dtype ", k_cache.scalar_type(), " is not float32/bfloat16/float16");
+    case at::kChar: attention_tasks<int8_t>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    case at::kFloat8_e4m3fn: attention_tasks<c10::Float8_e4m3fn>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    default: TORCH_CHECK(false, "cached_attention: cache dtype ", k_cache.scalar_type(),
+                         " is not float32/bfloat16/float16/int8 (scaled rows)/float8_e4m3fn");
   }
   return q.scalar_type() == at::kFloat ? out32 : out32.to(q.scalar_type());
 }
