@@ -11,6 +11,7 @@ order; with these seeded inputs none does.
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 import torch
@@ -146,8 +147,9 @@ def test_packed_int8_weights_take_int8_x_at_every_row_count():
 
 
 def test_plans_pack_int8_weights_only_where_every_product_takes_int8_x(monkeypatch):
-    """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head (tied embedding here)
-    stays row-major; float weights and other formats are left alone."""
+    """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head is packed with
+    the layers, the tied embedding's lookup keeps the row-major values (the packed head's rows are
+    the same tensor); float weights and other formats are left alone."""
     hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
     float_x = tiny_plan(hf, "inductor", weight_format="int8", activation_format="float")
     weights = convert_hf_state_dict(hf.state_dict(), float_x.model, "float32", float_x.shard, quantized_formats(float_x.inference))
@@ -161,26 +163,28 @@ def test_plans_pack_int8_weights_only_where_every_product_takes_int8_x(monkeypat
         assert all(isinstance(w, quant.Int8Packed if packs else quant.Int8Weight) for w in packed["layers"][1].values()
                    if isinstance(w, quant.QUANTIZED_TYPES)), enabled
         assert packed["embed"] is weights["embed"] and isinstance(packed["embed"], quant.Int8Weight)
+        assert isinstance(packed["lm_head"], quant.Int8Packed if packs else quant.Int8Weight)
+        assert not packs or packed["lm_head"].rows is weights["embed"].data
         assert torch.equal(packed["layers"][1]["mlp_norm"], weights["layers"][1]["mlp_norm"])
 
 
 def round_linear_inputs(model: torch.nn.Module) -> None:
-    """Every nn.Linear of ``model`` but the LM head multiplies x rounded per row as
+    """Every nn.Linear of ``model`` (the LM head too) multiplies x rounded per row as
     :func:`quant.int8_rows`."""
     def hook(module, args):
         xq, xs = quant.int8_rows(args[0])
         return ((xq.float() * xs).reshape(args[0].shape).to(args[0].dtype),)
 
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(hook)
 
 
 def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers():
     """A compiled plan of int8 weights with ``activation_format="int8"`` (prefill and decode
-    through the integer GEMM; the int8 head keeps float x) gives the greedy tokens and logits of
-    transformers on the same weights with every linear input but the head's rounded per row; and
-    differs from float x."""
+    through the integer GEMM, the int8 head packed too) gives the greedy tokens and logits of
+    transformers on the same weights with every linear input rounded per row; and differs from
+    float x."""
     hf = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)
     rt = tiny_runtime(hf, "inductor", weight_format="int8", activation_format="int8", batch_size=2, max_context_length=16,
                       prefill_buckets=(16,), decode_buckets=(64,))
@@ -190,6 +194,7 @@ def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers(
     plain.load_state_dict(ref.state_dict())
     round_linear_inputs(ref)
     assert isinstance(rt.weights["layers"][0]["gate"], quant.Int8Packed)  # int8 x everywhere: packed for vpdpbusd
+    assert isinstance(rt.weights["lm_head"], quant.Int8Packed) and isinstance(rt.weights["embed"], quant.Int8Weight)
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
     moved = 0.0
     with torch.no_grad():
@@ -202,6 +207,11 @@ def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers(
                 moved = max(moved, (plain(torch.tensor([ids])).logits[0, -1] - want).abs().max().item())
                 ids.append(got_token)
     assert moved > 2e-3  # the rounding is real: float x moves logits by 20x the tolerance (4.5e-3 measured)
+    with tempfile.TemporaryDirectory() as d:  # saved and loaded: the packed head's rows stay the embedding's tensor
+        neuronfx.save(rt, d)
+        loaded = neuronfx.load(d)
+        assert loaded.weights["lm_head"].rows is loaded.weights["embed"].data
+        assert run_steps(loaded, neuronfx.init_state(loaded), [0, 1], PROMPTS, 6)[0] == tokens
 
 
 def test_auto_is_a_backend_choice_in_the_compile_cache_key(monkeypatch):

@@ -2,8 +2,9 @@
 weight formats, transformers, llama.cpp and OpenVINO GenAI, on the same prompts and threads.
 
 Engines (``--engines``, default all): ``neuronfx-fp32``; ``neuronfx-int8`` (weight-only, float
-activations: token-exact) and ``neuronfx-int8-auto`` (int8 activations where they measured
-faster here); ``neuronfx-gguf`` (the .gguf's blocks kept, float activations: token-exact) and
+activations: token-exact), ``neuronfx-int8-auto`` (int8 activations where they measured
+faster here) and ``neuronfx-int8-auto-kv8`` (that with an int8 KV cache, as OpenVINO's u8 cache);
+``neuronfx-gguf`` (the .gguf's blocks kept, float activations: token-exact) and
 ``neuronfx-gguf-auto``; ``transformers`` (fp32 eager); ``llama.cpp`` (the same .gguf, the
 ``[bench]`` extra); ``openvino-fp32``, ``openvino-int8``, ``openvino-int4`` (optimum-intel exports
 of the same weights, the ``[bench-openvino]`` extra). A missing extra is an error before anything
@@ -83,11 +84,13 @@ def neuronfx_engine(name: str, checkpoint: Any, spec: EnginesSpec, log: Callable
     runtimes = {}
     for b in sorted({1, *spec.batch_sizes}):  # batch 1 runs the long prompt and the token agreement too
         prompt, gen = batch1_sizes(spec) if b == 1 else (spec.prompt_len, spec.gen_len)
-        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, gen, fmt.weight_format, activation_format=fmt.activation_format)
+        plan = bench_plan(checkpoint, spec.backend, "float32", b, prompt, gen, fmt.weight_format, activation_format=fmt.activation_format,
+                          kv_cache_dtype=fmt.kv_cache_dtype)
         log(f"{name}: compiling the batch-{b} plan")
         runtimes[b] = neuronfx.compile(plan, checkpoint.state_dict, progress=False)
     label = "float32" if fmt.weight_format == "float" else f"float32/{fmt.weight_format}"
-    return Engine(name=name, backend=spec.backend, dtype=label + ("/auto" if fmt.activation_format == "auto" else ""),
+    label += ("/auto" if fmt.activation_format == "auto" else "") + ("" if fmt.kv_cache_dtype == "auto" else f"/kv {fmt.kv_cache_dtype}")
+    return Engine(name=name, backend=spec.backend, dtype=label,
                   time=lambda prompts, gen_len: time_neuronfx(runtimes[len(prompts)], prompts, gen_len),
                   tokens=lambda prompts, gen_len: greedy_neuronfx(runtimes[len(prompts)], prompts, gen_len))
 

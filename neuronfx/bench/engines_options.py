@@ -15,15 +15,17 @@ from neuronfx.io import checkpoints
 
 @attrs.frozen(kw_only=True)
 class NeuronfxFormat:
-    """One neuronfx engine: the weights and activations of its plans (dtype float32)."""
+    """One neuronfx engine: the weights, activations and KV cache of its plans (dtype float32)."""
 
     weight_format: str
     activation_format: str
+    kv_cache_dtype: str = "auto"
 
 
 NEURONFX = {"neuronfx-fp32": NeuronfxFormat(weight_format="float", activation_format="float"),
             "neuronfx-int8": NeuronfxFormat(weight_format="int8", activation_format="float"),
             "neuronfx-int8-auto": NeuronfxFormat(weight_format="int8", activation_format="auto"),
+            "neuronfx-int8-auto-kv8": NeuronfxFormat(weight_format="int8", activation_format="auto", kv_cache_dtype="int8"),
             "neuronfx-gguf": NeuronfxFormat(weight_format="gguf", activation_format="float"),
             "neuronfx-gguf-auto": NeuronfxFormat(weight_format="gguf", activation_format="auto")}
 OPENVINO = {"openvino-fp32": "float", "openvino-int8": "int8", "openvino-int4": "int4"}  # -> neuronfx's --weight-format it stands for
@@ -123,7 +125,8 @@ def check_backend(engines: list[str], backend: str) -> None:
     for name in engines:
         fmt = NEURONFX[name]
         try:
-            InferenceConfig(backend=backend, weight_format=fmt.weight_format, activation_format=fmt.activation_format)
+            InferenceConfig(backend=backend, weight_format=fmt.weight_format, activation_format=fmt.activation_format,
+                            kv_cache_dtype=fmt.kv_cache_dtype)
         except ConfigError as exc:
             raise InputError(f"--engines {name} with --backend {backend}: {exc} Here: pick that --backend, or leave {name} out of --engines.") from exc
 

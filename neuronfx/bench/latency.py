@@ -29,7 +29,6 @@ from neuronfx.bench.rounds import comparison_table, format_rounds
 from neuronfx.bench.timing import BenchResult, transformers_engine
 from neuronfx.bench.types import Benchmark
 from neuronfx.config.dtypes import FLOAT_DTYPES, torch_dtype
-from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.inference import (
     ACTIVATION_FORMATS,
     BACKENDS,
@@ -39,6 +38,7 @@ from neuronfx.config.inference import (
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
 )
+from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.device import check_device
 from neuronfx.io import checkpoints

@@ -8,7 +8,6 @@ import argparse
 from pathlib import Path
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
-from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.inference import (
     ACTIVATION_FORMATS,
     BACKENDS,
@@ -21,6 +20,7 @@ from neuronfx.config.inference import (
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
 )
+from neuronfx.config.kv import KV_CACHE_DTYPES
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError

@@ -92,39 +92,53 @@ def plan_sha256(plan: Plan) -> str:
 def flatten_weights(weights: dict) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, str]]:
     """(unique tensors by neuronfx name, aliases name -> name, quantized name -> record class):
     tied weights are stored once; a quantized record (``graphs/quant.py``) named n is stored as
-    its fields' tensors ``n.<field>`` and listed in the third dict."""
+    its fields' tensors ``n.<field>`` and listed in the third dict. A field holding a tensor
+    already stored (a packed LM head's row-major values are its tied embedding's) is an alias
+    ``n.<field>`` -> that tensor's flat name."""
     named = {k: t for k, t in weights.items() if k != "layers"}
     for i, lw in enumerate(weights["layers"]):
         named |= {f"layers.{i}.{k}": t for k, t in lw.items()}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     quantized: dict[str, str] = {}
-    owner: dict[int, str] = {}
+    owner: dict[int, str] = {}  # first tensor of a weight -> the weight's name
+    stored: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}  # a stored tensor -> its flat name
     for name, t in named.items():
         first = t[0] if isinstance(t, QUANTIZED_TYPES) else t
         if first.data_ptr() in owner:
             aliases[name] = owner[first.data_ptr()]
             continue
         owner[first.data_ptr()] = name
+        parts = {f"{name}.{field}": part for field, part in zip(t._fields, t)} if isinstance(t, QUANTIZED_TYPES) else {name: t}
         if isinstance(t, QUANTIZED_TYPES):
             quantized[name] = type(t).__name__
-            unique |= {f"{name}.{field}": part.contiguous() for field, part in zip(t._fields, t)}
-        else:
-            unique[name] = t.contiguous()
+        for flat, part in parts.items():
+            key = (part.data_ptr(), tuple(part.shape), part.dtype)
+            if key in stored:
+                aliases[flat] = stored[key]
+                continue
+            stored[key] = flat
+            unique[flat] = part.contiguous()
     return unique, aliases, quantized
 
 
 def unflatten_weights(flat: dict[str, torch.Tensor], aliases: Mapping[str, str], quantized: Mapping[str, str]) -> dict[str, object]:
-    """Inverse of :func:`flatten_weights` on the flat names: records reassembled, aliases
-    pointing at their target. Raises ArtifactError for an unknown record class or a missing part."""
+    """Inverse of :func:`flatten_weights` on the flat names: field aliases resolved (one tensor
+    shared again), records reassembled, aliases pointing at their target. Raises ArtifactError
+    for an unknown record class or a missing part."""
     records = {cls.__name__: cls for cls in QUANTIZED_TYPES}
-    out: dict[str, object] = dict(flat)
+    fields = {name: target for name, target in aliases.items() if name.rpartition(".")[0] in quantized}
+    missing = {t for t in fields.values() if t not in flat}
+    if missing:
+        raise ArtifactError(f"{MANIFEST} aliases weights {sorted(missing)} that {WEIGHTS} does not hold; re-save the runtime.")
+    out: dict[str, object] = dict(flat) | {name: flat[target] for name, target in fields.items()}
     for name, cls_name in quantized.items():
         cls = records.get(cls_name)
         parts = [f"{name}.{field}" for field in (cls._fields if cls else ())]
         if cls is None or not all(p in out for p in parts):
             raise ArtifactError(f"quantized weight {name!r} ({cls_name!r}) is unknown or incomplete in {WEIGHTS}; re-save the runtime.")
         out[name] = cls(*(out.pop(p) for p in parts))
+    aliases = {name: target for name, target in aliases.items() if name not in fields}
     unknown = {t for t in aliases.values() if t not in out}
     if unknown:
         raise ArtifactError(f"{MANIFEST} aliases weights {sorted(unknown)} that {WEIGHTS} does not hold; re-save the runtime.")

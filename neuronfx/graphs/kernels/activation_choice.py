@@ -228,16 +228,19 @@ def pack_int8_weights(plan: Plan, weights: Weights) -> Weights:
     """``weights`` with each layer's int8 weight packed for ``vpdpbusd`` (``quant.pack_int8``;
     N a multiple of 16 and K of 4) when ``plan``'s int8 weights take int8 activations at its
     decode rows and at prefill rows (:meth:`Int8Paths.packs_int8`) and the kernel library
-    builds; else ``weights`` unchanged. The LM head and a tied embedding stay row-major (float
-    x, and the rows an embedding lookup reads). A packed weight keeps its row-major values too
-    (prefill's integer GEMM), so the layers' int8 weights take twice their bytes. Measured
-    (SmolLM2's 210 layer products, weights from memory, 2 threads of the EPYC): 8 rows 7.1-7.5
-    ms packed against 11.0-12.2 row-major."""
+    builds; else ``weights`` unchanged. An int8 LM head is packed too (its products then take
+    int8 x, as OpenVINO's dynamic quantization does); a tied embedding keeps the row-major
+    values its lookup reads. A packed weight keeps its row-major values too (prefill's integer
+    GEMM, and the tied embedding's rows are the same tensor), so the layers' int8 weights take
+    twice their bytes. Measured (SmolLM2's 210 layer products, weights from memory, 2 threads of
+    the EPYC): 8 rows 7.1-7.5 ms packed against 11.0-12.2 row-major; its LM head (49,152 x 576)
+    at 8 rows: see docs/performance.md."""
     inf = plan.inference
     if inf.device != "cpu" or not library.small_gemm_available() or not plan_int8_paths(plan).packs_int8(inf.batch_size):
         return weights
     layers = [{k: quant.pack_int8(w) if quant.packable(w) else w for k, w in lw.items()} for lw in weights["layers"]]
-    return weights | {"layers": layers}
+    head = weights["lm_head"]
+    return weights | {"layers": layers, "lm_head": quant.pack_int8(head) if quant.packable(head) else head}
 
 
 def plan_int8_paths(plan: Plan) -> Int8Paths:
