@@ -18,7 +18,14 @@ from neuronfx.graphs.kernels.bundles import (
     gathered_attention,
     kernel_cached_attention,
 )
-from neuronfx.graphs.kernels.library import SMALL_GEMM_MAX_ROWS, small_gemm, small_gemm_available, small_gemm_multi, small_glu
+from neuronfx.graphs.kernels.library import (
+    SMALL_GEMM_MAX_ROWS,
+    small_gemm,
+    small_gemm_available,
+    small_gemm_multi,
+    small_glu,
+    topk_rows,
+)
 
 CPU_OPS = cpu_kernel_ops("float32")
 linear = CPU_OPS.linear
@@ -227,6 +234,26 @@ def test_cached_attention_kernel_rejects_bad_inputs() -> None:
         kernel_cached_attention(q, cache, cache, torch.tensor([0]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
         kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([0]), 8, mask)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(8, 49152, 256), (1, 49152, 20), (3, 300, 300), (2, 17, 1), (5, 1000, 37)])
+def test_topk_rows_matches_torch_topk(rows: int, vocab: int, k: int) -> None:
+    """Random logits (no ties): values and indices of torch.topk, sorted descending; 16-lane
+    scans with tails (17, 1000), k = V, k = 1."""
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    values, indices = topk_rows(x, k)
+    want = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(indices, want.indices) and indices.dtype == torch.int64
+
+
+def test_topk_rows_orders_ties_by_index_and_nan_first() -> None:
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, nan, -inf, 3.0, 2.0, inf] + [0.5] * 40 + [3.0]])
+    values, indices = topk_rows(x, 6)
+    assert indices.tolist() == [[3, 7, 1, 2, 5, 48]]
+    assert torch.equal(values[0, 1:], torch.tensor([inf, 3.0, 3.0, 3.0, 3.0])) and values[0, 0].isnan()
+    with pytest.raises(RuntimeError, match=r"k = 50 must be in \[1, 49\]"):
+        topk_rows(x, 50)
 
 
 @pytest.mark.parametrize("weights", ["float", "int4"])

@@ -35,7 +35,7 @@ from neuronfx.graphs.kernels.library import (
 )
 from neuronfx.graphs.models import quant
 from neuronfx.graphs.models.kv_rows import load_rows
-from neuronfx.graphs.models.ops import Ops, Weight
+from neuronfx.graphs.models.ops import Ops, Weight, torch_topk
 
 Tensor = torch.Tensor
 
@@ -265,6 +265,7 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
         attention=sdpa_fp32 if widen else sdpa,
         causal_attention=causal_sdpa_fp32 if widen else causal_sdpa,
         cached_attention=kernel_cached_attention if kernels else fused_cached_attention,
+        topk=cpu_kernels.topk_rows if kernels else torch_topk,
     )
 
 

@@ -9,7 +9,8 @@ this kernel reads each weight row once against all rows of x (``csrc/small_gemm.
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
 Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
 with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
-``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``).
+``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``),
+``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``).
 
 The C++ sources are built once per machine (and torch install) with torch's extension builder (about 30 s; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
@@ -45,7 +46,8 @@ into the graph's passes): at 128 and 1,024 rows ``_int_mm`` ran 400-440 GMAC/s a
 packed kernel's 330-380 (SmolLM2's MLP shapes, 2 threads of the EPYC, 2026-12-05), at 8 rows
 the packed kernel 2.2-2.8x the row-major one."""
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp",
+                                                                        "topk.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 """The kernels' compiler flags (part of the library's name). -O2 built the library in 28 s
@@ -119,6 +121,7 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::w8a8_packed_multi")(_w8a8_packed_multi_fake)
     torch.library.register_fake("neuronfx::w8a8_packed_glu")(_w8a8_packed_glu_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
+    torch.library.register_fake("neuronfx::topk_rows")(_topk_rows_fake)
     return True
 
 
@@ -178,6 +181,10 @@ def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tenso
 def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
 MAX_FUSED = 3
@@ -375,3 +382,13 @@ def quant_int8_x_isa() -> str:
     the kernel library on first use, as :func:`quant_isa`."""
     _loaded()
     return torch.ops.neuronfx.quant_int8_x_isa()
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` of x (B, V) float32: (values (B, k) float32 sorted
+    descending, indices (B, k) int64), NaN above every number; equal values in index order (torch
+    leaves their order open). Each row is scanned once against its k-th best value so far
+    (``csrc/topk.cpp``): SmolLM2's vocabulary (49,152), k = 256, 8 rows: see
+    docs/performance.md. RuntimeError for k outside [1, V]. Needs :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.topk_rows(x, k)
+

@@ -16,6 +16,16 @@ import torch
 
 from neuronfx.graphs.models.quant import QuantizedWeight
 
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``topk(x (B, V), k) -> (values (B, k) sorted descending, indices (B, k) int64)`` over the last
+dim: :func:`torch_topk`, or a kernel with the same values (``Ops.topk``)."""
+
+
+def torch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1)`` as a (values, indices) pair."""
+    values, indices = torch.topk(x, k, dim=-1)
+    return values, indices
+
 Tensor = torch.Tensor
 Weight = Tensor | QuantizedWeight
 """A linear weight: a float (out, in) tensor or a quantized record (``models/quant.py``)."""
@@ -31,9 +41,10 @@ class Ops:
     """The kernels of one graph. Shapes: x (..., in), weights (out, in) as in HF checkpoints.
 
     - ``linear(x, w, b)``: x @ w.T (+ b) -> (..., out) in x's dtype.
-    - ``head_linear(x, w, b)``: the LM head's product: ``linear``, except that an int8 head
-      keeps float x under int8 activations (per-token rounding of the final hidden state lands
-      on every logit).
+    - ``head_linear(x, w, b)``: the LM head's product: ``linear``, except that a row-major int8
+      head keeps float x under int8 activations (per-token rounding of the final hidden state
+      lands on every logit); a packed one (``kernels.activation_choice.pack_int8_weights``)
+      always takes int8 x.
     - ``projections(x, ws, bs)``: ``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V).
     - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
     - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
@@ -50,6 +61,8 @@ class Ops:
       parallel embedding) out of the tensor-parallel region: identity at tp 1, all-reduce, or
       in sequence-parallel prefill reduce-scatter along T.
     - ``gather_vocab(x)``: vocabulary-parallel logits (..., V / tp) -> (..., padded V).
+    - ``topk(x, k)``: the sampler's top-k, x (B, V) float32 -> (values (B, k) sorted
+      descending, indices (B, k) int64) (``phases/sampling.py``'s ``TopK``; default ``torch.topk``).
     Defaults are the identities of one process.
     """
 
@@ -64,3 +77,4 @@ class Ops:
     parallel_in: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     gather_vocab: Callable[[Tensor], Tensor] = attrs.field(default=identity)
+    topk: TopK = attrs.field(default=torch_topk)

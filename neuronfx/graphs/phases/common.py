@@ -107,7 +107,7 @@ def head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, 
     out_logits = logits(plan, ops, math, norm, lm_head, hidden)  # (B, V)
     out = {"finite": torch.isfinite(out_logits).all(-1)}  # (B,) one reduction over logits already here
     if plan.inference.on_device_sampling:
-        out |= sample(out_logits, sampler, plan.topk_width, plan.logprobs_width)
+        out |= sample(out_logits, sampler, plan.topk_width, plan.logprobs_width, ops.topk)
     if plan.inference.output_logits:
         out["logits"] = out_logits
     return out

@@ -71,4 +71,4 @@ def draft_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Te
                    sampler: SamplerInputs) -> dict[str, Tensor]:
     """The draft's sampled token (B,) and its logits (B, V) (rejection sampling needs q)."""
     out = logits(plan, ops, math, norm, lm_head, x.h[:, 0])
-    return sample(out, sampler, plan.topk_width, 0) | {"logits": out}
+    return sample(out, sampler, plan.topk_width, 0, ops.topk) | {"logits": out}

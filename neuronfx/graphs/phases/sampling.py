@@ -40,6 +40,7 @@ import torch
 
 from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.sampling import GREEDY_TEMPERATURE, PARAM_COLUMNS
+from neuronfx.graphs.models.ops import TopK, torch_topk
 
 NEG_INF = float("-inf")
 _COLUMN = {name: i for i, name in enumerate(PARAM_COLUMNS)}
@@ -110,9 +111,9 @@ def inverse_cdf(probs: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     return torch.minimum(choice, last_kept)
 
 
-def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> dict[str, torch.Tensor]:
+def raw_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int, topk: TopK = torch_topk) -> dict[str, torch.Tensor]:
     """raw (B, V) float32 log_softmax of the model logits; tokens (B,) int32."""
-    top_logprobs, top_ids = torch.topk(raw, num_logprobs, dim=-1)  # (B, N) sorted descending
+    top_logprobs, top_ids = topk(raw, num_logprobs)  # (B, N) sorted descending
     return {
         "sampled_logprobs": raw.gather(1, tokens.long()[:, None]).squeeze(1),  # (B,)
         "top_logprobs": top_logprobs,
@@ -131,16 +132,18 @@ def _bias_and_penalties(masked: torch.Tensor, sampler: SamplerInputs) -> torch.T
     return apply_penalties(masked + sampler.logits_bias, sampler.sampling_params, sampler.output_counts, sampler.prompt_mask)
 
 
-def _scaled_topk(penalized: torch.Tensor, params: torch.Tensor, topk_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scaled_topk(penalized: torch.Tensor, params: torch.Tensor, topk_width: int,
+                 topk: TopK = torch_topk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(greedy (B, 1) bool, top ``topk_width`` temperature-scaled values (B, K) sorted
     descending, their token ids (B, K)); greedy rows are left unscaled."""
     temperature = column(params, "temperature")  # (B, 1)
     greedy = temperature <= GREEDY_TEMPERATURE
-    vals, idx = torch.topk(penalized / torch.where(greedy, 1.0, temperature), topk_width, dim=-1)
+    vals, idx = topk(penalized / torch.where(greedy, 1.0, temperature), topk_width)
     return greedy, vals, idx
 
 
-def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_logprobs: int) -> dict[str, torch.Tensor]:
+def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_logprobs: int,
+           topk: TopK = torch_topk) -> dict[str, torch.Tensor]:
     """Sample one token per row with vLLM V1 semantics.
 
     Inputs:
@@ -155,7 +158,8 @@ def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_lo
         rand (B,) float32 uniforms in [0, 1);
         token_bitmask (B, W) int32, W = ceil(V / 32): bit j of word w allows token 32w + j
         (:func:`unpack_bitmask`); -1 (all ones) for a row without a constraint;
-      topk_width static int <= V; num_logprobs static int in [0, V].
+      topk_width static int <= V; num_logprobs static int in [0, V]; topk: :data:`TopK` (the
+      top-k and the top logprobs; its order among equal values is the only thing it may change).
     Returns {"tokens": (B,) int32}, plus when num_logprobs > 0 "sampled_logprobs" (B,) float32,
     "top_logprobs" (B, num_logprobs) float32 sorted descending and "top_ids" (B, num_logprobs)
     int32, all *raw* logprobs (vLLM V1's default logprobs_mode "raw_logprobs": log_softmax of
@@ -169,12 +173,12 @@ def sample(logits: torch.Tensor, sampler: SamplerInputs, topk_width: int, num_lo
     masked = masked_logits(logits, sampler.token_bitmask)  # (B, V) first: vLLM masks before its sampler
     raw = torch.log_softmax(masked, dim=-1) if num_logprobs > 0 else None  # (B, V)
     penalized = _bias_and_penalties(masked, sampler)  # (B, V)
-    greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width)  # (B, 1), (B, K) x 2
+    greedy, vals, idx = _scaled_topk(penalized, sampler.sampling_params, topk_width, topk)  # (B, 1), (B, K) x 2
     choice = inverse_cdf(filtered_probs(vals, sampler.sampling_params), sampler.rand)  # (B,)
     drawn = idx.gather(1, choice[:, None]).squeeze(1)  # (B,)
     out["tokens"] = torch.where(greedy[:, 0], penalized.argmax(-1), drawn).to(torch.int32)
     if raw is not None:
-        out.update(raw_logprobs(raw, out["tokens"], num_logprobs))
+        out.update(raw_logprobs(raw, out["tokens"], num_logprobs, topk))
     return out
 
 
