@@ -64,13 +64,13 @@ def signature(call) -> tuple:
 
 
 def graph_calls(runtime: neuronfx.Runtime, dtype: str, activation_format: str) -> list:
-    """The product kernel calls (all but attention) of one batch-1 decode graph of ``runtime``'s
-    plan built with the CPU kernel ops, run eagerly on its weights."""
+    """The product kernel calls (all but attention and the sampler's top-k) of one batch-1
+    decode graph of ``runtime``'s plan built with the CPU kernel ops, run eagerly on its weights."""
     plan = runtime.plan
     spec = next(s for s in plan.graphs if s.phase == "decode" and s.batch_size == 1)
     graph = build_module(plan, spec, cpu_kernel_ops(dtype, PATHS[activation_format]))
     calls = recorded_kernel_calls(lambda: graph(runtime.weights, empty_kv(plan), example_inputs(plan, spec)))
-    return [c for c in calls if c.name != "neuronfx::cached_attention"]
+    return [c for c in calls if c.name not in ("neuronfx::cached_attention", "neuronfx::topk_rows")]
 
 
 def tiny_case(model_type: str, weight_format: str, dtype: str, **overrides: object) -> neuronfx.Runtime:

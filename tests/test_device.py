@@ -119,8 +119,9 @@ def test_cuda_plans_bind_torch_ops_not_the_cpu_kernels():
     from neuronfx.graphs.kernels.bundles import REFERENCE_OPS, compiled_ops
 
     ops = compiled_ops("bfloat16", "cuda:1")
-    assert (ops.linear, ops.projections, ops.glu, ops.attention, ops.cached_attention) == (
-        REFERENCE_OPS.linear, REFERENCE_OPS.projections, REFERENCE_OPS.glu, REFERENCE_OPS.attention, REFERENCE_OPS.cached_attention)
+    assert (ops.linear, ops.projections, ops.glu, ops.attention, ops.cached_attention, ops.topk) == (
+        REFERENCE_OPS.linear, REFERENCE_OPS.projections, REFERENCE_OPS.glu, REFERENCE_OPS.attention, REFERENCE_OPS.cached_attention,
+        REFERENCE_OPS.topk)
 
 
 def test_cuda_graphs_only_for_single_rank_cuda_plans(monkeypatch):
