@@ -45,7 +45,9 @@ def check_n(n: object) -> None:
 def choices(requests: Sequence[Request], n: int, start: int = 0) -> list[Request]:
     """Each of ``requests`` as its ``n`` choices in a row (indices from ``start``): choice c > 0
     names the first as its ``parent`` and, when seeded, draws with seed + c (vLLM's rule for
-    n > 1 child requests; modulo 2**63), so choice c equals the same prompt run alone with that seed."""
+    n > 1 child requests; modulo 2**63), so choice c equals the same prompt run alone with that seed
+    (with a float KV cache: under a rounded one, ``kv_cache_dtype`` int8 or fp8, a forked choice
+    reads the prompt's stored K/V where a lone run attends its fresh ones)."""
     out: list[Request] = []
     for request in requests:
         first, seed = start + len(out), request.sampling.seed
