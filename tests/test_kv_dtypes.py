@@ -91,6 +91,9 @@ def test_layout_bytes_and_named_errors() -> None:
     assert plans["int8"].kv.nbytes / plans["bf16"].kv.nbytes == (d + 4) / (2 * d)
     assert plans["fp8"].kv.nbytes * 4 == plans["auto"].kv.nbytes
     assert kv_storage_dtype("auto", "bfloat16", 64) == "bfloat16"
+    # vLLM's aliases spelled one way: one plan (and cache key, and saved-runtime check) per stored dtype
+    assert InferenceConfig(kv_cache_dtype="bfloat16") == InferenceConfig(kv_cache_dtype="bf16")
+    assert InferenceConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp4'.*one of"):
         InferenceConfig(kv_cache_dtype="fp4")
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' needs head_dim divisible by 4 \(got 30\)"):

@@ -38,7 +38,7 @@ from neuronfx.config.inference import (
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
 )
-from neuronfx.config.kv import KV_CACHE_DTYPES
+from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.device import check_device
 from neuronfx.io import checkpoints
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
                    help="float (default, token-exact); int8: int8 activations in the quantized products (int8 weights: "
                         "an integer GEMM; 4-bit decode: llama.cpp's); auto: where they measured faster here (inductor only)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, type=canonical_kv_cache_dtype, default="auto",
                    help="what neuronfx's KV cache stores: auto (--dtype), bf16, int8 (scaled per token and head), fp8")
     p.add_argument("--compare", choices=["transformers", "llama.cpp", "openvino"], default=None,
                    help="also run this engine in the same process; llama.cpp (llama-cpp-python, pip install 'neuronfx[bench]') "

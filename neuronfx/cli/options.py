@@ -20,7 +20,7 @@ from neuronfx.config.inference import (
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
 )
-from neuronfx.config.kv import KV_CACHE_DTYPES
+from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError
@@ -110,7 +110,7 @@ def add_plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) 
     p.add_argument("--max-context-length", type=int, help=f"longest prompt, tokens (default {defaults.max_context_length})")
     p.add_argument("--sequence-length", type=int, help=f"KV-cache length per slot, tokens (default {defaults.sequence_length})")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"(default {defaults.dtype})")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, type=canonical_kv_cache_dtype,
                    help="what the KV cache stores: auto (default: --dtype, token-exact), bf16, int8 (one scale per token and "
                         "KV head: about half bf16's bytes) or fp8 / fp8_e4m3 (vLLM's names)")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")

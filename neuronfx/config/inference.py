@@ -7,7 +7,7 @@ import re
 import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
-from neuronfx.config.kv import KV_CACHE_DTYPES
+from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -246,7 +246,7 @@ class InferenceConfig:
     prefill_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     dtype: str = attrs.field(default="float32", validator=one_of(FLOAT_DTYPES))
-    kv_cache_dtype: str = attrs.field(default="auto", validator=one_of(KV_CACHE_DTYPES))
+    kv_cache_dtype: str = attrs.field(default="auto", converter=canonical_kv_cache_dtype, validator=one_of(KV_CACHE_DTYPES))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)

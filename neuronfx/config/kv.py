@@ -17,6 +17,14 @@ INT8_SCALE_BYTES = 4
 """An int8 KV row ends in its fp32 scale's 4 bytes: a (token, head) row is head_dim int8 values
 then the scale, so every copy of cache rows (prefix blocks, forks) moves the scales with them."""
 _STORAGE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+_ALIASES = {"bfloat16": "bf16", "fp8": "fp8_e4m3"}
+
+
+def canonical_kv_cache_dtype(value: object) -> object:
+    """``value`` with vLLM's aliases spelled one way ("bfloat16" -> "bf16", "fp8" ->
+    "fp8_e4m3"), so that a plan, its cache key and a saved runtime's check see one name per
+    stored dtype; anything else unchanged (the validator names what is wrong)."""
+    return _ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 def kv_storage_dtype(kv_cache_dtype: str, dtype: str, head_dim: int) -> str:
