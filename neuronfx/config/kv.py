@@ -29,14 +29,11 @@ def canonical_kv_cache_dtype(value: object) -> object:
 
 def kv_storage_dtype(kv_cache_dtype: str, dtype: str, head_dim: int) -> str:
     """The dtype name the KV cache stores (a key of ``config.dtypes.DTYPES``) for
-    ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`) in a plan of ``dtype``. Raises ConfigError
-    for an unknown name, or int8 with a head_dim not a multiple of 4 (its fp32 scale must sit
-    4-byte aligned after the values)."""
+    ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`, as ``InferenceConfig`` validated it) in a
+    plan of ``dtype``. Raises ConfigError for int8 with a head_dim not a multiple of 4 (its fp32
+    scale must sit 4-byte aligned after the values)."""
     if kv_cache_dtype == "auto":
         return dtype
-    if kv_cache_dtype not in _STORAGE:
-        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}; pick one "
-                          "('auto' keeps the plan's dtype).")
     if kv_cache_dtype == "int8" and head_dim % INT8_SCALE_BYTES:
         raise ConfigError(f"kv_cache_dtype='int8' needs head_dim divisible by {INT8_SCALE_BYTES} (got {head_dim}): each "
                           "row's fp32 scale follows its values; use kv_cache_dtype='bf16' or 'fp8_e4m3' for this model.")

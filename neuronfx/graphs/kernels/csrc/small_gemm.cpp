@@ -561,14 +561,14 @@ inline bool all4(const bool* m, int64_t T, int64_t S, int64_t j) {
 
 // The R = group x T query rows that share one KV head of one batch row (grouped-query
 // attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
-// masks + t * S; w is scratch for R x S weights; writes out (R, D) fp32. Keys go four at a time,
+// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32. Keys go four at a time,
 // each loaded and widened once for up to four query rows (dots_4keys); a group of four with a
 // hidden key computes its products anyway and then selects -inf over it, so a NaN there is never
 // used, and its values are added one by one, skipping the hidden ones; four keys no row attends
 // are not read. An int8 row's scale multiplies its score and its weight.
 template <typename C>
 void attend_group(const float* q, const C* k, const C* v, int64_t ld, int64_t S, int64_t D, int64_t group, int64_t T,
-                  const bool* masks, float scale, float* w, float* out) {
+                  const bool* masks, float scale, float* w, float* sums, float* out) {
   const int64_t R = group * T;
   float dots[16], p[16];
   int64_t j = 0;
@@ -591,7 +591,6 @@ void attend_group(const float* q, const C* k, const C* v, int64_t ld, int64_t S,
   for (; j < S; ++j)
     for (int64_t r = 0; r < R; ++r)
       w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, k + j * ld, D) * scale * row_scale(k + j * ld, D) : -INFINITY;
-  std::vector<float> sums(R);
   for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, S);
   std::fill(out, out + R * D, 0.f);
   auto one = [&](int64_t r, int64_t jj) {  // one value for one row, if its mask lets it through
@@ -636,12 +635,12 @@ void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor
   // Tasks of at least ~32K multiply-adds: a fork/join (a few us) costs more than a smaller one.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group * T * S * D));
   at::parallel_for(0, B * n_kv, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> w(group * T * S);
+    std::vector<float> w(group * T * S), sums(group * T);  // per thread, not per task
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / n_kv, kvh = i % n_kv;
       const int64_t first = (b * H + kvh * group) * T * D;  // query rows (g, t) of heads kvh * group ...
       attend_group(q + first, kc + slots[b] * ks0 + kvh * ks1, vc + slots[b] * vs0 + kvh * vs1, ld, S, D, group, T,
-                   mask + b * T * S, scale, w.data(), out + first);
+                   mask + b * T * S, scale, w.data(), sums.data(), out + first);
     }
   });
 }
