@@ -25,6 +25,7 @@ from neuronfx.graphs.kernels.library import (
     w8a8_packed_glu,
     w8a8_packed_multi,
 )
+from neuronfx.graphs.models import int8_x
 from neuronfx.graphs.models import quant as Q
 
 GGUF_TYPES = {Q.Q4_0Blocks: GGMLQuantizationType.Q4_0, Q.Q4_1Blocks: GGMLQuantizationType.Q4_1, Q.Q8_0Blocks: GGMLQuantizationType.Q8_0}
@@ -380,7 +381,7 @@ def test_int8_x_matches_reference(kernel: None, fmt: str, xdtype: torch.dtype) -
         x = torch.randn(rows, k, generator=g).to(xdtype)
         out = quant_gemm(x, q, bias, True)
         assert out.dtype == xdtype and out.shape == (rows, 67)
-        ref = Q.reference_int8_x_linear(x, q) + bias.double()
+        ref = int8_x.reference_int8_x_linear(x, q) + bias.double()
         assert ((out.double() - ref).abs() <= _tolerance(x, q, wq, ref, k)).all()
         exact = x.double() @ wq.double().T + bias.double()
         rounding = (x.double().abs().amax(dim=-1, keepdim=True) / 254) @ wq.double().abs().sum(dim=1, keepdim=True).T
@@ -419,7 +420,7 @@ def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
     q, up = (FORMATS["q4_1"](torch.randn(40, k, generator=g)) for _ in range(2))
     x, prefill = torch.randn(2, k, generator=g), torch.randn(12, k, generator=g)
     int8_ops, float_ops = cpu_kernel_ops("float32", ALL_PATHS), cpu_kernel_ops("float32")
-    assert "int8_activations=4bit/batch, 4bit/one, int8/batch" in int8_ops.name and "int8_activations=none" in float_ops.name
+    assert "int8_activations=4bit/batch, 4bit/one, 4bit/prefill, int8/batch" in int8_ops.name and "int8_activations=none" in float_ops.name
     assert torch.equal(int8_ops.linear(x, q), quant_gemm(x, q, None, True))
     assert torch.equal(int8_ops.projections(x, [q, up], [None, None])[1], quant_gemm(x, up, None, True))
     assert torch.equal(int8_ops.glu(x, q, up), quant_glu(x, q, up, True))
@@ -430,7 +431,7 @@ def test_cpu_kernel_ops_bind_int8_activations(kernel: None) -> None:
 @pytest.mark.parametrize("k", [197, 576])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_w8a8_gemm_equals_w8a8_linear_bit_for_bit(kernel: None, k: int, xdtype: torch.dtype) -> None:
-    """The decode-rows integer kernel against ``quant.w8a8_linear`` (torch._int_mm): the same bits
+    """The decode-rows integer kernel against ``int8_x.w8a8_linear`` (torch._int_mm): the same bits
     at every row count (a K tail short of 64 included), with and without bias, an all-zero row
     (scale 0) among them; each row equal to that row alone; 0 rows give (0, N)."""
     g = torch.Generator().manual_seed(k)
@@ -440,7 +441,7 @@ def test_w8a8_gemm_equals_w8a8_linear_bit_for_bit(kernel: None, k: int, xdtype: 
     x[3] = 0
     for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
         for b in (None, bias):
-            assert torch.equal(w8a8_gemm(x[:rows], q, b), Q.w8a8_linear(x[:rows], q, b)), (rows, b is None)
+            assert torch.equal(w8a8_gemm(x[:rows], q, b), int8_x.w8a8_linear(x[:rows], q, b)), (rows, b is None)
     alone = torch.cat([w8a8_gemm(x[i : i + 1], q) for i in range(11)])
     assert torch.equal(w8a8_gemm(x, q), alone) and not alone[3].any()
     assert w8a8_gemm(x.view(1, 11, k), q).shape == (1, 11, 67) and w8a8_gemm(x[:0], q).shape == (0, 67)
@@ -448,7 +449,7 @@ def test_w8a8_gemm_equals_w8a8_linear_bit_for_bit(kernel: None, k: int, xdtype: 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_w8a8_packed_equals_w8a8_linear_bit_for_bit(kernel: None, xdtype: torch.dtype) -> None:
-    """The packed int8 weights' kernel against ``quant.w8a8_linear`` (torch._int_mm on the
+    """The packed int8 weights' kernel against ``int8_x.w8a8_linear`` (torch._int_mm on the
     row-major weight): the same bits at decode and prefill row counts (8-row tiles and their
     tails, rows rounded in parallel past 16), with and without bias, an all-zero row among them;
     each row equal to that row alone."""
@@ -460,7 +461,7 @@ def test_w8a8_packed_equals_w8a8_linear_bit_for_bit(kernel: None, xdtype: torch.
     x[3] = 0
     for rows in [1, 2, 3, 4, 5, 8, 9, 13, 37]:
         for b in (None, bias):
-            assert torch.equal(w8a8_packed(x[:rows], p, b), Q.w8a8_linear(x[:rows], q, b)), (rows, b is None)
+            assert torch.equal(w8a8_packed(x[:rows], p, b), int8_x.w8a8_linear(x[:rows], q, b)), (rows, b is None)
     alone = torch.cat([w8a8_packed(x[i : i + 1], p) for i in range(37)])
     assert torch.equal(w8a8_packed(x, p), alone) and not alone[3].any()
     assert w8a8_packed(x.view(1, 37, 196), p).shape == (1, 37, 80) and w8a8_packed(x[:0], p).shape == (0, 80)

@@ -4,8 +4,9 @@ weight formats, transformers, llama.cpp and OpenVINO GenAI, on the same prompts 
 Engines (``--engines``, default all): ``neuronfx-fp32``; ``neuronfx-int8`` (weight-only, float
 activations: token-exact), ``neuronfx-int8-auto`` (int8 activations where they measured
 faster here) and ``neuronfx-int8-auto-kv8`` (that with an int8 KV cache, as OpenVINO's u8 cache);
-``neuronfx-gguf`` (the .gguf's blocks kept, float activations: token-exact) and
-``neuronfx-gguf-auto``; ``transformers`` (fp32 eager); ``llama.cpp`` (the same .gguf, the
+``neuronfx-gguf`` (the .gguf's blocks kept, float activations: token-exact),
+``neuronfx-gguf-auto`` (where int8 x measured faster, the 4-bit blocks packed for it) and
+``neuronfx-gguf-auto-kv8``; ``transformers`` (fp32 eager); ``llama.cpp`` (the same .gguf, the
 ``[bench]`` extra); ``openvino-fp32``, ``openvino-int8``, ``openvino-int4`` (optimum-intel exports
 of the same weights, the ``[bench-openvino]`` extra). A missing extra is an error before anything
 loads. Weights come from --model: fp32, int8 and transformers read its float weights (a .gguf's

@@ -27,7 +27,8 @@ NEURONFX = {"neuronfx-fp32": NeuronfxFormat(weight_format="float", activation_fo
             "neuronfx-int8-auto": NeuronfxFormat(weight_format="int8", activation_format="auto"),
             "neuronfx-int8-auto-kv8": NeuronfxFormat(weight_format="int8", activation_format="auto", kv_cache_dtype="int8"),
             "neuronfx-gguf": NeuronfxFormat(weight_format="gguf", activation_format="float"),
-            "neuronfx-gguf-auto": NeuronfxFormat(weight_format="gguf", activation_format="auto")}
+            "neuronfx-gguf-auto": NeuronfxFormat(weight_format="gguf", activation_format="auto"),
+            "neuronfx-gguf-auto-kv8": NeuronfxFormat(weight_format="gguf", activation_format="auto", kv_cache_dtype="int8")}
 OPENVINO = {"openvino-fp32": "float", "openvino-int8": "int8", "openvino-int4": "int4"}  # -> neuronfx's --weight-format it stands for
 ENGINES = (*NEURONFX, "transformers", "llama.cpp", *OPENVINO)
 

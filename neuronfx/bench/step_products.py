@@ -115,7 +115,7 @@ class KernelCall:
 
 class _KernelRecorder(TorchDispatchMode):
     """While active, runs every dispatched op and keeps the product ops' calls: neuronfx's kernels
-    and torch's ``_int_mm`` (int8 weights with int8 activations, ``quant.w8a8_linear``)."""
+    and torch's ``_int_mm`` (int8 weights with int8 activations, ``int8_x.w8a8_linear``)."""
 
     def __init__(self, product: str) -> None:
         super().__init__()

@@ -37,7 +37,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.errors import ArtifactError
 from neuronfx.graphs.backends import compile_workers, cuda_graphs, inductor_dir, inductor_parts, warm_up
 from neuronfx.graphs.backends.records import Backend, Built, progress_bar
-from neuronfx.graphs.kernels.activation_choice import pack_int8_weights, plan_int8_paths
+from neuronfx.graphs.kernels.activation_choice import pack_weights, plan_int8_paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.models.layers import Weights
 
@@ -102,4 +102,4 @@ def choices(plan: Plan) -> dict[str, object]:
 
 
 INDUCTOR = Backend(name="inductor", check=compile_workers.check_env, build=build, save=save, load=load, cached=True,
-                   prepare=warm_up.start_warm_up, choices=choices, prepare_weights=pack_int8_weights)
+                   prepare=warm_up.start_warm_up, choices=choices, prepare_weights=pack_weights)

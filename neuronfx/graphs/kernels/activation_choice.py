@@ -8,10 +8,13 @@ activations:
 
 - int8 weights, any rows: x rounded per row and an integer GEMM, as torchao's and OpenVINO's
   dynamic quantization: decode rows through the kernel ``library.w8a8_gemm`` (VNNI), more rows
-  through ``quant.w8a8_linear`` (``torch._int_mm``: oneDNN's VNNI / AMX), the same bits;
-- 4-bit weights, decode rows: the kernel's per-32-values integer products (``quant_gemm``'s
-  ``int8_x``, llama.cpp's ``q8_1`` rounding);
-- 4-bit weights, prefill: no int8 path (float x, as with ``activation_format="float"``).
+  through ``int8_x.w8a8_linear`` (``torch._int_mm``: oneDNN's VNNI / AMX), the same bits;
+- 4-bit weights: where both the plan's decode rows and prefill rows take int8 x, the layers'
+  weights in groups of 32 are packed for ``vpdpbusd`` (:func:`pack_weights`) and every product
+  rounds x per row (``library.w4a8_packed``, as OpenVINO's int4 weights with dynamic
+  quantization); otherwise decode rows on an enabled path take the kernel's per-32-values
+  integer products (``quant_gemm``'s ``int8_x``, llama.cpp's ``q8_1`` rounding) and prefill
+  keeps float x. "auto" times the packed kernel for every 4-bit path.
 
 Which is faster depends on the CPU (VNNI, AMX, whether 4-bit unpacking or memory bounds a
 product) and on the shapes, so "auto" times both ways of each path on the plan's own MLP shapes
@@ -37,10 +40,10 @@ import torch
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.kernels import library
 from neuronfx.graphs.kernels.gemm_choice import verdict_root, write_verdict
-from neuronfx.graphs.models import quant
+from neuronfx.graphs.models import int8_x, quant
 from neuronfx.graphs.models.layers import Weights
 
-AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch")})
+AVAILABLE = frozenset({("int8", "one"), ("int8", "batch"), ("int8", "prefill"), ("4bit", "one"), ("4bit", "batch"), ("4bit", "prefill")})
 """The (kind, rows) paths that have an int8-activation product."""
 MARGIN = 1.1
 """int8 activations only where more than this much faster: a near tie keeps float x (exact)."""
@@ -54,6 +57,10 @@ FLUSH_BYTES = 128 << 20
 a decode step reads each weight once per step, from memory, and a product timed on weights
 still in cache favours the way that reads more bytes (measured: int8 weights at one row, 1.34x
 faster hot with int8 x, a whole decode step 1.45x slower)."""
+PROBE_LAYERS = 4
+"""Copies of the probe's MLP weights timed back to back per call: a decode step streams every
+layer's weights, and one cold pair alone (0.1 ms at one row) measured the packed 4-bit kernel
+at 1.06x float x where 30 layers in a row gave 1.23x (SmolLM2, 2026-12-05)."""
 REPEATS = 15
 """Timed calls of each way, interleaved, after a warm-up call each; the best counts."""
 
@@ -73,7 +80,7 @@ class Int8Paths:
     def integer_gemm(self, weight: object, rows: int) -> bool:
         """Whether the product is int8 weights on an int8 path: an integer GEMM
         (``library.w8a8_packed`` for a packed weight, which every product of takes int8 x;
-        ``library.w8a8_gemm`` for decode rows; else ``quant.w8a8_linear``), not ``quant_gemm``."""
+        ``library.w8a8_gemm`` for decode rows; else ``int8_x.w8a8_linear``), not ``quant_gemm``."""
         if isinstance(weight, quant.Int8Packed):
             return True
         return isinstance(weight, quant.Int8Weight) and self.uses(weight, rows)
@@ -81,9 +88,15 @@ class Int8Paths:
     def packs_int8(self, batch_size: int) -> bool:
         """Whether int8 weights take int8 activations at prefill rows and at the decode rows of
         a plan of ``batch_size``: then the layers' int8 weights are packed for ``vpdpbusd``
-        (:func:`pack_int8_weights`) and every product of them takes int8 x, other row counts
+        (:func:`pack_weights`) and every product of them takes int8 x, other row counts
         (speculation rows, smaller batch buckets) included."""
         return {("int8", "prefill"), ("int8", row_class(batch_size))} <= self.enabled
+
+    def packs_int4(self, batch_size: int) -> bool:
+        """Whether 4-bit weights take int8 activations at prefill rows and at the decode rows of
+        a plan of ``batch_size``: then the layers' 4-bit weights in groups of 32 are packed
+        (``quant.pack_int4``) and every product of them takes int8 x (``library.w4a8_packed``)."""
+        return {("4bit", "prefill"), ("4bit", row_class(batch_size))} <= self.enabled
 
     def without(self, kind: str) -> Int8Paths:
         """These paths less those of weight ``kind`` ("int8" or "4bit")."""
@@ -102,6 +115,8 @@ def weight_kind(weight: object) -> str | None:
     """"int8", "4bit" (a format the kernel's int8_x serves), or None (float, Q8_0, other groups)."""
     if isinstance(weight, (quant.Int8Weight, quant.Int8Packed)):
         return "int8"
+    if isinstance(weight, quant.Int4Packed):
+        return "4bit"
     return "4bit" if isinstance(weight, quant.QUANTIZED_TYPES) and quant.int8_x_group_size(weight) else None
 
 
@@ -122,7 +137,7 @@ def _int8_way(kind: str, rows: int) -> Callable[[torch.Tensor, quant.QuantizedWe
         return lambda x, q: library.w8a8_packed(x, q)
     if kind == "int8":  # x rounded beforehand: in a compiled graph the rounding and the scaling are fused passes
         return lambda x, q: torch._int_mm(x, q.rows.t()).float() * q.scale
-    return lambda x, q: library.quant_gemm(x, q, None, True)
+    return lambda x, q: library.w4a8_packed(x, q)  # packed 4-bit weights, any rows
 
 
 def _best(ways: list[Callable[[], object]], repeats: int, flush: torch.Tensor) -> list[float]:
@@ -139,15 +154,17 @@ def _best(ways: list[Callable[[], object]], repeats: int, flush: torch.Tensor) -
 
 def measure(hidden: int, intermediate: int, batch_rows: int, repeats: int = REPEATS) -> dict[tuple[str, str], tuple[float, float]]:
     """Best seconds (float x, int8 x) of each path in :data:`AVAILABLE` on random weights of the
-    MLP's shapes, gate (intermediate, hidden) and down (hidden, intermediate) summed: int8
-    weights and int4 in groups of 32. Rows: 1, ``batch_rows`` (skipped when 1) and
+    MLP's shapes, gate (intermediate, hidden) and down (hidden, intermediate), :data:`PROBE_LAYERS`
+    copies in a row, summed: int8
+    weights and GGUF Q4_1 (their K and N rounded up to multiples of 32 and 16: the time per
+    weight row is what counts), the 4-bit int8 way packed (``library.w4a8_packed``). Rows: 1, ``batch_rows`` (skipped when 1) and
     :data:`PREFILL_ROWS`. The int8 weights' way: at decode rows the ``w8a8_gemm`` kernel (which
     rounds x itself); at prefill rows the integer GEMM and output scaling on x rounded beforehand
     (a compiled graph fuses x's rounding into the pass that makes x). Needs the kernel library."""
     g = torch.Generator().manual_seed(0)
     shapes = [(min(intermediate, MAX_PROBE_ROWS), hidden), (min(hidden, MAX_PROBE_ROWS), intermediate)]
-    weights = {"int8": [quant.quantize_int8(torch.randn(s, generator=g)) for s in shapes],
-               "4bit": [quant.quantize_int4(torch.randn(s, generator=g), 32) for s in shapes]}
+    weights = {"int8": _copies([quant.quantize_int8(torch.randn(s, generator=g)) for s in shapes]),
+               "4bit": _copies([_q4_1(torch.randn(-(-n // 16) * 16, -(-k // 32) * 32, generator=g)) for n, k in shapes])}
     sizes = {"one": 1, "batch": batch_rows, "prefill": PREFILL_ROWS}
     flush = torch.ones(FLUSH_BYTES // 4)
     with torch.no_grad():
@@ -155,12 +172,25 @@ def measure(hidden: int, intermediate: int, batch_rows: int, repeats: int = REPE
                 for kind, rows in sorted(AVAILABLE) if not (rows == "batch" and batch_rows == 1)}
 
 
+def _copies(weights: list[quant.QuantizedWeight]) -> list[quant.QuantizedWeight]:
+    """:data:`PROBE_LAYERS` copies of ``weights`` in their own memory, one layer after another."""
+    return [type(q)(*(t.clone() for t in q)) for _ in range(PROBE_LAYERS) for q in weights]
+
+
+def _q4_1(w: torch.Tensor) -> quant.Q4_1Blocks:
+    """GGUF Q4_1 blocks of ``w`` (the gguf package's reference quantizer): the 4-bit probe
+    weights, fp16 scales as the kept GGUF blocks that 4-bit plans mostly run."""
+    from gguf import GGMLQuantizationType, quants
+
+    return quant.Q4_1Blocks(torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1)))
+
+
 def _time_path(kind: str, weights: list[quant.QuantizedWeight], rows: int, g: torch.Generator, flush: torch.Tensor,
                repeats: int) -> tuple[float, float]:
     """Best seconds (float x, int8 x) of ``weights``' products with x of ``rows`` rows."""
-    xs = [torch.randn(rows, q.data.shape[1] * (2 if kind == "4bit" else 1), generator=g) for q in weights]
-    packed = [quant.pack_int8(q) for q in weights] if kind == "int8" else weights
-    xi = [quant.int8_rows(x)[0] for x in xs] if kind == "int8" and rows > library.PACKED_KERNEL_MAX_ROWS else xs
+    xs = [torch.randn(rows, q.data.shape[1] if kind == "int8" else q.shape[1], generator=g) for q in weights]
+    packed = [quant.pack_int8(q) if kind == "int8" else quant.pack_int4(q) for q in weights]
+    xi = [int8_x.int8_rows(x)[0] for x in xs] if kind == "int8" and rows > library.PACKED_KERNEL_MAX_ROWS else xs
     plain, int8 = _float_way(rows), _int8_way(kind, rows)
     ways = [lambda: [plain(x, q) for x, q in zip(xs, weights)], lambda: [int8(x, q) for x, q in zip(xi, packed)]]
     plain_s, int8_s = _best(ways, repeats, flush)
@@ -176,7 +206,7 @@ def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | Non
     """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is
     kept (``root``: default ``gemm_choice.verdict_root``, which honours ``$TORCH_EXTENSIONS_DIR``)."""
     root = verdict_root() if root is None else root
-    key = "\n".join(map(str, ["w8a8_packed", hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
+    key = "\n".join(map(str, [f"w4a8_packed x{PROBE_LAYERS}", hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
                               torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
     return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
@@ -224,23 +254,39 @@ def int8_paths(activation_format: str, hidden: int, intermediate: int, batch_row
     raise ValueError(f"activation_format={activation_format!r}: expected 'float', 'int8' or 'auto'.")
 
 
-def pack_int8_weights(plan: Plan, weights: Weights) -> Weights:
-    """``weights`` with each layer's int8 weight packed for ``vpdpbusd`` (``quant.pack_int8``;
-    N a multiple of 16 and K of 4) when ``plan``'s int8 weights take int8 activations at its
-    decode rows and at prefill rows (:meth:`Int8Paths.packs_int8`) and the kernel library
-    builds; else ``weights`` unchanged. An int8 LM head is packed too (its products then take
-    int8 x, as OpenVINO's dynamic quantization does); a tied embedding keeps the row-major
-    values its lookup reads. A packed weight keeps its row-major values too (prefill's integer
-    GEMM, and the tied embedding's rows are the same tensor), so the layers' int8 weights take
-    twice their bytes. Measured (SmolLM2's 210 layer products, weights from memory, 2 threads of
-    the EPYC): 8 rows 7.1-7.5 ms packed against 11.0-12.2 row-major; its LM head (49,152 x 576)
-    at 8 rows: see docs/performance.md."""
+def pack_weights(plan: Plan, weights: Weights) -> Weights:
+    """``weights`` with the weights that always multiply int8 activations in ``plan`` packed for
+    ``vpdpbusd``, when the kernel library builds (else ``weights`` unchanged):
+
+    - int8 weights (N a multiple of 16 and K of 4; ``quant.pack_int8``), the layers' and an int8
+      LM head's, when the plan's int8 weights take int8 x at its decode rows and at prefill rows
+      (:meth:`Int8Paths.packs_int8`). The head's products then take int8 x (as OpenVINO's
+      dynamic quantization does); a tied embedding keeps the row-major values its lookup reads.
+      A packed weight keeps its row-major values too (prefill's integer GEMM, and the tied
+      embedding's rows are the same tensor), so the layers' int8 weights take twice their bytes.
+      Measured (SmolLM2's 210 layer products, weights from memory, 2 threads of the EPYC): 8
+      rows 7.1-7.5 ms packed against 11.0-12.2 row-major.
+    - the layers' 4-bit weights in groups of 32 (int4 of group 32, Q4_0, Q4_1; N a multiple of
+      16; ``quant.pack_int4``) when 4-bit weights take int8 x at its decode rows and at prefill
+      rows (:meth:`Int8Paths.packs_int4`); an LM head keeps its layout (a tied embedding reads
+      it). SmolLM2's 210 Q4_1 layer products, one row, weights from memory: 3.8 ms packed, 4.7
+      through ``quant_gemm``'s int8 x (docs/performance.md)."""
     inf = plan.inference
-    if inf.device != "cpu" or not library.small_gemm_available() or not plan_int8_paths(plan).packs_int8(inf.batch_size):
+    if inf.device != "cpu" or not library.small_gemm_available():
         return weights
-    layers = [{k: quant.pack_int8(w) if quant.packable(w) else w for k, w in lw.items()} for lw in weights["layers"]]
+    paths = plan_int8_paths(plan)
+    int8, four = paths.packs_int8(inf.batch_size), paths.packs_int4(inf.batch_size)
+
+    def pack(w: object) -> object:
+        if int8 and quant.packable(w):
+            return quant.pack_int8(w)
+        return quant.pack_int4(w) if four and quant.packable_int4(w) else w
+
+    if not (int8 or four):
+        return weights
+    layers = [{k: pack(w) for k, w in lw.items()} for lw in weights["layers"]]
     head = weights["lm_head"]
-    return weights | {"layers": layers, "lm_head": quant.pack_int8(head) if quant.packable(head) else head}
+    return weights | {"layers": layers, "lm_head": quant.pack_int8(head) if int8 and quant.packable(head) else head}
 
 
 def plan_int8_paths(plan: Plan) -> Int8Paths:

@@ -33,7 +33,7 @@ from neuronfx.graphs.kernels.library import (
     small_gemm_multi,
     small_glu,
 )
-from neuronfx.graphs.models import quant
+from neuronfx.graphs.models import int8_x, quant
 from neuronfx.graphs.models.kv_rows import load_rows
 from neuronfx.graphs.models.ops import Ops, Weight, torch_topk
 
@@ -131,10 +131,11 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
 
 def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | None = None, *, kernels: bool,
                      widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
-    """A quantized weight's product: packed int8 weights (``quant.Int8Packed``) multiply int8 x in
+    """A quantized weight's product: packed 4-bit weights (``quant.Int4Packed``) multiply int8 x
+    at any rows (``library.w4a8_packed``); packed int8 weights (``quant.Int8Packed``) multiply int8 x in
     integers at any rows (``library.w8a8_packed`` up to :data:`PACKED_KERNEL_MAX_ROWS`, then
-    ``quant.w8a8_linear`` on their row-major copy); int8 weights on a path ``int8`` enables multiply in integers
-    (decode rows: ``library.w8a8_gemm``; more: ``quant.w8a8_linear``, equal bit for bit); up to
+    ``int8_x.w8a8_linear`` on their row-major copy); int8 weights on a path ``int8`` enables multiply in integers
+    (decode rows: ``library.w8a8_gemm``; more: ``int8_x.w8a8_linear``, equal bit for bit); up to
     SMALL_GEMM_MAX_ROWS rows run ``quant_gemm`` (the quantized
     bytes read once, fp32 accumulation; 4-bit weights on an enabled path round x to int8 per 32
     values, ``library.quant_gemm``); more rows (prefill) run ``library.quant_prefill`` (tiles of
@@ -142,12 +143,14 @@ def quantized_linear(x: Tensor, weight: quant.QuantizedWeight, bias: Tensor | No
     ``widen``; else (no kernels, or a native 16-bit GEMM) the weight is dequantized whole and
     multiplied in x's dtype."""
     rows = _rows(x)
+    if isinstance(weight, quant.Int4Packed):  # packed where every product of 4-bit weights takes int8 x
+        return cpu_kernels.w4a8_packed(x, weight, bias) if kernels else int8_x.w4a8_linear(x, weight, bias)
     if isinstance(weight, quant.Int8Packed):  # packed where every product of int8 weights takes int8 x
-        return cpu_kernels.w8a8_packed(x, weight, bias) if _packed_kernel(x, kernels) else quant.w8a8_linear(x, weight, bias)
+        return cpu_kernels.w8a8_packed(x, weight, bias) if _packed_kernel(x, kernels) else int8_x.w8a8_linear(x, weight, bias)
     if int8.integer_gemm(weight, rows):
         if kernels and rows <= SMALL_GEMM_MAX_ROWS:  # the same integers and bits; _int_mm reads small M slowly
             return cpu_kernels.w8a8_gemm(x, weight, bias)
-        return quant.w8a8_linear(x, weight, bias)
+        return int8_x.w8a8_linear(x, weight, bias)
     if kernels and rows <= SMALL_GEMM_MAX_ROWS:
         return cpu_kernels.quant_gemm(x, weight, bias, int8.uses(weight, rows))
     if kernels and (x.dtype == torch.float32 or widen):
@@ -177,13 +180,15 @@ def _one_kernel_call(x: Tensor, weights: Sequence[Weight], kernels: bool, int8: 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
                     widen: bool, int8: Int8Paths = FLOAT_PATHS) -> list[Tensor]:
     """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, one
-    ``w8a8_packed_multi`` for packed int8 weights (any rows), or one ``quant_gemm_multi`` for
+    ``w8a8_packed_multi`` / ``w4a8_packed_multi`` for packed int8 / 4-bit weights (any rows), or one ``quant_gemm_multi`` for
     quantized weights of one format and group size; otherwise one product each."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
         return small_gemm_multi(x, list(weights), list(biases))
     # the weights' type first: the row test would guard a prefill's dynamic bucket in every plan
     if all(isinstance(w, quant.Int8Packed) for w in weights) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_multi(x, list(weights), list(biases))
+    if all(isinstance(w, quant.Int4Packed) for w in weights) and kernels:
+        return cpu_kernels.w4a8_packed_multi(x, list(weights), list(biases))
     if _one_kernel_call(x, weights, kernels, int8):
         return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
     return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8=int8) for w, b in zip(weights, biases)]
@@ -191,12 +196,14 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
 
 def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
     """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights), ``w8a8_packed_glu``
-    (packed int8, any rows) or ``quant_glu`` (quantized, one format and group size) forms it from
+    / ``w4a8_packed_glu`` (packed int8 / 4-bit, any rows) or ``quant_glu`` (quantized, one format and group size) forms it from
     the fp32 values and rounds once."""
     if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
         return small_glu(x, gate, up)
     if isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_glu(x, gate, up)
+    if isinstance(gate, quant.Int4Packed) and isinstance(up, quant.Int4Packed) and kernels:
+        return cpu_kernels.w4a8_packed_glu(x, gate, up)
     if _one_kernel_call(x, (gate, up), kernels, int8):
         return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))
     linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8=int8)

@@ -9,6 +9,8 @@ this kernel reads each weight row once against all rows of x (``csrc/small_gemm.
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
 Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
 with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
+``neuronfx::w8a8_*`` and ``neuronfx::w4a8_*`` multiply int8 activations by int8 and 4-bit weights
+in integers (``csrc/w8a8_gemm.cpp``; the packed layouts ``quant.Int8Packed`` / ``quant.Int4Packed``).
 ``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``),
 ``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``).
 
@@ -33,7 +35,7 @@ from pathlib import Path
 import filelock
 import torch
 
-from neuronfx.graphs.models.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Weight, Int8Packed, Int8Weight, QuantizedWeight
+from neuronfx.graphs.models.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Packed, Int4Weight, Int8Packed, Int8Weight, QuantizedWeight
 
 SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
@@ -41,7 +43,7 @@ bound and torch's blocked GEMM wins."""
 
 PACKED_KERNEL_MAX_ROWS = 64
 """Rows up to which packed int8 weights multiply in ``library.w8a8_packed``; above, torch's
-integer GEMM on their row-major copy (``quant.w8a8_linear``, x's rounding and the scaling fused
+integer GEMM on their row-major copy (``int8_x.w8a8_linear``, x's rounding and the scaling fused
 into the graph's passes): at 128 and 1,024 rows ``_int_mm`` ran 400-440 GMAC/s against the
 packed kernel's 330-380 (SmolLM2's MLP shapes, 2 threads of the EPYC, 2026-12-05), at 8 rows
 the packed kernel 2.2-2.8x the row-major one."""
@@ -120,6 +122,9 @@ def small_gemm_available() -> bool:
     torch.library.register_fake("neuronfx::w8a8_packed")(_w8a8_packed_fake)
     torch.library.register_fake("neuronfx::w8a8_packed_multi")(_w8a8_packed_multi_fake)
     torch.library.register_fake("neuronfx::w8a8_packed_glu")(_w8a8_packed_glu_fake)
+    torch.library.register_fake("neuronfx::w4a8_packed")(_w4a8_packed_fake)
+    torch.library.register_fake("neuronfx::w4a8_packed_multi")(_w4a8_packed_multi_fake)
+    torch.library.register_fake("neuronfx::w4a8_packed_glu")(_w4a8_packed_glu_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     torch.library.register_fake("neuronfx::topk_rows")(_topk_rows_fake)
     return True
@@ -164,6 +169,19 @@ def _w8a8_packed_multi_fake(x: torch.Tensor, d0: torch.Tensor, s0: torch.Tensor,
 def _w8a8_packed_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor,
                           up_scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], gate_scale.shape[0]))
+
+
+def _w4a8_packed_fake(x: torch.Tensor, data: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], 16 * data.shape[0]))
+
+
+def _w4a8_packed_multi_fake(x: torch.Tensor, d0: torch.Tensor, b0: object, d1: torch.Tensor | None, b1: object, d2: torch.Tensor | None,
+                            b2: object) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(16 * d.shape[0] for d in (d0, d1, d2) if d is not None)))
+
+
+def _w4a8_packed_glu_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], 16 * gate.shape[0]))
 
 
 def _quant_gemm_multi_fake(x: torch.Tensor, fmt: int, int8_x: bool, d0: torch.Tensor, s0: object, o0: object, b0: object,
@@ -281,8 +299,8 @@ def quant_prefill(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
 
 
 def w8a8_gemm(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``quant.w8a8_linear`` for decode rows (<= :data:`SMALL_GEMM_MAX_ROWS`): x (..., K) float32
-    or bfloat16 rounded per row exactly as ``quant.int8_rows``, the int8 x int8 products summed
+    """``int8_x.w8a8_linear`` for decode rows (<= :data:`SMALL_GEMM_MAX_ROWS`): x (..., K) float32
+    or bfloat16 rounded per row exactly as ``int8_x.int8_rows``, the int8 x int8 products summed
     exactly in int32 (AVX512-VNNI ``vpdpbusd`` where the CPU has it, :func:`w8a8_vnni`; each
     weight row read once against every row), scaled by x's and the weight's scales in fp32
     (+ bias (N,)) -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``). torch's ``_int_mm`` reads
@@ -292,8 +310,8 @@ def w8a8_gemm(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None = None) 
 
 
 def w8a8_packed(x: torch.Tensor, q: Int8Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``quant.w8a8_linear`` on a packed int8 weight (``quant.Int8Packed``), any number of rows:
-    x (..., K) float32 or bfloat16 rounded per row as ``quant.int8_rows`` (rows in parallel past
+    """``int8_x.w8a8_linear`` on a packed int8 weight (``quant.Int8Packed``), any number of rows:
+    x (..., K) float32 or bfloat16 rounded per row as ``int8_x.int8_rows`` (rows in parallel past
     16), the int8 x int8 products of 16 output channels per ``vpdpbusd`` summed exactly in int32
     (scalar integer code without AVX512-VNNI), scaled by x's and the weight's scales in fp32
     (+ bias (N,)) -> (..., N) in x.dtype, the bits of :func:`w8a8_gemm` (``csrc/w8a8_gemm.cpp``).
@@ -321,6 +339,36 @@ def w8a8_packed_glu(x: torch.Tensor, gate: Int8Packed, up: Int8Packed) -> torch.
     formed in fp32 (``std::exp``, within an ulp or two of torch's silu) and rounded once.
     RuntimeError as :func:`w8a8_packed`, or for gate and up of different N."""
     return torch.ops.neuronfx.w8a8_packed_glu(x, gate.data, gate.scale, up.data, up.scale)
+
+
+def w4a8_packed(x: torch.Tensor, q: Int4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int8_x.w4a8_linear`` on a packed 4-bit weight (``quant.Int4Packed``: int4 in groups of
+    32, Q4_0 or Q4_1), any number of rows, the same bits: x (..., K) float32 or bfloat16
+    rounded per row as ``int8_x.int8_rows``, per group of 32 the nibble x int8 products of 16
+    output channels summed exactly in int32 by ``vpdpbusd`` (scalar integer code without
+    AVX512-VNNI), then scaled in fp32 (+ bias (N,)) -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``).
+    OpenVINO's int4 weights with dynamic int8 activations are the same idea (its groups of x
+    are 32 wide, here a row). RuntimeError for data that is not a contiguous uint8
+    (N / 16, K / 32, 320 or 384), or x or bias of the wrong shape."""
+    return torch.ops.neuronfx.w4a8_packed(x, q.data, bias)
+
+
+def w4a8_packed_multi(x: torch.Tensor, weights: list[Int4Packed], biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[w4a8_packed(x, q, b) for q, b in zip(weights, biases)]`` in one call (fused Q/K/V): x
+    rounded once, one parallel region, the same bits; views of one (..., sum N) output.
+    ValueError for more than :data:`MAX_FUSED` weights or a bias list of another length;
+    RuntimeError as :func:`w4a8_packed`."""
+    _check_fused(len(weights), len(biases))
+    args = [t for q, b in zip(weights, biases) for t in (q.data, b)]
+    out = torch.ops.neuronfx.w4a8_packed_multi(x, *args, *[None] * (2 * (MAX_FUSED - len(weights))))
+    return list(out.split([16 * q.data.shape[0] for q in weights], dim=-1))
+
+
+def w4a8_packed_glu(x: torch.Tensor, gate: Int4Packed, up: Int4Packed) -> torch.Tensor:
+    """``silu(w4a8_packed(x, gate)) * w4a8_packed(x, up)`` -> (..., N) in x.dtype in one call, the
+    gated product formed as :func:`w8a8_packed_glu` does. RuntimeError as :func:`w4a8_packed`,
+    or for gate and up of different N."""
+    return torch.ops.neuronfx.w4a8_packed_glu(x, gate.data, up.data)
 
 
 def w8a8_vnni() -> bool:

@@ -43,7 +43,7 @@ class Ops:
     - ``linear(x, w, b)``: x @ w.T (+ b) -> (..., out) in x's dtype.
     - ``head_linear(x, w, b)``: the LM head's product: ``linear``, except that a row-major int8
       head keeps float x under int8 activations (per-token rounding of the final hidden state
-      lands on every logit); a packed one (``kernels.activation_choice.pack_int8_weights``)
+      lands on every logit); a packed one (``kernels.activation_choice.pack_weights``)
       always takes int8 x.
     - ``projections(x, ws, bs)``: ``[linear(x, w, b) ...]`` for weights sharing x (Q/K/V).
     - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).

@@ -15,7 +15,10 @@ NamedTuples). Shapes give everything else: N = ``data.shape[0]``, K = the input'
   ggml-common.h), one row of blocks per output channel: uint8 (N, K / 32 * block bytes).
 - :class:`Int8Packed`: an :class:`Int8Weight` laid out for VNNI (16 channels x 4 features per
   64 bytes) beside its row-major values, made at compile for plans that multiply int8 weights
-  by int8 activations (``kernels.activation_choice.pack_int8_weights``).
+  by int8 activations (``kernels.activation_choice.pack_weights``).
+- :class:`Int4Packed`: a 4-bit weight in groups of 32 (int4, Q4_0, Q4_1) laid out the same way
+  (16 channels x 8 features per 64 bytes of nibbles), fp32 scales and offsets per (channel,
+  group), made at compile for plans whose 4-bit weights multiply int8 activations.
 """
 
 from __future__ import annotations
@@ -104,12 +107,37 @@ class Int8Packed(NamedTuple):
         return (self.data.shape[0] * PACK_CHANNELS, self.data.shape[1] * PACK_FEATURES)
 
 
+class Int4Packed(NamedTuple):
+    """A 4-bit weight in groups of 32 (:class:`Int4Weight` with ``group_size=32``, GGUF's
+    :class:`Q4_0Blocks` / :class:`Q4_1Blocks`) laid out for VNNI's ``vpdpbusd`` against int8
+    activations: data uint8 (N / 16, G, R), one record of R bytes per block b of 16 output
+    channels and group g of 32 input features. Bytes [0, 256) are 4 lines of 64, line l holding
+    at byte ``4 c + i`` the nibbles of ``q[16 b + c, 32 g + 8 l + i]`` (low) and ``q[16 b + c,
+    32 g + 8 l + 4 + i]`` (high), q in [0, 15]; then the 16 channels' scales, then their offsets:
+    float16 (R = 320, GGUF's own d and m) or float32 (R = 384, int4's); ``w = q * scale + offset``
+    (Q4_0's offset is -8 d). One record per (block, group) keeps a block one memory stream.
+    Made by :func:`pack_int4` for plans whose 4-bit weights multiply int8 activations
+    (``kernels.activation_choice``), read by ``library.w4a8_packed``; :func:`w4a8_linear`
+    computes its bits."""
+
+    data: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical (N, K) of the weight."""
+        return (self.data.shape[0] * PACK_CHANNELS, self.data.shape[1] * GGUF_BLOCK)
+
+
+NIBBLE_BYTES = 256
+"""Bytes of nibbles in an :class:`Int4Packed` record (16 channels x 32 features / 2)."""
+
+
 PACK_CHANNELS = 16
 """Output channels per block of :class:`Int8Packed` (int32 lanes of a 512-bit register)."""
 PACK_FEATURES = 4
 """Input features per lane of :class:`Int8Packed` (bytes ``vpdpbusd`` sums into one int32)."""
 
-QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks | Int8Packed
+QuantizedWeight = Int8Weight | Int4Weight | Q4_0Blocks | Q4_1Blocks | Q8_0Blocks | Int8Packed | Int4Packed
 FORMAT_NAMES = {Int8Weight: "int8", Int4Weight: "int4", Q4_0Blocks: "q4_0", Q4_1Blocks: "q4_1", Q8_0Blocks: "q8_0"}
 """Format name of each class (the kernel's ``format`` argument)."""
 
@@ -188,6 +216,64 @@ def pack_int8(q: Int8Weight) -> Int8Packed:
     return Int8Packed(data.contiguous(), q.scale, q.data)
 
 
+def four_bit_groups(q: QuantizedWeight) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A 4-bit weight in groups of 32 as (q uint8 (N, G, 32) in [0, 15], scale float32 (N, G),
+    offset float32 (N, G)), ``w = q * scale + offset``: an :class:`Int4Weight` of groups of 32,
+    :class:`Q4_0Blocks` (offset -8 * d) or :class:`Q4_1Blocks`; None for anything else."""
+    if isinstance(q, Int4Weight) and q.data.dim() == 2 and 2 * q.data.shape[1] == GGUF_BLOCK * q.scale.shape[1]:
+        n, groups = q.scale.shape
+        return _nibbles(q.data.view(n, groups, GGUF_BLOCK // 2)), q.scale.float(), q.offset.float()
+    if isinstance(q, (Q4_0Blocks, Q4_1Blocks)) and q.data.dim() == 2:
+        fmt = "q4_1" if isinstance(q, Q4_1Blocks) else "q4_0"
+        b = _blocks(q.data, fmt)
+        d = _fp16(b, 0)[..., 0]
+        return _nibbles(b[..., 4 if fmt == "q4_1" else 2:]), d, _fp16(b, 2)[..., 0] if fmt == "q4_1" else -8 * d
+    return None
+
+
+def packable_int4(q: QuantizedWeight) -> bool:
+    """Whether :func:`pack_int4` takes ``q``: a 4-bit weight in groups of 32
+    (:func:`four_bit_groups`) with N a multiple of :data:`PACK_CHANNELS`."""
+    return isinstance(q, (Int4Weight, Q4_0Blocks, Q4_1Blocks)) and q.data.dim() == 2 and q.data.shape[0] % PACK_CHANNELS == 0 \
+        and four_bit_groups(q) is not None
+
+
+def pack_int4(q: Int4Weight | Q4_0Blocks | Q4_1Blocks) -> Int4Packed:
+    """A 4-bit weight in groups of 32 -> :class:`Int4Packed`, the same values (GGUF's fp16 scales
+    kept fp16, int4's fp32 kept fp32); ValueError when not :func:`packable_int4` (other group
+    sizes, N not a multiple of 16)."""
+    if not packable_int4(q):
+        raise ValueError(f"a 4-bit weight packs when its groups are 32 wide and N % {PACK_CHANNELS} == 0; got "
+                         f"{type(q).__name__} {tuple(q.data.shape)}")
+    values, scale, offset = four_bit_groups(q)
+    n, groups, _ = values.shape
+    nb = n // PACK_CHANNELS
+    v = values.view(nb, PACK_CHANNELS, groups, 4, 2, 4)  # (b, c, g, l, half, i): feature 8 l + 4 half + i
+    nibbles = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(nb, groups, NIBBLE_BYTES)
+    dtype = torch.float32 if isinstance(q, Int4Weight) else torch.float16
+
+    def per_block(t: Tensor) -> Tensor:  # (N, G) -> the bytes of (NB, G, 16) in dtype
+        return t.to(dtype).reshape(nb, PACK_CHANNELS, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return Int4Packed(torch.cat([nibbles, per_block(scale), per_block(offset)], dim=-1).contiguous())
+
+
+def unpack_int4(p: Int4Packed) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`Int4Packed` -> (q uint8 (N, G, 32), scale float32 (N, G), offset float32 (N, G)),
+    the inverse of :func:`pack_int4` (:func:`four_bit_groups`' form)."""
+    nb, groups, record = p.data.shape
+    dtype = torch.float16 if record == NIBBLE_BYTES + 2 * PACK_CHANNELS * 2 else torch.float32
+    b = p.data[..., :NIBBLE_BYTES].reshape(nb, groups, 4, PACK_CHANNELS, 4)  # (b, g, l, c, i)
+    v = torch.stack([b & 0x0F, b >> 4], dim=-2)  # (b, g, l, c, half, i)
+    q = v.permute(0, 3, 1, 2, 4, 5).reshape(nb * PACK_CHANNELS, groups, GGUF_BLOCK)
+    tail = p.data[..., NIBBLE_BYTES:].contiguous().view(dtype).float()  # (NB, G, 32): scales, offsets
+
+    def per_channel(t: Tensor) -> Tensor:
+        return t.transpose(1, 2).reshape(nb * PACK_CHANNELS, groups)
+
+    return q, per_channel(tail[..., :PACK_CHANNELS]), per_channel(tail[..., PACK_CHANNELS:])
+
+
 def unpack_int8(p: Int8Packed) -> Int8Weight:
     """:class:`Int8Packed` -> :class:`Int8Weight`, the inverse of :func:`pack_int8` (its rows)."""
     return Int8Weight(p.rows, p.scale)
@@ -207,6 +293,10 @@ def dequantize(q: QuantizedWeight, k: int) -> Tensor:
     The GGUF formats follow ggml's ``dequantize_row_q4_0 / q4_1 / q8_0`` (ggml-quants.c)."""
     if isinstance(q, Int8Packed):
         q = unpack_int8(q)
+    if isinstance(q, Int4Packed):
+        values, scale, offset = unpack_int4(q)
+        w = values.float() * scale[..., None] + offset[..., None]
+        return w.reshape(w.shape[0], -1)[..., :k]
     if isinstance(q, Int8Weight):
         return (q.data.float() * q.scale.float()[..., None])[..., :k]
     if isinstance(q, Int4Weight):
@@ -255,47 +345,12 @@ def read_tensors(q: QuantizedWeight) -> tuple[Tensor, ...]:
 
 BLOCK_TYPES = (Q4_0Blocks, Q4_1Blocks, Q8_0Blocks)
 """The GGUF block records (kept from a file, never made by neuronfx's quantizer)."""
-QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES, Int8Packed)
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, *BLOCK_TYPES, Int8Packed, Int4Packed)
 """Every quantized weight record: what ``isinstance`` tells from a float tensor."""
 
 for _cls in QUANTIZED_TYPES:
     # torch.export saves a program's input tree only for namedtuples registered with a stable name.
     _pytree._register_namedtuple(_cls, serialized_type_name=f"neuronfx.graphs.models.quant.{_cls.__name__}")
-
-
-def _int8_rounded_x(x: Tensor, group_size: int) -> Tensor:
-    """x (..., K) -> float64 (..., K), each value rounded to a multiple of its lane block's
-    scale ``absmax / 127`` (round half to even; an all-zero block stays zero). A lane block is
-    the 32 values one half of a 64-weight chunk meets (``csrc/quant_gemm.cpp``): with groups of
-    32, elements 0-15 of two neighbouring groups (then 16-31 of both); with groups of 64 or
-    more, 32 consecutive values of one half of a group."""
-    k = x.shape[-1]
-    g = group_size
-    span = 64 if g == 32 else g
-    kp = -(-k // span) * span
-    xp = torch.nn.functional.pad(x.float(), (0, kp - k)).reshape(-1, kp)
-    if g == 32:  # (rows, pairs, group a/b, half, 16) -> lane blocks (rows, pairs, half, a/b, 16)
-        blocks = xp.view(-1, kp // 64, 2, 2, 16).transpose(2, 3)
-    else:  # (rows, groups, half, chunk, 32)
-        blocks = xp.view(-1, kp // g, 2, g // 64, 32)
-    flat = (blocks.reshape(*blocks.shape[:-2], -1) if g == 32 else blocks).float()  # x was fp32 (or exactly widened bf16)
-    d = flat.abs().amax(dim=-1, keepdim=True) / 127  # fp32, then x * (1 / d) in fp32: the kernel's arithmetic
-    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1.0), 0.0)
-    rounded = (torch.round(flat * inv).double() * d.double()).reshape(blocks.shape)
-    if g == 32:
-        rounded = rounded.transpose(2, 3)
-    return rounded.reshape(*x.shape[:-1], kp)[..., :k]
-
-
-
-def _offsets(q: QuantizedWeight, k: int) -> Tensor:
-    """float32 (N, k): each weight's offset term (int4: offset, Q4_1: m, Q4_0: -8 d)."""
-    if isinstance(q, Int4Weight):
-        g = 2 * q.data.shape[1] // q.scale.shape[1]
-        return q.offset.float().repeat_interleave(g, dim=-1)[..., :k]
-    b = _blocks(q.data, "q4_1" if isinstance(q, Q4_1Blocks) else "q4_0")
-    o = _fp16(b, 2) if isinstance(q, Q4_1Blocks) else -8 * _fp16(b, 0)
-    return o.expand(*o.shape[:-1], GGUF_BLOCK).reshape(q.data.shape[0], -1)[..., :k]
 
 
 def int8_x_group_size(q: QuantizedWeight) -> int | None:
@@ -307,55 +362,3 @@ def int8_x_group_size(q: QuantizedWeight) -> int | None:
         g = 2 * q.data.shape[1] // q.scale.shape[1]
         return g if g == 32 or g % 64 == 0 else None
     return None
-
-
-def reference_int8_x_linear(x: Tensor, q: QuantizedWeight) -> Tensor:
-    """What the kernel's int8-activation path (``quant_gemm(..., int8_x=True)``) computes,
-    in float64: x (..., K) @ the weight's scaled values with x rounded per lane block (as ggml's
-    ``quantize_row_q8_1``, absmax / 127 per 32 values; lane blocks in ``_int8_rounded_x``), plus
-    the offsets against the exact x (the kernel uses x's exact group sums there). Formats the
-    path does not serve (:func:`int8_x_group_size` None): the plain float64 product."""
-    k = x.shape[-1]
-    w = dequantize(q, k).double()
-    g = int8_x_group_size(q)
-    if g is None:
-        return x.double() @ w.T
-    o = _offsets(q, k).double()
-    return _int8_rounded_x(x, g) @ (w - o).T + x.double() @ o.T
-
-
-# ---- int8 activations x int8 weights (integer GEMM) ------------------------------------------
-
-
-def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x (..., K) float -> (int8 (M, K), float32 (M, 1)) with M the rows of x: each row rounded
-    (half to even) to a multiple of its scale ``absmax / 127`` (torchao's dynamic per-token
-    activation quantization, ``int8_dynamic_activation_int8_weight``); an all-zero row gets
-    scale 0 and zeros."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    scale = rows.abs().amax(dim=-1, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(rows / safe).clamp(-127, 127).to(torch.int8), scale
-
-
-def w8a8_linear(x: Tensor, q: Int8Weight | Int8Packed, bias: Tensor | None = None) -> Tensor:
-    """x (..., K) float @ dequantize(q).T (+ bias (N,)) -> (..., N) in x.dtype, multiplied in
-    integers: x rounded per row (:func:`int8_rows`), int8 x int8 products summed exactly in int32
-    by ``torch._int_mm`` (oneDNN: VNNI or AMX where the CPU has them), then scaled by x's and the
-    weight's scales in fp32. The error added is x's rounding, at most ``absmax / 254`` per value
-    of a row. Reference: :func:`reference_w8a8_linear`."""
-    if isinstance(q, Int8Packed):
-        q = unpack_int8(q)
-    xq, xs = int8_rows(x)
-    out = torch._int_mm(xq, q.data.t()).float() * xs * q.scale.float()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], q.data.shape[0])
-
-
-def reference_w8a8_linear(x: Tensor, q: Int8Weight | Int8Packed) -> Tensor:
-    """What :func:`w8a8_linear` computes, in float64: x rounded per row as :func:`int8_rows`,
-    times the weight's exact values."""
-    xq, xs = int8_rows(x)
-    out = (xq.double() * xs.double()) @ dequantize(q, x.shape[-1]).double().T
-    return out.reshape(*x.shape[:-1], q.data.shape[0])

@@ -1,7 +1,7 @@
 // int8 weights x int8 activations for decode rows: out[m, n] = (sum_k xq[m, k] * w[n, k]) *
-// xs[m] * ws[n] (+ bias[n]), x rounded per row exactly as ``quant.int8_rows`` (absmax / 127,
+// xs[m] * ws[n] (+ bias[n]), x rounded per row exactly as ``int8_x.int8_rows`` (absmax / 127,
 // half to even) and the integer sums exact in int32, so the result has the bits of
-// ``quant.w8a8_linear`` (torch._int_mm), whose oneDNN GEMM reads small-M products slowly and
+// ``int8_x.w8a8_linear`` (torch._int_mm), whose oneDNN GEMM reads small-M products slowly and
 // leaves x's rounding and the scaling to separate ops.
 //
 // AVX512-VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes, so each weight byte is read as
@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
@@ -197,7 +198,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& data, const at::Tens
 // so one load is 4 input features of 16 output channels and x's 4 bytes are broadcast against
 // it: the 16 channels' sums stay in the lanes of one register (no horizontal sums, which cost
 // as much as the products over K = 576 in the row-major kernel above). The same int32 sums and
-// the same scaling, so the same bits as w8a8_gemm and quant.w8a8_linear.
+// the same scaling, so the same bits as w8a8_gemm and int8_x.w8a8_linear.
 
 // Rows [m0, m0 + MT) of x against blocks [b, b + NT): the int32 sums, x's offset taken off.
 template <int MT, int NT>
@@ -508,6 +509,265 @@ at::Tensor w8a8_packed_glu(const at::Tensor& x, const at::Tensor& gate, const at
   return shaped(gv, x);
 }
 
+// ---- 4-bit weights packed for vpdpbusd (quant.Int4Packed) --------------------------------------
+// data uint8 (N / 16, G, R): one record of R bytes per block b (16 output channels) and group g
+// (32 input features), read as one stream per block: bytes [0, 256) are 4 lines of 64, line l
+// holding at byte 4 c + i the nibbles of q[16 b + c, 32 g + 8 l + i] (low) and
+// q[16 b + c, 32 g + 8 l + 4 + i] (high), q in [0, 15]; then the 16 channels' scales, then their
+// offsets, fp16 (R = 320: GGUF's own d and m) or fp32 (R = 384); w = q * scale + offset. x is
+// rounded with one scale per group of 32 (absmax / 127, as ggml's q8_1 and OpenVINO's dynamic
+// quantization in groups of 32), so per group the nibble x int8 sums S and x's own sum X are
+// exact integers, and
+//   out = (sum over g in order of (S * scale + X * offset) * x scale of g) (+ bias)
+// with every product and sum rounded once: int8_x.w4a8_linear's order, so the same bits. The
+// unsigned nibbles are what vpdpbusd takes as its unsigned operand (no offset to take off).
+constexpr int64_t NIBBLE_BYTES = 256;
+
+// x rounded per group of 32: int8 rows of kp (zeros past K), each group's scale and exact sum.
+struct XGroups {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;  // (M, G)
+  int64_t kp, G;
+};
+
+template <typename X>
+void round_group_rows(const X* x, int64_t M, int64_t K, XGroups& r) {
+  at::parallel_for(0, M, ROUND_GRAIN, [&](int64_t m0, int64_t m1) {
+    float row[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < r.G; ++g) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) {
+          row[i] = static_cast<float>(x[m * K + 32 * g + i]);
+          amax = std::max(amax, std::fabs(row[i]));
+        }
+        const float s = amax / 127.f;
+        r.sum[m * r.G + g] = static_cast<float>(round_row(row, 32, s > 0.f ? s : 1.f, r.q.data() + m * r.kp + 32 * g));
+        r.scale[m * r.G + g] = s;
+      }
+  });
+}
+
+XGroups rounded_groups(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w4a8_packed: x must be float32 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 32 == 0, "w4a8_packed: x's features must be a positive multiple of 32, got ",
+              x.size(-1));
+  const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), G = K / 32, kp = (K + 63) / 64 * 64;
+  XGroups r{std::vector<int8_t>(M * kp, 0), std::vector<float>(M * G), std::vector<float>(M * G), kp, G};
+  if (x.scalar_type() == at::kFloat) round_group_rows(xc.data_ptr<float>(), M, K, r);
+  else round_group_rows(xc.data_ptr<c10::BFloat16>(), M, K, r);
+  return r;
+}
+
+// One packed 4-bit weight: its records (R bytes each, fp16 scales when half), bias (or null),
+// and the output column its channel 0 goes to.
+struct Packed4 {
+  const uint8_t* data;
+  const float* bias;
+  int64_t NB;
+  int64_t R;
+  bool half;
+  int64_t col;
+};
+
+template <typename S>
+inline float scalar_at(const uint8_t* p, int c) {
+  S v;
+  std::memcpy(&v, p + sizeof(S) * c, sizeof(S));
+  return static_cast<float>(v);
+}
+
+#if defined(NFX_W8A8_VNNI)
+template <typename S>
+inline __m512 load16(const uint8_t* p) {
+  if constexpr (sizeof(S) == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+#endif
+
+// Rows [m0, m0 + MT) against blocks [b, b + NT) of w (scales of type S), into out (rows ld apart).
+template <typename S, int MT, int NT>
+void packed4_tile(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, float* out, int64_t ld) {
+  const int64_t G = xr.G;
+  constexpr int64_t R = NIBBLE_BYTES + 32 * sizeof(S), SCALES = NIBBLE_BYTES, OFFSETS = NIBBLE_BYTES + 16 * sizeof(S);
+  float acc[MT][NT][16] = {};
+#if defined(NFX_W8A8_VNNI)
+  __m512 av[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) av[m][j] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i s[MT][NT], t[MT][NT];  // low and high nibbles' sums apart: two chains of 4 vpdpbusd, not one of 8
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NT; ++j) s[m][j] = t[m][j] = _mm512_setzero_si512();
+    for (int l = 0; l < 4; ++l) {
+      __m512i lo[NT], hi[NT];
+      for (int j = 0; j < NT; ++j) {
+        const uint8_t* p = w.data + ((b + j) * G + g) * R + 64 * l;
+        const __m512i v = _mm512_loadu_si512(p);
+        lo[j] = _mm512_and_si512(v, low4);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xr.q.data() + (m0 + m) * xr.kp + 32 * g + 8 * l;
+        int32_t t0, t1;
+        std::memcpy(&t0, x, 4);
+        std::memcpy(&t1, x + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(t0), x1 = _mm512_set1_epi32(t1);
+        for (int j = 0; j < NT; ++j) {
+          s[m][j] = _mm512_dpbusd_epi32(s[m][j], lo[j], x0);
+          t[m][j] = _mm512_dpbusd_epi32(t[m][j], hi[j], x1);
+        }
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* rec = w.data + ((b + j) * G + g) * R;
+      const __m512 d = load16<S>(rec + SCALES), o = load16<S>(rec + OFFSETS);
+      for (int m = 0; m < MT; ++m) {
+        // products as fma with 0: GCC contracts a plain mul into the add (-ffp-contract=fast)
+        const int64_t at = (m0 + m) * G + g;
+        const __m512 sd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[m][j], t[m][j])), d, zero);
+        const __m512 xo = _mm512_fmadd_ps(_mm512_set1_ps(xr.sum[at]), o, zero);
+        av[m][j] = _mm512_add_ps(av[m][j], _mm512_fmadd_ps(_mm512_add_ps(sd, xo), _mm512_set1_ps(xr.scale[at]), zero));
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) _mm512_storeu_ps(acc[m][j], av[m][j]);
+#else
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* rec = w.data + ((b + j) * G + g) * R;
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xr.q.data() + (m0 + m) * xr.kp + 32 * g;
+        for (int c = 0; c < 16; ++c) {
+          int32_t s = 0;
+          for (int l = 0; l < 4; ++l)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = rec[64 * l + 4 * c + i];
+              s += (byte & 0x0F) * x[8 * l + i] + (byte >> 4) * x[8 * l + 4 + i];
+            }
+          // fma with 0: each product rounded alone, never contracted into the sum (as the AVX path)
+          const float sd = std::fma(static_cast<float>(s), scalar_at<S>(rec + SCALES, c), 0.f);
+          const float xo = std::fma(xr.sum[(m0 + m) * G + g], scalar_at<S>(rec + OFFSETS, c), 0.f);
+          acc[m][j][c] = acc[m][j][c] + std::fma(sd + xo, xr.scale[(m0 + m) * G + g], 0.f);
+        }
+      }
+    }
+#endif
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j)
+      for (int c = 0; c < 16; ++c) {
+        const int64_t n = 16 * (b + j) + c;
+        out[(m0 + m) * ld + w.col + n] = w.bias ? acc[m][j][c] + w.bias[n] : acc[m][j][c];
+      }
+}
+
+// mc rows against nt blocks from b: decode tiles of up to 8 rows x 1 block, prefill tiles of 4 x 2.
+template <typename S>
+void packed4_tile_any(const XGroups& xr, int64_t m0, int64_t mc, const Packed4& w, int64_t b, int nt, float* out, int64_t ld) {
+#define NFX_PACKED4_CASE(MT, NT) \
+  if (mc == MT && nt == NT) return packed4_tile<S, MT, NT>(xr, m0, w, b, out, ld);
+  NFX_PACKED4_CASE(1, 1) NFX_PACKED4_CASE(2, 1) NFX_PACKED4_CASE(3, 1) NFX_PACKED4_CASE(4, 1)
+  NFX_PACKED4_CASE(5, 1) NFX_PACKED4_CASE(6, 1) NFX_PACKED4_CASE(7, 1) NFX_PACKED4_CASE(8, 1)
+  NFX_PACKED4_CASE(1, 2) NFX_PACKED4_CASE(2, 2) NFX_PACKED4_CASE(3, 2) NFX_PACKED4_CASE(4, 2)
+#undef NFX_PACKED4_CASE
+}
+
+// Blocks [b0, b1) of w against all M rows. Decode rows (up to 8): one block at a time against
+// all of them, so the weights are read in order, one memory stream per thread; tiles of 2 or 4
+// blocks (x's broadcasts shared) read as many streams and were slower: SmolLM2's 210 Q4_1 layer
+// products from memory, one row 3.4-3.8 -> 3.1-3.2 ms, four rows 5.0 -> 3.7 ms (2 threads of
+// the EPYC, 2026-12-05). A prefill's rows (bound by the instructions, the blocks in cache): in
+// chunks of ROW_CHUNK against pairs of blocks, tiles of 4 rows x 2 blocks (one tile of 8 x 1 was
+// 1.4x slower at 128 rows).
+template <typename S>
+void packed4_rows(const XGroups& xr, int64_t M, const Packed4& w, int64_t b0, int64_t b1, float* out, int64_t ld) {
+  if (M <= 8) {
+    for (int64_t b = b0; b < b1; ++b) packed4_tile_any<S>(xr, 0, M, w, b, 1, out, ld);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+    const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int nt = b + 2 <= b1 ? 2 : 1;
+      for (int64_t m0 = r0; m0 < r1; m0 += 4) packed4_tile_any<S>(xr, m0, std::min<int64_t>(4, r1 - m0), w, b, nt, out, ld);
+    }
+  }
+}
+
+void packed4_range(const XGroups& xr, int64_t M, const Packed4& w, int64_t b0, int64_t b1, float* out, int64_t ld) {
+  if (w.half) packed4_rows<c10::Half>(xr, M, w, b0, b1, out, ld);
+  else packed4_rows<float>(xr, M, w, b0, b1, out, ld);
+}
+
+// A packed 4-bit weight checked against x's K (K = 32 G); its bias made fp32 (kept in keep).
+Packed4 check_packed4(int64_t K, const at::Tensor& data, const OptT& bias, int64_t col, std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(data.dim() == 3 && (data.size(2) == NIBBLE_BYTES + 64 || data.size(2) == NIBBLE_BYTES + 128) &&
+                  data.scalar_type() == at::kByte && data.is_contiguous(),
+              "w4a8_packed: data must be a contiguous uint8 (N / 16, K / 32, 320 or 384) tensor");
+  const int64_t NB = data.size(0), G = data.size(1);
+  TORCH_CHECK(G * 32 == K, "w4a8_packed: x has ", K, " features, the weight ", G * 32);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == 16 * NB), "w4a8_packed: bias must be (", 16 * NB, ",)");
+  const float* bp = nullptr;
+  if (bias) {
+    keep.push_back(bias->to(at::kFloat).contiguous());
+    bp = keep.back().data_ptr<float>();
+  }
+  return Packed4{data.data_ptr<uint8_t>(), bp, NB, data.size(2), data.size(2) == NIBBLE_BYTES + 64, col};
+}
+
+// Up to three packed 4-bit weights sharing x (Q, K, V): x rounded once, one parallel region,
+// their columns side by side in one output (M, sum N).
+at::Tensor w4a8_packed_multi(const at::Tensor& x, const at::Tensor& d0, const OptT& b0, const OptT& d1, const OptT& b1, const OptT& d2,
+                             const OptT& b2) {
+  TORCH_CHECK(d1.has_value() || !d2.has_value(), "w4a8_packed_multi: d2 only after d1");
+  const XGroups xr = rounded_groups(x);
+  const int64_t K = x.size(-1), M = static_cast<int64_t>(xr.scale.size()) / xr.G;
+  std::vector<at::Tensor> keep;
+  std::vector<Packed4> ws = {check_packed4(K, d0, b0, 0, keep)};
+  if (d1) ws.push_back(check_packed4(K, *d1, b1, ws.back().col + 16 * ws.back().NB, keep));
+  if (d2) ws.push_back(check_packed4(K, *d2, b2, ws.back().col + 16 * ws.back().NB, keep));
+  std::vector<int64_t> start = {0};
+  for (const auto& w : ws) start.push_back(start.back() + w.NB);
+  const int64_t N = 16 * start.back();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, start.back(), 4, [&](int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t c0 = std::max(r0, start[i]) - start[i], c1 = std::min(r1, start[i + 1]) - start[i];
+      if (c0 < c1) packed4_range(xr, M, ws[i], c0, c1, o, N);
+    }
+  });
+  return shaped(out, x);
+}
+
+at::Tensor w4a8_packed(const at::Tensor& x, const at::Tensor& data, const OptT& bias) {
+  return w4a8_packed_multi(x, data, bias, c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
+}
+
+// silu(x @ gate.T) * (x @ up.T) of packed 4-bit gate and up: x rounded once, one parallel region,
+// each product's fp32 values w4a8_packed's, then the gated product as w8a8_packed_glu's.
+at::Tensor w4a8_packed_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up) {
+  const XGroups xr = rounded_groups(x);
+  const int64_t K = x.size(-1), M = static_cast<int64_t>(xr.scale.size()) / xr.G;
+  std::vector<at::Tensor> keep;
+  const Packed4 g = check_packed4(K, gate, c10::nullopt, 0, keep), u = check_packed4(K, up, c10::nullopt, 0, keep);
+  TORCH_CHECK(g.NB == u.NB, "w4a8_packed_glu: gate has ", 16 * g.NB, " rows, up has ", 16 * u.NB);
+  const int64_t N = 16 * g.NB;
+  at::Tensor gv = at::empty({M, N}, x.options().dtype(at::kFloat)), uv = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float *gp = gv.data_ptr<float>(), *up_ = uv.data_ptr<float>();
+  at::parallel_for(0, g.NB, 2, [&](int64_t b0, int64_t b1) {
+    packed4_range(xr, M, g, b0, b1, gp, N);
+    packed4_range(xr, M, u, b0, b1, up_, N);
+    for (int64_t m = 0; m < M; ++m) gated(gp + m * N + 16 * b0, up_ + m * N + 16 * b0, 16 * (b1 - b0));
+  });
+  return shaped(gv, x);
+}
+
 bool w8a8_vnni() {
 #if defined(NFX_W8A8_VNNI)
   return true;
@@ -524,6 +784,9 @@ TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("w8a8_packed_multi(Tensor x, Tensor d0, Tensor s0, Tensor? b0, Tensor? d1, Tensor? s1, Tensor? b1, Tensor? d2, Tensor? s2, "
         "Tensor? b2) -> Tensor");
   m.def("w8a8_packed_glu(Tensor x, Tensor gate, Tensor gate_scale, Tensor up, Tensor up_scale) -> Tensor");
+  m.def("w4a8_packed(Tensor x, Tensor data, Tensor? bias) -> Tensor");
+  m.def("w4a8_packed_multi(Tensor x, Tensor d0, Tensor? b0, Tensor? d1, Tensor? b1, Tensor? d2, Tensor? b2) -> Tensor");
+  m.def("w4a8_packed_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
   m.def("w8a8_vnni() -> bool", &w8a8_vnni);
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
@@ -531,4 +794,7 @@ TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("w8a8_packed", &w8a8_packed);
   m.impl("w8a8_packed_multi", &w8a8_packed_multi);
   m.impl("w8a8_packed_glu", &w8a8_packed_glu);
+  m.impl("w4a8_packed", &w4a8_packed);
+  m.impl("w4a8_packed_multi", &w4a8_packed_multi);
+  m.impl("w4a8_packed_glu", &w4a8_packed_glu);
 }
