@@ -214,6 +214,24 @@ def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers(
         assert run_steps(loaded, neuronfx.init_state(loaded), [0, 1], PROMPTS, 6)[0] == tokens
 
 
+def test_auto_keeps_float_x_for_4bit_weights_that_do_not_pack(monkeypatch):
+    """"auto" measures the packed 4-bit kernel: a plan whose 4-bit weights pack (GGUF blocks, int4
+    in groups of 32, int8 x at its decode rows and at prefill) keeps the 4-bit paths; int4 in
+    groups of 64, or a verdict without prefill, drops them (quant_gemm's int8 x was never timed);
+    "int8" keeps them all."""
+    hf = tiny_hf_model("llama", seed=7)
+    every = choice.Int8Paths(choice.AVAILABLE)
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: every)
+    assert choice.plan_int8_paths(tiny_plan(hf, "inductor", weight_format="int4", weight_group_size=32, activation_format="auto")) == every
+    g64 = choice.plan_int8_paths(tiny_plan(hf, "inductor", weight_format="int4", weight_group_size=64, activation_format="auto"))
+    assert g64 == every.without("4bit")
+    assert choice.plan_int8_paths(tiny_plan(hf, "inductor", weight_format="int4", weight_group_size=64, activation_format="int8")) == every
+    no_prefill = choice.Int8Paths(frozenset({("4bit", "one"), ("4bit", "batch"), ("int8", "prefill")}))
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: no_prefill)
+    plan = tiny_plan(hf, "inductor", weight_format="int4", weight_group_size=32, activation_format="auto")
+    assert choice.plan_int8_paths(plan).enabled == {("int8", "prefill")}
+
+
 def test_auto_is_a_backend_choice_in_the_compile_cache_key(monkeypatch):
     hf = tiny_hf_model("llama", seed=7)
     plan = tiny_plan(hf, "inductor", weight_format="int8", activation_format="auto")

@@ -49,6 +49,16 @@ def test_pack_int4_keeps_every_value(fmt: str) -> None:
     assert byte & 0x0F == values[21, 2, 26] and byte >> 4 == values[21, 2, 30]
 
 
+def test_pack_int4_keeps_fp32_where_fp16_would_round() -> None:
+    """A Q4_0 block whose -8 d overflows fp16 (|d| > 8188) packs with fp32 records, so its
+    values stay exact (fp16 would store an infinite offset)."""
+    g = torch.Generator().manual_seed(5)
+    q = four_bit("q4_0", torch.randn(16, 64, generator=g) * 1e5)
+    p = Q.pack_int4(q)
+    assert p.data.shape[-1] == 384 and torch.isfinite(Q.unpack_int4(p)[2]).all()
+    assert torch.equal(Q.dequantize(p, 64), Q.dequantize(q, 64))
+
+
 def test_pack_int4_refuses_what_it_cannot_hold() -> None:
     g = torch.Generator().manual_seed(2)
     with pytest.raises(ValueError, match="groups are 32 wide"):
@@ -78,6 +88,11 @@ def test_w4a8_packed_equals_w4a8_linear_bit_for_bit(fmt: str, xdtype: torch.dtyp
         torch.testing.assert_close(int8_x.w4a8_linear(x, p).double(), rounded.to(xdtype).double(), rtol=1e-2 if xdtype == torch.bfloat16 else 1e-5,
                                    atol=1e-2 if xdtype == torch.bfloat16 else 1e-4)
     assert library.w4a8_packed(torch.randn(0, 160), p).shape == (0, 80)
+    x = torch.randn(3, 160, generator=g).to(xdtype)
+    x[1, 40] = float("nan")  # a NaN reaches every output of its row, as in the reference and a float product
+    got = library.w4a8_packed(x, p)
+    assert got[1].isnan().all() and torch.equal(got[[0, 2]], int8_x.w4a8_linear(x[[0, 2]], p))
+    assert int8_x.w4a8_linear(x, p)[1].isnan().all()
 
 
 def test_w4a8_fused_calls_and_the_ops_bundle() -> None:
@@ -102,5 +117,27 @@ def test_w4a8_fused_calls_and_the_ops_bundle() -> None:
         assert torch.equal(ops.linear(x, ws[0]), int8_x.w4a8_linear(x, ws[0]))
     with pytest.raises(RuntimeError, match="x has 64 features, the weight 96"):
         library.w4a8_packed(torch.randn(1, 64), ws[0])
+    with pytest.raises(RuntimeError, match="multiple of 32, got 40"):
+        library.w4a8_packed(torch.randn(1, 40), ws[0])
+    with pytest.raises(RuntimeError, match="feature dimension"):
+        library.w4a8_packed(torch.tensor(1.0), ws[0])
     with pytest.raises(RuntimeError, match="gate has 48 rows, up has 64"):
         library.w4a8_packed_glu(torch.randn(1, 96), gate, ws[0])
+
+
+def test_w4a8_fakes_give_the_ops_shapes() -> None:
+    """Under FakeTensorMode (what dynamo and inductor trace with) each 4-bit op's output has the
+    real op's shape and dtype, bf16 x and 3-D x included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(6)
+    ws = [Q.pack_int4(four_bit("q4_1", torch.randn(n, 64, generator=g))) for n in (32, 16)]
+    for x in (torch.randn(3, 64, generator=g), torch.randn(2, 5, 64, generator=g).bfloat16()):
+        real = [library.w4a8_packed(x, ws[0]), library.w4a8_packed_multi(x, ws, [None, None])[1], library.w4a8_packed_glu(x, ws[0], ws[0])]
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fx = mode.from_tensor(x)
+            fws = [Q.Int4Packed(mode.from_tensor(w.data)) for w in ws]
+            fake = [library.w4a8_packed(fx, fws[0]), library.w4a8_packed_multi(fx, fws, [None, None])[1],
+                    library.w4a8_packed_glu(fx, fws[0], fws[0])]
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+

@@ -168,7 +168,7 @@ def _add_weight_options(p: argparse.ArgumentParser, defaults: InferenceConfig) -
                    help=f"int4 group size, one of {', '.join(map(str, WEIGHT_GROUP_SIZES))} (default {defaults.weight_group_size})")
     p.add_argument("--activation-format", choices=ACTIVATION_FORMATS,
                    help="float (default: token-exact), int8: the quantized products round x to int8 (int8 weights: per row, "
-                        "an integer GEMM; 4-bit weights at decode: per 32 values, as llama.cpp; changes the logits), or auto: "
+                        "an integer GEMM; 4-bit weights: per 32 values, as llama.cpp and OpenVINO, groups of 32 packed for it; changes the logits), or auto: "
                         "int8 on the products where it measured faster on this machine (inductor only; see the performance docs)")
 
 

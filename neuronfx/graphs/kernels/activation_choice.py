@@ -11,10 +11,11 @@ activations:
   through ``int8_x.w8a8_linear`` (``torch._int_mm``: oneDNN's VNNI / AMX), the same bits;
 - 4-bit weights: where both the plan's decode rows and prefill rows take int8 x, the layers'
   weights in groups of 32 are packed for ``vpdpbusd`` (:func:`pack_weights`) and every product
-  rounds x per row (``library.w4a8_packed``, as OpenVINO's int4 weights with dynamic
-  quantization); otherwise decode rows on an enabled path take the kernel's per-32-values
-  integer products (``quant_gemm``'s ``int8_x``, llama.cpp's ``q8_1`` rounding) and prefill
-  keeps float x. "auto" times the packed kernel for every 4-bit path.
+  rounds x per 32 values (``library.w4a8_packed``, as OpenVINO's int4 weights with dynamic
+  quantization in groups of 32); otherwise (under "int8": int4 groups of 64 or more) decode
+  rows take the kernel's per-32-values integer products (``quant_gemm``'s ``int8_x``, llama.cpp's
+  ``q8_1`` rounding) and prefill keeps float x. "auto" times the packed kernel for the 4-bit
+  paths, so a plan whose 4-bit weights do not pack keeps float x for them.
 
 Which is faster depends on the CPU (VNNI, AMX, whether 4-bit unpacking or memory bounds a
 product) and on the shapes, so "auto" times both ways of each path on the plan's own MLP shapes
@@ -269,8 +270,8 @@ def pack_weights(plan: Plan, weights: Weights) -> Weights:
     - the layers' 4-bit weights in groups of 32 (int4 of group 32, Q4_0, Q4_1; N a multiple of
       16; ``quant.pack_int4``) when 4-bit weights take int8 x at its decode rows and at prefill
       rows (:meth:`Int8Paths.packs_int4`); an LM head keeps its layout (a tied embedding reads
-      it). SmolLM2's 210 Q4_1 layer products, one row, weights from memory: 3.8 ms packed, 4.7
-      through ``quant_gemm``'s int8 x (docs/performance.md)."""
+      it). SmolLM2's 210 Q4_1 layer products, one row, weights from memory: 3.1-3.3 ms packed,
+      4.7 through ``quant_gemm``'s int8 x (docs/performance.md)."""
     inf = plan.inference
     if inf.device != "cpu" or not library.small_gemm_available():
         return weights
@@ -295,4 +296,16 @@ def plan_int8_paths(plan: Plan) -> Int8Paths:
     inf, model = plan.inference, plan.model
     if inf.device != "cpu":
         return FLOAT_PATHS
-    return int8_paths(inf.activation_format, model.hidden_size, model.intermediate_size, inf.batch_size)
+    paths = int8_paths(inf.activation_format, model.hidden_size, model.intermediate_size, inf.batch_size)
+    if inf.activation_format == "auto" and not (packs_four_bit(plan) and paths.packs_int4(inf.batch_size)):
+        # "auto" timed the packed kernel for the 4-bit paths, not quant_gemm's int8 x
+        # (0.90-1.06x float x here): weights that stay unpacked keep float x
+        return paths.without("4bit")
+    return paths
+
+
+def packs_four_bit(plan: Plan) -> bool:
+    """Whether ``plan``'s 4-bit weights are of a packable kind (``quant.packable_int4``): a GGUF's
+    kept Q4_0 / Q4_1 blocks, or int4 in groups of 32."""
+    inf = plan.inference
+    return inf.weight_format == "gguf" or (inf.weight_format == "int4" and inf.weight_group_size == quant.GGUF_BLOCK)

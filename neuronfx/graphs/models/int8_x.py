@@ -54,7 +54,6 @@ def _int8_rounded_x(x: Tensor, group_size: int) -> Tensor:
     return rounded.reshape(*x.shape[:-1], kp)[..., :k]
 
 
-
 def _offsets(q: QuantizedWeight, k: int) -> Tensor:
     """float32 (N, k): each weight's offset term (int4: offset, Q4_1: m, Q4_0: -8 d)."""
     if isinstance(q, Int4Weight):

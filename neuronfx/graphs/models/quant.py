@@ -17,8 +17,9 @@ NamedTuples). Shapes give everything else: N = ``data.shape[0]``, K = the input'
   64 bytes) beside its row-major values, made at compile for plans that multiply int8 weights
   by int8 activations (``kernels.activation_choice.pack_weights``).
 - :class:`Int4Packed`: a 4-bit weight in groups of 32 (int4, Q4_0, Q4_1) laid out the same way
-  (16 channels x 8 features per 64 bytes of nibbles), fp32 scales and offsets per (channel,
-  group), made at compile for plans whose 4-bit weights multiply int8 activations.
+  (16 channels x 8 features per 64 bytes of nibbles), each record followed by its scales and
+  offsets (fp16 where they are exactly fp16, as a GGUF's; else fp32), made at compile for plans
+  whose 4-bit weights multiply int8 activations.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class Int4Packed(NamedTuple):
     channels and group g of 32 input features. Bytes [0, 256) are 4 lines of 64, line l holding
     at byte ``4 c + i`` the nibbles of ``q[16 b + c, 32 g + 8 l + i]`` (low) and ``q[16 b + c,
     32 g + 8 l + 4 + i]`` (high), q in [0, 15]; then the 16 channels' scales, then their offsets:
-    float16 (R = 320, GGUF's own d and m) or float32 (R = 384, int4's); ``w = q * scale + offset``
+    float16 (R = 320, where every scale and offset is exactly an fp16, as a GGUF's d and m) or
+    float32 (R = 384: int4's, or a Q4_0 whose -8 d overflows fp16); ``w = q * scale + offset``
     (Q4_0's offset is -8 d). One record per (block, group) keeps a block one memory stream.
     Made by :func:`pack_int4` for plans whose 4-bit weights multiply int8 activations
     (``kernels.activation_choice``), read by ``library.w4a8_packed``; :func:`w4a8_linear`
@@ -239,9 +241,9 @@ def packable_int4(q: QuantizedWeight) -> bool:
 
 
 def pack_int4(q: Int4Weight | Q4_0Blocks | Q4_1Blocks) -> Int4Packed:
-    """A 4-bit weight in groups of 32 -> :class:`Int4Packed`, the same values (GGUF's fp16 scales
-    kept fp16, int4's fp32 kept fp32); ValueError when not :func:`packable_int4` (other group
-    sizes, N not a multiple of 16)."""
+    """A 4-bit weight in groups of 32 -> :class:`Int4Packed`, the same values (scales and
+    offsets stored fp16 when each is exactly an fp16, as a GGUF's, else fp32); ValueError when
+    not :func:`packable_int4` (other group sizes, N not a multiple of 16)."""
     if not packable_int4(q):
         raise ValueError(f"a 4-bit weight packs when its groups are 32 wide and N % {PACK_CHANNELS} == 0; got "
                          f"{type(q).__name__} {tuple(q.data.shape)}")
@@ -250,7 +252,8 @@ def pack_int4(q: Int4Weight | Q4_0Blocks | Q4_1Blocks) -> Int4Packed:
     nb = n // PACK_CHANNELS
     v = values.view(nb, PACK_CHANNELS, groups, 4, 2, 4)  # (b, c, g, l, half, i): feature 8 l + 4 half + i
     nibbles = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(nb, groups, NIBBLE_BYTES)
-    dtype = torch.float32 if isinstance(q, Int4Weight) else torch.float16
+    exact16 = all(torch.equal(t.half().float(), t) for t in (scale, offset))  # Q4_0's -8 d can overflow fp16
+    dtype = torch.float16 if exact16 else torch.float32
 
     def per_block(t: Tensor) -> Tensor:  # (N, G) -> the bytes of (NB, G, 16) in dtype
         return t.to(dtype).reshape(nb, PACK_CHANNELS, groups).transpose(1, 2).contiguous().view(torch.uint8)

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -69,13 +70,15 @@ XRows round_rows(const X* x, int64_t M, int64_t K) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
       float amax = 0.f;
+      bool nan = false;
       for (int64_t k = 0; k < K; ++k) {
         row[k] = static_cast<float>(x[m * K + k]);
-        amax = std::max(amax, std::fabs(row[k]));
+        amax = std::max(amax, std::fabs(row[k]));  // std::max passes NaN over: noted apart
+        nan |= std::isnan(row[k]);
       }
       const float s = amax / 127.f;
       r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
-      r.scale[m] = s;
+      r.scale[m] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
     }
   });
   return r;
@@ -537,13 +540,15 @@ void round_group_rows(const X* x, int64_t M, int64_t K, XGroups& r) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < r.G; ++g) {
         float amax = 0.f;
+        bool nan = false;
         for (int i = 0; i < 32; ++i) {
           row[i] = static_cast<float>(x[m * K + 32 * g + i]);
-          amax = std::max(amax, std::fabs(row[i]));
+          amax = std::max(amax, std::fabs(row[i]));  // std::max passes NaN over: noted apart
+          nan |= std::isnan(row[i]);
         }
         const float s = amax / 127.f;
         r.sum[m * r.G + g] = static_cast<float>(round_row(row, 32, s > 0.f ? s : 1.f, r.q.data() + m * r.kp + 32 * g));
-        r.scale[m * r.G + g] = s;
+        r.scale[m * r.G + g] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
       }
   });
 }
@@ -551,8 +556,8 @@ void round_group_rows(const X* x, int64_t M, int64_t K, XGroups& r) {
 XGroups rounded_groups(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w4a8_packed: x must be float32 or bfloat16, got ",
               x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 32 == 0, "w4a8_packed: x's features must be a positive multiple of 32, got ",
-              x.size(-1));
+  TORCH_CHECK(x.dim() >= 1, "w4a8_packed: x must have a feature dimension");
+  TORCH_CHECK(x.size(-1) > 0 && x.size(-1) % 32 == 0, "w4a8_packed: x's features must be a positive multiple of 32, got ", x.size(-1));
   const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), G = K / 32, kp = (K + 63) / 64 * 64;
   XGroups r{std::vector<int8_t>(M * kp, 0), std::vector<float>(M * G), std::vector<float>(M * G), kp, G};
@@ -675,6 +680,7 @@ void packed4_tile_any(const XGroups& xr, int64_t m0, int64_t mc, const Packed4& 
   NFX_PACKED4_CASE(5, 1) NFX_PACKED4_CASE(6, 1) NFX_PACKED4_CASE(7, 1) NFX_PACKED4_CASE(8, 1)
   NFX_PACKED4_CASE(1, 2) NFX_PACKED4_CASE(2, 2) NFX_PACKED4_CASE(3, 2) NFX_PACKED4_CASE(4, 2)
 #undef NFX_PACKED4_CASE
+  TORCH_CHECK(false, "w4a8_packed: no tile of ", mc, " rows x ", nt, " blocks");  // packed4_rows makes none such
 }
 
 // Blocks [b0, b1) of w against all M rows. Decode rows (up to 8): one block at a time against
@@ -687,7 +693,7 @@ void packed4_tile_any(const XGroups& xr, int64_t m0, int64_t mc, const Packed4& 
 template <typename S>
 void packed4_rows(const XGroups& xr, int64_t M, const Packed4& w, int64_t b0, int64_t b1, float* out, int64_t ld) {
   if (M <= 8) {
-    for (int64_t b = b0; b < b1; ++b) packed4_tile_any<S>(xr, 0, M, w, b, 1, out, ld);
+    for (int64_t b = b0; b < b1 && M > 0; ++b) packed4_tile_any<S>(xr, 0, M, w, b, 1, out, ld);
     return;
   }
   for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
