@@ -180,6 +180,24 @@ def round_linear_inputs(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(hook)
 
 
+def assert_matches(ref: torch.nn.Module, tokens: list, logits: list, plain: torch.nn.Module | None = None) -> float:
+    """Each step's logits of ``PROMPTS`` within 1e-4 of ``ref``'s on the same ids (the plan's
+    greedy tokens appended) and each token ``ref``'s argmax; returns how far ``plain``'s logits
+    (unrounded x) sit from ``ref``'s at most (0 without ``plain``)."""
+    moved = 0.0
+    with torch.no_grad():
+        for row, prompt in enumerate(PROMPTS):
+            ids = list(prompt)
+            for got_token, got in zip(tokens[row], logits[row]):
+                want = ref(torch.tensor([ids])).logits[0, -1]
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+                assert got_token == int(want.argmax())
+                if plain is not None:
+                    moved = max(moved, (plain(torch.tensor([ids])).logits[0, -1] - want).abs().max().item())
+                ids.append(got_token)
+    return moved
+
+
 def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers():
     """A compiled plan of int8 weights with ``activation_format="int8"`` (prefill and decode
     through the integer GEMM, the int8 head packed too) gives the greedy tokens and logits of
@@ -196,16 +214,7 @@ def test_inductor_int8_weights_with_int8_activations_match_rounded_transformers(
     assert isinstance(rt.weights["layers"][0]["gate"], quant.Int8Packed)  # int8 x everywhere: packed for vpdpbusd
     assert isinstance(rt.weights["lm_head"], quant.Int8Packed) and isinstance(rt.weights["embed"], quant.Int8Weight)
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
-    moved = 0.0
-    with torch.no_grad():
-        for row, prompt in enumerate(PROMPTS):
-            ids = list(prompt)
-            for got_token, got in zip(tokens[row], logits[row]):
-                want = ref(torch.tensor([ids])).logits[0, -1]
-                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-                assert got_token == int(want.argmax())
-                moved = max(moved, (plain(torch.tensor([ids])).logits[0, -1] - want).abs().max().item())
-                ids.append(got_token)
+    moved = assert_matches(ref, tokens, logits, plain)
     assert moved > 2e-3  # the rounding is real: float x moves logits by 20x the tolerance (4.5e-3 measured)
     with tempfile.TemporaryDirectory() as d:  # saved and loaded: the packed head's rows stay the embedding's tensor
         neuronfx.save(rt, d)
@@ -268,14 +277,7 @@ def test_inductor_int4_weights_with_int8_activations_match_rounded_transformers(
             module.register_forward_pre_hook(round_groups)
     round_linear_inputs(ref.lm_head)  # the packed int8 head rounds per row
     tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], PROMPTS, 6)
-    with torch.no_grad():
-        for row, prompt in enumerate(PROMPTS):
-            ids = list(prompt)
-            for got_token, got in zip(tokens[row], logits[row]):
-                want = ref(torch.tensor([ids])).logits[0, -1]
-                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-                assert got_token == int(want.argmax())
-                ids.append(got_token)
+    assert_matches(ref, tokens, logits)
     with tempfile.TemporaryDirectory() as d:
         neuronfx.save(rt, d)
         loaded = neuronfx.load(d)

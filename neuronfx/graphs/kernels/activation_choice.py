@@ -156,10 +156,9 @@ def _best(ways: list[Callable[[], object]], repeats: int, flush: torch.Tensor) -
 def measure(hidden: int, intermediate: int, batch_rows: int, repeats: int = REPEATS) -> dict[tuple[str, str], tuple[float, float]]:
     """Best seconds (float x, int8 x) of each path in :data:`AVAILABLE` on random weights of the
     MLP's shapes, gate (intermediate, hidden) and down (hidden, intermediate), :data:`PROBE_LAYERS`
-    copies in a row, summed: int8
-    weights and GGUF Q4_1 (their K and N rounded up to multiples of 32 and 16: the time per
-    weight row is what counts), the 4-bit int8 way packed (``library.w4a8_packed``). Rows: 1, ``batch_rows`` (skipped when 1) and
-    :data:`PREFILL_ROWS`. The int8 weights' way: at decode rows the ``w8a8_gemm`` kernel (which
+    copies in a row, summed: int8 weights and GGUF Q4_1 (K and N rounded up to multiples of 32
+    and 16: the time per weight row is what counts), the 4-bit int8 way packed
+    (``library.w4a8_packed``). Rows: 1, ``batch_rows`` (skipped when 1) and :data:`PREFILL_ROWS`. The int8 weights' way: at decode rows the ``w8a8_gemm`` kernel (which
     rounds x itself); at prefill rows the integer GEMM and output scaling on x rounded beforehand
     (a compiled graph fuses x's rounding into the pass that makes x). Needs the kernel library."""
     g = torch.Generator().manual_seed(0)

@@ -427,6 +427,25 @@ at::Tensor shaped(const at::Tensor& out, const at::Tensor& x) {
   return out.to(x.scalar_type()).view(shape);
 }
 
+// The blocks of up to three weights (each with NB blocks of 16 channels) side by side in one (M,
+// sum N) output, one parallel region over all of them: range(w, b0, b1, out, N) multiplies
+// blocks [b0, b1) of w into its columns.
+template <typename W, typename F>
+at::Tensor side_by_side(const at::Tensor& x, int64_t M, const std::vector<W>& ws, F range) {
+  std::vector<int64_t> start = {0};
+  for (const auto& w : ws) start.push_back(start.back() + w.NB);
+  const int64_t N = 16 * start.back();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, start.back(), 4, [&](int64_t r0, int64_t r1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t b0 = std::max(r0, start[i]) - start[i], b1 = std::min(r1, start[i + 1]) - start[i];
+      if (b0 < b1) range(ws[i], b0, b1, o, N);
+    }
+  });
+  return shaped(out, x);
+}
+
 // Up to three packed weights sharing x (Q, K, V): x rounded once, one parallel region over all
 // their blocks, their columns side by side in one output (M, sum N).
 at::Tensor w8a8_packed_multi(const at::Tensor& x, const at::Tensor& d0, const at::Tensor& s0, const OptT& b0, const OptT& d1,
@@ -439,18 +458,9 @@ at::Tensor w8a8_packed_multi(const at::Tensor& x, const at::Tensor& d0, const at
   std::vector<PackedWeight> ws = {check_packed(K, d0, s0, b0, 0, keep)};
   if (d1) ws.push_back(check_packed(K, *d1, *s1, b1, ws.back().col + 16 * ws.back().NB, keep));
   if (d2) ws.push_back(check_packed(K, *d2, *s2, b2, ws.back().col + 16 * ws.back().NB, keep));
-  std::vector<int64_t> start = {0};
-  for (const auto& w : ws) start.push_back(start.back() + w.NB);
-  const int64_t N = 16 * start.back();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, start.back(), 4, [&](int64_t r0, int64_t r1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t b0 = std::max(r0, start[i]) - start[i], b1 = std::min(r1, start[i + 1]) - start[i];
-      if (b0 < b1) packed_range(xr, M, K / 4, ws[i], b0, b1, o, N);
-    }
+  return side_by_side(x, M, ws, [&](const PackedWeight& w, int64_t b0, int64_t b1, float* o, int64_t N) {
+    packed_range(xr, M, K / 4, w, b0, b1, o, N);
   });
-  return shaped(out, x);
 }
 
 at::Tensor w8a8_packed(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale, const OptT& bias) {
@@ -737,18 +747,7 @@ at::Tensor w4a8_packed_multi(const at::Tensor& x, const at::Tensor& d0, const Op
   std::vector<Packed4> ws = {check_packed4(K, d0, b0, 0, keep)};
   if (d1) ws.push_back(check_packed4(K, *d1, b1, ws.back().col + 16 * ws.back().NB, keep));
   if (d2) ws.push_back(check_packed4(K, *d2, b2, ws.back().col + 16 * ws.back().NB, keep));
-  std::vector<int64_t> start = {0};
-  for (const auto& w : ws) start.push_back(start.back() + w.NB);
-  const int64_t N = 16 * start.back();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, start.back(), 4, [&](int64_t r0, int64_t r1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t c0 = std::max(r0, start[i]) - start[i], c1 = std::min(r1, start[i + 1]) - start[i];
-      if (c0 < c1) packed4_range(xr, M, ws[i], c0, c1, o, N);
-    }
-  });
-  return shaped(out, x);
+  return side_by_side(x, M, ws, [&](const Packed4& w, int64_t b0, int64_t b1, float* o, int64_t N) { packed4_range(xr, M, w, b0, b1, o, N); });
 }
 
 at::Tensor w4a8_packed(const at::Tensor& x, const at::Tensor& data, const OptT& bias) {
