@@ -81,11 +81,9 @@ def int8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x (..., K) float -> (int8 (M, K), float32 (M, 1)) with M the rows of x: each row rounded
     (half to even) to a multiple of its scale ``absmax / 127`` (torchao's dynamic per-token
     activation quantization, ``int8_dynamic_activation_int8_weight``); an all-zero row gets
-    scale 0 and zeros."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    scale = rows.abs().amax(dim=-1, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(rows / safe).clamp(-127, 127).to(torch.int8), scale
+    scale 0 and zeros. One group per row of :func:`int8_groups`."""
+    q, scale = int8_groups(x, x.shape[-1])  # (M, 1, K), (M, 1)
+    return q.view(q.shape[0], -1), scale
 
 
 def w8a8_linear(x: Tensor, q: Int8Weight | Int8Packed, bias: Tensor | None = None) -> Tensor:
