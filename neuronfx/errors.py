@@ -76,3 +76,7 @@ class ArtifactError(NeuronfxError, ValueError):
 
 class TensorParallelError(NeuronfxError, RuntimeError):
     """A tensor-parallel rank failed, died or disagrees with the others (plan or weights)."""
+
+
+class KVCacheFullError(InputError):
+    """A step needs more free KV blocks than the blocks layout has left (``kv_layout="blocks"``)."""

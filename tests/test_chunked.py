@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import neuronfx
 from neuronfx import ChunkBatch, InferenceConfig, PrefillBatch, SamplingParams, chunk_step, prefill_step
 from neuronfx.config.buckets import chunk_buckets, select_bucket
-from neuronfx.config.kv import chunk_access, chunk_positions, chunk_write_slots
+from neuronfx.config.kv import chunk_access, chunk_positions, pad_writes
 from neuronfx.config.masks import chunk_mask
 from neuronfx.errors import (
     BucketOverflowError,
@@ -66,7 +66,8 @@ def test_chunk_positions_mask_and_writes_match_naive(case):
     lens_t = torch.tensor(lens, dtype=torch.int32)
     positions = chunk_positions(torch.tensor(starts, dtype=torch.int32), lens_t, size)
     mask = chunk_mask(positions, bucket)
-    slots = chunk_write_slots(torch.arange(len(lens), dtype=torch.int32), lens_t, size, scratch)
+    # the slots layout: a row's table is [slot], so each real token's block is its slot
+    slots = pad_writes(torch.arange(len(lens))[:, None].expand(len(lens), size), lens_t, scratch)
     assert positions.dtype == torch.int32 and mask.shape == (len(lens), 1, size, bucket)
     for b, row in enumerate(naive_chunk(starts, lens, size, bucket)):
         for t, (pos, real, mask_row) in enumerate(row):

@@ -205,8 +205,8 @@ def test_inference_limits_inclusive():
 # ---------------------------------------------------------------------------------------------
 
 SAMPLER_INPUTS = ("sampling_params", "output_counts", "prompt_mask", "logits_bias", "rand", "token_bitmask")
-PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "prompt_lens", *SAMPLER_INPUTS)
-DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", *SAMPLER_INPUTS)
+PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "block_table", "prompt_lens", *SAMPLER_INPUTS)
+DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", "block_table", *SAMPLER_INPUTS)
 
 
 def test_make_plan_defaults():
@@ -237,6 +237,7 @@ def test_make_plan_defaults():
         TensorSpec("input_ids", (3, 256), "int32"),
         TensorSpec("position_ids", (3, 256), "int32"),
         TensorSpec("seq_ids", (3,), "int32"),
+        TensorSpec("block_table", (3, 1), "int32"),  # the slots layout: one block, the slot
         TensorSpec("prompt_lens", (3,), "int32"),
     ) + sampler
     decode = plan.graph("decode", 3, 512)
@@ -244,6 +245,7 @@ def test_make_plan_defaults():
         TensorSpec("input_ids", (3, 1), "int32"),
         TensorSpec("position_ids", (3, 1), "int32"),
         TensorSpec("seq_ids", (3,), "int32"),
+        TensorSpec("block_table", (3, 1), "int32"),
     ) + sampler
     assert plan.graph("decode", 1, 128).inputs[0] == TensorSpec("input_ids", (1, 1), "int32")
     with pytest.raises(KeyError, match="decode graph for batch size 3 and bucket 300"):

@@ -117,7 +117,8 @@ def test_fused_acceptance_keeps_the_target_distribution():
     zeros = torch.zeros(n, VOCAB)
     inputs = FusedSpeculateInputs(
         input_ids=torch.zeros(n, dtype=torch.int32), position_ids=torch.zeros(n, dtype=torch.int32),
-        seq_ids=torch.zeros(n, dtype=torch.int32), draft_seq_ids=torch.zeros(n, dtype=torch.int32), sampling_params=params,
+        seq_ids=torch.zeros(n, dtype=torch.int32), draft_seq_ids=torch.zeros(n, dtype=torch.int32),
+        block_table=torch.zeros(n, 1, dtype=torch.int32), draft_block_table=torch.zeros(n, 1, dtype=torch.int32), sampling_params=params,
         draft_sampling_params=params, output_counts=counts, prompt_mask=prompt_mask, logits_bias=zeros,
         stop_mask=zeros.bool(), min_tokens_left=torch.zeros(n, dtype=torch.int32), draft_rand=torch.zeros(n, k - 1),
         accept_rand=torch.rand(n, k - 1, generator=g), final_rand=torch.rand(n, k, generator=g))

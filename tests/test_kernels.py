@@ -26,6 +26,7 @@ from neuronfx.graphs.kernels.library import (
     small_glu,
     topk_rows,
 )
+from neuronfx.graphs.models.kv_rows import load_rows, store_rows
 
 CPU_OPS = cpu_kernel_ops("float32")
 linear = CPU_OPS.linear
@@ -160,16 +161,32 @@ def test_small_gemm_multi_rejects_mismatched_weights() -> None:
         small_gemm_multi(x, [torch.randn(8, 64), torch.randn(8, 64).bfloat16()], [None, None])
 
 
-def naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+def naive_rows(cache: torch.Tensor, block_table: torch.Tensor, bucket: int) -> torch.Tensor:
+    """(B, H_kv, bucket, W) stored rows of each row's first ``bucket`` positions, copied one
+    position at a time: position j of row b is block ``block_table[b, j // block_size]``, offset
+    ``j % block_size``."""
+    bs = cache.shape[2]
+    rows = [torch.stack([cache[int(block_table[b, j // bs]), :, j % bs] for j in range(bucket)], dim=1)
+            for b in range(block_table.shape[0])]
+    return torch.stack(rows)
+
+
+def naive_window(cache: torch.Tensor, block_table: torch.Tensor, bucket: int) -> torch.Tensor:
+    """:func:`naive_rows` as float64 values (int8 rows dequantized with their scale)."""
+    return load_rows(naive_rows(cache, block_table, bucket), torch.float64)
+
+
+def naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     bucket: int, mask: torch.Tensor) -> torch.Tensor:
-    """float64 loops over rows, heads and queries: softmax over the attended positions only."""
+    """float64 loops over rows, heads and queries: softmax over the attended positions only, of
+    the window :func:`naive_window` reads through the block table (B, N)."""
     b, h, t, d = q.shape
     group = h // k_cache.shape[1]
     out = torch.zeros(b, h, t, d, dtype=torch.float64)
+    k_window, v_window = naive_window(k_cache, block_table, bucket), naive_window(v_cache, block_table, bucket)
     for i in range(b):
         for head in range(h):
-            keys = k_cache[seq_ids[i], head // group, :bucket].double()
-            values = v_cache[seq_ids[i], head // group, :bucket].double()
+            keys, values = k_window[i, head // group], v_window[i, head // group]
             for j in range(t):
                 seen = mask[i, 0, j].nonzero()[:, 0]
                 scores = keys[seen] @ q[i, head, j].double() / d**0.5
@@ -196,8 +213,8 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
     fns = {"fused": fused_cached_attention, "reference": gathered_attention, "kernel": kernel_cached_attention,
            "fused-compiled": torch.compile(fused_cached_attention, fullgraph=True, dynamic=False),
            "kernel-compiled": torch.compile(kernel_cached_attention, fullgraph=True, dynamic=False)}
-    out = fns[op](q, k_cache, v_cache, seq_ids, 32, mask)
-    ref = naive_attention(q, k_cache, v_cache, seq_ids, 32, mask)
+    out = fns[op](q, k_cache, v_cache, seq_ids[:, None], 32, mask)
+    ref = naive_attention(q, k_cache, v_cache, seq_ids[:, None], 32, mask)
     assert out.dtype == dtype and out.shape == (batch, 6, tokens, 16)
     # fp32 math throughout (the reference op: SDPA in the input dtype, so bf16 rounds inside too);
     # bf16 rounds the output once (relative 2**-8 of values of O(1)).
@@ -220,20 +237,120 @@ def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dty
         k_cache[s, :, :37][:, hidden[i]] = float("nan")
         v_cache[s, :, :37][:, hidden[i]] = float("nan")
     q = torch.randn(2, 4, 3, 20, generator=g)
-    out = kernel_cached_attention(q, k_cache, v_cache, seq_ids, 37, mask)
-    ref = naive_attention(q, k_cache, v_cache, seq_ids, 37, mask)
+    out = kernel_cached_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask)
+    ref = naive_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask)
     ref[1, :, 2] = 0.0  # the naive softmax over no positions is NaN; the kernel's answer is zeros
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
 
 
 def test_cached_attention_kernel_rejects_bad_inputs() -> None:
     q, cache, mask = torch.randn(1, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.ones(1, 1, 1, 8, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match=r"slot 2 out of \[0, 2\)"):
-        kernel_cached_attention(q, cache, cache, torch.tensor([2]), 8, mask)
-    with pytest.raises(RuntimeError, match="mask covers 9 positions, cache holds 8"):
-        kernel_cached_attention(q, cache, cache, torch.tensor([0]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 0\] = 2 is out of \[0, 2\)"):
+        kernel_cached_attention(q, cache, cache, torch.tensor([[2]]), 8, mask)
+    with pytest.raises(RuntimeError, match=r"mask covers 9 positions, block table holds 8 \(1 blocks of 8\)"):
+        kernel_cached_attention(q, cache, cache, torch.tensor([[0]]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
-        kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([0]), 8, mask)
+        kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([[0]]), 8, mask)
+
+
+BLOCK_CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+BLOCK_POSITIONS = 37  # not a multiple of any block size below: every row's last block is partly used
+
+
+def paged_case(cache_dtype: torch.dtype, block_size: int, tokens: int,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (3, 6, tokens, 16), K and V caches (num_blocks, 2, block_size, W) of ``cache_dtype``
+    (``kv_rows.store_rows``), a block table (3, N) int32 and a decode mask (3, 1, tokens, 37) of
+    three rows' first 37 positions. Each row's blocks are drawn from a shuffled pool (not in
+    order), rows 0 and 2 share their first block (a common prefix), and the table has two
+    columns more than 37 positions need, pointing at a block of NaN. NaN also fills the
+    positions past 37 in each row's last block and row 1's positions past its last token (which
+    its mask hides): no reader may use any of them."""
+    g = torch.Generator().manual_seed(seed)
+    s, d = BLOCK_POSITIONS, 16
+    count = -(-s // block_size)
+    order = torch.randperm(3 * count + 3, generator=g)
+    table = order[: 3 * count].reshape(3, count)
+    table[2, 0] = table[0, 0]
+    nan_block = order[-1]
+    table = torch.cat([table, nan_block.expand(3, 2)], dim=1).to(torch.int32)
+    empty = torch.empty(0, dtype=cache_dtype)
+    k, v = (store_rows(torch.randn(len(order), 2, block_size, d, generator=g), empty) for _ in range(2))
+    nan = store_rows(torch.full((d,), float("nan")), empty)
+    last = torch.tensor([s - 1, s - 6, s - 3])
+    for cache in (k, v):
+        cache[nan_block] = nan
+        cache[table[:, count - 1].long(), :, s - (count - 1) * block_size:] = nan
+        for j in range(int(last[1]) + 1, s):
+            cache[int(table[1, j // block_size]), :, j % block_size] = nan
+    mask = decode_mask(last[:, None] - tokens + 1 + torch.arange(tokens), s)
+    q = torch.randn(3, 6, tokens, d, generator=g)
+    return q, k, v, table, mask
+
+
+@pytest.mark.parametrize("cache_dtype", BLOCK_CACHE_DTYPES)
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_cached_attention_blocks_match_naive(cache_dtype: torch.dtype, block_size: int, tokens: int) -> None:
+    """The paged layout: the kernel, the fused form and the reference read each row's window
+    through its block table as the naive loop over positions does (fp32 math on the same stored
+    values); the kernel's bits are those of the same rows laid out as one contiguous block per
+    row (the slots layout), with an int64 table, and with the unused columns out of range."""
+    s = BLOCK_POSITIONS
+    q, k, v, table, mask = paged_case(cache_dtype, block_size, tokens, seed=block_size + tokens)
+    ref = naive_attention(q, k, v, table, s, mask)
+    assert torch.isfinite(ref).all()
+    outs = {fn.__name__: fn(q, k, v, table, s, mask) for fn in (kernel_cached_attention, fused_cached_attention, gathered_attention)}
+    for name, out in outs.items():
+        assert out.shape == q.shape and out.dtype == q.dtype, name
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    kernel = outs["kernel_cached_attention"]
+    slots = torch.arange(3, dtype=torch.int32)[:, None]
+    assert torch.equal(kernel_cached_attention(q, naive_rows(k, table, s), naive_rows(v, table, s), slots, s, mask), kernel)
+    assert torch.equal(kernel_cached_attention(q, k, v, table.long(), s, mask), kernel)
+    unused = table.clone()
+    unused[:, -(-s // block_size):] = -1  # never read: only the first ceil(S / block_size) columns are checked
+    assert torch.equal(kernel_cached_attention(q, k, v, unused, s, mask), kernel)
+
+
+@pytest.mark.parametrize(("cache_dtype", "block_size", "tokens"), [(torch.bfloat16, 4, 4), (torch.int8, 16, 1)])
+def test_compiled_fused_cached_attention_reads_blocks(cache_dtype: torch.dtype, block_size: int, tokens: int) -> None:
+    """Inductor's fusion of the block-table gather against the naive loop. Each graph costs
+    2.5-3.5 s of cold compile here, so two: a widened float cache (float32 and fp8 differ only
+    in the cast) and the int8 rows with their scale bytes; the eager form runs every dtype."""
+    q, k, v, table, mask = paged_case(cache_dtype, block_size, tokens, seed=7)
+
+    def fused(*args: object) -> torch.Tensor:  # a code object of its own: dynamo's recompile limit (8) counts per code object
+        return fused_cached_attention(*args)
+
+    out = torch.compile(fused, fullgraph=True, dynamic=False)(q, k, v, table, BLOCK_POSITIONS, mask)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, table, BLOCK_POSITIONS, mask), rtol=0, atol=1e-5)
+
+
+def test_cached_attention_kernel_rejects_bad_block_tables() -> None:
+    q, mask = torch.randn(2, 4, 1, 16), torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    cache = torch.randn(5, 2, 4, 16)  # 5 blocks of 4 positions
+    good = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32)
+    torch.testing.assert_close(kernel_cached_attention(q, cache, cache, good, 10, mask).double(),
+                               naive_attention(q, cache, cache, good, 10, mask), rtol=0, atol=1e-5)
+    for b, c, entry in [(1, 2, 5), (0, 1, -1)]:
+        bad = good.clone()
+        bad[b, c] = entry
+        with pytest.raises(RuntimeError, match=rf"block_table\[{b}, {c}\] = {entry} is out of \[0, 5\)"):
+            kernel_cached_attention(q, cache, cache, bad, 10, mask)
+    with pytest.raises(RuntimeError, match=r"mask covers 10 positions, block table holds 8 \(2 blocks of 4\)"):
+        kernel_cached_attention(q, cache, cache, good[:, :2], 10, mask)
+    six = torch.randn(5, 2, 6, 16)
+    with pytest.raises(RuntimeError, match=r"block_size 6 must be a multiple of 4 .*\(N = 2\)"):
+        kernel_cached_attention(q, six, six, good[:, :2], 10, mask)
+    mask6 = torch.ones(2, 1, 1, 6, dtype=torch.bool)  # one block per row (N = 1): any block size
+    torch.testing.assert_close(kernel_cached_attention(q, six, six, good[:, :1], 6, mask6).double(),
+                               naive_attention(q, six, six, good[:, :1], 6, mask6), rtol=0, atol=1e-5)
+    for table in (torch.tensor([0, 3]), good[:1]):
+        with pytest.raises(RuntimeError, match=r"block_table must be 2-D \(B, N\) with B = 2"):
+            kernel_cached_attention(q, cache, cache, table, 10, mask)
+    with pytest.raises(RuntimeError, match="block_table must be int32 or int64, got Float"):
+        kernel_cached_attention(q, cache, cache, good.float(), 10, mask)
 
 
 @pytest.mark.parametrize(("rows", "vocab", "k"), [(8, 49152, 256), (1, 49152, 20), (3, 300, 300), (2, 17, 1), (5, 1000, 37)])

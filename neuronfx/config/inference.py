@@ -7,7 +7,8 @@ import re
 import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
-from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
+from neuronfx.config.kv_blocks import check_block_options
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -158,6 +159,10 @@ class InferenceConfig:
       stored after its values: about half the bytes of bf16) or "fp8" / "fp8_e4m3" (torch's
       float8_e4m3fn, saturated at +-448). The attention kernels read them directly; prefill
       attends its own fresh K/V, later steps read the stored ones (``config/kv.py``).
+    - ``kv_layout``: "slots" (default: one ``sequence_length`` row per request slot) or
+      "blocks" (paged: blocks of ``kv_block_size`` positions, default 16, handed to requests as
+      they grow; ``config/kv_blocks.py``). ``num_kv_blocks`` or ``kv_cache_memory`` (bytes) bound
+      the blocks (default: what the slots layout would hold); blocks layout only.
     - ``on_device_sampling``: graphs return sampled tokens; ``max_topk`` caps top_k in the graph.
     - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
       20); 0 compiles no logprob outputs.
@@ -247,6 +252,10 @@ class InferenceConfig:
     decode_buckets: tuple[int, ...] | None = attrs.field(default=None, converter=_buckets)
     dtype: str = attrs.field(default="float32", validator=one_of(FLOAT_DTYPES))
     kv_cache_dtype: str = attrs.field(default="auto", converter=canonical_kv_cache_dtype, validator=one_of(KV_CACHE_DTYPES))
+    kv_layout: str = attrs.field(default="slots", validator=one_of(KV_LAYOUTS))
+    kv_block_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    num_kv_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    kv_cache_memory: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
@@ -299,6 +308,7 @@ class InferenceConfig:
         self._check_activations()
         self._check_cuda()
         self._check_embed()
+        self._check_kv_layout()
         _check_prefix_caching(self)
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
@@ -365,6 +375,18 @@ class InferenceConfig:
         if given:
             raise ConfigError(f"task='embed' with {', '.join(given)}: an embedding plan runs whole prompts through embed graphs "
                               "on one rank, without generation options; drop them or use task='generate'.")
+
+    def _check_kv_layout(self) -> None:
+        """The blocks layout's options (``config.kv_blocks.check_block_options``), and what it
+        does not run with yet: the neuron backend, prefix caching, embedding plans."""
+        check_block_options(self.kv_layout, self.kv_block_size, self.num_kv_blocks, self.kv_cache_memory)
+        if self.kv_layout != "blocks":
+            return
+        given = [f"{name}={getattr(self, name)!r}" for name, on in (
+            ("backend", "neuron"), ("enable_prefix_caching", True), ("task", "embed")) if getattr(self, name) == on]
+        if given:
+            raise ConfigError(f"kv_layout='blocks' with {', '.join(given)}: the blocks layout does not run with it yet; "
+                              "use kv_layout='slots' for it.")
 
     def _check_activations(self) -> None:
         """int8 activations exist only in the inductor backend's products of quantized weights."""

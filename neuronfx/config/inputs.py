@@ -12,7 +12,8 @@ cache (per layer a named K and V, ``neuronfx.graphs.phases.inputs.LayerKV``).
 Symbols: ``B`` rows of the graph (its batch bucket), ``T`` new tokens per row (prefill: the
 prompt bucket; decode and draft: 1; speculate: ``speculation_length``; chunk:
 ``prefill_chunk_size``), ``V`` vocabulary size,
-``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``), ``W`` = ceil(V / 32) words of
+``N`` columns of a block table (``config.kv.KVLayout.max_blocks_per_seq``: 1 in the slots
+layout), ``P`` sampling-parameter columns (``config.sampling.PARAM_COLUMNS``), ``W`` = ceil(V / 32) words of
 a token bitmask, ``D`` draft tokens per row (fused speculation: T - 1).
 
 Modelled on vLLM's ``InputBatch`` (``vllm/v1/worker/gpu/input_batch.py``): a plain record with a
@@ -65,6 +66,7 @@ class PrefillInputs(NamedTuple):
     input_ids: Annotated[Tensor, "B T", "int32", "prompt tokens, right-padded with 0"]  # (B, T)
     position_ids: Annotated[Tensor, "B T", "int32", "position of each token: 0 .. T - 1"]  # (B, T)
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
     prompt_lens: Annotated[Tensor, "B", "int32", "real tokens per row, >= 1 (padding rows: 1)"]  # (B,)
     sampler: SamplerInputs  # the sampler's inputs, one per row
 
@@ -75,6 +77,7 @@ class DecodeInputs(NamedTuple):
     input_ids: Annotated[Tensor, "B T", "int32", "the row's last token (T = 1)"]  # (B, T)
     position_ids: Annotated[Tensor, "B T", "int32", "its position: the slot's cache_len"]  # (B, T)
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
     sampler: SamplerInputs  # the sampler's inputs, one per row
 
 
@@ -85,18 +88,20 @@ class SpeculateInputs(NamedTuple):
     input_ids: Annotated[Tensor, "B T", "int32", "last accepted token, then the k - 1 drafted ones"]  # (B, T)
     position_ids: Annotated[Tensor, "B T", "int32", "cache_len .. cache_len + k - 1"]  # (B, T)
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
 
 
 class ChunkInputs(NamedTuple):
     """Chunk (prefill at an offset): each row's next T prompt tokens written at positions
     [cache_len, cache_len + chunk_len) of its slot, attending the slot's cache plus causal
     within the chunk, right-padded; pad tokens repeat the row's last real position and write to
-    the scratch slot (``config.kv.chunk_write_slots``). The output is sampled at each row's last
+    the scratch block (``config.kv.pad_writes``). The output is sampled at each row's last
     real token."""
 
     input_ids: Annotated[Tensor, "B T", "int32", "the chunk's tokens, right-padded with 0"]  # (B, T)
     position_ids: Annotated[Tensor, "B T", "int32", "cache_len + t; pads repeat the last real one"]  # (B, T)
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
     chunk_lens: Annotated[Tensor, "B", "int32", "real tokens of the chunk, >= 1 (padding rows: 1)"]  # (B,)
     seq_lens: Annotated[Tensor, "B", "int32", "the row's whole prompt length (length-dependent RoPE)"]  # (B,)
     sampler: SamplerInputs  # the sampler's inputs, one per row
@@ -123,6 +128,8 @@ class FusedSpeculateInputs(NamedTuple):
     position_ids: Annotated[Tensor, "B", "int32", "its position: the slot's cache_len (padding rows: 0)"]  # (B,)
     seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
     draft_seq_ids: Annotated[Tensor, "B", "int32", "the row's slot in the drafter's cache (its scratch slot for padding)"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in the target's cache (``PrefillInputs``)"]  # (B, N)
+    draft_block_table: Annotated[Tensor, "B Nd", "int32", "the row's KV blocks in the drafter's cache"]  # (B, Nd)
     sampling_params: Annotated[Tensor, "B P", "float32", "the row's SamplingParams, top_k packed for the target's width"]  # (B, P)
     draft_sampling_params: Annotated[Tensor, "B P", "float32", "the same, top_k packed for the drafter's width"]  # (B, P)
     output_counts: Annotated[Tensor, "B V", "int32", "times the row's request generated each token before the step"]  # (B, V)

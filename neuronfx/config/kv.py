@@ -40,15 +40,27 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: str, head_dim: int) -> str:
     return _STORAGE[kv_cache_dtype]
 
 
+KV_LAYOUTS = ("slots", "blocks")
+"""Values of ``InferenceConfig.kv_layout``: "slots" (NxD's: one contiguous ``sequence_length``
+row per request slot) or "blocks" (paged, vLLM's and NxDI's block layout: fixed-size blocks
+handed to requests as they grow, addressed through a block table per row)."""
+
+
 @attrs.frozen(kw_only=True)
 class KVLayout:
     """Static KV-cache layout: per layer one K and one V of shape
-    [num_slots, num_kv_heads, sequence_length, row_width] in ``dtype``, the stored dtype
+    [num_blocks, num_kv_heads, block_size, row_width] in ``dtype``, the stored dtype
     (:func:`kv_storage_dtype`): ``row_width`` is head_dim, or head_dim + 4 for int8 rows, whose
-    last 4 bytes hold the row's fp32 scale.
+    last 4 bytes hold the row's fp32 scale. Position j of a request lives in block
+    ``table[j // block_size]`` at offset ``j % block_size``, its table being a graph input.
 
-    ``num_slots = batch_size + 1``: the last slot (``scratch_slot``) absorbs the writes of padding
-    rows, so a padded batch never writes into a live or free request slot.
+    - slots layout (the default: ``block_size`` and ``num_blocks`` left None): one block per
+      slot of ``sequence_length`` positions, ``num_blocks = num_slots`` and a request's table is
+      ``[slot]``. ``num_slots = batch_size + 1``: the last slot (``scratch_slot``) absorbs the
+      writes of padding rows, so a padded batch never writes into a live or free request slot.
+    - blocks layout: ``num_blocks`` blocks of ``block_size`` positions, the last one
+      (``scratch_block``) written by padding rows and tokens and pointed at by every table entry
+      a request does not own; ``num_slots`` still counts the request rows of the state.
     """
 
     num_layers: int
@@ -57,6 +69,28 @@ class KVLayout:
     sequence_length: int
     head_dim: int
     dtype: str
+    block_size: int | None = None
+    num_blocks: int | None = None
+
+    @property
+    def paged(self) -> bool:
+        """Whether this is the blocks layout (a table of blocks per request, not one slot)."""
+        return self.block_size is not None
+
+    @property
+    def positions_per_block(self) -> int:
+        """Positions of one block: ``block_size``, or ``sequence_length`` for the slots layout."""
+        return self.sequence_length if self.block_size is None else self.block_size
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks of each K or V tensor, the scratch one included (slots: ``num_slots``)."""
+        return self.num_slots if self.num_blocks is None else self.num_blocks
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """N, the columns of a block table: blocks covering ``sequence_length`` positions (1 for slots)."""
+        return -(-self.sequence_length // self.positions_per_block)
 
     @property
     def row_width(self) -> int:
@@ -65,19 +99,28 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """Shape of each K or V tensor: (num_slots, num_kv_heads, sequence_length, row_width)."""
-        return (self.num_slots, self.num_kv_heads, self.sequence_length, self.row_width)
+        """Shape of each K or V tensor: (total_blocks, num_kv_heads, positions_per_block, row_width)."""
+        return (self.total_blocks, self.num_kv_heads, self.positions_per_block, self.row_width)
 
     @property
     def scratch_slot(self) -> int:
-        """Index of the slot padding rows write to; never holds a request."""
+        """Index of the request row padding rows use; never holds a request."""
         return self.num_slots - 1
+
+    @property
+    def scratch_block(self) -> int:
+        """Index of the block padding rows and pad tokens write to (the slots layout's scratch slot)."""
+        return self.total_blocks - 1
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.positions_per_block * self.row_width * dtype_bytes(self.dtype)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole cache (all layers, K and V)."""
-        n = self.num_slots * self.num_kv_heads * self.sequence_length * self.row_width
-        return 2 * self.num_layers * n * dtype_bytes(self.dtype)
+        return self.total_blocks * self.block_nbytes
 
 
 @attrs.frozen
@@ -146,7 +189,7 @@ def chunk_access(cache_len: int, chunk_len: int, chunk_size: int, bucket: int) -
     tokens per row attending ``bucket`` positions, written from the slot's ``cache_len``.
 
     Writes the row's slot at ``[cache_len, cache_len + chunk_len)`` and nothing else of it: the
-    ``chunk_size - chunk_len`` pad tokens write to the scratch slot (:func:`chunk_write_slots`)
+    ``chunk_size - chunk_len`` pad tokens write to the scratch block (:func:`pad_writes`)
     at the last real position (:func:`chunk_positions`), which is < ``bucket`` <=
     sequence_length, so no write lands past the cache or in a slot a request can see. Reads
     ``[0, bucket)``; the last real token attends ``[0, cache_len + chunk_len)``. Raises
@@ -170,10 +213,10 @@ def chunk_positions(starts: torch.Tensor, chunk_lens: torch.Tensor, chunk_size: 
     return (starts.to(torch.int32)[:, None] + torch.minimum(t[None, :], chunk_lens.to(torch.int32)[:, None] - 1)).contiguous()
 
 
-def chunk_write_slots(seq_ids: torch.Tensor, chunk_lens: torch.Tensor, chunk_size: int, scratch_slot: int) -> torch.Tensor:
-    """Slot each token of a chunk graph writes its K/V to, (B, T = ``chunk_size``) int64: the
-    row's slot ``seq_ids[b]`` for real tokens (t < ``chunk_lens[b]``), the scratch slot for pads,
-    which no request reads. A traced tensor function (no host reads)."""
-    t = torch.arange(chunk_size, device=seq_ids.device)
+def pad_writes(blocks: torch.Tensor, chunk_lens: torch.Tensor, scratch_block: int) -> torch.Tensor:
+    """The block each token of a chunk graph writes its K/V to, (B, T) int64: ``blocks[b, t]``
+    (the row's block at the token's position) for the real tokens (t < ``chunk_lens[b]``), the
+    scratch block for pads, which no request reads. A traced tensor function (no host reads)."""
+    t = torch.arange(blocks.shape[1], device=blocks.device)
     real = t[None, :] < chunk_lens[:, None]  # (B, T)
-    return torch.where(real, seq_ids.long()[:, None], torch.full_like(real, scratch_slot, dtype=torch.long))
+    return torch.where(real, blocks.long(), torch.full_like(blocks, scratch_block, dtype=torch.long))

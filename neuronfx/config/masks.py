@@ -68,6 +68,6 @@ def chunk_mask(position_ids: torch.Tensor, bucket: int, kind: str = "full", size
     window), which is :func:`decode_mask`'s rule, since the chunk's K/V are written before
     attending. Pad tokens (t >= the row's chunk length) repeat the last real position
     (``config.kv.chunk_positions``), so they see exactly what the last real token sees: no pad
-    query row is empty, and no pad key is visible (pads write to the scratch slot,
-    ``config.kv.chunk_write_slots``)."""
+    query row is empty, and no pad key is visible (pads write to the scratch block,
+    ``config.kv.pad_writes``)."""
     return decode_mask(position_ids, bucket, kind, size)

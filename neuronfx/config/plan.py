@@ -9,6 +9,7 @@ from neuronfx.config.buckets import MIN_BUCKET, chunk_buckets, generate_buckets
 from neuronfx.config.inference import InferenceConfig, prefill_limit
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
 from neuronfx.config.kv import KVLayout, kv_storage_dtype
+from neuronfx.config.kv_blocks import block_layout
 from neuronfx.config.model import ModelConfig
 from neuronfx.config.quantization import check_quantization
 from neuronfx.config.sampling import NUM_PARAM_COLUMNS
@@ -127,14 +128,14 @@ PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "spec
 
 
 def step_inputs(phase: str, bucket: int, batch_size: int, vocab_size: int, speculation_length: int = 0,
-                prefill_chunk_size: int = 0) -> tuple[TensorSpec, ...]:
+                prefill_chunk_size: int = 0, max_blocks: int = 1) -> tuple[TensorSpec, ...]:
     """Input specs of one graph, in call order (after weights and KV cache): the tensors of the
     phase's record (``config.inputs``) at B = ``batch_size``, T = new tokens per row (prefill:
     ``bucket``; decode, draft: 1; speculate: ``speculation_length``; chunk:
-    ``prefill_chunk_size``), V = ``vocab_size``."""
+    ``prefill_chunk_size``), V = ``vocab_size``, N = ``max_blocks`` (block-table columns)."""
     tokens = {"bucket": bucket, "speculation_length": speculation_length,
               "prefill_chunk_size": prefill_chunk_size}.get(PHASE_TOKENS[phase], 1)
-    dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS, "W": bitmask_words(vocab_size)}
+    dims = {"B": batch_size, "T": tokens, "V": vocab_size, "P": NUM_PARAM_COLUMNS, "W": bitmask_words(vocab_size), "N": max_blocks}
     return input_specs(PHASE_INPUTS[phase], dims)
 
 
@@ -177,20 +178,32 @@ def make_plan(model: ModelConfig, inference: InferenceConfig, checkpoint: str | 
     prefill, decode = bucket_plan(inference)
     chunks = () if inference.prefill_chunk_size is None else chunk_buckets(inference.prefill_chunk_size, decode)
     batches = batch_bucket_plan(inference)
-    embed = inference.task == "embed"  # embed graphs keep no cache: a one-slot, one-position placeholder
-    kv = KVLayout(num_layers=model.num_hidden_layers, num_slots=1 if embed else inference.batch_size + 1,
-                  num_kv_heads=shard.num_kv_heads, sequence_length=1 if embed else inference.sequence_length,
-                  head_dim=model.head_dim, dtype=kv_storage_dtype(inference.kv_cache_dtype, inference.dtype, model.head_dim))
+    kv = kv_layout(model, inference, shard, (("prefill buckets", prefill), ("decode buckets", decode), ("chunk buckets", chunks)))
     return Plan(
         model=model, inference=inference, batch_buckets=batches, prefill_buckets=prefill, decode_buckets=decode, kv=kv,
-        topk_width=min(inference.max_topk, model.vocab_size), graphs=graph_specs(model, inference, batches, prefill, decode, chunks),
+        topk_width=min(inference.max_topk, model.vocab_size), graphs=graph_specs(model, inference, batches, prefill, decode, chunks,
+                                                                                 kv.max_blocks_per_seq),
         shard=shard, local_model=local_model(model, shard), layout=attention_layout(model), checkpoint=checkpoint, rank=rank,
         chunk_buckets=chunks,
     )
 
 
+def kv_layout(model: ModelConfig, inference: InferenceConfig, shard: RankShard, buckets: tuple) -> KVLayout:
+    """The KV cache of a rank holding ``shard``'s KV heads: slots (an embedding plan keeps no
+    cache: a one-slot, one-position placeholder) or blocks (``config.kv_blocks.block_layout``,
+    ConfigError when ``buckets``' ladders or the budget do not fit its blocks)."""
+    embed = inference.task == "embed"
+    dims = dict(num_layers=model.num_hidden_layers, num_slots=1 if embed else inference.batch_size + 1,
+                num_kv_heads=shard.num_kv_heads, sequence_length=1 if embed else inference.sequence_length,
+                head_dim=model.head_dim, dtype=kv_storage_dtype(inference.kv_cache_dtype, inference.dtype, model.head_dim))
+    if inference.kv_layout == "slots":
+        return KVLayout(**dims)
+    return block_layout(**dims, block_size=inference.kv_block_size, num_kv_blocks=inference.num_kv_blocks,
+                        kv_cache_memory=inference.kv_cache_memory, buckets=buckets)
+
+
 def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],
-                decode: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[GraphSpec, ...]:
+                decode: tuple[int, ...], chunks: tuple[int, ...], max_blocks: int = 1) -> tuple[GraphSpec, ...]:
     """One GraphSpec per (phase, batch bucket, length bucket), in that order: prefill and decode,
     speculate with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets;
     an embedding plan (``task="embed"``): embed graphs over the prefill buckets only."""
@@ -203,7 +216,8 @@ def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[i
         phases.append(("chunk", chunks))
     return tuple(
         GraphSpec(phase=phase, bucket=k, batch_size=b,
-                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length, inference.prefill_chunk_size or 0))
+                  inputs=step_inputs(phase, k, b, model.vocab_size, inference.speculation_length, inference.prefill_chunk_size or 0,
+                                     max_blocks))
         for phase, ladder in phases
         for b in batches
         for k in ladder

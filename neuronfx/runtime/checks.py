@@ -24,6 +24,7 @@ from neuronfx.errors import (
     SlotError,
     TokenOutOfVocabError,
 )
+from neuronfx.runtime.blocks import check_blocks
 from neuronfx.runtime.runtime import Runtime, check_state
 from neuronfx.runtime.state import State
 from neuronfx.runtime.structured import check_constraints
@@ -138,6 +139,15 @@ def check_room(state: State, seq_ids: Sequence[int], tokens: int, sequence_lengt
                 f"slot {s} holds {state.cache_lens[s]} tokens and this step writes {tokens} more > sequence_length="
                 f"{sequence_length}; {fix}"
             )
+
+
+def check_kv_blocks(runtime: Runtime, state: State, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
+    """Raise KVCacheFullError when rows writing positions [starts[b], ends[b]) of ``slots[b]``
+    need more free KV blocks than the blocks layout has (the draft runtime's cache too, when it
+    has its own); nothing for the slots layout (``blocks.check_blocks``)."""
+    check_blocks(runtime.plan, state.blocks, slots, starts, ends)
+    if runtime.draft is not None:
+        check_blocks(runtime.draft.plan, state.draft.blocks, slots, starts, ends)
 
 
 def check_decode(runtime: Runtime, state: State, batch: object, kind: type) -> None:

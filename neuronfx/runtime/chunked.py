@@ -19,7 +19,16 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import EmptyPromptError, InputError, PromptTooLongError, SlotError
-from neuronfx.runtime.checks import check_batch, check_params, check_rows, check_slot_ids, check_token_ids, row_values, token_rows
+from neuronfx.runtime.checks import (
+    check_batch,
+    check_kv_blocks,
+    check_params,
+    check_rows,
+    check_slot_ids,
+    check_token_ids,
+    row_values,
+    token_rows,
+)
 from neuronfx.runtime.pipeline import StepOutput, plan_rows, row_sampler, run_rows, token_step
 from neuronfx.runtime.prompt_logprobs import step_prompt_logprobs
 from neuronfx.runtime.runtime import Runtime, check_state
@@ -82,8 +91,10 @@ def check_chunk_batch(runtime: Runtime, state: State, batch: ChunkBatch) -> None
         if state.live[s] and state.generated[s]:
             raise SlotError(f"slot {s} is decoding (it generated {state.generated[s]} tokens); a chunk goes to a free slot "
                             "or to a live one whose prompt is still being prefilled (generated 0).")
-    for b, start in enumerate(chunk_starts(state, batch.seq_ids)):
+    starts = chunk_starts(state, batch.seq_ids)
+    for b, start in enumerate(starts):
         _check_chunk(runtime, b, batch, start)
+    check_kv_blocks(runtime, state, batch.seq_ids, starts, [s + len(c) for s, c in zip(starts, batch.chunks)])
     check_params(runtime, batch.sampling)
     check_constraints(batch.constraints, batch.sampling)
 
@@ -160,7 +171,7 @@ def chunk(runtime: Runtime, state: State, batch: ChunkBatch) -> tuple[StepOutput
         mask[b, list(tokens)] = True
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(slots), fresh_mask=mask,
                                constraints=batch.constraints)
-    out = run_rows(runtime, state.kv, rows, sampler)
+    out = run_rows(runtime, state, rows, sampler)
     ends = [p + len(c) for p, c in zip(starts, batch.chunks)]
     scored = step_prompt_logprobs(out, batch.chunks, starts, batch.sampling, batch.next_tokens)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, ends, fresh_mask=mask, keep=batch.final,

@@ -17,7 +17,6 @@ import attrs
 import torch
 
 from neuronfx.config.sampling import SamplingParams
-from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.graphs.phases.sampling import sample
 from neuronfx.runtime.acceptance import Proposal, RowFacts, Uniforms, position_sampler
 from neuronfx.runtime.batch import sampler_inputs
@@ -47,9 +46,9 @@ class Drafter:
     phase: str
     own_cache: bool
 
-    def kv(self, state: State) -> KVCache:
-        """The KV cache this drafter writes in ``state``."""
-        return state.draft.kv if self.own_cache else state.kv
+    def state(self, state: State) -> State:
+        """The state whose KV cache (and blocks) this drafter writes: ``state.draft`` or ``state``."""
+        return state.draft if self.own_cache else state
 
 
 def drafter_of(runtime: Runtime) -> Drafter:
@@ -100,7 +99,7 @@ def draft_position(runtime: Runtime, drafter: Drafter, state: State, rows: RowFa
     target = position_sampler(runtime, rows, proposal.tokens, i, rand, mask)
     sampler = sampler_inputs(drt, rows.params, target.output_counts, target.prompt_mask, target.logits_bias, target.rand,
                              step.bsz, mask)
-    out = run_rows(drt, drafter.kv(state), step, sampler)
+    out = run_rows(drt, drafter.state(state), step, sampler)
     if not drt.plan.inference.on_device_sampling:  # the draft's tokens from its logits, on the host
         out = out | sample(out["logits"], sampler, drt.plan.topk_width, 0)
     for row, t in zip(proposal.tokens, out["tokens"][:n].tolist()):

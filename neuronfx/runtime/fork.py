@@ -9,8 +9,10 @@ sampling stream. So n choices cost one prefill plus one decode row each, where n
 n times the prompt (vLLM gets the same from prefix caching: its child requests share the
 prompt's cached blocks and recompute the last token).
 
-A copy, not shared blocks: slots hold contiguous caches (``State.kv``), and a copy of L - 1
-positions per layer is one strided memory copy, far cheaper than the prompt's prefill.
+In the slots layout a copy: slots hold contiguous caches (``State.kv``), and a copy of L - 1
+positions per layer is one strided memory copy, far cheaper than the prompt's prefill. In the
+blocks layout the choices share the prompt's blocks by reference (``blocks.share``); the first
+write into a shared block copies it (``blocks.reserve``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from neuronfx.config.sampling import MAX_SEED, SamplingParams
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.inputs import KVCache
+from neuronfx.runtime.blocks import share
 from neuronfx.runtime.pipeline import StepOutput, commit
 from neuronfx.runtime.requests import Progress, Queue, Request
 from neuronfx.runtime.runtime import Runtime
@@ -83,7 +86,10 @@ def _fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput,
     """The target's fork: copy, start the rows' requests holding L - 1 prompt tokens (prompt
     masks, zero counts), then decode their last prompt token."""
     lengths = [len(p) - 1 for p in batch.prompts]
-    copy_prompt_kv(state.kv, batch.sources, batch.seq_ids, lengths)
+    if state.blocks is None:
+        copy_prompt_kv(state.kv, batch.sources, batch.seq_ids, lengths)
+    for src, dst, n in zip(batch.sources, batch.seq_ids, lengths):  # the blocks layout shares them (copy on write)
+        share(runtime.plan, state.blocks, src, dst, n)
     mask = torch.zeros(len(batch.seq_ids), runtime.plan.model.vocab_size, dtype=torch.bool)
     for b, prompt in enumerate(batch.prompts):
         mask[b, list(prompt)] = True

@@ -31,6 +31,7 @@ from neuronfx.graphs.phases.sampling import sample
 from neuronfx.graphs.phases.speculation import accept_rows, position_sampler, stack_positions, with_drafts
 from neuronfx.runtime.acceptance import RowFacts, Uniforms
 from neuronfx.runtime.batch import dense_record, logits_bias, pad, pad_rows, stop_ids
+from neuronfx.runtime.blocks import BlockTables, table_rows
 from neuronfx.runtime.runtime import Runtime
 
 Tensor = torch.Tensor
@@ -42,11 +43,13 @@ def batch_rows(runtime: Runtime, drafter: Runtime, n: int) -> tuple[int, int]:
 
 
 def fused_inputs(runtime: Runtime, drafter: Runtime, rows: RowFacts, x0: Sequence[int], starts: Sequence[int],
-                 u: Uniforms) -> FusedSpeculateInputs:
+                 u: Uniforms, blocks: BlockTables | None, draft_blocks: BlockTables | None) -> FusedSpeculateInputs:
     """The step's record for the n rows of ``rows`` (last tokens ``x0``, cache_lens ``starts``,
     uniforms ``u``), padded to the larger of the two batch buckets with greedy rows in each
     runtime's scratch slot. ``drafter``: the runtime whose graphs draft (``runtime`` itself for
-    self-speculation; a draft runtime holds the same slots)."""
+    self-speculation; a draft runtime holds the same slots). ``blocks`` / ``draft_blocks``: the
+    two states' block tables (``blocks.table_rows``; None for the slots layout), already
+    holding every position the step writes."""
     n, model = len(rows.slots), runtime.plan.model
     size = max(batch_rows(runtime, drafter, n))
     params = list(rows.params) + [SamplingParams()] * (size - n)
@@ -61,6 +64,8 @@ def fused_inputs(runtime: Runtime, drafter: Runtime, rows: RowFacts, x0: Sequenc
     return FusedSpeculateInputs(
         input_ids=ints(x0, 0), position_ids=ints(starts, 0), seq_ids=ints(rows.slots, runtime.plan.kv.scratch_slot),
         draft_seq_ids=ints(rows.slots, drafter.plan.kv.scratch_slot),
+        block_table=table_rows(runtime.plan, blocks, rows.slots, size),
+        draft_block_table=table_rows(drafter.plan, draft_blocks, rows.slots, size),
         sampling_params=torch.tensor(pack_sampling(params, runtime.plan.topk_width), dtype=torch.float32),
         draft_sampling_params=torch.tensor(pack_sampling(params, drafter.plan.topk_width), dtype=torch.float32),
         output_counts=pad_rows(rows.counts, size), prompt_mask=pad_rows(rows.prompt_mask, size),
@@ -93,7 +98,8 @@ def fused_step(runtime: Runtime, drafter: Runtime, phase: str, kv: KVCache, draf
         x = to_device(inputs, plan_device(plan))
         ids, logits, targets, drawn = draft_all(runtime, drafter, phase, kv if phase == "draft" else draft_kv, x, dbsz, top)
         verify = SpeculateInputs(input_ids=ids[:bsz], position_ids=(x.position_ids[:, None] + torch.arange(k, dtype=torch.int32,
-                                 device=ids.device))[:bsz], seq_ids=x.seq_ids[:bsz])
+                                 device=ids.device))[:bsz], seq_ids=x.seq_ids[:bsz],
+                                 block_table=x.block_table[:bsz])
         bucket = select_bucket(plan.decode_buckets, top + k, "attended KV length")
         verified = runtime.graphs[("speculate", bsz, bucket)](runtime.weights, kv, dense_record(verify))["logits"][:n]
         tokens, emitted = accept_rows(
@@ -138,6 +144,6 @@ def draft_pass(drafter: Runtime, phase: str, kv: KVCache, x: FusedSpeculateInput
     in the smallest KV bucket that holds the longest row's, sampled with ``sampler``."""
     rows = sampler.rand.shape[0]
     record = DecodeInputs(input_ids=token[:rows, None], position_ids=(x.position_ids + i)[:rows, None],
-                          seq_ids=x.draft_seq_ids[:rows], sampler=sampler)
+                          seq_ids=x.draft_seq_ids[:rows], block_table=x.draft_block_table[:rows], sampler=sampler)
     bucket = select_bucket(drafter.plan.decode_buckets, top + i + 1, "attended KV length")
     return drafter.graphs[(phase, rows, bucket)](drafter.weights, kv, dense_record(record))

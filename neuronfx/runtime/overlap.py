@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 
 from neuronfx.errors import InputError, StateConsumedError
+from neuronfx.runtime.blocks import BlockTables
 from neuronfx.runtime.delivery import Ran, deliver, record
 from neuronfx.runtime.prefix import drop
 from neuronfx.runtime.prefix_pool import PrefixCache
@@ -68,6 +69,8 @@ class Pending:
     - ``retire``: requests a stop string ended while it ran: cached and freed after it.
     - ``aborted``: requests aborted while it ran: freed after it (no caching).
     - ``launched``: ``time.perf_counter()`` at launch.
+    - ``blocks``: the launched state's block tables (blocks KV layout; the same host tensors the
+      iteration updates: read them for a gauge only), or None.
     """
 
     runtime: Runtime
@@ -75,6 +78,7 @@ class Pending:
     live: tuple[bool, ...]
     prefix: PrefixCache | None
     launched: float
+    blocks: BlockTables | None = None
     retire: tuple[Progress, ...] = ()
     aborted: tuple[Progress, ...] = ()
     _future: Future = attrs.field(alias="future")  # -> (tuple[Ran, ...], State) of scheduler.execute
@@ -121,7 +125,8 @@ def launch(runtime: Runtime, state: State, iteration: Iteration) -> Pending:
     held = advance(state, cache_lens=state.cache_lens, generated=state.generated, live=state.live, rng_key=state.rng_key)
     admitted = {r.slot for r in (*iteration.prefill, *([iteration.chunk] if iteration.chunk else ()))}
     return Pending(runtime=runtime, iteration=iteration, live=tuple(on or s in admitted for s, on in enumerate(state.live)),
-                   prefix=state.prefix, launched=time.perf_counter(), future=_WORKER.submit(execute, runtime, held, iteration))
+                   prefix=state.prefix, launched=time.perf_counter(), blocks=state.blocks,
+                   future=_WORKER.submit(execute, runtime, held, iteration))
 
 
 def defer(pending: Pending, retire: Sequence[Progress] = (), aborted: Sequence[Progress] = ()) -> Pending:
@@ -190,10 +195,11 @@ def overlap_abort(runtime: Runtime, flight: Flight, queue: Queue, index: int) ->
     InputError for an index that is neither waiting nor running."""
     if isinstance(flight, State) or any(i == index for i, _ in queue.waiting):
         return abort(runtime, flight, queue, index)
-    for run in queue.running + queue.prefilling:
+    for run in queue.running + queue.prefilling + queue.preempted:
         if run.index == index:
             return defer(flight, aborted=[run]), attrs.evolve(queue, running=tuple(r for r in queue.running if r.index != index),
-                                                               prefilling=tuple(r for r in queue.prefilling if r.index != index))
+                                                               prefilling=tuple(r for r in queue.prefilling if r.index != index),
+                                                               preempted=tuple(r for r in queue.preempted if r.index != index))
     raise InputError(f"request index {index!r} is neither waiting nor running; nothing to abort.")
 
 

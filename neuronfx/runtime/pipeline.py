@@ -20,9 +20,9 @@ from neuronfx.config.buckets import select_bucket
 from neuronfx.config.inputs import PHASE_INPUTS, SamplerInputs
 from neuronfx.config.kv import chunk_positions
 from neuronfx.config.sampling import SamplingParams
-from neuronfx.graphs.phases.inputs import KVCache
 from neuronfx.graphs.phases.sampling import sample
 from neuronfx.runtime.batch import call_graph, draws, logits_bias, pad, sampler_inputs
+from neuronfx.runtime.blocks import reserve, table_rows
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance
 from neuronfx.runtime.structured import Constraints, token_bitmask
@@ -93,13 +93,14 @@ def plan_rows(runtime: Runtime, phase: str, buckets: Sequence[int], slots: Seque
                 bucket=bucket, seq_lens=seq_lens)
 
 
-def step_inputs(runtime: Runtime, rows: Rows, sampler: SamplerInputs | None) -> tuple:
+def step_inputs(runtime: Runtime, rows: Rows, sampler: SamplerInputs | None, block_table: Tensor) -> tuple:
     """The phase's step-input record (``config.inputs.PHASE_INPUTS``) for ``rows``, every field
     filled by name: ``input_ids`` (B, T) int32 right-padded with 0; ``position_ids`` (B, T)
     int32, start + t, pads repeating the row's last real position (``config.kv.chunk_positions``);
     ``seq_ids`` (B,) int32, padding rows in the scratch slot; ``prompt_lens`` / ``chunk_lens``
     (B,) int32 real tokens per row (padding rows: 1); ``seq_lens`` (B,) int32 whole prompt
-    lengths; ``sampler`` as given (None for phases without one)."""
+    lengths; ``block_table`` (B, N) int32 as given (``blocks.table_rows``); ``sampler`` as given
+    (None for phases without one)."""
     record, n, bsz, width = PHASE_INPUTS[rows.phase], len(rows.slots), rows.bsz, rows.width
     lens = torch.tensor(pad([len(t) for t in rows.tokens], bsz, 1), dtype=torch.int32)
     # One position rule for every phase: a pad's position feeds only its own RoPE and its write
@@ -114,15 +115,20 @@ def step_inputs(runtime: Runtime, rows: Rows, sampler: SamplerInputs | None) -> 
         "chunk_lens": lambda: lens,
         "seq_lens": lambda: torch.tensor(pad(rows.seq_lens or [s + len(t) for s, t in zip(rows.starts, rows.tokens)], bsz, 1),
                                          dtype=torch.int32),
+        "block_table": lambda: block_table,
         "sampler": lambda: sampler,
     }
     return record(*(make[name]() for name in record._fields))
 
 
-def run_rows(runtime: Runtime, kv: KVCache, rows: Rows, sampler: SamplerInputs | None = None) -> dict[str, Tensor]:
-    """Build ``rows``' inputs and run their graph on ``kv`` (updated in place); the graph's
-    outputs on the host (``batch.call_graph``)."""
-    return call_graph(runtime, kv, rows.phase, rows.bsz, rows.bucket, step_inputs(runtime, rows, sampler))
+def run_rows(runtime: Runtime, state: State, rows: Rows, sampler: SamplerInputs | None = None) -> dict[str, Tensor]:
+    """Give ``rows`` the KV blocks their writes need (``blocks.reserve``; the blocks layout),
+    build their inputs and run their graph on ``state``'s KV cache (updated in place); the
+    graph's outputs on the host (``batch.call_graph``)."""
+    plan = runtime.plan
+    reserve(plan, state.kv, state.blocks, rows.slots, rows.starts, [s + len(t) for s, t in zip(rows.starts, rows.tokens)])
+    table = table_rows(plan, state.blocks, rows.slots, rows.bsz)
+    return call_graph(runtime, state.kv, rows.phase, rows.bsz, rows.bucket, step_inputs(runtime, rows, sampler, table))
 
 
 def row_sampler(runtime: Runtime, state: State, rows: Rows, params: Sequence[SamplingParams], generated: Sequence[int],

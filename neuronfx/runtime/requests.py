@@ -88,7 +88,8 @@ class Queue:
     oldest first: :func:`submit` keeps the order, so every reader of the head follows it),
     running ones (in slot-admission order), the one whose prompt is being prefilled in chunks
     (at most one; it holds a slot and has no token yet) and seconds spent in each phase
-    (chunks count as prefill). ``grammars``: the compiled-grammar cache structured requests are
+    (chunks count as prefill); with the blocks KV layout, the requests preempted (their blocks
+    taken back, ``runtime/preempt.py``; they keep their slots) and how many evictions happened. ``grammars``: the compiled-grammar cache structured requests are
     checked with at submit and get their matchers from at admission (``runtime/structured.py``;
     ``scheduler.step`` makes one from its tokenizer when a structured request waits and there
     is none)."""
@@ -99,11 +100,13 @@ class Queue:
     decode_s: float = 0.0
     prefilling: tuple[Progress, ...] = ()
     grammars: Grammars | None = None
+    preempted: tuple[Progress, ...] = ()  # evicted from their KV blocks (blocks layout), to resume first
+    preemptions: int = 0  # evictions so far
 
     @property
     def idle(self) -> bool:
-        """Whether no request waits, runs or is being prefilled."""
-        return not self.waiting and not self.running and not self.prefilling
+        """Whether no request waits, runs, is being prefilled or is preempted."""
+        return not self.waiting and not self.running and not self.prefilling and not self.preempted
 
 
 def check_budget(runtime: Runtime, index: int, prompt_len: int, max_tokens: int) -> None:
@@ -188,7 +191,7 @@ def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None =
     ``priority`` value (:func:`queued`). Raises InputError for an index in use, a priority that
     is not an int or, without ``runtime``, no max_tokens; ``queue`` is a value and stays as it
     was when anything raises."""
-    if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running + queue.prefilling):
+    if any(i == index for i, _ in queue.waiting) or any(r.index == index for r in queue.running + queue.prefilling + queue.preempted):
         raise InputError(f"request index {index!r} is already queued or running; give each request its own index.")
     if runtime is not None:
         check_request(runtime, index, request, queue.grammars)

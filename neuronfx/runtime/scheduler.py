@@ -1,6 +1,7 @@
 """A reference continuous-batching scheduler over the step pipelines: first come, first served
 within a priority (``Request.priority``, vLLM's: a lower value is admitted first; ``submit`` keeps
-``Queue.waiting`` in that order, so "oldest" below means first in it; no preemption).
+``Queue.waiting`` in that order, so "oldest" below means first in it; no preemption but the
+blocks layout's, "KV blocks" below).
 
 Read it as a template for your own. Each iteration (:func:`step`) is vLLM v1's: no decoding
 phase nor prefill phase, each request is scheduled once with the tokens it needs next.
@@ -38,6 +39,14 @@ blocks in when it takes its slot (``prefix.load``) and caches its blocks after i
 (``prefix.store``; an abort in between gives its references back, ``prefix.drop``). A finished
 request's blocks (prompt and generated tokens) are cached before its slot is released
 (``prefix.cache_sequences``, unless the model's RoPE depends on the length).
+
+KV blocks. With ``kv_layout="blocks"`` requests are admitted while their prompts fit the free
+blocks beside what the running requests' next step needs; when a running request needs a
+block and none is free, the newest request is preempted: its blocks go back, it keeps its slot,
+and once blocks are free again its cache is recomputed from its tokens before it decodes on
+(vLLM's recompute preemption, ``preempt.py``; nothing is admitted while one waits). A plan that
+cannot recompute every sequence (no chunk graphs, prompts shorter than ``sequence_length``)
+admits a request only while the blocks hold all it may ever need, and never preempts.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
 from neuronfx.runtime.fork import fork, fork_batch, split_forks
 from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
+from neuronfx.runtime.preempt import block_room, make_room, resume
 from neuronfx.runtime.prefix import cache_sequences, drop, load, outputs_reusable, prefill_reusing, store
 from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
 from neuronfx.runtime.runtime import Runtime, check_state
@@ -70,6 +80,7 @@ class Iteration:
     ``SchedulerOutput``): each request it schedules appears once."""
 
     prefill: tuple[Progress, ...] = ()  # admitted now: whole prompts (prefix caching: from their cached blocks)
+    resume: tuple[Progress, ...] = ()  # preempted requests whose caches are recomputed first (they decode too)
     fork: tuple[Progress, ...] = ()  # admitted now: copying a running or just-prefilled parent's prompt (``fork.py``)
     fork_sources: tuple[int, ...] = ()  # [len(fork)] the slot each fork row copies its prompt from
     chunk: Progress | None = None  # the prompt being chunked, ``computed`` counting this chunk
@@ -165,14 +176,15 @@ def _start_chunked(runtime: Runtime, state: State, queue: Queue) -> tuple[State,
     return state, attrs.evolve(queue, waiting=queue.waiting[1:], prefilling=(run,))
 
 
-def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None) -> tuple[Iteration, State, Queue]:
-    """The prompts an iteration admits or advances within ``budget`` (the module doc's rules);
-    admitted requests join the running ones."""
-    count = len(queue.waiting)
+def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None, speculative: bool) -> tuple[Iteration, State, Queue]:
+    """The prompts an iteration admits or advances within ``budget`` and the free KV blocks
+    (the module doc's rules); admitted requests join the running ones."""
+    count = block_room(runtime, state, queue, speculative)
     if budget is not None and not queue.prefilling:
-        count = _admit_count(runtime, queue, state, budget - len(queue.running))
-        if not count and queue.waiting and state.free_slots:
+        short = _admit_count(runtime, queue, state, budget - len(queue.running))
+        if not short and count and queue.waiting and state.free_slots:
             state, queue = _start_chunked(runtime, state, queue)
+        count = min(count, short)
     if queue.prefilling:
         run, n, queue = _next_chunk(runtime, queue, budget - len(queue.running))
         return Iteration(chunk=run, chunk_len=n), state, queue
@@ -183,16 +195,19 @@ def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None)
 
 
 def plan(runtime: Runtime, state: State, queue: Queue, budget: int | None, speculative: bool) -> tuple[Iteration, State, Queue]:
-    """One iteration's :class:`Iteration` and the (state, queue) it starts from: admission
-    (:func:`_admission`; a chunked prompt's prefix-cache lookup consumes ``state``), then every
+    """One iteration's :class:`Iteration` and the (state, queue) it starts from: the blocks
+    layout's evictions or resumptions (``preempt.make_room``, which consumes ``state``),
+    admission (:func:`_admission`; a chunked prompt's prefix-cache lookup consumes ``state``), then every
     running request's step: refill at the longrope switch, speculate when ``speculative`` and
     it has room (prompt lookup: and its sequence has a match), else decode. Runs no graph."""
-    running = queue.running
-    it, state, queue = _admission(runtime, state, queue, budget)
+    state, queue, resumed = make_room(runtime, state, queue, speculative)
+    running, back = queue.running, {r.slot for r in resumed}  # resumed rows are recomputed, then decode
+    it, state, queue = _admission(runtime, state, queue, budget, speculative)
     switch = rope_switch_refill(runtime)
-    refilled = {r.slot for r in running if state.cache_lens[r.slot] == switch}
-    spec = {r.slot for r in running if r.slot not in refilled and speculative and _can_speculate(runtime, state, r, switch)}
-    return attrs.evolve(it, refill=tuple(r for r in running if r.slot in refilled), speculate=tuple(r for r in running if r.slot in spec),
+    refilled = {r.slot for r in running if r.slot not in back and state.cache_lens[r.slot] == switch}
+    spec = {r.slot for r in running if r.slot not in refilled | back and speculative and _can_speculate(runtime, state, r, switch)}
+    return attrs.evolve(it, resume=resumed, refill=tuple(r for r in running if r.slot in refilled),
+                        speculate=tuple(r for r in running if r.slot in spec),
                         decode=tuple(r for r in running if r.slot not in refilled | spec)), state, queue
 
 
@@ -264,10 +279,13 @@ def _timed(ran: list[Ran], kind: str, rows: tuple[Progress, ...], pipeline: Call
 
 
 def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, ...], State]:
-    """Run ``it``'s steps in order (prefill, chunk, fork, refill, speculate, decode), each with its
+    """Run ``it``'s steps in order (the resumed rows' recompute, prefill, chunk, fork, refill,
+    speculate, decode), each with its
     pipeline (no checks: its requests were checked at submit); (what each ran, the new state).
     ``state`` is consumed."""
     ran: list[Ran] = []
+    if it.resume:
+        state = resume(runtime, state, it.resume)
     if it.prefill:
         pipeline = prefill_reusing if runtime.plan.inference.enable_prefix_caching else prefill
         state = _timed(ran, "prefill", it.prefill, pipeline, runtime, state, _batch("prefill", it.prefill))
@@ -367,16 +385,17 @@ def schedule(
 
 def abort(runtime: Runtime, state: State, queue: Queue, index: int) -> tuple[State, Queue]:
     """Drop request ``index`` (vLLM's ``abort_request``): a waiting one leaves the queue, a
-    running one releases its slot (``state`` is then consumed; a prompt being chunked gives its
+    running (or preempted) one releases its slot (``state`` is then consumed; a prompt being chunked gives its
     prefix-cache references back first). Raises InputError for an index that is neither waiting
     nor running, and what ``check_state`` raises for ``state``, before any change."""
     if any(i == index for i, _ in queue.waiting):
         return state, attrs.evolve(queue, waiting=tuple(w for w in queue.waiting if w[0] != index))
-    for run in queue.running + queue.prefilling:
+    for run in queue.running + queue.prefilling + queue.preempted:
         if run.index == index:
             check_state(runtime, state)
             state = drop(state, [run.prefix]) if run.prefix is not None else state
             return free(runtime, state, [run.slot]), attrs.evolve(
                 queue, running=tuple(r for r in queue.running if r.index != index),
-                prefilling=tuple(r for r in queue.prefilling if r.index != index))
+                prefilling=tuple(r for r in queue.prefilling if r.index != index),
+                preempted=tuple(r for r in queue.preempted if r.index != index))
     raise InputError(f"request index {index!r} is neither waiting nor running; nothing to abort.")

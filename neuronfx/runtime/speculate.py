@@ -37,7 +37,8 @@ from neuronfx.runtime.acceptance import (
     speculation_uniforms,
 )
 from neuronfx.runtime.batch import sampler_inputs
-from neuronfx.runtime.checks import check_decode, check_room, check_token_ids, row_values, token_rows
+from neuronfx.runtime.blocks import reserve
+from neuronfx.runtime.checks import check_decode, check_kv_blocks, check_room, check_token_ids, row_values, token_rows
 from neuronfx.runtime.drafts import GREEDY, Drafter, drafter_of, propose
 from neuronfx.runtime.fused import batch_rows, fused_inputs, fused_step
 from neuronfx.runtime.pipeline import Rows, StepOutput, commit, plan_rows, run_rows
@@ -122,7 +123,7 @@ def catch_up(drafter: Drafter, state: State, rows: RowFacts, drafts: list[list[i
         step = plan_rows(draft, "decode", draft.plan.decode_buckets, slots, [(drafts[r][-1],) for r in full],
                          [dstate.cache_lens[s] + k - 1 for s in slots], width=1)
         zeros = torch.zeros(len(full), draft.plan.model.vocab_size)
-        run_rows(draft, dstate.kv, step, sampler_inputs(draft, [GREEDY] * len(full), zeros.int(), zeros.bool(), zeros,
+        run_rows(draft, dstate, step, sampler_inputs(draft, [GREEDY] * len(full), zeros.int(), zeros.bool(), zeros,
                                                         torch.zeros(len(full)), step.bsz))
 
 
@@ -192,6 +193,8 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     k = runtime.plan.inference.speculation_length
     check_room(state, batch.seq_ids, k, runtime.plan.inference.sequence_length,
                f"speculation writes k={k} positions: decode that row with decode_step instead.")
+    starts = [state.cache_lens[s] for s in batch.seq_ids]
+    check_kv_blocks(runtime, state, batch.seq_ids, starts, [n + k for n in starts])
     return speculate(runtime, state, batch)
 
 
@@ -201,7 +204,7 @@ def verify(runtime: Runtime, state: State, slots: Sequence[int], x0: Sequence[in
     k = runtime.plan.inference.speculation_length
     rows = plan_rows(runtime, "speculate", runtime.plan.decode_buckets, slots, [[x, *d] for x, d in zip(x0, drafts)],
                      [state.cache_lens[s] for s in slots], width=k)
-    return rows, run_rows(runtime, state.kv, rows)["logits"][: len(slots)]
+    return rows, run_rows(runtime, state, rows)["logits"][: len(slots)]
 
 
 @attrs.frozen
@@ -230,8 +233,11 @@ def unfused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBa
 def fused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatch, facts: RowFacts, u: Uniforms) -> Verified:
     """The whole step in one call (``runtime/fused.py``)."""
     n, starts = len(facts.slots), [state.cache_lens[s] for s in facts.slots]
-    inputs = fused_inputs(runtime, drafter.runtime, facts, batch.input_ids, starts, u)
-    out = fused_step(runtime, drafter.runtime, drafter.phase, state.kv, drafter.kv(state), inputs, n, starts,
+    k, dstate = runtime.plan.inference.speculation_length, drafter.state(state)
+    for rt, st in ((runtime, state), (drafter.runtime, dstate)):  # blocks for every position the call may write
+        reserve(rt.plan, st.kv, st.blocks, facts.slots, starts, [s + k for s in starts])
+    inputs = fused_inputs(runtime, drafter.runtime, facts, batch.input_ids, starts, u, state.blocks, dstate.blocks)
+    out = fused_step(runtime, drafter.runtime, drafter.phase, state.kv, drafter.state(state).kv, inputs, n, starts,
                      any(not sp.greedy for sp in facts.params))
     emitted = [out["tokens"][r, :m].tolist() for r, m in enumerate(out["emitted"].tolist())]
     bucket = select_bucket(runtime.plan.decode_buckets, max(starts) + runtime.plan.inference.speculation_length)

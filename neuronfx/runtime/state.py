@@ -15,6 +15,7 @@ from neuronfx.config.plan import Plan
 from neuronfx.config.sampling import MAX_SEED
 from neuronfx.errors import InputError, StateConsumedError, StateMismatchError
 from neuronfx.graphs.phases.inputs import KVCache, empty_kv
+from neuronfx.runtime.blocks import BlockTables, empty_blocks
 from neuronfx.runtime.prefix_pool import PrefixCache, empty_prefix_cache
 
 
@@ -47,6 +48,8 @@ class State:
       this state's: slot s holds the same request in both), else None.
     - ``prefix``: the prefix cache (its block pool, updated in place like ``kv``, and the
       store's bookkeeping value) when the plan has ``enable_prefix_caching``, else None.
+    - ``blocks``: the block manager's tables and reference counts (``runtime/blocks.py``, host
+      tensors updated in place like ``output_counts``) for ``kv_layout="blocks"``, else None.
     """
 
     kv: KVCache
@@ -59,6 +62,7 @@ class State:
     plan_key: int
     draft: State | None = None
     prefix: PrefixCache | None = None
+    blocks: BlockTables | None = None
     _lease: Lease = attrs.field(factory=Lease, alias="lease")
 
     @property
@@ -104,6 +108,7 @@ def empty_state(plan: Plan, seed: int = 0, draft: State | None = None) -> State:
         kv=empty_kv(plan), output_counts=torch.zeros(n, vocab, dtype=torch.int32),
         prompt_mask=torch.zeros(n, vocab, dtype=torch.bool), cache_lens=(0,) * n, generated=(0,) * n,
         live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft, prefix=empty_prefix_cache(plan),
+        blocks=empty_blocks(plan),
     )
 
 
@@ -146,7 +151,7 @@ def advance(state: State, *, cache_lens: tuple[int, ...], generated: tuple[int, 
     return State(
         kv=state.kv, output_counts=state.output_counts, prompt_mask=state.prompt_mask, cache_lens=cache_lens,
         generated=generated, live=live, rng_key=rng_key, plan_key=state.plan_key,
-        draft=state.draft if draft is None else draft, prefix=state.prefix if prefix is None else prefix,
+        draft=state.draft if draft is None else draft, prefix=state.prefix if prefix is None else prefix, blocks=state.blocks,
     )
 
 

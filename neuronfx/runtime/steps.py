@@ -18,9 +18,11 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, PromptTooLongError, SlotError
+from neuronfx.runtime.blocks import release as release_blocks
 from neuronfx.runtime.checks import (
     check_batch,
     check_decode,
+    check_kv_blocks,
     check_params,
     check_prompts,
     check_room,
@@ -107,7 +109,7 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
         mask[b, list(prompt)] = True
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, (0,) * len(prompts), fresh_mask=mask,
                                constraints=batch.constraints)
-    out = run_rows(runtime, state.kv, rows, sampler)
+    out = run_rows(runtime, state, rows, sampler)
     scored = step_prompt_logprobs(out, prompts, rows.starts, batch.sampling)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(p) for p in prompts], fresh_mask=mask,
                       prompt_logprobs=scored)
@@ -120,7 +122,7 @@ def decode_target(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[S
     rows = plan_rows(runtime, "decode", runtime.plan.decode_buckets, slots, [(t,) for t in batch.input_ids], starts, width=1)
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
                                constraints=batch.constraints)
-    out = run_rows(runtime, state.kv, rows, sampler)
+    out = run_rows(runtime, state, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [p + 1 for p in starts])
 
 
@@ -131,7 +133,7 @@ def _refill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepOu
     rows = plan_rows(runtime, "prefill", runtime.plan.prefill_buckets, slots, seqs, (0,) * len(seqs))
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
                                constraints=batch.constraints)
-    out = run_rows(runtime, state.kv, rows, sampler)
+    out = run_rows(runtime, state, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [len(q) for q in seqs])
 
 
@@ -164,6 +166,7 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
     SamplingParamsError, StateConsumedError / StateMismatchError.
     """
     check_prefill_batch(runtime, state, batch, "prefill", live=False)
+    check_kv_blocks(runtime, state, batch.seq_ids, [0] * len(batch.prompts), [len(p) for p in batch.prompts])
     return prefill(runtime, state, batch)
 
 
@@ -182,6 +185,8 @@ def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[Ste
     check_decode(runtime, state, batch, DecodeBatch)
     check_room(state, batch.seq_ids, 1, runtime.plan.inference.sequence_length,
                "release it or compile with a larger sequence_length.")
+    starts = [state.cache_lens[s] for s in batch.seq_ids]
+    check_kv_blocks(runtime, state, batch.seq_ids, starts, [n + 1 for n in starts])
     return decode(runtime, state, batch)
 
 
@@ -201,6 +206,7 @@ def refill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[St
     """
     check_prefill_batch(runtime, state, batch, "refill", live=True)
     check_refill_rows(state, batch)
+    check_kv_blocks(runtime, state, batch.seq_ids, [0] * len(batch.prompts), [len(p) for p in batch.prompts])
     return refill(runtime, state, batch)
 
 
@@ -218,6 +224,7 @@ def release(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
 def free(runtime: Runtime, state: State, seq_ids: Sequence[int]) -> State:
     """:func:`release` without its checks (``seq_ids`` must be live slots of ``state``)."""
     draft = free(runtime.draft, state.draft, seq_ids) if runtime.draft is not None else None
+    release_blocks(runtime.plan, state.blocks, seq_ids)
     cache_lens, generated, live = list(state.cache_lens), list(state.generated), list(state.live)
     for s in seq_ids:
         cache_lens[s], generated[s], live[s] = 0, 0, False

@@ -150,6 +150,7 @@ class Engine:
         # owned by the engine thread alone
         self._live: dict[int, _Live] = {}
         self._prefix_seen = PrefixStats()  # the state's prefix-cache counters already added to the metrics
+        self._preemptions_seen = 0  # the queue's preemptions already added to the metrics
         self._thread = threading.Thread(target=self._run, name="neuronfx-engine", daemon=True)
         for reason in ("stop", "length", "abort", "error"):
             metrics.requests.labels(reason)  # listed at 0 from the start
@@ -306,7 +307,7 @@ class Engine:
             logger.exception("a scheduler step failed; its %d requests end with an error", len(self._live))
             for index in list(self._live):
                 self._finish(index, _ended(index, "error"))
-            self._prefix_seen = PrefixStats()
+            self._prefix_seen, self._preemptions_seen = PrefixStats(), 0
             return [], init_state(runtime), Queue(grammars=served.grammars)
 
     def _commands(self, block: bool) -> list[object]:
@@ -366,6 +367,15 @@ class Engine:
         used = state.num_slots - len(state.free_slots)
         self.metrics.slots_used.set(used)
         self.metrics.kv_usage.set(used / state.num_slots)
+        blocks = state.blocks  # a Pending carries its launched state's tables
+        if blocks is not None:
+            total = int(blocks.refs.shape[0]) - 1  # the scratch block is no request's
+            held = total - int((blocks.refs[:total] == 0).sum())
+            self.metrics.kv_blocks.set(total)
+            self.metrics.kv_blocks_used.set(held)
+            self.metrics.kv_usage.set(held / total)
+        self.metrics.preemptions.inc(queue.preemptions - self._preemptions_seen)
+        self._preemptions_seen = queue.preemptions
         stats = prefix_stats(state)  # a Pending carries its launched state's prefix cache
         if stats is not None:  # the counters grew by what this step's lookups, hits and evictions added
             seen, m = self._prefix_seen, self.metrics

@@ -39,7 +39,10 @@ class Metrics:
     prefix_queries: Counter  # prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)
     prefix_hits: Counter  # of them, tokens served from the cache (vLLM's prefix_cache_hits)
     prefix_evictions: Counter  # cached blocks evicted to make room
-    kv_usage: Gauge  # fraction of the KV cache in use: slots in use / slots
+    kv_usage: Gauge  # fraction of the KV cache in use: slots in use / slots (blocks layout: blocks held / blocks)
+    kv_blocks_used: Gauge  # KV blocks held by requests (blocks layout; 0 for slots)
+    kv_blocks: Gauge  # KV blocks in all, the scratch block excluded (blocks layout; 0 for slots)
+    preemptions: Counter  # requests preempted (their blocks taken back, recomputed later)
     prefix_hit_rate: Gauge  # prefix_hits / prefix_queries since the start
     waiting_limit: Gauge  # the most requests that may wait (--max-waiting)
     max_model_len: Gauge  # tokens a request may hold, prompt and generated (the plan's sequence_length)
@@ -60,6 +63,7 @@ VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "neuronfx_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "neuronfx_prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "neuronfx_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "neuronfx_num_preemptions": ("vllm:num_preemptions",),
 }
 """neuronfx metric family -> the vLLM names it is also served under (vLLM 0.11's
 ``vllm/v1/metrics/loggers.py``; ``vllm:gpu_cache_usage_perc`` is the name before 0.10, which the
@@ -120,7 +124,13 @@ def _metrics(r: CollectorRegistry) -> Metrics:
         prefix_evictions=Counter("neuronfx_prefix_cache_evictions", "Prefix-cache blocks evicted (least recently used) "
                                  "to make room.", registry=r),
         kv_usage=Gauge("neuronfx_kv_cache_usage_perc", "Fraction of the KV cache in use, 0 to 1: slots in use / slots (a slot "
-                       "holds sequence_length positions whatever its request uses).", registry=r),
+                       "holds sequence_length positions whatever its request uses), or with --kv-layout blocks KV blocks "
+                       "held / KV blocks.", registry=r),
+        kv_blocks_used=Gauge("neuronfx_kv_blocks_used", "KV blocks held by requests (--kv-layout blocks; 0 with slots).",
+                             registry=r),
+        kv_blocks=Gauge("neuronfx_kv_blocks", "KV blocks in all (--kv-layout blocks; 0 with slots).", registry=r),
+        preemptions=Counter("neuronfx_num_preemptions", "Requests preempted: their KV blocks taken back for older requests, "
+                            "their caches recomputed when blocks are free (--kv-layout blocks).", registry=r),
         prefix_hit_rate=Gauge("neuronfx_prefix_cache_hit_rate", "Prefix-cache hits / queries (prompt tokens) since the start; "
                               "0 before any query.", registry=r),
         waiting_limit=Gauge("neuronfx_requests_waiting_limit", "The most requests that may wait for a slot (--max-waiting); "

@@ -34,7 +34,7 @@ from neuronfx.graphs.kernels.library import (
     small_glu,
 )
 from neuronfx.graphs.models import int8_x, quant
-from neuronfx.graphs.models.kv_rows import load_rows
+from neuronfx.graphs.models.kv_rows import load_rows, window_rows
 from neuronfx.graphs.models.ops import Ops, Weight, torch_topk
 
 Tensor = torch.Tensor
@@ -71,13 +71,16 @@ def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
-    """Reference cached attention: copy each row's cache window, zero the positions no new token
-    attends (past the row's last new token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked NaN still poisons SDPA
-    (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
+def gathered_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Reference cached attention: copy each row's first ``bucket`` cache positions through its
+    block table (``kv_rows.window_rows``: k/v_cache (num_blocks, H_kv, block_size, W) with
+    block_size = ``k_cache.shape[2]``, block_table (B, N) int; the slots layout passes
+    ``seq_ids[:, None]``), zero the positions no new token attends (past the row's last new
+    token, or outside every sliding window), then :func:`sdpa`. The zeroing matters: a masked
+    NaN still poisons SDPA (NaN score + -inf mask is NaN; 0 weight * NaN value is NaN)."""
     hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no new token (past the last, or out of every window)
-    keys = load_rows(k_cache[:, :, :bucket][seq_ids], q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
-    values = load_rows(v_cache[:, :, :bucket][seq_ids], q.dtype).masked_fill(hidden, 0.0)
+    keys = load_rows(window_rows(k_cache, block_table, bucket), q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+    values = load_rows(window_rows(v_cache, block_table, bucket), q.dtype).masked_fill(hidden, 0.0)
     return sdpa(q, keys, values, mask)
 
 
@@ -221,17 +224,18 @@ def causal_sdpa_fp32(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return causal_sdpa(q.float(), k.float(), v.float()).to(q.dtype)
 
 
-def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
-    """Cached attention written as fp32 reductions, which inductor fuses with the slot gather
-    and the mask into a few loops instead of copying the window and calling SDPA (about 0.1-1 ms
-    per call on CPU at decode sizes, more in bf16). Same math as :func:`gathered_attention`:
-    head h reads KV head h // (H / H_kv) as HF ``repeat_kv``; masked positions are selected away,
-    never multiplied, so NaN there cannot leak."""
+def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, bucket: int, mask: Tensor) -> Tensor:
+    """Cached attention written as fp32 reductions, which inductor fuses with the block-table
+    gather (``kv_rows.window_rows``) and the mask into a few loops instead of copying the window
+    and calling SDPA (about 0.1-1 ms per call on CPU at decode sizes, more in bf16). Arguments and
+    math as :func:`gathered_attention` (block_size = ``k_cache.shape[2]``, block_table (B, N),
+    the slots layout ``seq_ids[:, None]``): head h reads KV head h // (H / H_kv) as HF
+    ``repeat_kv``; masked positions are selected away, never multiplied, so NaN there cannot leak."""
     b, h, t, d = q.shape
     n_kv = k_cache.shape[1]
     g = h // n_kv
-    keys = load_rows(k_cache[:, :, :bucket][seq_ids], torch.float32)  # (B, n_kv, S, D)
-    values = load_rows(v_cache[:, :, :bucket][seq_ids], torch.float32)
+    keys = load_rows(window_rows(k_cache, block_table, bucket), torch.float32)  # (B, n_kv, S, D)
+    values = load_rows(window_rows(v_cache, block_table, bucket), torch.float32)
     qg = q.float().reshape(b, n_kv, g * t, d) * (1.0 / math.sqrt(d))  # query heads of one KV head
     scores = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1)  # (B, n_kv, G*T, S)
     m = mask[:, :, None].expand(b, 1, g, t, bucket).reshape(b, 1, g * t, bucket)
@@ -240,13 +244,15 @@ def fused_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids:
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
-def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_ids: Tensor, bucket: int, mask: Tensor) -> Tensor:
+def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, bucket: int, mask: Tensor) -> Tensor:
     """Cached attention as one ``neuronfx::cached_attention`` call (``csrc/small_gemm.cpp``):
     each task reads one query head's keys and values once, where inductor's fusion of
     :func:`fused_cached_attention` took about 70 us per SmolLM2 layer at decode (9 heads, 256
-    positions) against 12-16 us for the kernel (a microbenchmark of that shape). Same math and masking as
-    :func:`gathered_attention`; ``bucket`` is the mask's last dim."""
-    return cpu_kernels.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+    positions) against 12-16 us for the kernel (a microbenchmark of that shape). It walks each
+    row's blocks through block_table (B, N) int32 / int64 (block_size = ``k_cache.shape[2]``; the
+    slots layout passes ``seq_ids[:, None]``). Same math and masking as :func:`gathered_attention`;
+    ``bucket`` is the mask's last dim. RuntimeError as ``library.cached_attention`` (a bad table)."""
+    return cpu_kernels.cached_attention(q, k_cache, v_cache, block_table, mask)
 
 
 def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:

@@ -95,7 +95,7 @@ def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tenso
     return x.new_empty((*x.shape[:-1], gate.shape[0]))
 
 
-def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

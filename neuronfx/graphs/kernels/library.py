@@ -153,19 +153,25 @@ def small_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
     return torch.ops.neuronfx.small_glu(x, gate, up)
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_ids: torch.Tensor,
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-    """Attention of T new tokens per row over their slots' cache: q (B, H, T, D) float32 /
-    bfloat16 / float16, k_cache and v_cache (slots, H_kv, >= S, W) of one stored dtype
-    (``graphs/models/kv_rows.py``: float32 / bfloat16 / float16 / float8_e4m3fn with W = D, or
-    int8 rows of D values and their fp32 scale, W = D + 4), seq_ids
-    (B,) int, mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype. Grouped-query
-    (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale 1/sqrt(D), fp32 math;
-    what positions the mask hides hold (stale rows, NaN) never reaches the output (their scores
-    are replaced by -inf, their values never added), and a token that attends no position gets
-    zeros. Reference: ``bundles.gathered_attention``. Raises RuntimeError for a slot
-    outside the cache or S above the cache length. Needs :func:`small_gemm_available`."""
-    return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, seq_ids, mask)
+    """Attention of T new tokens per row over their first S cache positions, read through a
+    block table: q (B, H, T, D) float32 / bfloat16 / float16; k_cache and v_cache (num_blocks,
+    H_kv, block_size, W) of one stored dtype (``graphs/models/kv_rows.py``: float32 / bfloat16 /
+    float16 / float8_e4m3fn with W = D, or int8 rows of D values and their fp32 scale, W = D + 4),
+    last dim contiguous; block_table (B, N) int32 or int64: row b's position j lies in block
+    ``block_table[b, j // block_size]`` at offset ``j % block_size`` (block_size =
+    ``k_cache.shape[2]``; the slots layout is N = 1, block_size = sequence length, block_table =
+    ``seq_ids[:, None]``); mask (B, 1, T, S) bool (True = attend) -> (B, H, T, D) in q.dtype.
+    Only the first ceil(S / block_size) columns of the table are read (later ones may hold
+    anything). Grouped-query (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale
+    1/sqrt(D), fp32 math; what positions the mask hides hold (stale rows, NaN) never reaches the
+    output (their scores are replaced by -inf, their values never added), and a token that
+    attends no position gets zeros. Reference: ``bundles.gathered_attention``. Raises
+    RuntimeError for a block_table that is not 2-D (B, N) int32 / int64, a block_size that is
+    not a multiple of 4 when N > 1, S above N * block_size, or a read entry outside [0,
+    num_blocks). Needs :func:`small_gemm_available`."""
+    return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, block_table, mask)
 
 
 QUANT_FORMAT_IDS = {"int8": 0, "int4": 1, "q4_0": 2, "q4_1": 3, "q8_0": 4}

@@ -76,3 +76,24 @@ def load_rows(rows: Tensor, dtype: torch.dtype) -> Tensor:
     if rows.dtype == torch.int8:
         return dequantize_rows(rows).to(dtype)
     return rows.to(dtype)
+
+
+def window_rows(cache: Tensor, block_table: Tensor, n: int) -> Tensor:
+    """The stored rows of each row's first ``n`` positions: cache (num_blocks, H_kv, block_size,
+    W), block_table (B, N) int (position j of row b lives in block ``block_table[b, j //
+    block_size]`` at offset ``j % block_size``; ``config.kv``) -> (B, H_kv, n, W), a gathered copy.
+    The slots layout is the case N = 1, block_size = sequence_length (table = seq_ids): the
+    positions are sliced to n before the gather, so it copies n positions per row, not the slot."""
+    bs = cache.shape[2]
+    width = min(n, bs)  # positions kept of each block: all of them past one block
+    count = -(-n // bs)  # blocks holding [0, n)
+    blocks = cache[:, :, :width][block_table[:, :count].long()]  # (B, count, H_kv, width, W)
+    b, _, h, _, w = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(b, h, count * width, w)[:, :, :n]
+
+
+def block_writes(block_table: Tensor, positions: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Where tokens at ``positions`` (B, T) int write through ``block_table`` (B, N) int: (the
+    block (B, T) int64, the offset in it (B, T) int64); ``positions // block_size`` must be < N."""
+    pos = positions.long()
+    return block_table.long().gather(1, pos // block_size), pos % block_size

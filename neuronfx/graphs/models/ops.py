@@ -51,9 +51,11 @@ class Ops:
       bool (True = attend) -> (B, H, Tq, D); grouped-query, scale 1/sqrt(D).
     - ``causal_attention(q, k, v)``: ``attention`` with the causal mask of Tq = Tk new tokens
       starting at position 0 (a fresh prompt): kernels that skip the masked half may serve it.
-    - ``cached_attention(q, k_cache, v_cache, seq_ids, bucket, mask)``: T new tokens over their
-      slots' first ``bucket`` cache positions; k/v_cache (slots, H_kv, S, D), seq_ids (B,),
-      mask (B, 1, T, bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
+    - ``cached_attention(q, k_cache, v_cache, block_table, bucket, mask)``: T new tokens over
+      their first ``bucket`` cache positions; k/v_cache (num_blocks, H_kv, block_size, W),
+      block_table (B, N) int32 (row b's position j in block ``block_table[b, j // block_size]``
+      at offset ``j % block_size``; the slots layout is ``seq_ids[:, None]``), mask (B, 1, T,
+      bucket) -> (B, H, T, D). Masked positions may hold anything, NaN included.
     - ``parallel_in(x)``: x (B, T, hidden) into a column-parallel product: identity, or in
       sequence-parallel prefill the all-gather of the ranks' sequence shards (B, T / tp ->
       T, hidden).

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from neuronfx.config.inputs import ChunkInputs
-from neuronfx.config.kv import chunk_write_slots
+from neuronfx.config.kv import pad_writes
 from neuronfx.config.masks import chunk_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import load_rows, store_rows
+from neuronfx.graphs.models.kv_rows import block_writes, load_rows, store_rows, window_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, layer_tables, mask_stack
@@ -21,40 +21,41 @@ Tensor = torch.Tensor
 
 
 def chunk_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor, inputs: ChunkInputs) -> ChunkHidden:
-    """ids/positions (B, T), seq_ids / chunk_lens / seq_lens (B,) -> the layers' record: h (B,
+    """ids/positions (B, T), block_table (B, N), chunk_lens / seq_lens (B,) -> the layers' record: h (B,
     T, hidden), RoPE cos/sin (R, B, 1, T, D) for rows whose whole prompt holds ``seq_lens``
     tokens (prefill picks its length-dependent RoPE table from the prompt length too), the masks
-    (M, B, 1, T, S) (``config.masks.chunk_mask``) and the slot each token writes (B, T) int64:
-    the row's for real tokens, the scratch slot for pads (``config.kv.chunk_write_slots``)."""
+    (M, B, 1, T, S) (``config.masks.chunk_mask``) and the block and offset each token writes
+    (B, T) int64: through the row's table for real tokens, the scratch block for pads
+    (``config.kv.pad_writes``)."""
     input_ids, position_ids = inputs.input_ids, inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.seq_lens)
-    writes = chunk_write_slots(inputs.seq_ids, inputs.chunk_lens, input_ids.shape[1], plan.kv.scratch_slot)
+    blocks, offsets = block_writes(inputs.block_table, position_ids, plan.kv.positions_per_block)
     mask = mask_stack(plan, chunk_mask, position_ids, bucket)  # (M, B, 1, T, S)
-    return ChunkHidden(h, cos, sin, mask, inputs.seq_ids, writes, position_ids.long(), (inputs.chunk_lens - 1).long(),
-                       input_ids)
+    return ChunkHidden(h, cos, sin, mask, inputs.block_table, pad_writes(blocks, inputs.chunk_lens, plan.kv.scratch_block),
+                       offsets, (inputs.chunk_lens - 1).long(), input_ids)
 
 
 def chunk_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,
                  x: ChunkHidden) -> Tensor:
     """``len(lws)`` consecutive layers -> h (B, T, hidden). Each writes the K/V of the chunk's
-    tokens at ``x.positions`` into ``x.write_slots`` (real tokens: the row's slot; pads: the
-    scratch slot, ``config.kv.chunk_access``), then attends the row's slot over [0, bucket)
+    tokens at ``x.offsets`` of ``x.blocks`` (real tokens: the row's blocks; pads: the scratch
+    block, ``config.kv.chunk_access``), then attends the row's blocks over [0, bucket)
     masked to ``j <= position``: the window is copied out, positions no token attends are
     zeroed (a masked NaN still poisons SDPA) and ``ops.attention`` (SDPA) runs on it, which at
     T = a chunk's hundreds of tokens beats the decode kernel's per-element reductions. The
     bucket is read from the mask's shape (S), so one compiled group with a dynamic S serves every
     chunk bucket (``backends/inductor_parts.py``)."""
-    h, pos, n = x.h, x.positions, x.mask.shape[-1]
+    h, n = x.h, x.mask.shape[-1]
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
-            k_cache[x.write_slots, :, pos] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
-            v_cache[x.write_slots, :, pos] = store_rows(v.transpose(1, 2), v_cache)
+            k_cache[x.blocks, :, x.offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
+            v_cache[x.blocks, :, x.offsets] = store_rows(v.transpose(1, 2), v_cache)
             hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no token of the row
-            keys = load_rows(k_cache[:, :, :n][x.seq_ids], q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
-            values = load_rows(v_cache[:, :, :n][x.seq_ids], q.dtype).masked_fill(hidden, 0.0)
+            keys = load_rows(window_rows(k_cache, x.block_table, n), q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
+            values = load_rows(window_rows(v_cache, x.block_table, n), q.dtype).masked_fill(hidden, 0.0)
             return ops.attention(q, keys, values, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

@@ -29,7 +29,7 @@ from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.chunk import chunk_layers, chunk_prologue
 from neuronfx.graphs.phases.collectives import tensor_parallel_ops, world_group
 from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, decode_prologue, draft_epilogue, speculate_epilogue
-from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers
+from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers, embed_prologue
 from neuronfx.graphs.phases.inputs import KVCache, KVPairs
 from neuronfx.graphs.phases.prefill import prefill_epilogue, prefill_layers, prefill_prologue
 from neuronfx.graphs.phases.prompt_logprobs import PROMPT_LOGPROBS_EPILOGUES
@@ -56,7 +56,7 @@ PART_FUNCTIONS = {
     "speculate": (decode_prologue, decode_layers, speculate_epilogue),
     "draft": (decode_prologue, decode_layers, draft_epilogue),
     "chunk": (chunk_prologue, chunk_layers, prefill_epilogue),  # output at each row's last real token, as prefill
-    "embed": (prefill_prologue, embed_layers, embed_epilogue),  # pooled hidden states, no cache written
+    "embed": (embed_prologue, embed_layers, embed_epilogue),  # pooled hidden states, no cache written
 }
 
 

@@ -10,7 +10,7 @@ from neuronfx.config.inputs import DecodeInputs, SamplerInputs, SpeculateInputs
 from neuronfx.config.masks import decode_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import store_rows
+from neuronfx.graphs.models.kv_rows import block_writes, store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack
@@ -24,11 +24,13 @@ Tensor = torch.Tensor
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor,
                     inputs: DecodeInputs | SpeculateInputs) -> DecodeHidden:
     """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
-    last position + 1 tokens -> the layers' record, masks (M, B, 1, T, S = bucket)."""
+    last position + 1 tokens -> the layers' record, masks (M, B, 1, T, S = bucket), and the
+    block and offset each token writes through the row's block table."""
     position_ids = inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, inputs.input_ids, position_ids, position_ids.amax(-1) + 1)
     mask = mask_stack(plan, decode_mask, position_ids, bucket)  # (M, B, 1, T, S)
-    return DecodeHidden(h, cos, sin, mask, inputs.seq_ids, position_ids.long())
+    blocks, offsets = block_writes(inputs.block_table, position_ids, plan.kv.positions_per_block)
+    return DecodeHidden(h, cos, sin, mask, inputs.block_table, blocks, offsets)
 
 
 def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,
@@ -41,15 +43,15 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list
     rows, rejected speculation, NaN). The bucket is read from the mask's shape (S), not from
     ``bucket``, so one compiled group with a dynamic S serves every bucket of the phase
     (``backends/inductor_parts.py``)."""
-    h, pos, seq_ids = x.h, x.positions, x.seq_ids
+    h, blocks, offsets, table = x.h, x.blocks, x.offsets, x.block_table
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
-            k_cache[seq_ids[:, None], :, pos] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
-            v_cache[seq_ids[:, None], :, pos] = store_rows(v.transpose(1, 2), v_cache)
-            return ops.cached_attention(q, k_cache, v_cache, seq_ids, mask.shape[-1], mask)  # mask (B, 1, T, S)
+            k_cache[blocks, :, offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
+            v_cache[blocks, :, offsets] = store_rows(v.transpose(1, 2), v_cache)
+            return ops.cached_attention(q, k_cache, v_cache, table, mask.shape[-1], mask)  # mask (B, 1, T, S)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h

@@ -1,5 +1,5 @@
 """The embed phase (an embedding plan's only graphs, ``InferenceConfig.task="embed"``): right-padded
-prompts through the prefill prologue and the decoder layers without writing any cache, then the
+prompts through the prefill's prompt record and the decoder layers without writing any cache, then the
 family's final norm, pooling over each row's real tokens and optional L2 normalisation. No LM
 head. What transformers' ``model.model(ids).last_hidden_state`` pooled the same way gives, and
 what sentence-transformers computes for decoder embedders (Qwen3-Embedding: last token,
@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import torch
 
+from neuronfx.config.inputs import EmbedInputs
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import last_rows, layer_tables
 from neuronfx.graphs.phases.inputs import KVPairs
+from neuronfx.graphs.phases.prefill import prompt_hidden
 from neuronfx.graphs.phases.records import PrefillHidden
 
 Tensor = torch.Tensor
+
+
+def embed_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor, inputs: EmbedInputs) -> PrefillHidden:
+    """The prompts' record (``prefill.prompt_hidden``); an embed graph writes no cache, so its
+    blocks and offsets are zeros."""
+    h, cos, sin, mask, input_ids = prompt_hidden(plan, bucket, ops, math, embed, inputs)
+    nothing = torch.zeros(input_ids.shape, dtype=torch.int64, device=input_ids.device)
+    return PrefillHidden(h, cos, sin, mask, nothing, nothing, (inputs.prompt_lens - 1).long(), input_ids)
 
 
 def embed_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,

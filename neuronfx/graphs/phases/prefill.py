@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from neuronfx.config.inputs import PrefillInputs, SamplerInputs
+from neuronfx.config.inputs import EmbedInputs, PrefillInputs, SamplerInputs
 from neuronfx.config.masks import prefill_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import store_rows
+from neuronfx.graphs.models.kv_rows import block_writes, store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_tables, mask_stack
@@ -27,10 +27,11 @@ def sequence_parallel_tokens(plan: Plan, bucket: int) -> int:
     return -(-bucket // tp) * tp if plan.inference.sequence_parallel else bucket
 
 
-def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor, inputs: PrefillInputs) -> PrefillHidden:
-    """The step inputs (ids/positions (B, T = bucket), prompt_lens (B,)) -> the layers' record:
-    h (B, T, hidden), RoPE cos/sin (R, B, 1, T, head_dim) and the causal prompt masks
-    (M, B, 1, T, T) of the attention layout's kinds. Sequence-parallel prefill pads T to
+def prompt_hidden(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor,
+                  inputs: PrefillInputs | EmbedInputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What prefill and embed graphs compute from their prompts: (h (B, T, hidden), RoPE cos/sin
+    (R, B, 1, T, head_dim), the causal prompt masks (M, B, 1, T, T) of the attention layout's
+    kinds, the token ids (B, T)). Sequence-parallel prefill pads T to
     :func:`sequence_parallel_tokens` and h is this rank's shard (B, T / tp, hidden)."""
     input_ids, position_ids = inputs.input_ids, inputs.position_ids
     t = sequence_parallel_tokens(plan, bucket)
@@ -39,13 +40,26 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed:
         position_ids = torch.nn.functional.pad(position_ids, (0, t - bucket))
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.prompt_lens)
     mask = mask_stack(plan, prefill_mask, inputs.prompt_lens, t)  # (M, B, 1, T, T)
-    return PrefillHidden(h, cos, sin, mask, inputs.seq_ids, (inputs.prompt_lens - 1).long(), input_ids)
+    return h, cos, sin, mask, input_ids
+
+
+def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor, inputs: PrefillInputs) -> PrefillHidden:
+    """The step inputs (ids/positions (B, T = bucket), block_table (B, N), prompt_lens (B,)) ->
+    the layers' record (:func:`prompt_hidden`) with the block and offset of every position
+    [0, bucket) of each row."""
+    h, cos, sin, mask, input_ids = prompt_hidden(plan, bucket, ops, math, embed, inputs)
+    # Every position of the bucket is written (pads past the prompt too, never attended), not
+    # position_ids, whose pads repeat the last real position: they would overwrite its K/V.
+    written = torch.arange(bucket, device=input_ids.device).expand(input_ids.shape[0], bucket)
+    blocks, offsets = block_writes(inputs.block_table, written, plan.kv.positions_per_block)
+    return PrefillHidden(h, cos, sin, mask, blocks, offsets, (inputs.prompt_lens - 1).long(), input_ids)
 
 
 def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,
                    x: PrefillHidden) -> Tensor:
     """``len(lws)`` consecutive layers of the family's decoder layer -> h (B, T, hidden). Each
-    writes K/V positions [0, bucket) of each row's slot (``config.kv.prefill_access``); the
+    writes K/V positions [0, bucket) of each row through its block table
+    (``config.kv.prefill_access``: positions past the row's blocks land in the scratch block); the
     prompt attends only itself, so nothing is read from the cache. Without sequence
     parallelism the bucket is read from k's shape (T), not from ``bucket``, so one compiled group
     with a dynamic T serves every prefill bucket (``backends/inductor_parts.py``)."""
@@ -59,8 +73,9 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask) -> Tensor:
             n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
-            k_cache[x.seq_ids, :, :n] = store_rows(k[:, :, :n], k_cache)  # (B, n_kv, T, D) into slots
-            v_cache[x.seq_ids, :, :n] = store_rows(v[:, :, :n], v_cache)
+            blocks, offsets = x.blocks[:, :n], x.offsets[:, :n]  # (B, n)
+            k_cache[blocks, :, offsets] = store_rows(k[:, :, :n].transpose(1, 2), k_cache)  # (B, n, n_kv, D)
+            v_cache[blocks, :, offsets] = store_rows(v[:, :, :n].transpose(1, 2), v_cache)
             return ops.causal_attention(q, k, v) if causal else ops.attention(q, k, v, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

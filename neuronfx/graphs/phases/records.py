@@ -9,7 +9,7 @@ field's symbolic shape, dtype and meaning are written on its annotation, as for 
 so a backend can find every dimension of a symbol (:func:`symbol_dims`: the inductor backend
 compiles the bucket's dimension dynamic from it).
 
-Symbols: ``B`` rows, ``T`` new tokens per row, ``S`` attended cache positions (the decode-type
+Symbols: ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
 bucket), ``H`` hidden size (per sequence-parallel rank: T / tp), ``R`` RoPE kinds and ``M``
 mask kinds of the attention layout (``config.attention``), ``D`` rotary dims. A dtype "float"
 is the plan's dtype.
@@ -36,7 +36,8 @@ class PrefillHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T T", "bool", "causal prompt mask of each kind (True = attend)"]  # (M, B, 1, T, T)
-    seq_ids: Annotated[Tensor, "B", "int32", "slot each row writes"]  # (B,)
+    blocks: Annotated[Tensor, "B T", "int64", "KV block position t writes (the row's table at t // block size)"]  # (B, T)
+    offsets: Annotated[Tensor, "B T", "int64", "position in that block position t writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
 
@@ -49,8 +50,9 @@ class DecodeHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    seq_ids: Annotated[Tensor, "B", "int32", "slot each row reads and writes"]  # (B,)
-    positions: Annotated[Tensor, "B T", "int64", "cache position each token writes"]  # (B, T)
+    block_table: Annotated[Tensor, "B N", "int32", "each row's KV blocks in position order"]  # (B, N)
+    blocks: Annotated[Tensor, "B T", "int64", "KV block each token writes"]  # (B, T)
+    offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
 
 
 class ChunkHidden(NamedTuple):
@@ -61,9 +63,9 @@ class ChunkHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    seq_ids: Annotated[Tensor, "B", "int32", "slot each row reads"]  # (B,)
-    write_slots: Annotated[Tensor, "B T", "int64", "slot each token writes (pads: the scratch slot)"]  # (B, T)
-    positions: Annotated[Tensor, "B T", "int64", "cache position each token writes"]  # (B, T)
+    block_table: Annotated[Tensor, "B N", "int32", "each row's KV blocks in position order"]  # (B, N)
+    blocks: Annotated[Tensor, "B T", "int64", "KV block each token writes (pads: the scratch block)"]  # (B, T)
+    offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
 

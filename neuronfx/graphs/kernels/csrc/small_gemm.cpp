@@ -348,9 +348,11 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 
 // ---- decode attention over the KV cache ---------------------------------------------------------
 // out[b, h, t] = softmax_j(q[b, h, t] . k[j] / sqrt(D), j attended) @ v[j] for the T new tokens
-// of row b over its slot's first S cache positions (k, v: KV head h / (H / H_kv), HF repeat_kv).
+// of row b over its first S cache positions (k, v: KV head h / (H / H_kv), HF repeat_kv). The
+// cache is paged: (num_blocks, H_kv, block_size, W), and row b's position j lies in block
+// block_table[b, j / block_size] at offset j % block_size (the slots layout is one block per row).
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
-// their values are never added (blocks of four hidden keys are not even read); a token that
+// their values are never added (groups of four hidden keys are not even read); a token that
 // attends nothing gets zeros. One task per (row, KV head) (attend_group); scores in two passes
 // (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
@@ -561,60 +563,78 @@ inline bool all4(const bool* m, int64_t T, int64_t S, int64_t j) {
 
 // The R = group x T query rows that share one KV head of one batch row (grouped-query
 // attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
-// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32. Keys go four at a time,
-// each loaded and widened once for up to four query rows (dots_4keys); a group of four with a
-// hidden key computes its products anyway and then selects -inf over it, so a NaN there is never
-// used, and its values are added one by one, skipping the hidden ones; four keys no row attends
-// are not read. An int8 row's scale multiplies its score and its weight.
+// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32.
+// Position j's key and value rows are kb[j / bs] + (j % bs) * ld and vb[j / bs] + (j % bs) * ld
+// (kb, vb: the row's ceil(S / bs) blocks, already at this KV head). Positions are walked block by
+// block, so no key costs a division, and inside a block the loops are those of one contiguous
+// window: a single block holding all S positions (the slots layout) runs exactly as a window
+// does. A group of four keys never spans two blocks (bs % 4 == 0 wherever there are several).
+// Keys go four at a time, each loaded and widened once for up to four query rows (dots_4keys); a
+// group of four with a hidden key computes its products anyway and then selects -inf over it, so
+// a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
+// keys no row attends are not read. An int8 row's scale multiplies its score and its weight.
 template <typename C>
-void attend_group(const float* q, const C* k, const C* v, int64_t ld, int64_t S, int64_t D, int64_t group, int64_t T,
-                  const bool* masks, float scale, float* w, float* sums, float* out) {
+void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+                  int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
   const int64_t R = group * T;
   float dots[16], p[16];
-  int64_t j = 0;
-  for (; j + 4 <= S; j += 4) {
-    if (!any4(masks, T, S, j)) {
-      for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
-      continue;
-    }
-    float ks[4];
-    for (int i = 0; i < 4; ++i) ks[i] = scale * row_scale(k + (j + i) * ld, D);
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t n = std::min<int64_t>(4, R - r0);
-      dots_4keys(n, q + r0 * D, k + j * ld, ld, D, dots);
-      for (int64_t rr = 0; rr < n; ++rr) {
-        const bool* m = masks + ((r0 + rr) % T) * S + j;
-        for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + j + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
+  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
+    const int64_t end = std::min(S, j0 + bs);
+    const C* k = kb[c];
+    int64_t j = j0;
+    for (; j + 4 <= end; j += 4) {
+      if (!any4(masks, T, S, j)) {
+        for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
+        continue;
+      }
+      const C* kj = k + (j - j0) * ld;
+      float ks[4];
+      for (int i = 0; i < 4; ++i) ks[i] = scale * row_scale(kj + i * ld, D);
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t n = std::min<int64_t>(4, R - r0);
+        dots_4keys(n, q + r0 * D, kj, ld, D, dots);
+        for (int64_t rr = 0; rr < n; ++rr) {
+          const bool* m = masks + ((r0 + rr) % T) * S + j;
+          for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + j + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
+        }
       }
     }
+    for (; j < end; ++j) {
+      const C* kj = k + (j - j0) * ld;
+      for (int64_t r = 0; r < R; ++r)
+        w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, kj, D) * scale * row_scale(kj, D) : -INFINITY;
+    }
   }
-  for (; j < S; ++j)
-    for (int64_t r = 0; r < R; ++r)
-      w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, k + j * ld, D) * scale * row_scale(k + j * ld, D) : -INFINITY;
   for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, S);
   std::fill(out, out + R * D, 0.f);
-  auto one = [&](int64_t r, int64_t jj) {  // one value for one row, if its mask lets it through
+  auto one = [&](int64_t r, int64_t jj, const C* vj) {  // value row vj of position jj for one row, if its mask lets it through
     if (!masks[(r % T) * S + jj]) return;
-    const float pj = w[r * S + jj] * row_scale(v + jj * ld, D);
-    axpy<1>(&pj, v + jj * ld, ld, D, out + r * D);
+    const float pj = w[r * S + jj] * row_scale(vj, D);
+    axpy<1>(&pj, vj, ld, D, out + r * D);
   };
-  for (j = 0; j + 4 <= S; j += 4) {
-    if (!all4(masks, T, S, j)) {
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < 4; ++i) one(r, j + i);
-      continue;
+  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {
+    const int64_t end = std::min(S, j0 + bs);
+    const C* v = vb[c];
+    int64_t j = j0;
+    for (; j + 4 <= end; j += 4) {
+      const C* vj = v + (j - j0) * ld;
+      if (!all4(masks, T, S, j)) {
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t i = 0; i < 4; ++i) one(r, j + i, vj + i * ld);
+        continue;
+      }
+      float vs[4];
+      for (int i = 0; i < 4; ++i) vs[i] = row_scale(vj + i * ld, D);
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t n = std::min<int64_t>(4, R - r0);
+        for (int64_t rr = 0; rr < n; ++rr)
+          for (int i = 0; i < 4; ++i) p[4 * rr + i] = w[(r0 + rr) * S + j + i] * vs[i];
+        axpy_4values(n, p, vj, ld, D, out + r0 * D);
+      }
     }
-    float vs[4];
-    for (int i = 0; i < 4; ++i) vs[i] = row_scale(v + (j + i) * ld, D);
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t n = std::min<int64_t>(4, R - r0);
-      for (int64_t rr = 0; rr < n; ++rr)
-        for (int i = 0; i < 4; ++i) p[4 * rr + i] = w[(r0 + rr) * S + j + i] * vs[i];
-      axpy_4values(n, p, v + j * ld, ld, D, out + r0 * D);
-    }
+    for (; j < end; ++j)
+      for (int64_t r = 0; r < R; ++r) one(r, j, v + (j - j0) * ld);
   }
-  for (; j < S; ++j)
-    for (int64_t r = 0; r < R; ++r) one(r, j);
   for (int64_t r = 0; r < R; ++r) {
     if (sums[r] == 0.f) continue;  // attends nothing: zeros
     const float inv = 1.f / sums[r];
@@ -622,10 +642,11 @@ void attend_group(const float* q, const C* k, const C* v, int64_t ld, int64_t S,
   }
 }
 
+// blocks (B, count): the blocks holding each row's first S positions (count = ceil(S / bs)).
 template <typename C>
-void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<int64_t>& slots,
-                     const bool* mask, int64_t B, int64_t H, int64_t T, int64_t S, int64_t D, float* out) {
-  const int64_t n_kv = k_cache.size(1), group = H / n_kv;
+void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const std::vector<int64_t>& blocks,
+                     int64_t count, const bool* mask, int64_t B, int64_t H, int64_t T, int64_t S, int64_t D, float* out) {
+  const int64_t n_kv = k_cache.size(1), group = H / n_kv, bs = k_cache.size(2);
   const C* kc = k_cache.data_ptr<C>();
   const C* vc = v_cache.data_ptr<C>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ld = k_cache.stride(2);
@@ -636,19 +657,50 @@ void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group * T * S * D));
   at::parallel_for(0, B * n_kv, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> w(group * T * S), sums(group * T);  // per thread, not per task
+    std::vector<const C*> bases(2 * count);                // the task's key blocks, then its value blocks
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / n_kv, kvh = i % n_kv;
       const int64_t first = (b * H + kvh * group) * T * D;  // query rows (g, t) of heads kvh * group ...
-      attend_group(q + first, kc + slots[b] * ks0 + kvh * ks1, vc + slots[b] * vs0 + kvh * vs1, ld, S, D, group, T,
-                   mask + b * T * S, scale, w.data(), sums.data(), out + first);
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t blk = blocks[b * count + c];
+        bases[c] = kc + blk * ks0 + kvh * ks1;
+        bases[count + c] = vc + blk * vs0 + kvh * vs1;
+      }
+      attend_group(q + first, bases.data(), bases.data() + count, bs, ld, S, D, group, T, mask + b * T * S, scale, w.data(),
+                   sums.data(), out + first);
     }
   });
 }
 
-// q (B, H, T, D) float; k_cache / v_cache (slots, H_kv, >= S, D), last dim contiguous; seq_ids
-// (B,) int; mask (B, 1, T, S) bool (true = attend). -> (B, H, T, D) in q's dtype.
-at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seq_ids,
-                            const at::Tensor& mask) {
+// The first ``count`` columns of block_table (B, N), int32 or int64, any strides, as (B, count)
+// int64, each checked to lie in [0, num_blocks). The later columns are never read.
+std::vector<int64_t> table_blocks(const at::Tensor& table, int64_t B, int64_t count, int64_t num_blocks) {
+  std::vector<int64_t> blocks(B * count);
+  const int64_t s0 = table.stride(0), s1 = table.stride(1);
+  auto read = [&](const auto* p) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < count; ++c) blocks[b * count + c] = static_cast<int64_t>(p[b * s0 + c * s1]);
+  };
+  if (table.scalar_type() == at::kInt)
+    read(table.data_ptr<int32_t>());
+  else
+    read(table.data_ptr<int64_t>());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t blk = blocks[b * count + c];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "cached_attention: block_table[", b, ", ", c, "] = ", blk, " is out of [0, ",
+                  num_blocks, ")");
+    }
+  return blocks;
+}
+
+// q (B, H, T, D) float; k_cache / v_cache (num_blocks, H_kv, block_size, W), last dim contiguous
+// (W = D, or D + 4 for int8 rows); block_table (B, N) int32/int64: position j of row b lives in
+// block block_table[b, j / block_size] at offset j % block_size (the slots layout: N = 1,
+// block_size = sequence length, block_table = seq_ids[:, None]); mask (B, 1, T, S) bool
+// (true = attend). -> (B, H, T, D) in q's dtype.
+at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& mask) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && mask.dim() == 4,
               "cached_attention: q, caches and mask must be 4-D");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), S = mask.size(3);
@@ -659,13 +711,19 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(k_cache.size(3) == width && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "cached_attention: cache rows must be ", width, " wide and contiguous");
   TORCH_CHECK(H % k_cache.size(1) == 0, "cached_attention: ", H, " query heads over ", k_cache.size(1), " KV heads");
-  TORCH_CHECK(S <= k_cache.size(2), "cached_attention: mask covers ", S, " positions, cache holds ", k_cache.size(2));
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
               "cached_attention: mask must be bool (B, 1, T, S)");
-  TORCH_CHECK(seq_ids.dim() == 1 && seq_ids.size(0) == B, "cached_attention: seq_ids must be (B,)");
-  auto ids = seq_ids.to(at::kLong).contiguous();
-  std::vector<int64_t> slots(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + B);
-  for (int64_t s : slots) TORCH_CHECK(s >= 0 && s < k_cache.size(0), "cached_attention: slot ", s, " out of [0, ", k_cache.size(0), ")");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B, "cached_attention: block_table must be 2-D (B, N) with B = ", B,
+              ", got shape ", block_table.sizes());
+  TORCH_CHECK(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
+              "cached_attention: block_table must be int32 or int64, got ", block_table.scalar_type());
+  const int64_t N = block_table.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(N == 1 || bs % 4 == 0, "cached_attention: block_size ", bs,
+              " must be a multiple of 4 when the table has several blocks per row (N = ", N, ")");
+  TORCH_CHECK(S <= N * bs, "cached_attention: mask covers ", S, " positions, block table holds ", N * bs, " (", N,
+              " blocks of ", bs, ")");
+  const int64_t count = S == 0 ? 0 : (S + bs - 1) / bs;  // blocks holding positions [0, S)
+  const auto blocks = table_blocks(block_table, B, count, k_cache.size(0));
   auto q32 = q.to(at::kFloat).contiguous();
   auto m = mask.contiguous();
   auto out32 = at::empty({B, H, T, D}, q32.options());
@@ -673,11 +731,11 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const bool* mp = m.data_ptr<bool>();
   float* op = out32.data_ptr<float>();
   switch (k_cache.scalar_type()) {
-    case at::kFloat: attention_tasks<float>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
-    case at::kBFloat16: attention_tasks<c10::BFloat16>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
-    case at::kHalf: attention_tasks<c10::Half>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
-    case at::kChar: attention_tasks<int8_t>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
-    case at::kFloat8_e4m3fn: attention_tasks<c10::Float8_e4m3fn>(qp, k_cache, v_cache, slots, mp, B, H, T, S, D, op); break;
+    case at::kFloat: attention_tasks<float>(qp, k_cache, v_cache, blocks, count, mp, B, H, T, S, D, op); break;
+    case at::kBFloat16: attention_tasks<c10::BFloat16>(qp, k_cache, v_cache, blocks, count, mp, B, H, T, S, D, op); break;
+    case at::kHalf: attention_tasks<c10::Half>(qp, k_cache, v_cache, blocks, count, mp, B, H, T, S, D, op); break;
+    case at::kChar: attention_tasks<int8_t>(qp, k_cache, v_cache, blocks, count, mp, B, H, T, S, D, op); break;
+    case at::kFloat8_e4m3fn: attention_tasks<c10::Float8_e4m3fn>(qp, k_cache, v_cache, blocks, count, mp, B, H, T, S, D, op); break;
     default: TORCH_CHECK(false, "cached_attention: cache dtype ", k_cache.scalar_type(),
                          " is not float32/bfloat16/float16/int8 (scaled rows)/float8_e4m3fn");
   }
@@ -690,7 +748,7 @@ TORCH_LIBRARY(neuronfx, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_gemm_multi(Tensor x, Tensor w0, Tensor? w1, Tensor? w2, Tensor? b0, Tensor? b1, Tensor? b2) -> Tensor");
   m.def("small_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
-  m.def("cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_ids, Tensor mask) -> Tensor");
+  m.def("cached_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("small_gemm", &small_gemm);

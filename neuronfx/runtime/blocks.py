@@ -1,0 +1,156 @@
+"""The block manager of the blocks KV layout (``kv_layout="blocks"``): which blocks each request
+slot owns, reference counts, and the copy-on-write of shared blocks.
+
+A slot's block table lists the blocks holding its positions in order, then the scratch block in
+every column it does not own (``config.kv.KVLayout``); a step's graph reads and writes only
+through the tables of its rows (``pipeline.step_inputs``). Before a step writes positions
+[start, end) of a slot, :func:`reserve` gives the slot fresh blocks up to ``end`` and copies any
+block in [start, end) another slot also holds (a fork shares its prompt's blocks,
+:func:`share`), so no write lands in a block another request reads. Both are host tensors of the
+state, updated in place like its output counts (a consumed state is never used again).
+The slots layout has no tables: a row's table is ``[slot]`` (:func:`table_rows`).
+
+vLLM's ``KVCacheManager`` / ``BlockPool`` (free list, ref counts, copy-on-write of a partial
+block) is the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from neuronfx.config.kv_blocks import blocks_covering
+from neuronfx.config.plan import Plan
+from neuronfx.errors import KVCacheFullError
+from neuronfx.graphs.phases.inputs import KVCache
+
+Tensor = torch.Tensor
+
+
+@attrs.frozen(eq=False)
+class BlockTables:
+    """The blocks layout's bookkeeping, host tensors updated in place:
+
+    - ``tables``: (request slots, N) int32, each slot's blocks in position order, then the
+      scratch block (N = ``plan.kv.max_blocks_per_seq``).
+    - ``refs``: (num_blocks,) int32, the slots holding each block (0: free; the scratch block
+      stays 0 and is never handed out).
+    """
+
+    tables: Tensor
+    refs: Tensor
+
+
+def empty_blocks(plan: Plan) -> BlockTables | None:
+    """Fresh tables for ``plan``'s blocks layout (every slot owning nothing), None for slots."""
+    kv = plan.kv
+    if not kv.paged:
+        return None
+    tables = torch.full((kv.num_slots - 1, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
+    return BlockTables(tables=tables, refs=torch.zeros(kv.total_blocks, dtype=torch.int32))
+
+
+def owned(plan: Plan, blocks: BlockTables, slot: int) -> int:
+    """Blocks ``slot`` holds (its table's columns before the first scratch entry)."""
+    row = blocks.tables[slot]
+    return int((row != plan.kv.scratch_block).sum())
+
+
+def free_count(plan: Plan, blocks: BlockTables) -> int:
+    """Blocks no slot holds, the scratch block excluded."""
+    return int((blocks.refs[: plan.kv.scratch_block] == 0).sum())
+
+
+def blocks_needed(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int],
+                  ends: Sequence[int]) -> int:
+    """Fresh blocks :func:`reserve` takes for rows writing positions [starts[b], ends[b]) of
+    ``slots[b]``: those past each slot's held blocks, plus a copy of each held block in the
+    range that another slot shares. 0 for the slots layout."""
+    if blocks is None:
+        return 0
+    bs, need = plan.kv.block_size, 0
+    for s, start, end in zip(slots, starts, ends):
+        held = owned(plan, blocks, s)
+        need += max(0, blocks_covering(end, bs) - held)
+        ids = blocks.tables[s, start // bs:min(held, blocks_covering(end, bs))].long()
+        need += int((blocks.refs[ids] > 1).sum())
+    return need
+
+
+def check_blocks(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
+    """Raise KVCacheFullError when the rows' writes need more blocks than are free (nothing changes)."""
+    if blocks is None:
+        return
+    need, free = blocks_needed(plan, blocks, slots, starts, ends), free_count(plan, blocks)
+    if need > free:
+        raise KVCacheFullError(
+            f"this step needs {need} free KV blocks of {plan.kv.block_size} positions and {free} are free "
+            f"({plan.kv.total_blocks - 1} in all); release a request (or let the scheduler preempt one), or compile with a "
+            "larger num_kv_blocks / kv_cache_memory.")
+
+
+def _take(plan: Plan, blocks: BlockTables, count: int) -> list[int]:
+    """``count`` free blocks, lowest first, now held once."""
+    free = torch.nonzero(blocks.refs[: plan.kv.scratch_block] == 0).flatten()[:count]
+    blocks.refs[free] = 1
+    return free.tolist()
+
+
+def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int],
+            ends: Sequence[int]) -> None:
+    """Make rows' positions [starts[b], ends[b]) of ``slots[b]`` writable: shared blocks in the
+    range copied to fresh ones (every layer's K and V), fresh blocks past the held ones. Raises
+    KVCacheFullError first when too few are free. Nothing to do for the slots layout."""
+    if blocks is None:
+        return
+    check_blocks(plan, blocks, slots, starts, ends)
+    bs = plan.kv.block_size
+    for s, start, end in zip(slots, starts, ends):
+        held, want = owned(plan, blocks, s), blocks_covering(end, bs)
+        for col in range(start // bs, min(held, want)):
+            old = int(blocks.tables[s, col])
+            if int(blocks.refs[old]) > 1:
+                (new,) = _take(plan, blocks, 1)
+                for layer in kv:
+                    layer.k[new].copy_(layer.k[old])
+                    layer.v[new].copy_(layer.v[old])
+                blocks.refs[old] -= 1
+                blocks.tables[s, col] = new
+        if want > held:
+            blocks.tables[s, held:want] = torch.tensor(_take(plan, blocks, want - held), dtype=torch.int32)
+
+
+def share(plan: Plan, blocks: BlockTables | None, source: int, slot: int, positions: int) -> None:
+    """Free ``slot`` takes ``source``'s blocks holding positions [0, ``positions``) by reference
+    (a fork of its prompt); the first write into a shared block copies it (:func:`reserve`)."""
+    if blocks is None:
+        return
+    count = blocks_covering(positions, plan.kv.block_size)
+    ids = blocks.tables[source, :count]
+    blocks.tables[slot, :count] = ids
+    blocks.refs[ids.long()] += 1
+
+
+def release(plan: Plan, blocks: BlockTables | None, slots: Sequence[int]) -> None:
+    """``slots`` drop their blocks (a block no slot holds is free again); their tables point at
+    the scratch block."""
+    if blocks is None:
+        return
+    for s in slots:
+        ids = blocks.tables[s, : owned(plan, blocks, s)].long()
+        blocks.refs[ids] -= 1
+        blocks.tables[s] = plan.kv.scratch_block
+
+
+def table_rows(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], rows: int) -> Tensor:
+    """The block tables (``rows``, N) int32 of a graph's rows: ``slots``' tables, then padding rows
+    all scratch. The slots layout: each row's ``[slot]``, padding rows the scratch slot."""
+    kv = plan.kv
+    out = torch.full((rows, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
+    if blocks is None:
+        out[: len(slots), 0] = torch.tensor(list(slots), dtype=torch.int32)
+    else:
+        out[: len(slots)] = blocks.tables[list(slots)]
+    return out

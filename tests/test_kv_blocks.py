@@ -1,0 +1,283 @@
+"""The blocks KV layout (``kv_layout="blocks"``): its options and derived sizes, the block-table
+arithmetic (property-tested), the block manager's reference counts and copy-on-write, and tiny
+models whose tokens and logits equal the slots layout's for ragged batches, chunked prefill,
+speculation, forks (n > 1) and the scheduler under a small block budget, on eager and inductor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
+from hypothesis import given
+from hypothesis import strategies as st
+
+import neuronfx
+from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
+from neuronfx.config.kv_blocks import admissible, blocks_covering, request_blocks
+from neuronfx.errors import ConfigError, KVCacheFullError
+from neuronfx.graphs.models.kv_rows import window_rows
+from neuronfx.runtime import blocks as manager
+from neuronfx.runtime.fork import ForkBatch, fork
+from neuronfx.runtime.requests import Queue, submit
+from neuronfx.runtime.scheduler import step as scheduler_step
+
+NO_EOS: frozenset[int] = frozenset()
+GREEDY = SamplingParams()
+PROMPTS = [random_prompt(11, 1), random_prompt(5, 2), random_prompt(20, 3)]
+BLOCKS = dict(kv_layout="blocks", kv_block_size=8)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama", seed=4)
+
+
+# --- options and sizes ----------------------------------------------------------------------------
+
+
+def test_block_layout_sizes(hf) -> None:
+    slots = tiny_plan(hf, batch_size=4)
+    blocks = tiny_plan(hf, batch_size=4, **BLOCKS)
+    assert blocks.kv.shape == (4 * 64 // 8 + 1, 2, 8, 16)  # default: what 4 slots of 64 positions hold, plus scratch
+    assert blocks.kv.nbytes == 33 * blocks.kv.block_nbytes and slots.kv.nbytes == 5 * slots.kv.block_nbytes
+    assert blocks.kv.max_blocks_per_seq == 8 and blocks.kv.scratch_block == 32 and slots.kv.max_blocks_per_seq == 1
+    assert tiny_plan(hf, num_kv_blocks=10, **BLOCKS).kv.total_blocks == 11
+    per_block = blocks.kv.block_nbytes  # 2 layers x (K, V) x 2 heads x 8 positions x 16 x 4 bytes
+    assert per_block == 2 * 2 * 2 * 8 * 16 * 4
+    assert tiny_plan(hf, kv_cache_memory=per_block * 12 + 5, **BLOCKS).kv.total_blocks == 13
+    spec = tiny_plan(hf, **BLOCKS).graph("decode", 4, 16)
+    assert [(t.name, t.shape) for t in spec.inputs if t.name == "block_table"] == [("block_table", (4, 8))]
+    assert [t.shape for t in tiny_plan(hf).graph("decode", 4, 16).inputs if t.name == "block_table"] == [(4, 1)]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv_block_size=8), r"kv_block_size=8 with kv_layout='slots'"),
+    (dict(kv_layout="pages"), r"kv_layout='pages' is not one of"),
+    (dict(kv_layout="blocks", kv_block_size=6), r"kv_block_size=6 must be a multiple of 4"),
+    (dict(kv_layout="blocks", num_kv_blocks=4, kv_cache_memory=4096), r"both size the KV cache"),
+    (dict(kv_layout="blocks", enable_prefix_caching=True, prefill_chunk_size=16), r"does not run with it yet"),
+])
+def test_bad_block_options_are_named_before_anything_is_built(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        InferenceConfig(**options)
+
+
+def test_bad_block_sizes_for_the_plan(hf) -> None:
+    with pytest.raises(ConfigError, match=r"kv_block_size=32 does not divide prefill buckets \[8, 16\].*e\.g\. 8"):
+        tiny_plan(hf, kv_layout="blocks", kv_block_size=32)
+    with pytest.raises(ConfigError, match=r"num_kv_blocks=7 gives 7 KV blocks, fewer than the 8 one request"):
+        tiny_plan(hf, num_kv_blocks=7, **BLOCKS)
+    with pytest.raises(ConfigError, match=r"kv_cache_memory=100 bytes .* gives 0 KV blocks"):
+        tiny_plan(hf, kv_cache_memory=100, **BLOCKS)
+
+
+# --- pure arithmetic -------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 5000), st.sampled_from([4, 8, 16, 32]))
+def test_blocks_covering_is_the_fewest_blocks_holding_the_positions(n: int, bs: int) -> None:
+    k = blocks_covering(n, bs)
+    assert k * bs >= n and (k - 1) * bs < n
+
+
+@given(st.integers(1, 300), st.one_of(st.none(), st.integers(1, 300)), st.integers(0, 5), st.sampled_from([4, 16]))
+def test_request_blocks_bounds_every_position_a_request_writes(prompt: int, max_tokens: int | None, k: int, bs: int) -> None:
+    seq = 512
+    got = request_blocks(prompt, max_tokens, seq, k, bs)
+    last = seq if max_tokens is None else min(seq, prompt + max_tokens + k)
+    assert got == -(-last // bs) and got * bs >= min(seq, prompt)
+
+
+@given(st.integers(0, 100), st.integers(0, 100), st.lists(st.integers(1, 30), max_size=8))
+def test_admissible_is_the_longest_prefix_that_fits(free: int, outstanding: int, wanted: list[int]) -> None:
+    n = admissible(free, outstanding, wanted)
+    assert sum(wanted[:n]) <= max(0, free - outstanding) or n == 0
+    assert n == len(wanted) or sum(wanted[: n + 1]) > free - outstanding
+
+
+def test_window_rows_gathers_positions_through_the_table() -> None:
+    cache = torch.arange(6 * 2 * 4 * 3, dtype=torch.float32).reshape(6, 2, 4, 3)
+    table = torch.tensor([[3, 0, 5], [1, 5, 5]], dtype=torch.int32)
+    got = window_rows(cache, table, 10)
+    for b in range(2):
+        for j in range(10):
+            assert torch.equal(got[b, :, j], cache[table[b, j // 4], :, j % 4])
+    slots = torch.randn(3, 2, 16, 3)
+    assert torch.equal(window_rows(slots, torch.tensor([[2], [0]]), 5), slots[[2, 0], :, :5])
+
+
+# --- the block manager -----------------------------------------------------------------------------
+
+
+@given(st.lists(st.tuples(st.sampled_from(["grow", "fork", "free"]), st.integers(0, 3), st.integers(0, 3), st.integers(1, 30)),
+                max_size=25))
+def test_block_manager_counts_and_copy_on_write(hf, ops: list) -> None:
+    """Random grow / fork / free over 4 slots of a 10-block cache: every block's count is the
+    number of tables holding it, a write range never holds a shared block after reserve, and a
+    copy on write leaves the other holder's rows as they were."""
+    plan = tiny_plan(hf, num_kv_blocks=10, **BLOCKS)
+    kv = neuronfx.graphs.phases.inputs.empty_kv(plan)
+    b = manager.empty_blocks(plan)
+    lens = [0] * plan.kv.num_slots
+    for op, slot, other, n in ops:
+        if op == "grow" and lens[slot] + n <= 64:
+            try:
+                manager.reserve(plan, kv, b, [slot], [lens[slot]], [lens[slot] + n])
+            except KVCacheFullError:
+                continue
+            cols = range(lens[slot] // 8, blocks_covering(lens[slot] + n, 8))
+            assert all(int(b.refs[b.tables[slot, c]]) == 1 for c in cols)
+            for c in cols:  # write the slot's mark into its blocks: a shared block would show it elsewhere
+                kv[0].k[int(b.tables[slot, c])] = slot
+            lens[slot] += n
+        elif op == "fork" and lens[slot] == 0 and lens[other] > 0 and slot != other:
+            manager.share(plan, b, other, slot, lens[other])
+            lens[slot] = lens[other]
+        elif op == "free" and lens[slot]:
+            manager.release(plan, b, [slot])
+            lens[slot] = 0
+        held = torch.bincount(b.tables[b.tables != plan.kv.scratch_block].long(), minlength=plan.kv.total_blocks)
+        assert torch.equal(held.int(), b.refs) and int(b.refs[plan.kv.scratch_block]) == 0
+        assert manager.free_count(plan, b) == int((held[:-1] == 0).sum())
+        for s in range(4):
+            assert manager.owned(plan, b, s) == blocks_covering(lens[s], 8) or lens[s] == 0
+
+
+def test_a_step_that_needs_more_blocks_than_are_free_changes_nothing(hf) -> None:
+    rt = tiny_runtime(hf, num_kv_blocks=8, **BLOCKS)  # one request of 64 positions
+    state = neuronfx.init_state(rt)
+    out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1], prompts=[random_prompt(30, 1), random_prompt(32, 2)],
+                                                               sampling=[GREEDY] * 2))
+    assert manager.free_count(rt.plan, state.blocks) == 0
+    before = state.blocks.tables.clone()
+    with pytest.raises(KVCacheFullError, match=r"needs 1 free KV blocks of 8 positions and 0 are free \(8 in all\)"):
+        neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[0, 1], input_ids=list(out.tokens), sampling=[GREEDY] * 2))
+    assert torch.equal(state.blocks.tables, before) and not state.consumed
+    _, state = neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[0], input_ids=[out.tokens[0]], sampling=[GREEDY]))  # position 30: its own block
+    state = neuronfx.release(rt, state, [0])
+    assert manager.free_count(rt.plan, state.blocks) == 4
+    _, state = neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[1], input_ids=[out.tokens[1]], sampling=[GREEDY]))
+    assert manager.owned(rt.plan, state.blocks, 1) == 5
+
+
+# --- tiny models: the blocks layout against the slots layout --------------------------------------
+
+
+def max_logit_error(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
+    return max((x - y).abs().max().item() for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.fixture(scope="module")
+def slots_steps(hf):
+    rt = tiny_runtime(hf, "eager")
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 2, 3], PROMPTS, 30)
+    return tokens, logits
+
+
+def test_eager_ragged_batch_equals_the_slots_layout(hf, slots_steps) -> None:
+    rt = tiny_runtime(hf, "eager", **BLOCKS)
+    tokens, logits, buckets, state = run_steps(rt, neuronfx.init_state(rt), [0, 2, 3], PROMPTS, 30)
+    assert tokens == slots_steps[0] and buckets[-1] == 64
+    assert max_logit_error(logits, slots_steps[1]) <= 1e-5
+    held = {0: len(PROMPTS[0]), 1: None, 2: len(PROMPTS[1]), 3: len(PROMPTS[2])}  # slot -> prompt length
+    assert [manager.owned(rt.plan, state.blocks, s) for s in held] == [0 if n is None else blocks_covering(n + 29, 8)
+                                                                      for n in held.values()]
+
+
+def generated(hf, backend: str, prompts: list, sampling: SamplingParams | list = GREEDY, **options) -> tuple:
+    rt = tiny_runtime(hf, backend, **options)
+    result, state = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=17, sampling=sampling,
+                                      eos_token_ids=NO_EOS)
+    return result, state, rt
+
+
+@pytest.mark.parametrize("options", [
+    dict(prefill_chunk_size=8, prefill_buckets=(8,)),  # prompts of 11 and 20 go in chunks
+    dict(speculation_length=4, draft_layers=1),  # self-speculation: draft and verify through the tables
+    dict(speculation_length=3, speculative_method="ngram"),
+], ids=["chunked", "self-speculation", "ngram"])
+def test_eager_generate_equals_the_slots_layout(hf, options: dict) -> None:
+    prompts = PROMPTS + [PROMPTS[0][:4] * 5]  # repeats: prompt lookup finds matches
+    want, _, _ = generated(hf, "eager", prompts)
+    got, state, rt = generated(hf, "eager", prompts, **options, **BLOCKS)
+    assert got.token_ids == want.token_ids
+    assert manager.free_count(rt.plan, state.blocks) == 32  # every block back
+    if "speculation_length" in options:
+        assert sum(s.drafted for s in got.speculation) > 0
+
+
+def test_forks_share_the_prompt_blocks_and_copy_on_write(hf) -> None:
+    """n = 3 sampled choices: the slots layout copies the prompt per choice, the blocks layout
+    shares its blocks (the 11-token prompt's partial second block is copied on the first
+    write); the same tokens."""
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    outs = []
+    for options in ({}, BLOCKS):
+        rt = tiny_runtime(hf, "eager", **options)
+        result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [PROMPTS[0]], max_new_tokens=9, sampling=sampling,
+                                      n=3, eos_token_ids=NO_EOS)
+        outs.append(result.token_ids)
+    assert outs[0] == outs[1] and len(set(outs[1])) > 1
+    rt = tiny_runtime(hf, "eager", **BLOCKS)
+    _, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), PrefillBatch(seq_ids=[0], prompts=[PROMPTS[0]], sampling=[GREEDY]))
+    _, state = fork(rt, state, ForkBatch(seq_ids=[1, 2], sources=[0, 0], prompts=[PROMPTS[0]] * 2, sampling=[sampling] * 2))
+    tables = state.blocks.tables[:3, :2].tolist()
+    assert tables[0][0] == tables[1][0] == tables[2][0] and int(state.blocks.refs[tables[0][0]]) == 3  # the full block, shared
+    assert len({row[1] for row in tables}) == 3  # position 10's block: each fork wrote its own copy
+
+
+def test_scheduler_admits_by_free_blocks(hf) -> None:
+    """16 blocks of 8 positions (what 2 slots of 64 hold) serve 8 requests at once when they
+    are short; outputs equal the slots layout's with 2 slots, every block comes back."""
+    prompts = [random_prompt(3 + (5 * i) % 29, i) for i in range(12)]
+    sampling = [SamplingParams(max_tokens=4 + (7 * i) % 20) for i in range(12)]
+    want, _, _ = generated(hf, "eager", prompts, batch_size=2, sampling=sampling)
+    rt = tiny_runtime(hf, "eager", batch_size=8, num_kv_blocks=16, **BLOCKS)
+    state, queue, peak, outputs = neuronfx.init_state(rt), Queue(), 0, {}
+    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sp))
+    while not queue.idle:
+        events, state, queue = scheduler_step(rt, state, queue, NO_EOS)
+        peak = max(peak, len(queue.running))
+        for e in events:
+            outputs.setdefault(e.index, []).append(e.token_id)
+        assert manager.free_count(rt.plan, state.blocks) >= 0
+    assert [tuple(outputs[i]) for i in range(12)] == list(want.token_ids)
+    assert peak >= 4 and manager.free_count(rt.plan, state.blocks) == 16
+
+
+def test_inductor_blocks_equal_eager_slots(hf, slots_steps) -> None:
+    """The default backend (the C++ attention kernel walking the tables, the compiled block
+    writes): tokens equal the eager slots layout's, logits within fp32 reordering; greedy
+    self-speculation through the tables equals plain greedy."""
+    rt = tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,), **BLOCKS)
+    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 2, 3], PROMPTS, 30)
+    assert tokens == slots_steps[0]
+    assert max_logit_error(logits, slots_steps[1]) < 1e-4
+    want, _, _ = generated(hf, "eager", PROMPTS)
+    got, state = neuronfx.generate(rt, neuronfx.init_state(rt), PROMPTS, max_new_tokens=17, eos_token_ids=NO_EOS)
+    assert got.token_ids == want.token_ids and sum(s.drafted for s in got.speculation) > 0
+    assert manager.free_count(rt.plan, state.blocks) == 32
+
+
+def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:
+    """8 blocks of 8 positions (one request of 64) under 4 long requests: the scheduler admits by
+    prompt blocks, evicts the newest when a running request finds no block, recomputes it (in
+    chunks past the 8-token prefill bucket) and resumes it: every output equals the slots
+    layout's, greedy and seeded sampling alike (their draws and penalties go on unchanged)."""
+    prompts = [random_prompt(6 + 3 * i, 10 + i) for i in range(4)]
+    sampling = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=33, temperature=0.8, seed=3, repetition_penalty=1.3),
+                SamplingParams(max_tokens=36), SamplingParams(max_tokens=30, temperature=1.0, seed=5, frequency_penalty=0.5)]
+    want, _, _ = generated(hf, "eager", prompts, sampling=sampling, batch_size=1)
+    rt = tiny_runtime(hf, "eager", num_kv_blocks=8, prefill_chunk_size=8, prefill_buckets=(8,), **BLOCKS)
+    state, queue, peak, outputs = neuronfx.init_state(rt), Queue(), 0, {}
+    for i, (p, sp) in enumerate(zip(prompts, sampling)):
+        queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sp))
+    while not queue.idle:
+        events, state, queue = scheduler_step(rt, state, queue, NO_EOS)
+        peak = max(peak, len(queue.running))
+        for e in events:
+            outputs.setdefault(e.index, []).append(e.token_id)
+    assert [tuple(outputs[i]) for i in range(4)] == list(want.token_ids)
+    assert queue.preemptions >= 2 and peak >= 3 and manager.free_count(rt.plan, state.blocks) == 8
