@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
@@ -20,6 +21,7 @@ from neuronfx.graphs.models.kv_rows import window_rows
 from neuronfx.runtime import blocks as manager
 from neuronfx.runtime.fork import ForkBatch, fork
 from neuronfx.runtime.requests import Queue, submit
+from neuronfx.runtime.scheduler import abort
 from neuronfx.runtime.scheduler import step as scheduler_step
 
 NO_EOS: frozenset[int] = frozenset()
@@ -56,7 +58,8 @@ def test_block_layout_sizes(hf) -> None:
     (dict(kv_layout="pages"), r"kv_layout='pages' is not one of"),
     (dict(kv_layout="blocks", kv_block_size=6), r"kv_block_size=6 must be a multiple of 4"),
     (dict(kv_layout="blocks", num_kv_blocks=4, kv_cache_memory=4096), r"both size the KV cache"),
-    (dict(kv_layout="blocks", enable_prefix_caching=True, prefill_chunk_size=16), r"does not run with it yet"),
+    (dict(kv_layout="blocks", backend="neuron"), r"kv_layout='blocks' with backend='neuron': .* does not run with it yet"),
+    (dict(kv_layout="blocks", enable_prefix_caching=True, prefix_block_size=8), r"prefix_block_size=8 with kv_block_size=16"),
 ])
 def test_bad_block_options_are_named_before_anything_is_built(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -281,3 +284,152 @@ def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:
             outputs.setdefault(e.index, []).append(e.token_id)
     assert [tuple(outputs[i]) for i in range(4)] == list(want.token_ids)
     assert queue.preemptions >= 2 and peak >= 3 and manager.free_count(rt.plan, state.blocks) == 8
+
+
+# --- continuous batching under a small block budget: a state machine ---------------------------------
+
+
+SOLO: dict = {}  # (prompt, sampling) -> its tokens alone: the machine's examples repeat requests
+SHARED = random_prompt(17, 99)
+SEEN = {"preemptions": 0, "hits": 0}  # over every example: the machine did preempt and hit
+
+
+class BlocksMachine(RuleBasedStateMachine):
+    """Requests (greedy, or seeded sampling with penalties; some sharing a prefix, served from
+    the prefix cache) arrive, run, are aborted, preempted and recomputed over 8 blocks of 8
+    positions shared by 4 slots and the cache; free blocks and the scratch block are filled with
+    NaN at random times. Every finished request equals its run alone on the slots layout without
+    a cache; block counts always equal the tables' and the cache's references."""
+
+    runtime = None
+    solo_runtime = None
+
+    @initialize()
+    def start(self):
+        self.state, self.queue = neuronfx.init_state(self.runtime), Queue()
+        self.requests: list[neuronfx.Request] = []
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+        self.aborted: set[int] = set()
+
+    @rule(length=st.integers(1, 20), max_tokens=st.integers(1, 30), seed=st.integers(0, 10**6), sampled=st.booleans(),
+          shared=st.sampled_from([0, 0, 8, 17]))
+    def arrive(self, length, max_tokens, seed, sampled, shared):
+        sampling = (SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=seed, repetition_penalty=1.2) if sampled
+                    else SamplingParams(max_tokens=max_tokens))
+        prompt = SHARED[:shared] + random_prompt(length, seed)  # a shared prefix: prefix-cache hits
+        request = neuronfx.Request(prompt=tuple(prompt[:32]), sampling=sampling)  # max_context_length 32
+        self.queue = submit(self.queue, len(self.requests), request)
+        self.requests.append(request)
+
+    @rule()
+    def iterate(self):
+        if self.queue.idle:
+            return
+        events, self.state, self.queue = scheduler_step(self.runtime, self.state, self.queue, NO_EOS)
+        for e in events:
+            self.tokens.setdefault(e.index, []).append(e.token_id)
+            if e.finish_reason is not None:
+                self.finished.add(e.index)
+
+    @rule(pick=st.integers(0, 50))
+    def abort_one(self, pick):
+        live = [i for i, _ in self.queue.waiting] + [r.index for r in self.queue.running + self.queue.preempted]
+        if live:
+            index = live[pick % len(live)]
+            self.state, self.queue = abort(self.runtime, self.state, self.queue, index)
+            self.aborted.add(index)
+
+    @rule()
+    def poison_free_blocks(self):
+        free = (self.state.blocks.refs == 0).nonzero().flatten()  # the scratch block too
+        for layer in self.state.kv:
+            layer.k[free] = float("nan")
+            layer.v[free] = float("nan")
+
+    @invariant()
+    def counts_are_the_tables_references(self):
+        plan, b = self.runtime.plan, self.state.blocks
+        refs = torch.cat([b.tables.flatten(), b.cached])
+        held = torch.bincount(refs[refs != plan.kv.scratch_block].long(), minlength=plan.kv.total_blocks)
+        assert torch.equal(held.int(), b.refs)
+        holders = {r.slot for r in self.queue.running + self.queue.preempted + self.queue.prefilling}
+        assert holders == {s for s, on in enumerate(self.state.live) if on}
+        assert all(manager.owned(plan, b, r.slot) == 0 for r in self.queue.preempted)
+
+    @invariant()
+    def finished_requests_match_their_lone_runs(self):
+        for i in self.finished - self.aborted:
+            assert self.tokens[i] == self.alone(self.requests[i]), f"request {i}"
+
+    def alone(self, request) -> list[int]:
+        key = (request.prompt, request.sampling)
+        if key not in SOLO:
+            rt = self.solo_runtime
+            result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [list(request.prompt)], sampling=request.sampling,
+                                          eos_token_ids=NO_EOS)
+            SOLO[key] = list(result.token_ids[0])
+        return SOLO[key]
+
+    def teardown(self):
+        while not self.queue.idle:
+            self.iterate()
+        self.finished_requests_match_their_lone_runs()
+        cached = self.state.blocks.cached
+        assert manager.free_count(self.runtime.plan, self.state.blocks) == 8 - int((cached != self.runtime.plan.kv.scratch_block).sum())
+        SEEN["preemptions"] += self.queue.preemptions
+        SEEN["hits"] += neuronfx.prefix_stats(self.state).hits
+
+
+def test_blocks_state_machine(hf) -> None:
+    BlocksMachine.runtime = tiny_runtime(hf, "eager", num_kv_blocks=8, prefill_chunk_size=8, prefill_buckets=(8,),
+                                         enable_prefix_caching=True, prefix_block_size=8, **BLOCKS)
+    BlocksMachine.solo_runtime = tiny_runtime(hf, "eager", batch_size=1)
+    run = BlocksMachine.TestCase
+    run.settings = settings(max_examples=12, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    run().runTest()
+    assert SEEN["preemptions"] > 0 and SEEN["hits"] > 0, SEEN
+
+
+def test_server_gauges_count_blocks_and_preemptions(hf) -> None:
+    """/metrics of a blocks-layout server: blocks held by requests (a cached block no request
+    holds counts as free, as vLLM counts), the usage fraction over blocks, and preemptions."""
+    from neuronfx.server.engine import Engine
+    from neuronfx.server.metrics import make_metrics
+
+    rt = tiny_runtime(hf, "eager", num_kv_blocks=10, **BLOCKS)
+    metrics = make_metrics("tiny")
+    engine = Engine(lambda: None, max_waiting=0, metrics=metrics)
+    _, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt), PrefillBatch(seq_ids=[0, 1], prompts=[PROMPTS[0], PROMPTS[1]],
+                                                                             sampling=[GREEDY] * 2))
+    engine._gauges(state, Queue(preemptions=3))
+    text = metrics.render().decode()
+    held = blocks_covering(len(PROMPTS[0]), 8) + blocks_covering(len(PROMPTS[1]), 8)  # 2 + 1
+    for line in (f"neuronfx_kv_blocks_used {held:.1f}", "neuronfx_kv_blocks 10.0", f"neuronfx_kv_cache_usage_perc {held / 10!r}",
+                 "neuronfx_num_preemptions_total 3.0", 'vllm:num_preemptions_total{model_name="tiny"} 3.0'):
+        assert line in text, line
+
+
+@pytest.mark.parametrize("case", ["int8-kv", "fused-draft-model", "async-decode", "save-load"])
+def test_blocks_layout_with_the_other_options(hf, tmp_path, case: str) -> None:
+    """The blocks layout beside an int8 KV cache, fused speculation with a draft model (its own
+    blocks), overlapped decode and save / load: the tokens of the slots layout run the same way."""
+    options = {"int8-kv": dict(kv_cache_dtype="int8"), "fused-draft-model": dict(speculation_length=3, fused_speculation=True),
+               "async-decode": {}, "save-load": dict(backend="export", prefill_buckets=(32,), decode_buckets=(64,))}[case]
+    backend = options.pop("backend", "eager")
+    outs = []
+    for layout in ({}, BLOCKS):
+        rt = tiny_runtime(hf, backend, **options, **layout)
+        if case == "fused-draft-model":  # a draft model of its own (here the same weights): its own blocks
+            rt = neuronfx.with_draft(rt, tiny_runtime(hf, "eager", output_logits=True, **layout))
+        if case == "save-load":
+            rt = neuronfx.load(neuronfx.save(rt, tmp_path / str(len(outs))))
+            assert rt.plan.kv.paged == bool(layout)
+        result, state = neuronfx.generate(rt, neuronfx.init_state(rt), PROMPTS, max_new_tokens=12, eos_token_ids=NO_EOS,
+                                          async_decode=case == "async-decode")
+        outs.append(result.token_ids)
+        if layout:
+            assert manager.free_count(rt.plan, state.blocks) == rt.plan.kv.total_blocks - 1
+            if case == "fused-draft-model":
+                assert state.draft.blocks is not None and sum(s.drafted for s in result.speculation) > 0
+    assert outs[0] == outs[1]

@@ -301,3 +301,42 @@ def test_next_turn_reuses_the_answer(rt_on, rt_off) -> None:
     tokens, state = run(rt_on, state, [turn])
     assert prefix_stats(state).hits - before == held // 4 * 4 == 16
     assert tokens[0] == solo(rt_off, turn)
+
+
+# --- the blocks KV layout: cached blocks are KV blocks, shared by reference ----------------------------
+
+BLOCKS = dict(kv_layout="blocks", kv_block_size=4)
+
+
+@pytest.fixture(scope="module")
+def rt_blocks(hf):
+    return tiny_runtime(hf, **PC, **BLOCKS)
+
+
+def test_blocks_layout_hits_share_the_cached_blocks(rt_blocks, rt_off) -> None:
+    """The shared-prefix sequence of the slots layout's test on the blocks layout: the same hits
+    and solo tokens; a hit's slot holds the cached KV blocks themselves (one more reference
+    each: the first request's slot, the cache, the hit), never a copy."""
+    state, hits = neuronfx.init_state(rt_blocks), 0
+    for prompt, hit in ((BASE[:13], 0), (BASE[:12] + tail(13, 1), 12), (BASE[:6] + tail(5, 3), 4), (BASE[:25] + tail(7, 5), 12)):
+        tokens, state = run(rt_blocks, state, [prompt])
+        hits += hit
+        assert prefix_stats(state).hits == hits and tokens[0] == solo(rt_off, prompt)
+    _, state = prefill_cached(rt_blocks, state, PrefillBatch(seq_ids=[0], prompts=[BASE[:14]], sampling=[GREEDY]))
+    _, state = prefill_cached(rt_blocks, state, PrefillBatch(seq_ids=[1], prompts=[BASE[:12] + tail(3, 9)], sampling=[GREEDY]))
+    first, second = state.blocks.tables[0, :3].tolist(), state.blocks.tables[1, :3].tolist()
+    assert first == second and state.blocks.refs[first].tolist() == [3, 3, 3]
+    assert state.prefix.pool == ()  # no pool of its own
+
+
+def test_blocks_layout_evicts_cached_blocks_for_requests(hf, rt_off) -> None:
+    """16 blocks of 4 (one request of 64 positions): cached prompts fill the KV blocks, later
+    requests evict the least recently used ones no request holds, and every token stays exact."""
+    rt = tiny_runtime(hf, num_kv_blocks=16, **PC, **BLOCKS)
+    state = neuronfx.init_state(rt)
+    for i, p in enumerate([BASE[:30], BASE[:13], tail(29, 31), tail(30, 32), tail(31, 33), BASE[:26]]):
+        tokens, state = run(rt, state, [p], n=20)
+        assert tokens[0] == solo(rt_off, p, 20), i
+    stats = prefix_stats(state)
+    assert stats.evictions > 0 and stats.hits >= 12  # BASE[:13] right after BASE[:30]
+    assert int(state.blocks.refs.sum()) == state.prefix.store.num_cached  # only the cache holds blocks now

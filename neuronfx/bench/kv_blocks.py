@@ -28,6 +28,7 @@ from neuronfx.bench.options import Log, add_engine, add_model, add_threads, chec
 from neuronfx.bench.rounds import ab_rounds, format_ab, median
 from neuronfx.bench.types import Benchmark
 from neuronfx.bench.workload import check_range, random_ids
+from neuronfx.config.inference import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from neuronfx.io import checkpoints
 from neuronfx.runtime.requests import Queue, submit
 from neuronfx.runtime.scheduler import step
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p)
     add_engine(p, backend="inductor")
     add_threads(p)
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="float", help="weights of both plans (default float)")
+    p.add_argument("--activation-format", choices=ACTIVATION_FORMATS, default="float",
+                   help="int8 activations of quantized weights: float (default), int8 or auto (inductor)")
     p.add_argument("--slots", type=int, default=8, help="the KV budget: slots of the slots layout (default 8)")
     p.add_argument("--sequence-length", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16, help="kv_block_size of the blocks layout (default 16)")
@@ -93,7 +97,8 @@ def compile_layouts(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, 
     """The two runtimes: the same plan but the KV layout (and the blocks layout's request slots)."""
     blocks = args.slots * args.sequence_length // args.block_size
     base = dict(backend=args.backend, dtype=args.dtype, max_context_length=args.sequence_length,
-                sequence_length=args.sequence_length, prefill_chunk_size=args.chunk)
+                sequence_length=args.sequence_length, prefill_chunk_size=args.chunk, weight_format=args.weight_format,
+                activation_format=args.activation_format)
     sides = {"slots": dict(batch_size=args.slots),
              "blocks": dict(batch_size=args.max_num_seqs, kv_layout="blocks", kv_block_size=args.block_size, num_kv_blocks=blocks)}
     runtimes = {}
@@ -131,7 +136,8 @@ def report(cap: dict[str, Any], speed: dict[int, dict[str, list[float]]], args: 
     peak_x, tok_x = b["peak_running"] / s["peak_running"], b["output_tok_s"] / s["output_tok_s"]
     lines = [f"capacity: {args.requests} requests, prompts {args.prompt_lens[0]}-{args.prompt_lens[1]} and outputs "
              f"{args.output_lens[0]}-{args.output_lens[1]} tokens (log-uniform, seed {args.seed}; {cap['prompt_tokens']} prompt "
-             f"tokens), KV budget {args.slots} x {args.sequence_length} positions, {args.backend} {args.dtype}:"]
+             f"tokens), KV budget {args.slots} x {args.sequence_length} positions, {args.backend} {args.dtype}, weights "
+             f"{args.weight_format}, activations {args.activation_format}:"]
     for name, run in (("slots", s), ("blocks", b)):
         lines.append(f"  {name:6s} peak running {run['peak_running']:3d}, output {run['output_tok_s']:7.1f} tok/s "
                      f"({run['generated']} tokens in {run['seconds']:.1f} s), preemptions {run['preemptions']}")

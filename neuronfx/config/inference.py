@@ -8,7 +8,7 @@ import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
 from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
-from neuronfx.config.kv_blocks import check_block_options
+from neuronfx.config.kv_blocks import DEFAULT_KV_BLOCK_SIZE, check_block_options
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -377,16 +377,20 @@ class InferenceConfig:
                               "on one rank, without generation options; drop them or use task='generate'.")
 
     def _check_kv_layout(self) -> None:
-        """The blocks layout's options (``config.kv_blocks.check_block_options``), and what it
-        does not run with yet: the neuron backend, prefix caching, embedding plans."""
+        """The blocks layout's options (``config.kv_blocks.check_block_options``), what it does
+        not run with yet (the neuron backend, embedding plans), and prefix blocks the size of
+        its KV blocks (a cached block is a KV block)."""
         check_block_options(self.kv_layout, self.kv_block_size, self.num_kv_blocks, self.kv_cache_memory)
         if self.kv_layout != "blocks":
             return
-        given = [f"{name}={getattr(self, name)!r}" for name, on in (
-            ("backend", "neuron"), ("enable_prefix_caching", True), ("task", "embed")) if getattr(self, name) == on]
+        given = [f"{name}={getattr(self, name)!r}" for name, on in (("backend", "neuron"), ("task", "embed")) if getattr(self, name) == on]
         if given:
             raise ConfigError(f"kv_layout='blocks' with {', '.join(given)}: the blocks layout does not run with it yet; "
                               "use kv_layout='slots' for it.")
+        block = self.kv_block_size or DEFAULT_KV_BLOCK_SIZE
+        if self.enable_prefix_caching and self.prefix_block_size != block:
+            raise ConfigError(f"prefix_block_size={self.prefix_block_size} with kv_block_size={block}: the blocks layout caches "
+                              "prefixes as its own KV blocks, shared by reference; give both the same size.")
 
     def _check_activations(self) -> None:
         """int8 activations exist only in the inductor backend's products of quantized weights."""

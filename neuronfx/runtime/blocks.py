@@ -35,21 +35,27 @@ class BlockTables:
 
     - ``tables``: (request slots, N) int32, each slot's blocks in position order, then the
       scratch block (N = ``plan.kv.max_blocks_per_seq``).
-    - ``refs``: (num_blocks,) int32, the slots holding each block (0: free; the scratch block
-      stays 0 and is never handed out).
+    - ``refs``: (num_blocks,) int32, the slots (and prefix-cache entries) holding each block
+      (0: free; the scratch block stays 0 and is never handed out).
+    - ``cached``: with prefix caching, (prefix-cache blocks,) int32: the KV block each block of
+      the prefix store (``prefix_store.Entry.block``) holds, the scratch block for none; the
+      cache holds one reference on each. None without prefix caching.
     """
 
     tables: Tensor
     refs: Tensor
+    cached: Tensor | None = None
 
 
-def empty_blocks(plan: Plan) -> BlockTables | None:
-    """Fresh tables for ``plan``'s blocks layout (every slot owning nothing), None for slots."""
+def empty_blocks(plan: Plan, prefix_blocks: int = 0) -> BlockTables | None:
+    """Fresh tables for ``plan``'s blocks layout (every slot owning nothing; ``prefix_blocks``
+    empty prefix-cache entries when > 0), None for slots."""
     kv = plan.kv
     if not kv.paged:
         return None
     tables = torch.full((kv.num_slots - 1, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
-    return BlockTables(tables=tables, refs=torch.zeros(kv.total_blocks, dtype=torch.int32))
+    cached = torch.full((prefix_blocks,), kv.scratch_block, dtype=torch.int32) if prefix_blocks else None
+    return BlockTables(tables=tables, refs=torch.zeros(kv.total_blocks, dtype=torch.int32), cached=cached)
 
 
 def owned(plan: Plan, blocks: BlockTables, slot: int) -> int:
@@ -154,3 +160,52 @@ def table_rows(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], row
     else:
         out[: len(slots)] = blocks.tables[list(slots)]
     return out
+
+
+# --- prefix caching: the store's blocks are KV blocks, shared by reference ----------------------------
+
+
+def share_cached(plan: Plan, blocks: BlockTables, slot: int, entries: Sequence[int]) -> None:
+    """Free ``slot`` takes the KV blocks of prefix-store blocks ``entries`` (a hit, in prompt
+    order) as its first blocks, by reference: no copy."""
+    if entries:
+        ids = blocks.cached[list(entries)]
+        blocks.tables[slot, : len(entries)] = ids
+        blocks.refs[ids.long()] += 1
+
+
+def adopt(plan: Plan, blocks: BlockTables, slot: int, placements: Sequence[tuple[int, int]]) -> None:
+    """For each ``(j, entry)`` of a prefix-store insert: the store's block ``entry`` becomes
+    ``slot``'s block j (a reference, no copy), dropping the one it held before (evicted)."""
+    for j, entry in placements:
+        old, new = int(blocks.cached[entry]), int(blocks.tables[slot, j])
+        if old != plan.kv.scratch_block:
+            blocks.refs[old] -= 1
+        blocks.cached[entry] = new
+        blocks.refs[new] += 1
+
+
+def uncache(plan: Plan, blocks: BlockTables, entries: Sequence[int]) -> None:
+    """Prefix-store blocks ``entries`` were evicted: drop their KV blocks' references."""
+    for entry in entries:
+        old = int(blocks.cached[entry])
+        if old != plan.kv.scratch_block:
+            blocks.refs[old] -= 1
+        blocks.cached[entry] = plan.kv.scratch_block
+
+
+def cache_only(plan: Plan, blocks: BlockTables, entry: int) -> bool:
+    """Whether evicting prefix-store block ``entry`` frees its KV block (no slot holds it)."""
+    kv_block = int(blocks.cached[entry])
+    return kv_block != plan.kv.scratch_block and int(blocks.refs[kv_block]) == 1
+
+
+def blocks_in_use(blocks: BlockTables) -> tuple[int, int]:
+    """(blocks requests hold, blocks in all), the scratch block excluded: a cached block no slot
+    holds counts as free, as vLLM counts its usage (it is evicted when blocks run short)."""
+    total = int(blocks.refs.shape[0]) - 1  # the last block is the scratch block
+    held = int((blocks.refs[:total] > 0).sum())
+    if blocks.cached is not None:
+        ids = blocks.cached[blocks.cached != total].long()
+        held -= int((blocks.refs[ids] == 1).sum())
+    return held, total

@@ -24,6 +24,7 @@ from neuronfx.config.sampling import SamplingParams
 from neuronfx.runtime.batch import sampler_inputs
 from neuronfx.runtime.blocks import free_count, owned, release
 from neuronfx.runtime.pipeline import plan_rows, run_rows
+from neuronfx.runtime.prefix import make_free
 from neuronfx.runtime.requests import Progress, Queue, Request
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State, advance, with_draft_state
@@ -111,12 +112,15 @@ def make_room(runtime: Runtime, state: State, queue: Queue, speculative: bool) -
     be recomputed (:func:`recomputable`): while the running requests' next step needs more
     blocks than are free, evict the newest (the largest (priority, index)) into
     ``queue.preempted``; when none was evicted, resume preempted requests, oldest first, while
-    their recomputed caches and next tokens fit. Returns (state, queue, the resumed requests:
+    their recomputed caches and next tokens fit. Cached prefix blocks no request holds are
+    evicted first, for the running requests and for the next request to resume or be admitted
+    (``prefix.make_free``). Returns (state, queue, the resumed requests:
     running again, to be recomputed by this iteration before they decode). Nothing happens in
     the slots layout or without recompute."""
     if state.blocks is None or not recomputable(runtime):
         return state, queue, ()
     plan, tokens, evicted = runtime.plan, step_tokens(runtime, speculative), []
+    state = make_free(runtime, state, _step_need(runtime, state, queue, tokens))  # cached blocks go before requests
     while queue.running and _step_need(runtime, state, queue, tokens) > free_count(plan, state.blocks):
         victim = max(queue.running, key=lambda r: (r.request.priority, r.index))
         state = evict(runtime, state, [victim.slot])
@@ -125,8 +129,11 @@ def make_room(runtime: Runtime, state: State, queue: Queue, speculative: bool) -
     if evicted:
         waiting = sorted(queue.preempted + tuple(evicted), key=lambda r: (r.request.priority, r.index))
         return state, attrs.evolve(queue, preempted=tuple(waiting), preemptions=queue.preemptions + len(evicted)), ()
-    room = free_count(plan, state.blocks) - _step_need(runtime, state, queue, tokens)
-    wanted = [blocks_covering(len(_cached(r)) + 1, plan.kv.block_size) for r in queue.preempted]
+    need, bs = _step_need(runtime, state, queue, tokens), plan.kv.block_size
+    wanted = [blocks_covering(len(_cached(r)) + 1, bs) for r in queue.preempted]
+    following = wanted[:1] or [blocks_covering(len(r.prompt), bs) for _, r in queue.waiting[:1]]
+    state = make_free(runtime, state, need + sum(following))  # room for the next to resume or be admitted
+    room = free_count(plan, state.blocks) - need
     count = admissible(room, 0, wanted)
     resumed = queue.preempted[:count]
     return state, attrs.evolve(queue, running=queue.running + resumed, preempted=queue.preempted[count:]), resumed

@@ -1,5 +1,9 @@
 """Prefix caching over the step API: look a new request's prompt up, copy its cached blocks into
-the request's slot, and after the prompt's prefill put its new full blocks in the cache.
+the request's slot, and after the prompt's prefill put its new full blocks in the cache. In the
+blocks KV layout nothing is copied: a hit puts the cached KV blocks in the slot's block table
+and a prefilled prompt's full blocks become cached as they are, by reference
+(``blocks.share_cached`` / ``blocks.adopt``); a cached block no slot holds is evicted when
+blocks run short (:func:`make_free`).
 
 :func:`prefill_cached` is all of it as one step with :func:`neuronfx.prefill_step`'s signature
 (the reference scheduler runs it instead of ``prefill_step`` when the plan caches prefixes).
@@ -26,7 +30,8 @@ import torch
 
 from neuronfx.errors import InputError
 from neuronfx.runtime import prefix_store
-from neuronfx.runtime.checks import check_batch, check_params, check_prompts, check_rows, check_slots
+from neuronfx.runtime.blocks import adopt, blocks_needed, cache_only, free_count, share_cached, uncache
+from neuronfx.runtime.checks import check_batch, check_kv_blocks, check_params, check_prompts, check_rows, check_slots
 from neuronfx.runtime.chunked import ChunkBatch, chunk
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.prefix_pool import copy_to_pool, copy_to_slot
@@ -92,7 +97,10 @@ def load(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Sequen
         cache_lens[s], live[s] = m.num_tokens, True
     new = _with_store(state, blocks, cache_lens=tuple(cache_lens), live=tuple(live))
     for s, p, m in hits:  # after the lease is revoked: an interrupt leaves the old state consumed, never half-updated
-        copy_to_slot(new.kv, new.prefix.pool, s, m.blocks)
+        if new.blocks is None:
+            copy_to_slot(new.kv, new.prefix.pool, s, m.blocks)
+        else:  # the blocks layout: the cached KV blocks themselves, by reference
+            share_cached(runtime.plan, new.blocks, s, m.blocks)
         new.prompt_mask[s] = False
         new.prompt_mask[s, torch.tensor(list(p[: m.num_tokens]), dtype=torch.long)] = True
         new.output_counts[s] = 0
@@ -133,7 +141,34 @@ def store(runtime: Runtime, state: State, seq_ids: Sequence[int], prompts: Seque
         placed.append(placements)
     new = _with_store(state, blocks)
     for s, placements in zip(seq_ids, placed):
-        copy_to_pool(new.kv, new.prefix.pool, s, placements)
+        if new.blocks is None:
+            copy_to_pool(new.kv, new.prefix.pool, s, placements)
+        else:
+            adopt(runtime.plan, new.blocks, s, placements)
+    return new
+
+
+def reclaimable(runtime: Runtime, state: State) -> int:
+    """KV blocks :func:`make_free` could free: cached blocks no request uses and no slot holds."""
+    plan, blocks = runtime.plan, state.blocks
+    if state.prefix is None or blocks is None:
+        return 0
+    return sum(1 for e in state.prefix.store.entries.values() if e.refs == 0 and cache_only(plan, blocks, e.block))
+
+
+def make_free(runtime: Runtime, state: State, want: int) -> State:
+    """The blocks KV layout: evict unused cached blocks that only the prefix cache holds, least
+    recently used first, until ``want`` KV blocks are free or none is left to evict. The state
+    unchanged (not consumed) when nothing needs evicting; else ``state`` is consumed."""
+    plan, blocks = runtime.plan, state.blocks
+    missing = want - free_count(plan, blocks)
+    if state.prefix is None or blocks is None or missing <= 0:
+        return state
+    store, evicted = prefix_store.evict(state.prefix.store, missing, lambda e: cache_only(plan, blocks, e.block))
+    if not evicted:
+        return state
+    new = _with_store(state, store)
+    uncache(plan, new.blocks, evicted)
     return new
 
 
@@ -172,7 +207,9 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
 
     Raises (before any change) what :func:`prefill_step` raises (InputError, BatchTooLargeError,
     SlotError, EmptyPromptError, PromptTooLongError, TokenOutOfVocabError, SamplingParamsError,
-    StateConsumedError / StateMismatchError), and InputError when the runtime caches no prefixes.
+    StateConsumedError / StateMismatchError), InputError when the runtime caches no prefixes, and
+    KVCacheFullError (the blocks KV layout) when the prompts need more blocks than are free
+    after evicting cached ones no request holds.
     """
     check_prefix(runtime, state)
     check_batch(batch, PrefillBatch)
@@ -182,6 +219,12 @@ def prefill_cached(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple
     check_prompts(runtime, batch.prompts)
     check_params(runtime, batch.sampling)
     check_constraints(batch.constraints, batch.sampling)
+    if state.blocks is not None:  # the blocks layout: cached blocks no request holds make room first
+        starts, ends = [0] * len(batch.prompts), [len(p) for p in batch.prompts]
+        want = blocks_needed(runtime.plan, state.blocks, batch.seq_ids, starts, ends)
+        if want > free_count(runtime.plan, state.blocks) + reclaimable(runtime, state):
+            check_kv_blocks(runtime, state, batch.seq_ids, starts, ends)  # raises before anything changes
+        state = make_free(runtime, state, want)
     return prefill_reusing(runtime, state, batch)
 
 

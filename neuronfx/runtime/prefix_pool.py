@@ -23,7 +23,6 @@ import attrs
 import torch
 
 from neuronfx.config.dtypes import dtype_bytes, torch_dtype
-from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.plan import Plan
 from neuronfx.config.serialization import unstructure
 from neuronfx.graphs.phases.inputs import KVCache, LayerKV
@@ -33,27 +32,34 @@ from neuronfx.runtime.prefix_store import PrefixStore, empty_store
 @attrs.frozen(kw_only=True, eq=False)
 class PrefixCache:
     """A state's prefix cache: the block ``pool`` (one LayerKV per layer, each
-    [num_blocks, num_kv_heads, block_size, head_dim]) and the ``store`` saying what it holds."""
+    [num_blocks, num_kv_heads, block_size, head_dim]; empty in the blocks KV layout, where
+    store block i is the KV block ``BlockTables.cached[i]``) and the ``store`` saying what it
+    holds."""
 
     pool: KVCache
     store: PrefixStore
 
 
-def num_prefix_blocks(inference: InferenceConfig) -> int:
-    """Pool blocks: ``max_prefix_blocks``, or by default enough for every slot's longest prompt
-    (``batch_size * max_context_length // prefix_block_size``, at least 1)."""
+def num_prefix_blocks(plan: Plan) -> int:
+    """Blocks the cache may hold: ``max_prefix_blocks``, or by default enough for every slot's
+    longest prompt (``batch_size * max_context_length // prefix_block_size``, at least 1); in
+    the blocks KV layout, whose cached blocks are KV blocks, every KV block by default."""
+    inference = plan.inference
     if inference.max_prefix_blocks is not None:
         return inference.max_prefix_blocks
+    if plan.kv.paged:
+        return plan.kv.total_blocks - 1
     return max(1, inference.batch_size * inference.max_context_length // inference.prefix_block_size)
 
 
 def pool_nbytes(plan: Plan) -> int:
-    """Bytes of the pool of ``plan`` (all layers, K and V); 0 without prefix caching."""
+    """Bytes of the pool of ``plan`` (all layers, K and V); 0 without prefix caching or in the
+    blocks KV layout (its cached blocks are KV blocks, no pool of their own)."""
     inf, kv = plan.inference, plan.kv
-    if not inf.enable_prefix_caching:
+    if not inf.enable_prefix_caching or kv.paged:
         return 0
     per_block = kv.num_kv_heads * inf.prefix_block_size * kv.row_width * dtype_bytes(kv.dtype)
-    return 2 * kv.num_layers * num_prefix_blocks(inf) * per_block
+    return 2 * kv.num_layers * num_prefix_blocks(plan) * per_block
 
 
 def empty_prefix_cache(plan: Plan) -> PrefixCache | None:
@@ -62,13 +68,13 @@ def empty_prefix_cache(plan: Plan) -> PrefixCache | None:
     inf, kv = plan.inference, plan.kv
     if not inf.enable_prefix_caching:
         return None
-    n = num_prefix_blocks(inf)
+    n = num_prefix_blocks(plan)
     shape = (n, kv.num_kv_heads, inf.prefix_block_size, kv.row_width)
 
     def zeros() -> torch.Tensor:
         return torch.zeros(shape, dtype=torch_dtype(kv.dtype))
 
-    pool = tuple(LayerKV(zeros(), zeros()) for _ in range(kv.num_layers))
+    pool = () if kv.paged else tuple(LayerKV(zeros(), zeros()) for _ in range(kv.num_layers))
     return PrefixCache(pool=pool, store=empty_store(inf.prefix_block_size, n))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -223,3 +223,16 @@ def insert(store: PrefixStore, prompt: Sequence[int], hashes: Sequence[Hash], ex
     clock = _touch(entries, stored, store.clock)
     new = attrs.evolve(store, entries=_frozen(entries), free=tuple(sorted(free)), clock=clock, stats=stats)
     return new, tuple(placed)
+
+
+def evict(store: PrefixStore, count: int, frees: Callable[[Entry], bool]) -> tuple[PrefixStore, tuple[int, ...]]:
+    """Evict up to ``count`` unused entries (no request holds a reference) for which
+    ``frees(entry)`` (the blocks KV layout: only the cache holds its KV block), least recently
+    used first; returns (new store, the evicted entries' pool blocks, now free)."""
+    entries, free, stats, out = dict(store.entries), list(store.free), store.stats, []
+    order = [h for h in _eviction_order(entries, set()) if frees(entries[h])]
+    while order and len(out) < count:
+        out.append(entries.pop(order.pop()).block)
+    free += out
+    stats = attrs.evolve(stats, evictions=stats.evictions + len(out))
+    return attrs.evolve(store, entries=_frozen(entries), free=tuple(sorted(free)), stats=stats), tuple(out)

@@ -202,7 +202,8 @@ def plan(runtime: Runtime, state: State, queue: Queue, budget: int | None, specu
     it has room (prompt lookup: and its sequence has a match), else decode. Runs no graph."""
     state, queue, resumed = make_room(runtime, state, queue, speculative)
     running, back = queue.running, {r.slot for r in resumed}  # resumed rows are recomputed, then decode
-    it, state, queue = _admission(runtime, state, queue, budget, speculative)
+    # an iteration that resumes admits nothing: the room left was counted before the recompute
+    it, state, queue = (Iteration(), state, queue) if resumed else _admission(runtime, state, queue, budget, speculative)
     switch = rope_switch_refill(runtime)
     refilled = {r.slot for r in running if r.slot not in back and state.cache_lens[r.slot] == switch}
     spec = {r.slot for r in running if r.slot not in refilled | back and speculative and _can_speculate(runtime, state, r, switch)}

@@ -103,12 +103,12 @@ def empty_state(plan: Plan, seed: int = 0, draft: State | None = None) -> State:
 
     Raises InputError unless ``seed`` is an int in [0, 2**63 - 1] (a torch.Generator seed)."""
     check_seed(seed)
-    n, vocab = plan.inference.batch_size, plan.model.vocab_size
+    n, vocab, prefix = plan.inference.batch_size, plan.model.vocab_size, empty_prefix_cache(plan)
     return State(
         kv=empty_kv(plan), output_counts=torch.zeros(n, vocab, dtype=torch.int32),
         prompt_mask=torch.zeros(n, vocab, dtype=torch.bool), cache_lens=(0,) * n, generated=(0,) * n,
-        live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft, prefix=empty_prefix_cache(plan),
-        blocks=empty_blocks(plan),
+        live=(False,) * n, rng_key=int(seed), plan_key=plan_key(plan), draft=draft, prefix=prefix,
+        blocks=empty_blocks(plan, 0 if prefix is None else prefix.store.num_blocks),
     )
 
 

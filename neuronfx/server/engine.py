@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from neuronfx.errors import InputError
+from neuronfx.runtime.blocks import blocks_in_use
 from neuronfx.runtime.embed import is_embedding
 from neuronfx.runtime.overlap import Flight, busy, overlap_abort, overlap_step, settle
 from neuronfx.runtime.prefix import prefix_stats
@@ -369,8 +370,7 @@ class Engine:
         self.metrics.kv_usage.set(used / state.num_slots)
         blocks = state.blocks  # a Pending carries its launched state's tables
         if blocks is not None:
-            total = int(blocks.refs.shape[0]) - 1  # the scratch block is no request's
-            held = total - int((blocks.refs[:total] == 0).sum())
+            held, total = blocks_in_use(blocks)
             self.metrics.kv_blocks.set(total)
             self.metrics.kv_blocks_used.set(held)
             self.metrics.kv_usage.set(held / total)
