@@ -56,7 +56,8 @@ def test_block_layout_sizes(hf) -> None:
 @pytest.mark.parametrize("options, message", [
     (dict(kv_block_size=8), r"kv_block_size=8 with kv_layout='slots'"),
     (dict(kv_layout="pages"), r"kv_layout='pages' is not one of"),
-    (dict(kv_layout="blocks", kv_block_size=6), r"kv_block_size=6 must be a multiple of 4"),
+    (dict(kv_layout="blocks", kv_block_size=6), r"kv_block_size=6 must be a positive multiple of 4 .* pass e\.g\. 16"),
+    (dict(kv_layout="blocks", kv_block_size=0), r"kv_block_size=0 must be a positive multiple of 4"),
     (dict(kv_layout="blocks", num_kv_blocks=4, kv_cache_memory=4096), r"both size the KV cache"),
     (dict(kv_layout="blocks", backend="neuron"), r"kv_layout='blocks' with backend='neuron': .* does not run with it yet"),
     (dict(kv_layout="blocks", enable_prefix_caching=True, prefix_block_size=8), r"prefix_block_size=8 with kv_block_size=16"),
@@ -433,3 +434,24 @@ def test_blocks_layout_with_the_other_options(hf, tmp_path, case: str) -> None:
             if case == "fused-draft-model":
                 assert state.draft.blocks is not None and sum(s.drafted for s in result.speculation) > 0
     assert outs[0] == outs[1]
+
+
+def test_a_resumed_request_speculates_as_it_would_have(hf) -> None:
+    """Self-speculation with seeded sampling under one request's worth of blocks: the preempted
+    request, recomputed, takes the speculate step it would have taken uninterrupted (a decode
+    step draws its uniforms differently), so its tokens equal the slots layout's (found by a
+    review: a resumed row used to decode once)."""
+    spec = dict(speculation_length=3, draft_layers=1, max_context_length=64, prefill_buckets=(8, 16, 32, 64))
+    prompts = [random_prompt(30, 1), random_prompt(30, 2)]
+    sampling = SamplingParams(temperature=1.0, seed=5, max_tokens=30)
+    want, _, _ = generated(hf, "eager", prompts, sampling=sampling, **spec)
+    rt = tiny_runtime(hf, "eager", num_kv_blocks=8, **spec, **BLOCKS)
+    state, queue, outputs = neuronfx.init_state(rt), Queue(), {}
+    for i, p in enumerate(prompts):
+        queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sampling))
+    while not queue.idle:
+        events, state, queue = scheduler_step(rt, state, queue, NO_EOS)
+        for e in events:
+            outputs.setdefault(e.index, []).append(e.token_id)
+    assert queue.preemptions > 0
+    assert [tuple(outputs[i]) for i in range(2)] == list(want.token_ids)

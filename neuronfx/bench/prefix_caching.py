@@ -29,6 +29,7 @@ import neuronfx
 from neuronfx.bench.options import Log, add_engine, add_model, add_threads, check_at_least, logger, set_threads
 from neuronfx.bench.types import Benchmark
 from neuronfx.bench.workload import random_ids
+from neuronfx.config.kv import KV_LAYOUTS
 from neuronfx.io import checkpoints
 from neuronfx.runtime.scheduler import Queue, step, submit
 
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=7, help="rounds of the throughput runs, the order rotating")
     p.add_argument("--control", action="store_true", help="also a second runtime without prefix caching in every round")
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="slots",
+                   help="the KV layout of every runtime: slots (a hit copies its blocks in) or blocks (a hit shares them)")
 
 
 def tokens(n: int, seed: int, vocab: int) -> tuple[int, ...]:
@@ -118,7 +121,8 @@ def compile_sides(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, ne
     longest = max(args.system_tokens + args.question_tokens, args.prompt_tokens)
     ctx = 1 << (longest - 1).bit_length()
     base = dict(backend=args.backend, dtype=args.dtype, batch_size=args.batch_size, max_context_length=ctx,
-                sequence_length=ctx + max(args.gen_tokens, 16), prefill_chunk_size=args.chunk, prefix_block_size=args.block)
+                sequence_length=ctx + max(args.gen_tokens, 16), prefill_chunk_size=args.chunk, prefix_block_size=args.block,
+                kv_layout=args.kv_layout) | ({"kv_block_size": args.block} if args.kv_layout == "blocks" else {})
     runtimes = {}
     for name, on in (("on", True), ("off", False)) + ((("control", False),) if args.control else ()):
         t0 = time.perf_counter()
@@ -132,7 +136,7 @@ def report(t: dict[str, Any], tp: dict[str, Any], args: argparse.Namespace) -> l
     """The figures as lines, each target marked met or not."""
     warm_x = t["cold_s"] / t["warm_s"]
     lines = [f"TTFT p50, {args.system_tokens}-token shared system prompt + {args.question_tokens}-token question, {args.requests} "
-             f"requests ({args.backend}, chunk {args.chunk}, block {args.block}):",
+             f"requests ({args.backend}, chunk {args.chunk}, block {args.block}, KV layout {args.kv_layout}):",
              f"  prefix caching off {t['off_s'] * 1e3:.1f} ms; cold cache {t['cold_s'] * 1e3:.1f} ms; warm cache {t['warm_s'] * 1e3:.1f} ms",
              f"  warm vs cold: {warm_x:.2f}x lower (target >= 3x: {'met' if warm_x >= 3 else 'NOT met'}); warm hit rate "
              f"{t['hit_rate']:.0%}; warm tokens == cold tokens: {t['same_tokens']}",

@@ -8,7 +8,7 @@ import attrs
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
 from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
-from neuronfx.config.kv_blocks import DEFAULT_KV_BLOCK_SIZE, check_block_options
+from neuronfx.config.kv_blocks import DEFAULT_KV_BLOCK_SIZE, block_size_field, check_block_options
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -253,7 +253,7 @@ class InferenceConfig:
     dtype: str = attrs.field(default="float32", validator=one_of(FLOAT_DTYPES))
     kv_cache_dtype: str = attrs.field(default="auto", converter=canonical_kv_cache_dtype, validator=one_of(KV_CACHE_DTYPES))
     kv_layout: str = attrs.field(default="slots", validator=one_of(KV_LAYOUTS))
-    kv_block_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    kv_block_size: int | None = attrs.field(default=None, validator=block_size_field)
     num_kv_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     kv_cache_memory: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     on_device_sampling: bool = attrs.field(default=True, validator=boolean)

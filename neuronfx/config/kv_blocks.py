@@ -25,11 +25,18 @@ KEYS_PER_STEP = 4
 block size must be a multiple of it."""
 
 
+def block_size_field(inst: object, attribute: object, value: object) -> None:
+    """attrs validator of ``kv_block_size``: None, or a positive int multiple of :data:`KEYS_PER_STEP`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % KEYS_PER_STEP):
+        raise ConfigError(f"kv_block_size={value!r} must be a positive multiple of {KEYS_PER_STEP} (positions per KV block; "
+                          f"the attention kernel reads {KEYS_PER_STEP} keys at a time within a block); pass e.g. 16.")
+
+
 def check_block_options(kv_layout: str, kv_block_size: int | None, num_kv_blocks: int | None, kv_cache_memory: int | None,
                         ) -> None:
     """Raise ConfigError for block options that mean nothing for ``kv_layout`` ("slots" takes
-    none of them), both budgets at once, or a block size that is not a positive multiple of
-    :data:`KEYS_PER_STEP`. Types are checked by the config's validators."""
+    none of them) or both budgets at once. Types and the block size's multiple of
+    :data:`KEYS_PER_STEP` are checked by the config's validators (:func:`block_size_field`)."""
     given = [f"{name}={value!r}" for name, value in (("kv_block_size", kv_block_size), ("num_kv_blocks", num_kv_blocks),
                                                      ("kv_cache_memory", kv_cache_memory)) if value is not None]
     if kv_layout == "slots" and given:
@@ -38,9 +45,6 @@ def check_block_options(kv_layout: str, kv_block_size: int | None, num_kv_blocks
     if num_kv_blocks is not None and kv_cache_memory is not None:
         raise ConfigError(f"num_kv_blocks={num_kv_blocks} and kv_cache_memory={kv_cache_memory}: both size the KV cache; "
                           "pass one of them.")
-    if kv_block_size is not None and kv_block_size % KEYS_PER_STEP:
-        raise ConfigError(f"kv_block_size={kv_block_size} must be a multiple of {KEYS_PER_STEP} (the attention kernel reads "
-                          f"{KEYS_PER_STEP} keys at a time within a block); pass e.g. 16 or 32.")
 
 
 def blocks_covering(positions: int, block_size: int) -> int:

@@ -83,7 +83,7 @@ def _run(runtime: Runtime, state: State, rows: object) -> None:
 # --- the scheduler's policy ------------------------------------------------------------------------
 
 
-def _cached(run: Progress) -> list[int]:
+def cached_tokens(run: Progress) -> list[int]:
     """The tokens an evicted request's cache held: its prompt and every token but the last (which
     its next decode step feeds)."""
     return list(run.request.prompt) + list(run.tokens[:-1])
@@ -111,8 +111,9 @@ def make_room(runtime: Runtime, state: State, queue: Queue, speculative: bool) -
     """The blocks layout's turn at the start of a scheduler iteration, when every sequence can
     be recomputed (:func:`recomputable`): while the running requests' next step needs more
     blocks than are free, evict the newest (the largest (priority, index)) into
-    ``queue.preempted``; when none was evicted, resume preempted requests, oldest first, while
-    their recomputed caches and next tokens fit. Cached prefix blocks no request holds are
+    ``queue.preempted`` (reclaiming cached blocks its eviction left to the prefix cache alone
+    before evicting another); when none was evicted, resume preempted requests, oldest first,
+    while their recomputed caches and their next step (k tokens when they may speculate) fit. Cached prefix blocks no request holds are
     evicted first, for the running requests and for the next request to resume or be admitted
     (``prefix.make_free``). Returns (state, queue, the resumed requests:
     running again, to be recomputed by this iteration before they decode). Nothing happens in
@@ -126,11 +127,13 @@ def make_room(runtime: Runtime, state: State, queue: Queue, speculative: bool) -
         state = evict(runtime, state, [victim.slot])
         queue = attrs.evolve(queue, running=tuple(r for r in queue.running if r is not victim))
         evicted.append(victim)
+        # its prompt's blocks may now be held by the prefix cache alone: reclaim those before evicting more
+        state = make_free(runtime, state, _step_need(runtime, state, queue, tokens))
     if evicted:
         waiting = sorted(queue.preempted + tuple(evicted), key=lambda r: (r.request.priority, r.index))
         return state, attrs.evolve(queue, preempted=tuple(waiting), preemptions=queue.preemptions + len(evicted)), ()
     need, bs = _step_need(runtime, state, queue, tokens), plan.kv.block_size
-    wanted = [blocks_covering(len(_cached(r)) + 1, bs) for r in queue.preempted]
+    wanted = [blocks_covering(min(len(cached_tokens(r)) + tokens, plan.inference.sequence_length), bs) for r in queue.preempted]
     following = wanted[:1] or [blocks_covering(len(r.prompt), bs) for _, r in queue.waiting[:1]]
     state = make_free(runtime, state, need + sum(following))  # room for the next to resume or be admitted
     room = free_count(plan, state.blocks) - need
@@ -168,4 +171,4 @@ def block_room(runtime: Runtime, state: State, queue: Queue, speculative: bool) 
 
 def resume(runtime: Runtime, state: State, rows: Sequence[Progress]) -> State:
     """Recompute the caches of resumed ``rows`` (:func:`recompute`); ``state`` is consumed."""
-    return recompute(runtime, state, [r.slot for r in rows], [_cached(r) for r in rows])
+    return recompute(runtime, state, [r.slot for r in rows], [cached_tokens(r) for r in rows])

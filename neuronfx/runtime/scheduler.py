@@ -64,7 +64,7 @@ from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
 from neuronfx.runtime.fork import fork, fork_batch, split_forks
 from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
-from neuronfx.runtime.preempt import block_room, make_room, resume
+from neuronfx.runtime.preempt import block_room, cached_tokens, make_room, resume
 from neuronfx.runtime.prefix import cache_sequences, drop, load, outputs_reusable, prefill_reusing, store
 from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
 from neuronfx.runtime.runtime import Runtime, check_state
@@ -201,12 +201,14 @@ def plan(runtime: Runtime, state: State, queue: Queue, budget: int | None, specu
     running request's step: refill at the longrope switch, speculate when ``speculative`` and
     it has room (prompt lookup: and its sequence has a match), else decode. Runs no graph."""
     state, queue, resumed = make_room(runtime, state, queue, speculative)
-    running, back = queue.running, {r.slot for r in resumed}  # resumed rows are recomputed, then decode
+    running, back = queue.running, {r.slot for r in resumed}  # resumed rows are recomputed, then step
     # an iteration that resumes admits nothing: the room left was counted before the recompute
     it, state, queue = (Iteration(), state, queue) if resumed else _admission(runtime, state, queue, budget, speculative)
     switch = rope_switch_refill(runtime)
     refilled = {r.slot for r in running if r.slot not in back and state.cache_lens[r.slot] == switch}
-    spec = {r.slot for r in running if r.slot not in refilled | back and speculative and _can_speculate(runtime, state, r, switch)}
+    # a resumed row speculates as it would have uninterrupted (a seeded row's draws depend on the step kind)
+    held = {r.slot: len(cached_tokens(r)) for r in resumed}
+    spec = {r.slot for r in running if r.slot not in refilled and speculative and _can_speculate(runtime, state, r, switch, held.get(r.slot))}
     return attrs.evolve(it, resume=resumed, refill=tuple(r for r in running if r.slot in refilled),
                         speculate=tuple(r for r in running if r.slot in spec),
                         decode=tuple(r for r in running if r.slot not in refilled | spec)), state, queue
@@ -230,13 +232,15 @@ def rope_switch_refill(runtime: Runtime) -> int | None:
     return rs.original_max_position_embeddings
 
 
-def _can_speculate(runtime: Runtime, state: State, run: Progress, switch: int | None) -> bool:
+def _can_speculate(runtime: Runtime, state: State, run: Progress, switch: int | None, held: int | None = None) -> bool:
     """The runtime can speculate, the request's slot has room for k more tokens, the k tokens
     do not reach the longrope switch ``switch`` (the row decodes up to it, then is refilled)
     and, for prompt lookup (``speculative_method="ngram"``), its sequence has an n-gram match:
-    a row without one decodes (as vLLM's, which drafts nothing for it)."""
+    a row without one decodes (as vLLM's, which drafts nothing for it). ``held``: the tokens
+    the row's cache will hold when its step runs (a resumed row's, recomputed first), else its
+    cache_len now."""
     inf = runtime.plan.inference
-    k, n = inf.speculation_length, state.cache_lens[run.slot]
+    k, n = inf.speculation_length, state.cache_lens[run.slot] if held is None else held
     crosses = switch is not None and n <= switch < n + k
     if not (runtime.can_speculate and n + k <= inf.sequence_length and not crosses):
         return False
