@@ -231,13 +231,9 @@ def test_forks_share_the_prompt_blocks_and_copy_on_write(hf) -> None:
     assert len({row[1] for row in tables}) == 3  # position 10's block: each fork wrote its own copy
 
 
-def test_scheduler_admits_by_free_blocks(hf) -> None:
-    """16 blocks of 8 positions (what 2 slots of 64 hold) serve 8 requests at once when they
-    are short; outputs equal the slots layout's with 2 slots, every block comes back."""
-    prompts = [random_prompt(3 + (5 * i) % 29, i) for i in range(12)]
-    sampling = [SamplingParams(max_tokens=4 + (7 * i) % 20) for i in range(12)]
-    want, _, _ = generated(hf, "eager", prompts, batch_size=2, sampling=sampling)
-    rt = tiny_runtime(hf, "eager", batch_size=8, num_kv_blocks=16, **BLOCKS)
+def scheduled(rt, prompts: list, sampling: list) -> tuple[list[tuple[int, ...]], int, object, Queue]:
+    """Every request through the scheduler's iterations: (each request's tokens, the peak number
+    of running requests, the last state, the last queue)."""
     state, queue, peak, outputs = neuronfx.init_state(rt), Queue(), 0, {}
     for i, (p, sp) in enumerate(zip(prompts, sampling)):
         queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sp))
@@ -246,8 +242,18 @@ def test_scheduler_admits_by_free_blocks(hf) -> None:
         peak = max(peak, len(queue.running))
         for e in events:
             outputs.setdefault(e.index, []).append(e.token_id)
-        assert manager.free_count(rt.plan, state.blocks) >= 0
-    assert [tuple(outputs[i]) for i in range(12)] == list(want.token_ids)
+    return [tuple(outputs[i]) for i in range(len(prompts))], peak, state, queue
+
+
+def test_scheduler_admits_by_free_blocks(hf) -> None:
+    """16 blocks of 8 positions (what 2 slots of 64 hold) serve 8 requests at once when they
+    are short; outputs equal the slots layout's with 2 slots, every block comes back."""
+    prompts = [random_prompt(3 + (5 * i) % 29, i) for i in range(12)]
+    sampling = [SamplingParams(max_tokens=4 + (7 * i) % 20) for i in range(12)]
+    want, _, _ = generated(hf, "eager", prompts, batch_size=2, sampling=sampling)
+    rt = tiny_runtime(hf, "eager", batch_size=8, num_kv_blocks=16, **BLOCKS)
+    outputs, peak, state, _ = scheduled(rt, prompts, sampling)
+    assert outputs == list(want.token_ids)
     assert peak >= 4 and manager.free_count(rt.plan, state.blocks) == 16
 
 
@@ -275,15 +281,8 @@ def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:
                 SamplingParams(max_tokens=36), SamplingParams(max_tokens=30, temperature=1.0, seed=5, frequency_penalty=0.5)]
     want, _, _ = generated(hf, "eager", prompts, sampling=sampling, batch_size=1)
     rt = tiny_runtime(hf, "eager", num_kv_blocks=8, prefill_chunk_size=8, prefill_buckets=(8,), **BLOCKS)
-    state, queue, peak, outputs = neuronfx.init_state(rt), Queue(), 0, {}
-    for i, (p, sp) in enumerate(zip(prompts, sampling)):
-        queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sp))
-    while not queue.idle:
-        events, state, queue = scheduler_step(rt, state, queue, NO_EOS)
-        peak = max(peak, len(queue.running))
-        for e in events:
-            outputs.setdefault(e.index, []).append(e.token_id)
-    assert [tuple(outputs[i]) for i in range(4)] == list(want.token_ids)
+    outputs, peak, state, queue = scheduled(rt, prompts, sampling)
+    assert outputs == list(want.token_ids)
     assert queue.preemptions >= 2 and peak >= 3 and manager.free_count(rt.plan, state.blocks) == 8
 
 
@@ -446,12 +445,6 @@ def test_a_resumed_request_speculates_as_it_would_have(hf) -> None:
     sampling = SamplingParams(temperature=1.0, seed=5, max_tokens=30)
     want, _, _ = generated(hf, "eager", prompts, sampling=sampling, **spec)
     rt = tiny_runtime(hf, "eager", num_kv_blocks=8, **spec, **BLOCKS)
-    state, queue, outputs = neuronfx.init_state(rt), Queue(), {}
-    for i, p in enumerate(prompts):
-        queue = submit(queue, i, neuronfx.Request(prompt=tuple(p), sampling=sampling))
-    while not queue.idle:
-        events, state, queue = scheduler_step(rt, state, queue, NO_EOS)
-        for e in events:
-            outputs.setdefault(e.index, []).append(e.token_id)
+    outputs, _, _, queue = scheduled(rt, prompts, [sampling] * 2)
     assert queue.preemptions > 0
-    assert [tuple(outputs[i]) for i in range(2)] == list(want.token_ids)
+    assert outputs == list(want.token_ids)
