@@ -4,7 +4,8 @@ vocabulary 257; query_pre_attn_scalar != head_dim; soft-capped logits; random no
 
 The standard eager checks (prefill lengths 1-32, decode logits, greedy, NaN-filled cache, a
 ragged batch) run in test_models.py (EAGER "gemma3"); tensor parallel in test_tensor_parallel.py.
-Here: the inductor backend (one runtime for the module), a bf16 run, self-speculation, the
+Here: the inductor backend (one runtime for the module, on the blocks KV layout, whose window
+ring keeps the sliding layer's last 8 positions: ``tests/test_kv_ring.py``), a bf16 run, self-speculation, the
 configuration (what is read, what is refused), that every Gemma feature changes the tiny
 model's logits (so matching transformers needs it), and a saved directory through
 ``load_checkpoint`` and the CLI.
@@ -25,6 +26,7 @@ from helpers import (
     hf_greedy,
     hf_last_logits,
     random_prompt,
+    run_steps,
     tiny_hf_model,
     tiny_runtime,
 )
@@ -53,8 +55,15 @@ def hf():
 
 @pytest.fixture(scope="module")
 def inductor_rt(hf):
-    """Inductor, prefill buckets (8, 32) and one decode bucket (64): 3 graphs."""
-    return tiny_runtime(hf, "inductor", prefill_buckets=(8, 32), decode_buckets=(64,))
+    """Inductor, prefill buckets (8, 32) and one decode bucket (64), self-speculation at k = 4
+    (``generate`` speculates): 5 graphs. The blocks layout: its window ring (2 blocks of 4
+    positions: the window and a verify pass's 4 tokens) is what these prompts and outputs
+    outgrow (the slots layout's kernel and masks are the same code; other families test it on
+    inductor)."""
+    rt = tiny_runtime(hf, "inductor", prefill_buckets=(8, 32), decode_buckets=(64,), speculation_length=4, draft_layers=1,
+                      kv_layout="blocks", kv_block_size=4)
+    assert rt.plan.kv.ring_blocks == 2 and rt.plan.kv.ring_layers == (True, False)
+    return rt
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +168,7 @@ def test_prefill_logits_match_transformers(hf, rt, length):
 def test_greedy_24_tokens_and_ragged_batch_match_transformers(hf, rt):
     """24 greedy tokens of each prompt alone are transformers' ``generate``; the ragged batch of
     all three gives each prompt's own tokens."""
-    prompts = [random_prompt(n, seed=500 + n) for n in (3, 9, 20)]
+    prompts = [random_prompt(n, seed=500 + n) for n in (3, 9, 20)]  # 44 positions at most: 8x the window
     want = [hf_greedy(hf, p, 24) for p in prompts]
     for p, w in zip(prompts, want):
         result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), p, max_new_tokens=24, eos_token_ids=[])
@@ -168,12 +177,28 @@ def test_greedy_24_tokens_and_ragged_batch_match_transformers(hf, rt):
     assert [list(t) for t in result.token_ids] == want
 
 
-def test_self_speculation_equals_plain_greedy(hf):
-    rt = tiny_runtime(hf, "eager", speculation_length=4, draft_layers=1)  # the draft: the sliding layer alone
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_self_speculation_equals_plain_greedy(hf, backend, request):
+    # the draft: the sliding layer alone; inductor: the module's runtime (blocks, its window ring)
+    rt = (tiny_runtime(hf, "eager", speculation_length=4, draft_layers=1) if backend == "eager"
+          else request.getfixturevalue("inductor_rt"))
     prompts = [random_prompt(n, seed=600 + n) for n in (5, 12)]
-    result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=20, eos_token_ids=[])
+    result, state = neuronfx.generate(rt, neuronfx.init_state(rt), prompts, max_new_tokens=20, eos_token_ids=[])
     assert [list(t) for t in result.token_ids] == [hf_greedy(hf, p, 20) for p in prompts]
     assert all(s.drafted > 0 and s.emitted == 19 for s in result.speculation)
+    if backend == "inductor":
+        assert int((state.blocks.refs > 0).sum()) == 0  # every block back
+
+
+def test_inductor_decode_logits_equal_eager_slots(inductor_rt, eager_rt):
+    """Decode steps through the compiled block writes and the C++ kernel walking both tables (the
+    full layer's blocks, the sliding layer's ring) against the eager slots layout: the same
+    tokens, logits within fp32 reordering, 30 tokens past prompts of up to 20 (10x the window)."""
+    prompts = [random_prompt(n, seed=700 + n) for n in (11, 5, 20)]
+    tokens, logits, _, _ = run_steps(inductor_rt, neuronfx.init_state(inductor_rt), [0, 2, 3], prompts, 30)
+    want_tokens, want_logits, _, _ = run_steps(eager_rt, neuronfx.init_state(eager_rt), [0, 2, 3], prompts, 30)
+    assert tokens == want_tokens
+    assert max((a - b).abs().max().item() for ra, rb in zip(logits, want_logits) for a, b in zip(ra, rb)) < 1e-4
 
 
 def test_bf16_decode_logits_track_fp32_reference():

@@ -1,7 +1,9 @@
 """The blocks KV layout (``kv_layout="blocks"``): its options and derived sizes, the block-table
 arithmetic (property-tested), the block manager's reference counts and copy-on-write, and tiny
 models whose tokens and logits equal the slots layout's for ragged batches, chunked prefill,
-speculation, forks (n > 1) and the scheduler under a small block budget, on eager and inductor.
+speculation, forks (n > 1) and the scheduler under a small block budget (eager here; the
+inductor backend on the blocks layout, self-speculation included, in ``test_gemma3.py``, whose
+module runtime uses it).
 """
 
 from __future__ import annotations
@@ -255,20 +257,6 @@ def test_scheduler_admits_by_free_blocks(hf) -> None:
     outputs, peak, state, _ = scheduled(rt, prompts, sampling)
     assert outputs == list(want.token_ids)
     assert peak >= 4 and manager.free_count(rt.plan, state.blocks) == 16
-
-
-def test_inductor_blocks_equal_eager_slots(hf, slots_steps) -> None:
-    """The default backend (the C++ attention kernel walking the tables, the compiled block
-    writes): tokens equal the eager slots layout's, logits within fp32 reordering; greedy
-    self-speculation through the tables equals plain greedy."""
-    rt = tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,), **BLOCKS)
-    tokens, logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 2, 3], PROMPTS, 30)
-    assert tokens == slots_steps[0]
-    assert max_logit_error(logits, slots_steps[1]) < 1e-4
-    want, _, _ = generated(hf, "eager", PROMPTS)
-    got, state = neuronfx.generate(rt, neuronfx.init_state(rt), PROMPTS, max_new_tokens=17, eos_token_ids=NO_EOS)
-    assert got.token_ids == want.token_ids and sum(s.drafted for s in got.speculation) > 0
-    assert manager.free_count(rt.plan, state.blocks) == 32
 
 
 def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:

@@ -125,7 +125,7 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
         x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
         assert type(x) is want[g.phase]
         tokens = example_inputs(plan, g).input_ids.shape[1]
-        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1, "N": 1}
+        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1, "N": 1, "P": 1}
         for name, shape in field_shapes(type(x)).items():
             assert tuple(getattr(x, name).shape) == tuple(dims[s] for s in shape), (g.key, name)
         assert x.h.dtype == torch.float32 and x.mask.dtype == torch.bool and x.offsets.dtype == torch.int64
@@ -139,13 +139,13 @@ def test_symbol_dims_find_every_dimension_of_a_symbol():
     from neuronfx.graphs.phases.records import DecodeHidden, PrefillHidden, field_shapes, symbol_dims
 
     t = [torch.zeros(2, 4, 8), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 16), torch.zeros(1, 2, 1, 4, 4, dtype=torch.bool),
-         torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+         torch.zeros(1, 2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
          torch.zeros(2, 4, dtype=torch.int32)]
     prefill = PrefillHidden(*t)
     assert [(id(x), d) for x, d in symbol_dims(([], prefill), "T")] == [
-        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4), (id(t[4]), 1), (id(t[5]), 1), (id(t[7]), 1)]
-    decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.int32),
-                          torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64))
+        (id(t[0]), 1), (id(t[1]), 3), (id(t[2]), 3), (id(t[3]), 3), (id(t[3]), 4), (id(t[4]), 2), (id(t[5]), 1), (id(t[7]), 1)]
+    decode = DecodeHidden(t[0], t[1], t[2], torch.zeros(1, 2, 1, 4, 32, dtype=torch.bool), torch.zeros(1, 2, 1, dtype=torch.int32),
+                          torch.zeros(1, 2, 4, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64))
     assert [(id(x), d) for x, d in symbol_dims((decode, "not a record"), "S")] == [(id(decode.mask), 4)]
     for part, dims in BUCKET_DIMS.items():
         hint = typing.get_type_hints(part)["x"]

@@ -55,7 +55,7 @@ def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_si
     hf = tiny_hf_model(model_type, **overrides)
     extra = dict(prefill_buckets=(32,), decode_buckets=(64,)) if backend != "eager" else {}
     extra |= SPECULATIVE if speculative else {}
-    extra |= dict(kv_layout="blocks", kv_block_size=8) if blocks else {}
+    extra |= dict(kv_layout="blocks", kv_block_size=4) if blocks else {}
     plan = tiny_plan(hf, backend, tp_degree=tp, sequence_parallel=sequence_parallel, batch_size=batch_size, **extra)
     runtime = neuronfx.compile(plan, hf.state_dict(), progress=False, cache=False)
     state = neuronfx.init_state(runtime)
@@ -63,7 +63,7 @@ def run_case(name: str, backend: str, tp: int, sequence_parallel: bool, batch_si
     tokens, logits, _, state = run_steps(runtime, state, list(range(rows)), PROMPTS[:rows], STEPS)
     result, _ = neuronfx.generate(runtime, neuronfx.init_state(runtime), PROMPTS, max_new_tokens=GEN)
     return {"tokens": tokens, "logits": [torch.stack(row) for row in logits], "generated": result.token_ids,
-            "rank": runtime.plan.rank, "kv_heads": runtime.plan.kv.num_kv_heads,
+            "rank": runtime.plan.rank, "kv_heads": runtime.plan.kv.num_kv_heads, "ring": runtime.plan.kv.ring_blocks,
             "speculated": any(st is not None and st.drafted > 0 for st in (result.speculation or ()))}
 
 
@@ -98,12 +98,14 @@ def test_tiny_models_match_tp1_eager(tp: int, references: dict) -> None:
     # the three base models, whose layers every family builds on (the test-time budget)
     cases = [(name, "eager", tp, sp) for name in MODELS if name != "llama-deep" and (tp == 2 or name not in TP2_ONLY)
              for sp in ((False, True) if tp == 2 and name in PLAIN_PREFILL else (True,))]
-    if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1; the blocks KV layout
-        cases += [("qwen2-bias", "eager", tp, False, 4, True), ("llama-kv1", "eager", tp, True, 4, False, True)]
+    if tp == 2:  # self-speculation: its tokens are the greedy tokens of tp=1; the blocks KV layout (gemma3: with its
+        # sliding layer's window ring, which its prompts and outputs outgrow)
+        cases += [("qwen2-bias", "eager", tp, False, 4, True), ("gemma3", "eager", tp, True, 4, False, True)]
     results = neuronfx.launch(run_cases, cases, tp_degree=tp, threads=1)
     for case, got in zip(cases, results):
         assert got["rank"] == 0
         assert got["speculated"] == (len(case) > 5 and case[5])
+        assert bool(got["ring"]) == (len(case) > 6 and case[6])  # gemma3's blocks: a ring of 2 blocks of 4
         check_against_tp1(got, reference(references, case[0], "eager"), str(case))
 
 

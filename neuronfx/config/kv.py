@@ -61,6 +61,15 @@ class KVLayout:
     - blocks layout: ``num_blocks`` blocks of ``block_size`` positions, the last one
       (``scratch_block``) written by padding rows and tokens and pointed at by every table entry
       a request does not own; ``num_slots`` still counts the request rows of the state.
+    - window ring (blocks layout only, ``ring_blocks`` set): the layers flagged in
+      ``ring_layers`` (sliding-window and chunked-attention layers, which never attend further
+      back than their window) keep their K and V in a ring of ``ring_blocks`` blocks per slot
+      instead, shape [(num_slots - 1) * ring_blocks + 1, num_kv_heads, block_size, row_width]:
+      position j of the request in slot s lives in ring block ``s * ring_blocks + (j //
+      block_size) % ring_blocks``, a table the graphs derive from ``seq_ids``
+      (:func:`ring_table`); padding rows (the scratch slot) write the last block. A slot's window
+      memory is then fixed by the window, not the context (vLLM's sliding-window blocks freed
+      past the window, without a second block manager).
     """
 
     num_layers: int
@@ -71,6 +80,8 @@ class KVLayout:
     dtype: str
     block_size: int | None = None
     num_blocks: int | None = None
+    ring_layers: tuple[bool, ...] = ()
+    ring_blocks: int | None = None
 
     @property
     def paged(self) -> bool:
@@ -114,13 +125,38 @@ class KVLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        return 2 * self.num_layers * self.num_kv_heads * self.positions_per_block * self.row_width * dtype_bytes(self.dtype)
+        """Bytes of one block over the layers the block table addresses (all but the ring's), K and V."""
+        return 2 * (self.num_layers - sum(self.ring_layers)) * self._layer_block_bytes
+
+    @property
+    def _layer_block_bytes(self) -> int:
+        return self.num_kv_heads * self.positions_per_block * self.row_width * dtype_bytes(self.dtype)
+
+    @property
+    def ring_shape(self) -> tuple[int, int, int, int]:
+        """Shape of each ring layer's K or V: ((num_slots - 1) * ring_blocks + 1, num_kv_heads,
+        block_size, row_width)."""
+        return (self.scratch_ring_block + 1, self.num_kv_heads, self.positions_per_block, self.row_width)
+
+    def layer_shape(self, layer: int) -> tuple[int, int, int, int]:
+        """Shape of ``layer``'s K or V: :attr:`ring_shape` for a ring layer, else :attr:`shape`."""
+        return self.ring_shape if self.in_ring(layer) else self.shape
+
+    def in_ring(self, layer: int) -> bool:
+        """Whether ``layer`` (an index into the layers, or into a layer group whose pattern repeats
+        with the group) keeps its K/V in the window ring."""
+        return bool(self.ring_layers) and self.ring_layers[layer]
+
+    @property
+    def scratch_ring_block(self) -> int:
+        """The ring's last block, which no request reads: padding rows and pad tokens of ring layers write it."""
+        return self.scratch_slot * (self.ring_blocks or 0)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole cache (all layers, K and V)."""
-        return self.total_blocks * self.block_nbytes
+        """Bytes of the whole cache (all layers, K and V; the ring's included)."""
+        ring = 2 * sum(self.ring_layers) * (self.scratch_ring_block + 1) * self._layer_block_bytes if self.ring_blocks else 0
+        return self.total_blocks * self.block_nbytes + ring
 
 
 @attrs.frozen
@@ -211,6 +247,17 @@ def chunk_positions(starts: torch.Tensor, chunk_lens: torch.Tensor, chunk_size: 
     range (never >= sequence_length). ``starts`` and ``chunk_lens``: (B,) int, lengths >= 1."""
     t = torch.arange(chunk_size, dtype=torch.int32)
     return (starts.to(torch.int32)[:, None] + torch.minimum(t[None, :], chunk_lens.to(torch.int32)[:, None] - 1)).contiguous()
+
+
+def ring_table(seq_ids: torch.Tensor, num_columns: int, ring_blocks: int, scratch_slot: int) -> torch.Tensor:
+    """The window ring's block table (B, ``num_columns``) int64 of rows in slots ``seq_ids`` (B,)
+    int: column j -> ``seq_ids * ring_blocks + j % ring_blocks``, every column of the scratch
+    slot's rows -> the ring's scratch block ``scratch_slot * ring_blocks`` (``KVLayout``).
+    Columns whose ring block now holds a later position are never read unmasked: the ring is
+    sized so that a step's window and writes fit it (``config.kv_blocks.ring_size``). A traced
+    tensor function."""
+    cols = torch.arange(num_columns, device=seq_ids.device) % ring_blocks
+    return (seq_ids.long()[:, None] * ring_blocks + cols[None, :]).clamp(max=scratch_slot * ring_blocks)
 
 
 def pad_writes(blocks: torch.Tensor, chunk_lens: torch.Tensor, scratch_block: int) -> torch.Tensor:

@@ -52,14 +52,40 @@ def blocks_covering(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+def ring_size(reach: int, step_tokens: int, block_size: int) -> int:
+    """Ring blocks per slot for layers attending at most ``reach`` positions back (the query's
+    own included: a sliding window, or an attention chunk) when one step writes at most
+    ``step_tokens`` positions per row. Position j lives at ring position j mod (ring_blocks *
+    block_size) (``config.kv.ring_table``), and a step reads and writes positions [s - reach +
+    1, s + step_tokens): ceil((reach + step_tokens - 1) / block_size) blocks keep them distinct,
+    so no write lands on a position a read of the same or a later step still needs (a verify
+    pass that rewinds rereads from s + 1 at the earliest)."""
+    return blocks_covering(reach + step_tokens - 1, block_size)
+
+
+def window_ring(ring_layers: Sequence[bool], reach: int, step_tokens: int, block_size: int,
+                sequence_length: int) -> tuple[tuple[bool, ...], int | None]:
+    """(ring_layers, ring_blocks) of ``KVLayout``: the window ring when some layers but not all
+    are windowed (``ring_layers``) and the ring holds fewer positions than ``sequence_length``,
+    else ((), None): every layer through the block table."""
+    ring = ring_size(reach, step_tokens, block_size)
+    if not any(ring_layers) or all(ring_layers) or ring * block_size >= sequence_length:
+        return (), None
+    return tuple(ring_layers), ring
+
+
 def block_layout(num_layers: int, num_slots: int, num_kv_heads: int, sequence_length: int, head_dim: int, dtype: str,
                  block_size: int | None, num_kv_blocks: int | None, kv_cache_memory: int | None,
-                 buckets: Sequence[tuple[str, Sequence[int]]]) -> KVLayout:
+                 buckets: Sequence[tuple[str, Sequence[int]]], ring_layers: Sequence[bool] = (), reach: int = 0,
+                 step_tokens: int = 1) -> KVLayout:
     """The blocks layout's KVLayout: ``block_size`` (None: :data:`DEFAULT_KV_BLOCK_SIZE`)
     positions per block and the request blocks ``num_kv_blocks``, or as many as
-    ``kv_cache_memory`` bytes hold, or by default what the slots layout would hold
-    ((num_slots - 1) requests of ``sequence_length``), plus one scratch block. ``buckets``:
-    (name, ladder) of every token ladder a graph reads or writes through the table.
+    ``kv_cache_memory`` bytes hold beside the window ring, or by default what the slots layout
+    would hold ((num_slots - 1) requests of ``sequence_length``), plus one scratch block.
+    ``buckets``: (name, ladder) of every token ladder a graph reads or writes through the table.
+    ``ring_layers`` (per layer: windowed, attending at most ``reach`` positions back) and
+    ``step_tokens`` (positions a step writes per row at most) size the window ring
+    (:func:`window_ring`).
 
     Raises ConfigError when the block size does not divide ``sequence_length`` or a bucket (a
     graph reads whole blocks), or when the budget holds fewer blocks than one request of
@@ -72,20 +98,25 @@ def block_layout(num_layers: int, num_slots: int, num_kv_heads: int, sequence_le
                               f"pick a block size dividing every bucket (e.g. {_common_divisor(bs, bad)}) or buckets that are "
                               f"multiples of {bs}.")
     per_seq = blocks_covering(sequence_length, bs)
+    ring_layers, ring = window_ring(ring_layers, reach, step_tokens, bs, sequence_length)
     width = head_dim + (INT8_SCALE_BYTES if dtype == "int8" else 0)
-    block_bytes = 2 * num_layers * num_kv_heads * bs * width * dtype_bytes(dtype)
+    layer_block = 2 * num_kv_heads * bs * width * dtype_bytes(dtype)  # one block of one layer, K and V
+    block_bytes = (num_layers - sum(ring_layers)) * layer_block
+    ring_bytes = sum(ring_layers) * ((num_slots - 1) * ring + 1) * layer_block if ring else 0
     if num_kv_blocks is not None:
         count, source = num_kv_blocks, f"num_kv_blocks={num_kv_blocks}"
     elif kv_cache_memory is not None:
-        count, source = kv_cache_memory // block_bytes, f"kv_cache_memory={kv_cache_memory} bytes ({block_bytes} a block)"
+        count = max(kv_cache_memory - ring_bytes, 0) // block_bytes
+        source = f"kv_cache_memory={kv_cache_memory} bytes ({ring_bytes} for the window ring, {block_bytes} a block)"
     else:
         count, source = (num_slots - 1) * per_seq, "the default"
     if count < per_seq:
         raise ConfigError(f"{source} gives {count} KV blocks, fewer than the {per_seq} one request of sequence_length="
                           f"{sequence_length} needs at kv_block_size={bs}: raise the budget to at least {per_seq} blocks "
-                          f"({per_seq * block_bytes} bytes) or lower sequence_length.")
+                          f"({per_seq * block_bytes + ring_bytes} bytes) or lower sequence_length.")
     return KVLayout(num_layers=num_layers, num_slots=num_slots, num_kv_heads=num_kv_heads, sequence_length=sequence_length,
-                    head_dim=head_dim, dtype=dtype, block_size=bs, num_blocks=count + 1)
+                    head_dim=head_dim, dtype=dtype, block_size=bs, num_blocks=count + 1, ring_layers=ring_layers,
+                    ring_blocks=ring)
 
 
 def _common_divisor(bs: int, ladder: Sequence[int]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from neuronfx.config.attention import AttentionLayout, attention_layout
+from neuronfx.config.attention import AttentionLayout, attention_layout, layer_mask
 from neuronfx.config.buckets import MIN_BUCKET, chunk_buckets, generate_buckets
 from neuronfx.config.inference import InferenceConfig, prefill_limit
 from neuronfx.config.inputs import PHASE_INPUTS, TensorSpec, input_specs
@@ -199,7 +199,22 @@ def kv_layout(model: ModelConfig, inference: InferenceConfig, shard: RankShard, 
     if inference.kv_layout == "slots":
         return KVLayout(**dims)
     return block_layout(**dims, block_size=inference.kv_block_size, num_kv_blocks=inference.num_kv_blocks,
-                        kv_cache_memory=inference.kv_cache_memory, buckets=buckets)
+                        kv_cache_memory=inference.kv_cache_memory, buckets=buckets, **ring_options(model, inference))
+
+
+def ring_options(model: ModelConfig, inference: InferenceConfig) -> dict:
+    """What sizes the blocks layout's window ring (``config.kv_blocks.window_ring``): which
+    layers are windowed, how far back they attend (the largest sliding window or attention
+    chunk) and the most positions a step writes per row (a chunk, a verify pass of
+    ``speculation_length`` (``PHASE_TOKENS``), or one). Prefix caching keeps every layer in the block table:
+    its cached blocks must hold every layer's K/V of the prefix."""
+    if inference.enable_prefix_caching:
+        return {}
+    kinds = [layer_mask(model, i) for i in range(model.num_hidden_layers)]
+    sizes = {"sliding": model.sliding_window, "chunked": model.attention_chunk_size}
+    reach = max((sizes[k] for k in kinds if k != "full"), default=0)
+    step = max(1, inference.speculation_length or 0, inference.prefill_chunk_size or 0)
+    return {"ring_layers": tuple(k != "full" for k in kinds), "reach": reach, "step_tokens": step}
 
 
 def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],

@@ -119,9 +119,10 @@ def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence
             old = int(blocks.tables[s, col])
             if int(blocks.refs[old]) > 1:
                 (new,) = _take(plan, blocks, 1)
-                for layer in kv:
-                    layer.k[new].copy_(layer.k[old])
-                    layer.v[new].copy_(layer.v[old])
+                for i, layer in enumerate(kv):
+                    if not plan.kv.in_ring(i):  # a ring layer's blocks are its slot's own
+                        layer.k[new].copy_(layer.k[old])
+                        layer.v[new].copy_(layer.v[old])
                 blocks.refs[old] -= 1
                 blocks.tables[s, col] = new
         if want > held:
@@ -137,6 +138,19 @@ def share(plan: Plan, blocks: BlockTables | None, source: int, slot: int, positi
     ids = blocks.tables[source, :count]
     blocks.tables[slot, :count] = ids
     blocks.refs[ids.long()] += 1
+
+
+def copy_ring(plan: Plan, kv: KVCache, sources: Sequence[int], slots: Sequence[int]) -> None:
+    """Slots ``slots[b]`` take copies of ``sources[b]``'s window ring (every ring layer, K and V:
+    a fork's window, which slots cannot share; ``config.kv.KVLayout``). Nothing without a ring."""
+    w = plan.kv.ring_blocks
+    if not w:
+        return
+    for i, layer in enumerate(kv):
+        if plan.kv.in_ring(i):
+            for t in (layer.k, layer.v):
+                for src, dst in zip(sources, slots):
+                    t[dst * w:(dst + 1) * w].copy_(t[src * w:(src + 1) * w])
 
 
 def release(plan: Plan, blocks: BlockTables | None, slots: Sequence[int]) -> None:

@@ -25,7 +25,7 @@ import torch
 from neuronfx.config.sampling import MAX_SEED, SamplingParams
 from neuronfx.errors import InputError
 from neuronfx.graphs.phases.inputs import KVCache
-from neuronfx.runtime.blocks import share
+from neuronfx.runtime.blocks import copy_ring, share
 from neuronfx.runtime.pipeline import StepOutput, commit
 from neuronfx.runtime.requests import Progress, Queue, Request
 from neuronfx.runtime.runtime import Runtime
@@ -90,6 +90,7 @@ def _fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput,
         copy_prompt_kv(state.kv, batch.sources, batch.seq_ids, lengths)
     for src, dst, n in zip(batch.sources, batch.seq_ids, lengths):  # the blocks layout shares them (copy on write)
         share(runtime.plan, state.blocks, src, dst, n)
+    copy_ring(runtime.plan, state.kv, batch.sources, batch.seq_ids)
     mask = torch.zeros(len(batch.seq_ids), runtime.plan.model.vocab_size, dtype=torch.bool)
     for b, prompt in enumerate(batch.prompts):
         mask[b, list(prompt)] = True
@@ -106,12 +107,14 @@ def fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput, 
     return follow_draft(_fork, runtime, state, batch)
 
 
-def split_forks(queue: Queue, admitted: tuple[Progress, ...]) -> tuple[tuple[Progress, ...], tuple[Progress, ...], tuple[int, ...]]:
+def split_forks(queue: Queue, admitted: tuple[Progress, ...], ring: bool = False,
+                ) -> tuple[tuple[Progress, ...], tuple[Progress, ...], tuple[int, ...]]:
     """(prefill rows, fork rows, their source slots) of ``admitted``: a request forks when its
     ``parent`` is running or prefilled in this iteration with the same prompt (n > 1 choices
     of one prompt); else it is prefilled (its parent finished, or it has none, or it asks for
-    prompt logprobs)."""
-    holders = {r.index: r for r in queue.running}
+    prompt logprobs). With a window ring (``ring``) only a parent prefilled in this iteration:
+    a running one's ring may no longer hold its prompt's last window."""
+    holders = {} if ring else {r.index: r for r in queue.running}
     prefilled, forks, sources = [], [], []
     for run in admitted:
         parent = holders.get(run.request.parent)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import attrs
 
-from neuronfx.config.plan import Plan
+from neuronfx.config.kv_blocks import ring_size
+from neuronfx.config.plan import Plan, ring_options
 from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
 from neuronfx.graphs.models.layers import Weights
@@ -122,7 +123,23 @@ def with_draft(runtime: Runtime, draft: Runtime) -> Runtime:
     if not dinf.output_logits:
         raise ConfigError("the draft runtime returns no logits: compile it with output_logits=True (sampled speculation "
                           "needs the distribution its tokens were drawn from).")
+    check_draft_ring(draft.plan, inf.speculation_length)
     return attrs.evolve(runtime, draft=draft)
+
+
+def check_draft_ring(draft: Plan, k: int) -> None:
+    """Raise ConfigError when the draft's window ring (``config.kv.KVLayout``) is too small for
+    drafting ``k`` - 1 tokens a verify pass may reject: they overwrite ring positions the next
+    step's window still reads unless the ring holds a step of k - 1 tokens (the draft's outputs
+    would stay right, its proposals not)."""
+    kv = draft.kv
+    if not kv.ring_blocks:
+        return
+    need = ring_size(ring_options(draft.model, draft.inference)["reach"], k - 1, kv.block_size)
+    if kv.ring_blocks < need:
+        raise ConfigError(f"the draft's window ring holds {kv.ring_blocks} blocks of {kv.block_size} positions; drafting for "
+                          f"speculation_length={k} needs {need} (rejected drafts are written past the window it reads next): compile the "
+                          f"draft with speculation_length={k} (its ring then holds a speculate step) or kv_layout='slots'.")
 
 
 def check_runtime(runtime: object) -> None:

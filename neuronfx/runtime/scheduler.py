@@ -189,7 +189,7 @@ def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None,
         run, n, queue = _next_chunk(runtime, queue, budget - len(queue.running))
         return Iteration(chunk=run, chunk_len=n), state, queue
     admitted = _admit(queue, state, count)
-    prefilled, forks, sources = split_forks(queue, admitted)
+    prefilled, forks, sources = split_forks(queue, admitted, bool(runtime.plan.kv.ring_blocks))
     queue = attrs.evolve(queue, waiting=queue.waiting[len(admitted):], running=queue.running + admitted)
     return Iteration(prefill=prefilled, fork=forks, fork_sources=sources), state, queue
 

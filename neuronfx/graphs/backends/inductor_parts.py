@@ -63,7 +63,7 @@ def phase_group_size(plan: Plan, phase: str) -> int:
     :data:`MAX_LAYER_GROUP` at most for the others)."""
     n = phase_num_layers(plan, phase)
     limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk", "embed") else MAX_LAYER_GROUP
-    return layer_group_size(n, limit, period=layer_period(plan.model, n))
+    return layer_group_size(n, limit, period=layer_period(plan.model, n, plan.kv.ring_layers))
 
 
 @attrs.frozen

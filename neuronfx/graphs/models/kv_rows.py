@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neuronfx.config.kv import INT8_SCALE_BYTES
+from neuronfx.config.kv import INT8_SCALE_BYTES, KVLayout, ring_table
 
 Tensor = torch.Tensor
 
@@ -93,7 +93,19 @@ def window_rows(cache: Tensor, block_table: Tensor, n: int) -> Tensor:
 
 
 def block_writes(block_table: Tensor, positions: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Where tokens at ``positions`` (B, T) int write through ``block_table`` (B, N) int: (the
-    block (B, T) int64, the offset in it (B, T) int64); ``positions // block_size`` must be < N."""
+    """Where tokens at ``positions`` (B, T) int write through ``block_table`` (..., B, N) int:
+    (the block (..., B, T) int64, the offset in it (B, T) int64); ``positions // block_size``
+    must be < N."""
     pos = positions.long()
-    return block_table.long().gather(1, pos // block_size), pos % block_size
+    col = (pos // block_size).expand(*block_table.shape[:-1], pos.shape[-1])
+    return block_table.long().gather(-1, col), pos % block_size
+
+
+def pool_tables(kv: KVLayout, block_table: Tensor, seq_ids: Tensor) -> Tensor:
+    """The block tables of the cache's pools, (P, B, N) int32: ``block_table`` (B, N), then,
+    when ``kv`` has a window ring, the ring's table of the rows' slots ``seq_ids`` (B,)
+    (``config.kv.ring_table``)."""
+    if not kv.ring_blocks:
+        return block_table[None]
+    ring = ring_table(seq_ids, block_table.shape[1], kv.ring_blocks, kv.scratch_slot).to(block_table.dtype)
+    return torch.stack([block_table, ring])

@@ -28,7 +28,7 @@ def embed_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: T
     blocks and offsets are zeros."""
     h, cos, sin, mask, input_ids = prompt_hidden(plan, bucket, ops, math, embed, inputs)
     nothing = torch.zeros(input_ids.shape, dtype=torch.int64, device=input_ids.device)
-    return PrefillHidden(h, cos, sin, mask, nothing, nothing, (inputs.prompt_lens - 1).long(), input_ids)
+    return PrefillHidden(h, cos, sin, mask, nothing[None], nothing, (inputs.prompt_lens - 1).long(), input_ids)
 
 
 def embed_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[LayerWeights], kv: KVPairs,

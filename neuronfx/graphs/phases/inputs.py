@@ -33,10 +33,10 @@ KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 def empty_kv(plan: Plan) -> KVCache:
     """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device."""
-    def zeros() -> torch.Tensor:
-        return torch.zeros(plan.kv.shape, dtype=torch_dtype(plan.kv.dtype), device=plan_device(plan))
+    def zeros(layer: int) -> torch.Tensor:
+        return torch.zeros(plan.kv.layer_shape(layer), dtype=torch_dtype(plan.kv.dtype), device=plan_device(plan))
 
-    return tuple(LayerKV(zeros(), zeros()) for _ in range(plan.kv.num_layers))
+    return tuple(LayerKV(zeros(i), zeros(i)) for i in range(plan.kv.num_layers))
 
 
 _LENGTHS = ("prompt_lens", "chunk_lens", "seq_lens")

@@ -9,7 +9,10 @@ field's symbolic shape, dtype and meaning are written on its annotation, as for 
 so a backend can find every dimension of a symbol (:func:`symbol_dims`: the inductor backend
 compiles the bucket's dimension dynamic from it).
 
-Symbols: ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
+KV pools (``P``): the block table's, then the window ring's when the plan has one
+(``config.kv.KVLayout``); a layer reads its pool's table and blocks by a static index.
+
+Symbols: ``P`` KV pools, ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
 bucket), ``H`` hidden size (per sequence-parallel rank: T / tp), ``R`` RoPE kinds and ``M``
 mask kinds of the attention layout (``config.attention``), ``D`` rotary dims. A dtype "float"
 is the plan's dtype.
@@ -36,7 +39,7 @@ class PrefillHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T T", "bool", "causal prompt mask of each kind (True = attend)"]  # (M, B, 1, T, T)
-    blocks: Annotated[Tensor, "B T", "int64", "KV block position t writes (the row's table at t // block size)"]  # (B, T)
+    blocks: Annotated[Tensor, "P B T", "int64", "KV block position t writes in each pool (the row's table at t // block size)"]  # (P, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block position t writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
@@ -50,8 +53,8 @@ class DecodeHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    block_table: Annotated[Tensor, "B N", "int32", "each row's KV blocks in position order"]  # (B, N)
-    blocks: Annotated[Tensor, "B T", "int64", "KV block each token writes"]  # (B, T)
+    block_table: Annotated[Tensor, "P B N", "int32", "each row's KV blocks in position order, per pool"]  # (P, B, N)
+    blocks: Annotated[Tensor, "P B T", "int64", "KV block each token writes, per pool"]  # (P, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
 
 
@@ -63,8 +66,8 @@ class ChunkHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    block_table: Annotated[Tensor, "B N", "int32", "each row's KV blocks in position order"]  # (B, N)
-    blocks: Annotated[Tensor, "B T", "int64", "KV block each token writes (pads: the scratch block)"]  # (B, T)
+    block_table: Annotated[Tensor, "P B N", "int32", "each row's KV blocks in position order, per pool"]  # (P, B, N)
+    blocks: Annotated[Tensor, "P B T", "int64", "KV block each token writes, per pool (pads: its scratch block)"]  # (P, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
