@@ -67,6 +67,14 @@ def test_prefix_caching(tiny_dir, capsys):
     assert tp["on_off_ratios"] == [a / b for a, b in zip(tp["tok_s"]["on"], tp["tok_s"]["off"])] and tp["control_off_median"] > 0
 
 
+def test_prefix_caching_layouts(tiny_dir, capsys):
+    """--layouts: warm hits on the slots layout (copied) against the blocks layout (shared)."""
+    data = run_json(capsys, "prefix-caching", "--model", str(tiny_dir), "--backend", "eager", "--system-tokens", "32",
+                    "--question-tokens", "8", "--requests", "3", "--chunk", "16", "--block", "8", "--batch-size", "2", "--layouts")
+    t = data["layouts"]
+    assert t["same_tokens"] and min(t["hit_rate"].values()) > 0.5 and t["ratio"] == t["warm_s"]["blocks"] / t["warm_s"]["slots"]
+
+
 def test_chunked_prefill(chat_dir, capsys):
     """A 40-token prompt in chunks of 16 is admitted over 3 scheduler iterations, whole over 1."""
     data = run_json(capsys, "chunked-prefill", "--model", str(chat_dir), "--backend", "eager", "--long-prompt", "40",

@@ -56,13 +56,13 @@ def hf():
 @pytest.fixture(scope="module")
 def inductor_rt(hf):
     """Inductor, prefill buckets (8, 32) and one decode bucket (64), self-speculation at k = 4
-    (``generate`` speculates): 5 graphs. The blocks layout: its window ring (2 blocks of 4
-    positions: the window and a verify pass's 4 tokens) is what these prompts and outputs
-    outgrow (the slots layout's kernel and masks are the same code; other families test it on
+    (``generate`` speculates): 5 graphs. The blocks layout: its window ring (3 blocks of 4
+    positions: the window and a verify pass's 4 tokens, and a block of margin) is what these
+    prompts and outputs outgrow (the slots layout's kernel and masks are the same code; other families test it on
     inductor)."""
     rt = tiny_runtime(hf, "inductor", prefill_buckets=(8, 32), decode_buckets=(64,), speculation_length=4, draft_layers=1,
                       kv_layout="blocks", kv_block_size=4)
-    assert rt.plan.kv.ring_blocks == 2 and rt.plan.kv.ring_layers == (True, False)
+    assert rt.plan.kv.ring_blocks == 3 and rt.plan.kv.ring_layers == (True, False)
     return rt
 
 

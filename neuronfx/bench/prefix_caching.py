@@ -11,6 +11,12 @@
    the rounds' on/off ratios. Target: on >= 0.97x off. --control adds a second runtime without
    caching to every round: the noise floor of the ratio.
 
+3. With --layouts (instead of 1 and 2): warm-hit TTFT p50 of the slots layout (a hit copies
+   the cached blocks into the request's slot) against the blocks layout (a hit puts them in its
+   block table), prefix caching on in both, each layout's cache warmed by one request, the
+   --requests requests alternating between the layouts, which layout goes first alternating
+   too. Target: blocks <= 1.0x slots. Every request's first token is checked across layouts.
+
 TTFT is the wall time from submitting a request to the scheduler until its first token event
 (scheduler iterations, as the server's engine runs them), greedy, one request at a time. Both
 runtimes have the same plan but ``enable_prefix_caching``, so the comparison is of prefix
@@ -54,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", action="store_true", help="also a second runtime without prefix caching in every round")
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="slots",
                    help="the KV layout of every runtime: slots (a hit copies its blocks in) or blocks (a hit shares them)")
+    p.add_argument("--layouts", action="store_true",
+                   help="instead: warm-hit TTFT of the slots layout against the blocks layout (prefix caching on in both, "
+                        "requests alternating; figure 3 of the module doc)")
 
 
 def tokens(n: int, seed: int, vocab: int) -> tuple[int, ...]:
@@ -116,20 +125,61 @@ def throughput_runs(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namesp
     return out
 
 
-def compile_sides(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, neuronfx.Runtime]:
-    """The runtimes with prefix caching on and off (and the control), the same plan otherwise."""
+def plan_options(args: argparse.Namespace, kv_layout: str) -> dict[str, Any]:
+    """The InferenceConfig fields every runtime shares, but prefix caching, in ``kv_layout``."""
     longest = max(args.system_tokens + args.question_tokens, args.prompt_tokens)
     ctx = 1 << (longest - 1).bit_length()
-    base = dict(backend=args.backend, dtype=args.dtype, batch_size=args.batch_size, max_context_length=ctx,
+    return dict(backend=args.backend, dtype=args.dtype, batch_size=args.batch_size, max_context_length=ctx,
                 sequence_length=ctx + max(args.gen_tokens, 16), prefill_chunk_size=args.chunk, prefix_block_size=args.block,
-                kv_layout=args.kv_layout) | ({"kv_block_size": args.block} if args.kv_layout == "blocks" else {})
+                kv_layout=kv_layout) | ({"kv_block_size": args.block} if kv_layout == "blocks" else {})
+
+
+def compile_runtimes(ckpt: Any, sides: dict[str, dict[str, Any]], log: Log) -> dict[str, neuronfx.Runtime]:
+    """One runtime per name of ``sides`` (its InferenceConfig fields)."""
     runtimes = {}
-    for name, on in (("on", True), ("off", False)) + ((("control", False),) if args.control else ()):
+    for name, options in sides.items():
         t0 = time.perf_counter()
-        plan = neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(enable_prefix_caching=on, **base))
-        runtimes[name] = neuronfx.compile(plan, ckpt.state_dict, progress=False)
-        log(f"compiled prefix caching {name}: {time.perf_counter() - t0:.0f} s")
+        runtimes[name] = neuronfx.compile(neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(**options)), ckpt.state_dict,
+                                          progress=False)
+        log(f"compiled {name}: {time.perf_counter() - t0:.0f} s")
     return runtimes
+
+
+def compile_sides(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, neuronfx.Runtime]:
+    """The runtimes with prefix caching on and off (and the control), the same plan otherwise."""
+    base = plan_options(args, args.kv_layout)
+    sides = {"on": base | {"enable_prefix_caching": True}, "off": base} | ({"control": base} if args.control else {})
+    return compile_runtimes(ckpt, sides, log)
+
+
+def layout_ttft(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Figure 3 of the module docstring: warm-hit TTFT p50 per layout (seconds), blocks / slots."""
+    system = tokens(args.system_tokens, 1, vocab)
+    prompts = [system + tokens(args.question_tokens, 100 + i, vocab) for i in range(args.requests)]
+    states = {}
+    for name, rt in runtimes.items():
+        ttft(rt, neuronfx.init_state(rt), tokens(len(prompts[0]), 99, vocab))  # the graphs' first calls, untimed
+        states[name] = ttft(rt, neuronfx.init_state(rt), system + tokens(args.question_tokens, 99, vocab))[2]  # caches the system prompt
+    warm: dict[str, list[tuple[float, int]]] = {name: [] for name in runtimes}
+    names = list(runtimes)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % 2:] + names[:i % 2]:
+            seconds, first, states[name] = ttft(runtimes[name], states[name], prompt)
+            warm[name].append((seconds, first))
+    p50 = {name: statistics.median(s for s, _ in runs) for name, runs in warm.items()}
+    hits = {name: neuronfx.prefix_stats(state) for name, state in states.items()}
+    return {"warm_s": p50, "ratio": p50["blocks"] / p50["slots"], "hit_rate": {n: h.hits / h.queries for n, h in hits.items()},
+            "same_tokens": [t for _, t in warm["slots"]] == [t for _, t in warm["blocks"]]}
+
+
+def layout_report(t: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Figure 3 as lines, the target marked met or not."""
+    return [f"warm-hit TTFT p50, {args.system_tokens}-token cached system prompt + {args.question_tokens}-token question, "
+            f"{args.requests} requests per layout, alternating ({args.backend}, chunk {args.chunk}, block {args.block}):",
+            f"  slots (a hit copies its blocks) {t['warm_s']['slots'] * 1e3:.1f} ms; blocks (a hit shares them) "
+            f"{t['warm_s']['blocks'] * 1e3:.1f} ms",
+            f"  blocks / slots {t['ratio']:.3f}x (target <= 1.0x: {'met' if t['ratio'] <= 1.0 else 'NOT met'}); hit rates "
+            f"{t['hit_rate']['slots']:.0%} / {t['hit_rate']['blocks']:.0%}; first tokens equal: {t['same_tokens']}"]
 
 
 def report(t: dict[str, Any], tp: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -158,6 +208,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     log = logger(args)
     ckpt = checkpoints.load_checkpoint(args.model or checkpoints.default_model_path())
+    if args.layouts:
+        sides = {layout: plan_options(args, layout) | {"enable_prefix_caching": True} for layout in ("slots", "blocks")}
+        t = layout_ttft(compile_runtimes(ckpt, sides, log), args, ckpt.config.vocab_size)
+        for line in layout_report(t, args):
+            log(line)
+        return {"layouts": t}
     runtimes = compile_sides(ckpt, args, log)
     t = ttft_runs(runtimes["on"], runtimes["off"], args, ckpt.config.vocab_size)
     tp = throughput_runs(runtimes, args, ckpt.config.vocab_size)

@@ -74,11 +74,10 @@ def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
     return tuple("moe" if i in model.moe_layers else "dense" for i in range(model.num_hidden_layers))
 
 
-def layer_period(model: ModelConfig, num_layers: int, ring_layers: tuple[bool, ...] = ()) -> int:
+def layer_period(model: ModelConfig, num_layers: int) -> int:
     """The smallest p dividing ``num_layers`` with the first ``num_layers`` layers' structure
-    (weights, and which layers keep K/V in the window ring, ``ring_layers``: their caches'
-    shapes differ) repeating every p layers (1 when all are alike; ``num_layers`` when nothing
-    repeats): a compiled layer group of a multiple of p layers serves every group."""
-    kinds = [(kind, bool(ring_layers) and ring_layers[i]) for i, kind in enumerate(layer_kinds(model)[:num_layers])]
+    repeating every p layers (1 when all are alike; ``num_layers`` when nothing repeats): a
+    compiled layer group of a multiple of p layers serves every group."""
+    kinds = layer_kinds(model)[:num_layers]
     return min(p for p in range(1, num_layers + 1) if num_layers % p == 0 and all(
         kinds[i] == kinds[i % p] for i in range(num_layers)))

@@ -143,8 +143,7 @@ class KVLayout:
         return self.ring_shape if self.in_ring(layer) else self.shape
 
     def in_ring(self, layer: int) -> bool:
-        """Whether ``layer`` (an index into the layers, or into a layer group whose pattern repeats
-        with the group) keeps its K/V in the window ring."""
+        """Whether decoder layer ``layer`` keeps its K/V in the window ring."""
         return bool(self.ring_layers) and self.ring_layers[layer]
 
     @property

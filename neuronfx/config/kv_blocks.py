@@ -65,10 +65,12 @@ def ring_size(reach: int, step_tokens: int, block_size: int) -> int:
 
 def window_ring(ring_layers: Sequence[bool], reach: int, step_tokens: int, block_size: int,
                 sequence_length: int) -> tuple[tuple[bool, ...], int | None]:
-    """(ring_layers, ring_blocks) of ``KVLayout``: the window ring when some layers but not all
-    are windowed (``ring_layers``) and the ring holds fewer positions than ``sequence_length``,
-    else ((), None): every layer through the block table."""
-    ring = ring_size(reach, step_tokens, block_size)
+    """(ring_layers, ring_blocks) of ``KVLayout``: the window ring, :func:`ring_size` plus one
+    block, when some layers but not all are windowed (``ring_layers``) and the ring holds fewer
+    positions than ``sequence_length``, else ((), None): every layer through the block table."""
+    # One block past the steps' need: a draft model (planned for decode steps) writes up to k - 1
+    # drafts a verify pass may reject, which then fit for k <= block_size + 2 (runtime.check_draft_ring)
+    ring = ring_size(reach, step_tokens, block_size) + 1
     if not any(ring_layers) or all(ring_layers) or ring * block_size >= sequence_length:
         return (), None
     return tuple(ring_layers), ring

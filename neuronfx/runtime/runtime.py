@@ -139,7 +139,8 @@ def check_draft_ring(draft: Plan, k: int) -> None:
     if kv.ring_blocks < need:
         raise ConfigError(f"the draft's window ring holds {kv.ring_blocks} blocks of {kv.block_size} positions; drafting for "
                           f"speculation_length={k} needs {need} (rejected drafts are written past the window it reads next): compile the "
-                          f"draft with speculation_length={k} (its ring then holds a speculate step) or kv_layout='slots'.")
+                          f"draft with speculation_length={k} (its ring then holds a speculate step), a kv_block_size of at least {k - 2}, "
+                          "or kv_layout='slots'.")
 
 
 def check_runtime(runtime: object) -> None:

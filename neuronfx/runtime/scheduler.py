@@ -141,12 +141,18 @@ def with_grammars(runtime: Runtime, queue: Queue, tokenizer: Any) -> Queue:
     return attrs.evolve(queue, grammars=Grammars.for_runtime(runtime, tokenizer))
 
 
+def has_ring(runtime: Runtime) -> bool:
+    """Whether the target's or its draft model's cache has a window ring (forks then copy a ring
+    that must still hold the prompt's last window: ``fork.split_forks``)."""
+    return bool(runtime.plan.kv.ring_blocks or (runtime.draft is not None and runtime.draft.plan.kv.ring_blocks))
+
+
 def _admit_count(runtime: Runtime, queue: Queue, state: State, left: int) -> int:
     """How many of the oldest waiting prompts one prefill step takes under chunking: those that
     fit a prefill bucket, while their tokens fit ``left`` (the oldest always, so it never
     starves) and slots are free; 0 when the oldest needs chunks."""
     limit, count, tokens = runtime.plan.prefill_buckets[-1], 0, 0
-    holders = {r.index for r in queue.running}
+    holders = set() if has_ring(runtime) else {r.index for r in queue.running}  # as split_forks forks
     for i, request in queue.waiting[:len(state.free_slots)]:
         n = 1 if request.parent in holders else len(request.prompt)  # a fork computes one token
         if n > limit or (count and tokens + n > left):
@@ -189,7 +195,7 @@ def _admission(runtime: Runtime, state: State, queue: Queue, budget: int | None,
         run, n, queue = _next_chunk(runtime, queue, budget - len(queue.running))
         return Iteration(chunk=run, chunk_len=n), state, queue
     admitted = _admit(queue, state, count)
-    prefilled, forks, sources = split_forks(queue, admitted, bool(runtime.plan.kv.ring_blocks))
+    prefilled, forks, sources = split_forks(queue, admitted, has_ring(runtime))
     queue = attrs.evolve(queue, waiting=queue.waiting[len(admitted):], running=queue.running + admitted)
     return Iteration(prefill=prefilled, fork=forks, fork_sources=sources), state, queue
 

@@ -128,7 +128,7 @@ def check_usable(state: State, plan: Plan, draft_plan: Plan | None = None) -> No
         got = (tuple(state.kv[0].k.shape), dtype_name(state.kv[0].k.dtype)) if state.kv else None
         raise StateMismatchError(
             f"this state was made for a different plan (its KV cache is {got}, this runtime's is "
-            f"{(plan.kv.shape, plan.kv.dtype)}, or the model/options differ); create one with neuronfx.init_state(runtime)."
+            f"{(plan.kv.layer_shape(0), plan.kv.dtype)}, or the model/options differ); create one with neuronfx.init_state(runtime)."
         )
     if state.draft is not None and state.draft.consumed:
         raise StateConsumedError(

@@ -63,7 +63,7 @@ def phase_group_size(plan: Plan, phase: str) -> int:
     :data:`MAX_LAYER_GROUP` at most for the others)."""
     n = phase_num_layers(plan, phase)
     limit = PREFILL_LAYER_GROUP if phase in ("prefill", "chunk", "embed") else MAX_LAYER_GROUP
-    return layer_group_size(n, limit, period=layer_period(plan.model, n, plan.kv.ring_layers))
+    return layer_group_size(n, limit, period=layer_period(plan.model, n))
 
 
 @attrs.frozen
@@ -122,15 +122,29 @@ def _aot_compile(fn: Callable, args: tuple, options: dict) -> Callable:
         return torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
 
 
+LAYER_PARTS = (prefill_layers, decode_layers, chunk_layers)
+"""The parts that take the KV cache (a layer group's (K, V) pairs, their second argument)."""
+
+
+def mark_cache_blocks(args: tuple) -> None:
+    """Mark the block count (dim 0) of every K and V of a layer group's arguments unbacked: with a
+    window ring a group's layers hold caches of two block counts (the ring's, the table's) and
+    pick their table as data (``common.layer_pool``), so one compiled group serves every group."""
+    for k, v in args[1]:
+        torch._dynamo.decorators.mark_unbacked(k, 0)
+        torch._dynamo.decorators.mark_unbacked(v, 0)
+
+
 class SharedCompile:
     """The compiled versions of one part that the buckets of a (phase, batch) share: a bucket
     reuses the first version whose guards accept its arguments, else compiles one more (with
     the bucket dimensions of ``dims`` dynamic). One version is the rule; more appear where a shape
     guard splits the buckets, e.g. a product switching to ``small_gemm`` at 8 rows or less."""
 
-    def __init__(self, dims: BucketDims, options: dict | None = None):
+    def __init__(self, dims: BucketDims, options: dict | None = None, cache_dims: bool = False):
         self.dims = dims
         self.options = INDUCTOR_OPTIONS if options is None else options
+        self.cache_dims = cache_dims
         self.versions: list = []
 
     def compiled_for(self, fn: Callable, args: tuple) -> Callable:
@@ -146,6 +160,8 @@ class SharedCompile:
         mark = torch._dynamo.maybe_mark_dynamic if self.dims.backed else torch._dynamo.decorators.mark_unbacked
         for tensor, dim in symbol_dims(args, self.dims.symbol) if self.dims.symbol else ():
             mark(tensor, dim)
+        if self.cache_dims:
+            mark_cache_blocks(args)
         self.versions.append(_aot_compile(fn, args, self.options))
         return self.versions[-1]
 
@@ -156,14 +172,17 @@ class PrecompiledPart:
     already compiled (loaded) function."""
 
     def __init__(self, fn: Callable | None, compiled: Callable | None = None, shared: SharedCompile | None = None,
-                 options: dict | None = None):
+                 options: dict | None = None, cache_dims: bool = False):
         self.fn = fn
         self.compiled = compiled
         self.shared = shared
         self.options = INDUCTOR_OPTIONS if options is None else options
+        self.cache_dims = cache_dims  # (unshared parts) mark_cache_blocks before compiling
         self.guards_checked = False
 
     def __call__(self, *args: torch.Tensor) -> object:
+        if self.compiled is None and self.shared is None and self.cache_dims:
+            mark_cache_blocks(args)
         if self.compiled is None:
             self.compiled = _aot_compile(self.fn, args, self.options) if self.shared is None else self.shared.compiled_for(self.fn, args)
         if self.guards_checked:
@@ -188,14 +207,15 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
 
     def wrap(fn: functools.partial) -> PrecompiledPart:
         dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
+        cache_dims = bool(plan.kv.ring_blocks) and fn.func in LAYER_PARTS
         if dims is None:
-            return PrecompiledPart(fn, options=options)
+            return PrecompiledPart(fn, options=options, cache_dims=cache_dims)
         if plan.inference.device != "cpu":
             # CUDA's SDPA guards on the key length (Eq(S, 0)), which an unbacked S cannot answer
             # (torch 2.11 on an H200): backed, as chunk layers are everywhere.
             dims = attrs.evolve(dims, backed=True)
         key = (spec.phase, spec.batch_size, fn.func)
-        return PrecompiledPart(fn, shared=shared.setdefault(key, SharedCompile(dims, options)))
+        return PrecompiledPart(fn, shared=shared.setdefault(key, SharedCompile(dims, options, cache_dims)))
 
     return wrap
 

@@ -101,11 +101,19 @@ def block_writes(block_table: Tensor, positions: Tensor, block_size: int) -> tup
     return block_table.long().gather(-1, col), pos % block_size
 
 
-def pool_tables(kv: KVLayout, block_table: Tensor, seq_ids: Tensor) -> Tensor:
-    """The block tables of the cache's pools, (P, B, N) int32: ``block_table`` (B, N), then,
-    when ``kv`` has a window ring, the ring's table of the rows' slots ``seq_ids`` (B,)
-    (``config.kv.ring_table``)."""
+def pool_tables(kv: KVLayout, masks: tuple[str, ...], block_table: Tensor, seq_ids: Tensor) -> Tensor:
+    """The block tables of the cache's pools, (P, B, N) int32: ``block_table`` (B, N) alone
+    (P = 1), or with a window ring one per mask kind of ``masks`` (the attention layout's, in
+    its order: a layer picks its table by its ``mask_index``), "full" the block table, the
+    windowed kinds the ring's table of the rows' slots ``seq_ids`` (B,) (``config.kv.ring_table``)."""
     if not kv.ring_blocks:
         return block_table[None]
     ring = ring_table(seq_ids, block_table.shape[1], kv.ring_blocks, kv.scratch_slot).to(block_table.dtype)
-    return torch.stack([block_table, ring])
+    return torch.stack([block_table if kind == "full" else ring for kind in masks])
+
+
+def pool_scratch(kv: KVLayout, masks: tuple[str, ...]) -> list[int]:
+    """The scratch block of each pool of :func:`pool_tables`: where pad tokens write."""
+    if not kv.ring_blocks:
+        return [kv.scratch_block]
+    return [kv.scratch_block if kind == "full" else kv.scratch_ring_block for kind in masks]

@@ -10,10 +10,10 @@ from neuronfx.config.kv import pad_writes
 from neuronfx.config.masks import chunk_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import block_writes, load_rows, pool_tables, store_rows, window_rows
+from neuronfx.graphs.models.kv_rows import block_writes, load_rows, pool_scratch, pool_tables, store_rows, window_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
-from neuronfx.graphs.phases.common import embed_tokens, layer_tables, mask_stack
+from neuronfx.graphs.phases.common import embed_tokens, layer_pool, layer_tables, mask_stack
 from neuronfx.graphs.phases.inputs import KVPairs
 from neuronfx.graphs.phases.records import ChunkHidden
 
@@ -29,9 +29,9 @@ def chunk_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: T
     (``config.kv.pad_writes``)."""
     input_ids, position_ids = inputs.input_ids, inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.seq_lens)
-    tables = pool_tables(plan.kv, inputs.block_table, inputs.seq_ids)  # (P, B, N)
+    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (P, B, N)
     blocks, offsets = block_writes(tables, position_ids, plan.kv.positions_per_block)
-    scratch = (plan.kv.scratch_block, plan.kv.scratch_ring_block)
+    scratch = pool_scratch(plan.kv, plan.layout.masks)
     writes = torch.stack([pad_writes(b, inputs.chunk_lens, scratch[p]) for p, b in enumerate(blocks)])  # (P, B, T)
     mask = mask_stack(plan, chunk_mask, position_ids, bucket)  # (M, B, 1, T, S)
     return ChunkHidden(h, cos, sin, mask, tables, writes, offsets, (inputs.chunk_lens - 1).long(), input_ids)
@@ -48,12 +48,12 @@ def chunk_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[
     bucket is read from the mask's shape (S), so one compiled group with a dynamic S serves every
     chunk bucket (``backends/inductor_parts.py``)."""
     h, n = x.h, x.mask.shape[-1]
-    for i, (lw, (k_cache, v_cache)) in enumerate(zip(lws, kv)):
+    for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
-        pool = int(plan.kv.in_ring(i))  # the group repeats the layers' ring pattern (config.attention.layer_period)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
-                   mask: Tensor = layer_mask, blocks: Tensor = x.blocks[pool], table: Tensor = x.block_table[pool]) -> Tensor:
+                   mask: Tensor = layer_mask, blocks: Tensor = layer_pool(plan, lw, x.blocks),
+                   table: Tensor = layer_pool(plan, lw, x.block_table)) -> Tensor:
             k_cache[blocks, :, x.offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
             v_cache[blocks, :, x.offsets] = store_rows(v.transpose(1, 2), v_cache)
             hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no token of the row

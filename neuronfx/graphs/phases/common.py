@@ -83,6 +83,14 @@ def layer_tables(plan: Plan, lw: LayerWeights, cos: Tensor, sin: Tensor, mask: T
     return cos, sin, pick(mask, lw["mask_index"]) if len(plan.layout.masks) > 1 else mask[0]
 
 
+def layer_pool(plan: Plan, lw: LayerWeights, stack: Tensor) -> Tensor:
+    """This layer's block table (B, N) or write blocks (B, T) out of a (P, ...) stack of the KV
+    pools (``kv_rows.pool_tables``): by its mask_index where the plan has a window ring (a pool
+    per mask kind), else the one pool. As data, like the masks: one compiled layer group serves
+    ring and full layers alike (their caches' block counts are dynamic, ``backends/inductor_parts.py``)."""
+    return pick(stack, lw["mask_index"]) if plan.kv.ring_blocks else stack[0]
+
+
 def pick(stack: Tensor, index: Tensor) -> Tensor:
     """``stack[index]`` for a 0-d int64 tensor ``index``, as a tensor op (a Python-style index
     would read the value on the host: a data-dependent guard in a traced graph)."""

@@ -13,7 +13,7 @@ from neuronfx.graphs.models.family import FamilyMath
 from neuronfx.graphs.models.kv_rows import block_writes, pool_tables, store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
-from neuronfx.graphs.phases.common import embed_tokens, head, layer_tables, logits, mask_stack
+from neuronfx.graphs.phases.common import embed_tokens, head, layer_pool, layer_tables, logits, mask_stack
 from neuronfx.graphs.phases.inputs import KVPairs
 from neuronfx.graphs.phases.records import DecodeHidden
 from neuronfx.graphs.phases.sampling import sample
@@ -29,7 +29,7 @@ def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: 
     position_ids = inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, inputs.input_ids, position_ids, position_ids.amax(-1) + 1)
     mask = mask_stack(plan, decode_mask, position_ids, bucket)  # (M, B, 1, T, S)
-    tables = pool_tables(plan.kv, inputs.block_table, inputs.seq_ids)  # (P, B, N)
+    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (P, B, N)
     blocks, offsets = block_writes(tables, position_ids, plan.kv.positions_per_block)
     return DecodeHidden(h, cos, sin, mask, tables, blocks, offsets)
 
@@ -45,12 +45,12 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list
     ``bucket``, so one compiled group with a dynamic S serves every bucket of the phase
     (``backends/inductor_parts.py``)."""
     h, offsets = x.h, x.offsets
-    for i, (lw, (k_cache, v_cache)) in enumerate(zip(lws, kv)):
+    for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
-        pool = int(plan.kv.in_ring(i))  # the group repeats the layers' ring pattern (config.attention.layer_period)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
-                   mask: Tensor = layer_mask, blocks: Tensor = x.blocks[pool], table: Tensor = x.block_table[pool]) -> Tensor:
+                   mask: Tensor = layer_mask, blocks: Tensor = layer_pool(plan, lw, x.blocks),
+                   table: Tensor = layer_pool(plan, lw, x.block_table)) -> Tensor:
             k_cache[blocks, :, offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
             v_cache[blocks, :, offsets] = store_rows(v.transpose(1, 2), v_cache)
             return ops.cached_attention(q, k_cache, v_cache, table, mask.shape[-1], mask)  # mask (B, 1, T, S)

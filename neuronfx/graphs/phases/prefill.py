@@ -12,7 +12,7 @@ from neuronfx.graphs.models.family import FamilyMath
 from neuronfx.graphs.models.kv_rows import block_writes, pool_tables, store_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
-from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_tables, mask_stack
+from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_pool, layer_tables, mask_stack
 from neuronfx.graphs.phases.inputs import KVPairs
 from neuronfx.graphs.phases.records import ChunkHidden, PrefillHidden
 
@@ -51,13 +51,14 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed:
     # Every position of the bucket is written (pads past the prompt too, never attended), not
     # position_ids, whose pads repeat the last real position: they would overwrite its K/V.
     written = torch.arange(bucket, device=input_ids.device).expand(input_ids.shape[0], bucket)
-    tables = pool_tables(plan.kv, inputs.block_table, inputs.seq_ids)  # (P, B, N)
-    blocks, offsets = block_writes(tables, written, plan.kv.positions_per_block)
+    masks = plan.layout.masks
+    blocks, offsets = block_writes(pool_tables(plan.kv, masks, inputs.block_table, inputs.seq_ids), written,
+                                   plan.kv.positions_per_block)  # (P, B, T)
     if plan.kv.ring_blocks:  # the ring keeps the prompt's last positions it holds; the rest and the pads go to scratch
         lens = inputs.prompt_lens[:, None]
         kept = (written < lens) & (written >= lens - plan.kv.ring_blocks * plan.kv.positions_per_block)
-        ring = torch.where(kept, blocks[1], torch.full_like(blocks[1], plan.kv.scratch_ring_block))
-        blocks = torch.stack([blocks[0], ring])
+        scratch = torch.full_like(blocks[0], plan.kv.scratch_ring_block)
+        blocks = torch.stack([b if kind == "full" else torch.where(kept, b, scratch) for kind, b in zip(masks, blocks)])
     return PrefillHidden(h, cos, sin, mask, blocks, offsets, (inputs.prompt_lens - 1).long(), input_ids)
 
 
@@ -73,14 +74,13 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
     # Every layer full-attention: real tokens see only earlier ones, so SDPA's causal flag gives
     # them the mask's result (pad rows differ; nothing reads them) with half the work.
     causal = plan.layout.masks == ("full",) and not plan.inference.sequence_parallel
-    for i, (lw, (k_cache, v_cache)) in enumerate(zip(lws, kv)):
+    for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
-        pool = int(plan.kv.in_ring(i))  # the group repeats the layers' ring pattern (config.attention.layer_period)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
-                   mask: Tensor = layer_mask, pool: int = pool) -> Tensor:
+                   mask: Tensor = layer_mask, written: Tensor = layer_pool(plan, lw, x.blocks)) -> Tensor:
             n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
-            blocks, offsets = x.blocks[pool, :, :n], x.offsets[:, :n]  # (B, n)
+            blocks, offsets = written[:, :n], x.offsets[:, :n]  # (B, n)
             k_cache[blocks, :, offsets] = store_rows(k[:, :, :n].transpose(1, 2), k_cache)  # (B, n, n_kv, D)
             v_cache[blocks, :, offsets] = store_rows(v[:, :, :n].transpose(1, 2), v_cache)
             return ops.causal_attention(q, k, v) if causal else ops.attention(q, k, v, mask)

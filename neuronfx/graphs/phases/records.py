@@ -9,8 +9,9 @@ field's symbolic shape, dtype and meaning are written on its annotation, as for 
 so a backend can find every dimension of a symbol (:func:`symbol_dims`: the inductor backend
 compiles the bucket's dimension dynamic from it).
 
-KV pools (``P``): the block table's, then the window ring's when the plan has one
-(``config.kv.KVLayout``); a layer reads its pool's table and blocks by a static index.
+KV pools (``P``): the block table alone, or with a window ring (``config.kv.KVLayout``) one per
+mask kind (the ring's for windowed kinds); a layer picks its pool by its ``mask_index``
+(``common.layer_pool``).
 
 Symbols: ``P`` KV pools, ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
 bucket), ``H`` hidden size (per sequence-parallel rank: T / tp), ``R`` RoPE kinds and ``M``
