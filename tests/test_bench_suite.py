@@ -73,6 +73,8 @@ def test_prefix_caching_layouts(tiny_dir, capsys):
                     "--question-tokens", "8", "--requests", "3", "--chunk", "16", "--block", "8", "--batch-size", "2", "--layouts")
     t = data["layouts"]
     assert t["same_tokens"] and min(t["hit_rate"].values()) > 0.5 and t["ratio"] == t["warm_s"]["blocks"] / t["warm_s"]["slots"]
+    assert main(["bench", "prefix-caching", "--model", str(tiny_dir), "--layouts", "--control"]) != 0
+    assert "InputError: --layouts compiles one runtime per KV layout and no control" in capsys.readouterr().err
 
 
 def test_chunked_prefill(chat_dir, capsys):

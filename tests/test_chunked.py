@@ -278,6 +278,27 @@ def test_generate_with_chunks_equals_unchunked(size):
     assert got.token_ids == want.token_ids and not any(state.live)
 
 
+def test_choices_asking_for_prompt_logprobs_of_a_chunked_prompt():
+    """n = 2 seeded choices of a 21-token prompt in chunks of 8, each asking for prompt logprobs:
+    a choice does not fork (its own prefill computes them), so admission counts its whole prompt
+    and chunks it (it was counted as one forked token and prefilled whole: BucketOverflowError).
+    The same tokens and prompt logprobs as whole-prompt prefill."""
+    hf = tiny_hf_model("llama", seed=4)
+    sampling = SamplingParams(temperature=1.0, seed=3, prompt_logprobs=1)
+    results = []
+    for options in (dict(prefill_chunk_size=8, prefill_buckets=(8,)), {}):
+        rt = tiny_runtime(hf, enable_prompt_logprobs=True, **options)
+        result, _ = neuronfx.generate(rt, neuronfx.init_state(rt), [random_prompt(21, 3)], max_new_tokens=5, sampling=sampling,
+                                      n=2, eos_token_ids=[])
+        results.append(result)
+    chunked, whole = results
+    assert chunked.token_ids == whole.token_ids and len(set(chunked.token_ids)) == 2
+    for got, want in zip(chunked.prompt_logprobs, whole.prompt_logprobs):
+        assert len(got) == len(want) == 21 and got[0] is None
+        assert [g.token_id for g in got[1:]] == [w.token_id for w in want[1:]] == random_prompt(21, 3)[1:]
+        assert max(abs(g.logprob - w.logprob) for g, w in zip(got[1:], want[1:])) < 1e-4
+
+
 @pytest.mark.parametrize(("budget", "chunk_lens"), [(None, [7, 7, 7, 7, 2]), (5, [3] * 10)])
 def test_long_prompt_admitted_while_others_decode(budget, chunk_lens):
     """Two requests decode; a 30-token prompt arrives. Each iteration both running requests get

@@ -39,6 +39,7 @@ from neuronfx.config.attention import ROPE_GLOBAL, ROPE_LOCAL, attention_layout
 from neuronfx.config.extras import Gemma3Extras
 from neuronfx.config.model import RopeScaling
 from neuronfx.errors import UnsupportedModelError
+from neuronfx.graphs.backends import inductor_parts
 from neuronfx.graphs.kernels.bundles import REFERENCE_OPS
 from neuronfx.graphs.models import family_math
 from neuronfx.graphs.phases.common import embed_tokens
@@ -58,10 +59,16 @@ def inductor_rt(hf):
     """Inductor, prefill buckets (8, 32) and one decode bucket (64), self-speculation at k = 4
     (``generate`` speculates): 5 graphs. The blocks layout: its window ring (3 blocks of 4
     positions: the window and a verify pass's 4 tokens, and a block of margin) is what these
-    prompts and outputs outgrow (the slots layout's kernel and masks are the same code; other families test it on
-    inductor)."""
-    rt = tiny_runtime(hf, "inductor", prefill_buckets=(8, 32), decode_buckets=(64,), speculation_length=4, draft_layers=1,
-                      kv_layout="blocks", kv_block_size=4)
+    prompts and outputs outgrow (the slots layout's kernel and masks are the same code; other
+    families test it on inductor). One layer per compiled group: the sliding layer's ring cache
+    and the full layer's blocks, of two block counts, go through one compiled part (as
+    gemma-3-1b's groups of 2 do)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inductor_parts, "MAX_LAYER_GROUP", 1)
+        patch.setattr(inductor_parts, "PREFILL_LAYER_GROUP", 1)
+        rt = tiny_runtime(hf, "inductor", prefill_buckets=(8, 32), decode_buckets=(64,), speculation_length=4, draft_layers=1,
+                          kv_layout="blocks", kv_block_size=4)
+    assert {graph.parts.group_size for graph in rt.graphs.values()} == {1}
     assert rt.plan.kv.ring_blocks == 3 and rt.plan.kv.ring_layers == (True, False)
     return rt
 

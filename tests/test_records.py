@@ -125,7 +125,7 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
         x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
         assert type(x) is want[g.phase]
         tokens = example_inputs(plan, g).input_ids.shape[1]
-        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1, "N": 1, "P": 1}
+        dims = {"B": g.batch_size, "T": tokens, "S": g.bucket, "H": 64, "R": 1, "M": 1, "D": 16, "1": 1, "N": 1, "G": 1}
         for name, shape in field_shapes(type(x)).items():
             assert tuple(getattr(x, name).shape) == tuple(dims[s] for s in shape), (g.key, name)
         assert x.h.dtype == torch.float32 and x.mask.dtype == torch.bool and x.offsets.dtype == torch.int64

@@ -36,6 +36,7 @@ from neuronfx.bench.options import Log, add_engine, add_model, add_threads, chec
 from neuronfx.bench.types import Benchmark
 from neuronfx.bench.workload import random_ids
 from neuronfx.config.kv import KV_LAYOUTS
+from neuronfx.errors import InputError
 from neuronfx.io import checkpoints
 from neuronfx.runtime.scheduler import Queue, step, submit
 
@@ -207,6 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_at_least(name, getattr(args, name), 1)
     set_threads(args.threads)
     log = logger(args)
+    if args.layouts and (args.control or args.kv_layout != "slots"):
+        raise InputError("--layouts compiles one runtime per KV layout and no control; drop --control and --kv-layout.")
     ckpt = checkpoints.load_checkpoint(args.model or checkpoints.default_model_path())
     if args.layouts:
         sides = {layout: plan_options(args, layout) | {"enable_prefix_caching": True} for layout in ("slots", "blocks")}

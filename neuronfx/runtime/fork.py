@@ -107,6 +107,12 @@ def fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput, 
     return follow_draft(_fork, runtime, state, batch)
 
 
+def forks_from(parent: Request | None, request: Request) -> bool:
+    """Whether ``request`` starts as a fork of live ``parent`` (its choice of the same prompt):
+    not when it asks for prompt logprobs, which its own prefill computes."""
+    return parent is not None and parent.prompt == request.prompt and request.sampling.prompt_logprobs is None
+
+
 def split_forks(queue: Queue, admitted: tuple[Progress, ...], ring: bool = False,
                 ) -> tuple[tuple[Progress, ...], tuple[Progress, ...], tuple[int, ...]]:
     """(prefill rows, fork rows, their source slots) of ``admitted``: a request forks when its
@@ -118,8 +124,7 @@ def split_forks(queue: Queue, admitted: tuple[Progress, ...], ring: bool = False
     prefilled, forks, sources = [], [], []
     for run in admitted:
         parent = holders.get(run.request.parent)
-        # a request asking for prompt logprobs is prefilled: its graph computes them
-        if parent is not None and parent.request.prompt == run.request.prompt and run.request.sampling.prompt_logprobs is None:
+        if forks_from(None if parent is None else parent.request, run.request):
             forks.append(run)
             sources.append(parent.slot)
         else:

@@ -61,7 +61,7 @@ from neuronfx.config.families import FAMILIES
 from neuronfx.errors import InputError
 from neuronfx.runtime.chunked import ChunkBatch, chunk
 from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
-from neuronfx.runtime.fork import fork, fork_batch, split_forks
+from neuronfx.runtime.fork import fork, fork_batch, forks_from, split_forks
 from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.preempt import block_room, cached_tokens, make_room, resume
@@ -152,13 +152,13 @@ def _admit_count(runtime: Runtime, queue: Queue, state: State, left: int) -> int
     fit a prefill bucket, while their tokens fit ``left`` (the oldest always, so it never
     starves) and slots are free; 0 when the oldest needs chunks."""
     limit, count, tokens = runtime.plan.prefill_buckets[-1], 0, 0
-    holders = set() if has_ring(runtime) else {r.index for r in queue.running}  # as split_forks forks
+    holders = {} if has_ring(runtime) else {r.index: r.request for r in queue.running}  # as split_forks forks
     for i, request in queue.waiting[:len(state.free_slots)]:
-        n = 1 if request.parent in holders else len(request.prompt)  # a fork computes one token
+        n = 1 if forks_from(holders.get(request.parent), request) else len(request.prompt)  # a fork computes one token
         if n > limit or (count and tokens + n > left):
             break
         count, tokens = count + 1, tokens + n
-        holders.add(i)
+        holders[i] = request
     return count
 
 

@@ -102,8 +102,8 @@ def block_writes(block_table: Tensor, positions: Tensor, block_size: int) -> tup
 
 
 def pool_tables(kv: KVLayout, masks: tuple[str, ...], block_table: Tensor, seq_ids: Tensor) -> Tensor:
-    """The block tables of the cache's pools, (P, B, N) int32: ``block_table`` (B, N) alone
-    (P = 1), or with a window ring one per mask kind of ``masks`` (the attention layout's, in
+    """The block tables of the cache's pools, (G, B, N) int32: ``block_table`` (B, N) alone
+    (G = 1), or with a window ring one per mask kind of ``masks`` (the attention layout's, in
     its order: a layer picks its table by its ``mask_index``), "full" the block table, the
     windowed kinds the ring's table of the rows' slots ``seq_ids`` (B,) (``config.kv.ring_table``)."""
     if not kv.ring_blocks:

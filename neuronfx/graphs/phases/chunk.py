@@ -29,10 +29,10 @@ def chunk_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: T
     (``config.kv.pad_writes``)."""
     input_ids, position_ids = inputs.input_ids, inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, input_ids, position_ids, inputs.seq_lens)
-    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (P, B, N)
+    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (G, B, N)
     blocks, offsets = block_writes(tables, position_ids, plan.kv.positions_per_block)
     scratch = pool_scratch(plan.kv, plan.layout.masks)
-    writes = torch.stack([pad_writes(b, inputs.chunk_lens, scratch[p]) for p, b in enumerate(blocks)])  # (P, B, T)
+    writes = torch.stack([pad_writes(b, inputs.chunk_lens, scratch[p]) for p, b in enumerate(blocks)])  # (G, B, T)
     mask = mask_stack(plan, chunk_mask, position_ids, bucket)  # (M, B, 1, T, S)
     return ChunkHidden(h, cos, sin, mask, tables, writes, offsets, (inputs.chunk_lens - 1).long(), input_ids)
 

@@ -84,7 +84,7 @@ def layer_tables(plan: Plan, lw: LayerWeights, cos: Tensor, sin: Tensor, mask: T
 
 
 def layer_pool(plan: Plan, lw: LayerWeights, stack: Tensor) -> Tensor:
-    """This layer's block table (B, N) or write blocks (B, T) out of a (P, ...) stack of the KV
+    """This layer's block table (B, N) or write blocks (B, T) out of a (G, ...) stack of the KV
     pools (``kv_rows.pool_tables``): by its mask_index where the plan has a window ring (a pool
     per mask kind), else the one pool. As data, like the masks: one compiled layer group serves
     ring and full layers alike (their caches' block counts are dynamic, ``backends/inductor_parts.py``)."""

@@ -29,7 +29,7 @@ def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: 
     position_ids = inputs.position_ids
     h, cos, sin = embed_tokens(plan, ops, math, embed, inputs.input_ids, position_ids, position_ids.amax(-1) + 1)
     mask = mask_stack(plan, decode_mask, position_ids, bucket)  # (M, B, 1, T, S)
-    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (P, B, N)
+    tables = pool_tables(plan.kv, plan.layout.masks, inputs.block_table, inputs.seq_ids)  # (G, B, N)
     blocks, offsets = block_writes(tables, position_ids, plan.kv.positions_per_block)
     return DecodeHidden(h, cos, sin, mask, tables, blocks, offsets)
 

@@ -53,7 +53,7 @@ def prefill_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed:
     written = torch.arange(bucket, device=input_ids.device).expand(input_ids.shape[0], bucket)
     masks = plan.layout.masks
     blocks, offsets = block_writes(pool_tables(plan.kv, masks, inputs.block_table, inputs.seq_ids), written,
-                                   plan.kv.positions_per_block)  # (P, B, T)
+                                   plan.kv.positions_per_block)  # (G, B, T)
     if plan.kv.ring_blocks:  # the ring keeps the prompt's last positions it holds; the rest and the pads go to scratch
         lens = inputs.prompt_lens[:, None]
         kept = (written < lens) & (written >= lens - plan.kv.ring_blocks * plan.kv.positions_per_block)

@@ -9,11 +9,11 @@ field's symbolic shape, dtype and meaning are written on its annotation, as for 
 so a backend can find every dimension of a symbol (:func:`symbol_dims`: the inductor backend
 compiles the bucket's dimension dynamic from it).
 
-KV pools (``P``): the block table alone, or with a window ring (``config.kv.KVLayout``) one per
+KV pools (``G``): the block table alone, or with a window ring (``config.kv.KVLayout``) one per
 mask kind (the ring's for windowed kinds); a layer picks its pool by its ``mask_index``
 (``common.layer_pool``).
 
-Symbols: ``P`` KV pools, ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
+Symbols: ``G`` KV pools, ``B`` rows, ``T`` new tokens per row, ``N`` block-table columns, ``S`` attended cache positions (the decode-type
 bucket), ``H`` hidden size (per sequence-parallel rank: T / tp), ``R`` RoPE kinds and ``M``
 mask kinds of the attention layout (``config.attention``), ``D`` rotary dims. A dtype "float"
 is the plan's dtype.
@@ -40,7 +40,7 @@ class PrefillHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T T", "bool", "causal prompt mask of each kind (True = attend)"]  # (M, B, 1, T, T)
-    blocks: Annotated[Tensor, "P B T", "int64", "KV block position t writes in each pool (the row's table at t // block size)"]  # (P, B, T)
+    blocks: Annotated[Tensor, "G B T", "int64", "KV block position t writes in each pool (the row's table at t // block size)"]  # (G, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block position t writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
@@ -54,8 +54,8 @@ class DecodeHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    block_table: Annotated[Tensor, "P B N", "int32", "each row's KV blocks in position order, per pool"]  # (P, B, N)
-    blocks: Annotated[Tensor, "P B T", "int64", "KV block each token writes, per pool"]  # (P, B, T)
+    block_table: Annotated[Tensor, "G B N", "int32", "each row's KV blocks in position order, per pool"]  # (G, B, N)
+    blocks: Annotated[Tensor, "G B T", "int64", "KV block each token writes, per pool"]  # (G, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
 
 
@@ -67,8 +67,8 @@ class ChunkHidden(NamedTuple):
     cos: Annotated[Tensor, "R B 1 T D", "float", "RoPE cos of each kind"]  # (R, B, 1, T, D)
     sin: Annotated[Tensor, "R B 1 T D", "float", "RoPE sin of each kind"]  # (R, B, 1, T, D)
     mask: Annotated[Tensor, "M B 1 T S", "bool", "mask of each kind over the cache (True = attend)"]  # (M, B, 1, T, S)
-    block_table: Annotated[Tensor, "P B N", "int32", "each row's KV blocks in position order, per pool"]  # (P, B, N)
-    blocks: Annotated[Tensor, "P B T", "int64", "KV block each token writes, per pool (pads: its scratch block)"]  # (P, B, T)
+    block_table: Annotated[Tensor, "G B N", "int32", "each row's KV blocks in position order, per pool"]  # (G, B, N)
+    blocks: Annotated[Tensor, "G B T", "int64", "KV block each token writes, per pool (pads: its scratch block)"]  # (G, B, T)
     offsets: Annotated[Tensor, "B T", "int64", "position in that block each token writes"]  # (B, T)
     last: Annotated[Tensor, "B", "int64", "index of the row's last real token (its output)"]  # (B,)
     ids: Annotated[Tensor, "B T", "int32", "the step's token ids (prompt logprobs read each next one)"]  # (B, T)
