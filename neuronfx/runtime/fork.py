@@ -107,6 +107,12 @@ def fork(runtime: Runtime, state: State, batch: ForkBatch) -> tuple[StepOutput, 
     return follow_draft(_fork, runtime, state, batch)
 
 
+def has_ring(runtime: Runtime) -> bool:
+    """Whether the target's or its draft model's cache has a window ring (forks then copy a ring
+    that must still hold the prompt's last window: ``fork.split_forks``)."""
+    return bool(runtime.plan.kv.ring_blocks or (runtime.draft is not None and runtime.draft.plan.kv.ring_blocks))
+
+
 def forks_from(parent: Request | None, request: Request) -> bool:
     """Whether ``request`` starts as a fork of live ``parent`` (its choice of the same prompt):
     not when it asks for prompt logprobs, which its own prefill computes."""

@@ -61,7 +61,7 @@ from neuronfx.config.families import FAMILIES
 from neuronfx.errors import InputError
 from neuronfx.runtime.chunked import ChunkBatch, chunk
 from neuronfx.runtime.delivery import FIRST, Ran, deliver, record
-from neuronfx.runtime.fork import fork, fork_batch, forks_from, split_forks
+from neuronfx.runtime.fork import fork, fork_batch, forks_from, has_ring, split_forks
 from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.preempt import block_room, cached_tokens, make_room, resume
@@ -139,12 +139,6 @@ def with_grammars(runtime: Runtime, queue: Queue, tokenizer: Any) -> Queue:
     if queue.grammars is not None or tokenizer is None or all(r.sampling.structured is None for _, r in queue.waiting):
         return queue
     return attrs.evolve(queue, grammars=Grammars.for_runtime(runtime, tokenizer))
-
-
-def has_ring(runtime: Runtime) -> bool:
-    """Whether the target's or its draft model's cache has a window ring (forks then copy a ring
-    that must still hold the prompt's last window: ``fork.split_forks``)."""
-    return bool(runtime.plan.kv.ring_blocks or (runtime.draft is not None and runtime.draft.plan.kv.ring_blocks))
 
 
 def _admit_count(runtime: Runtime, queue: Queue, state: State, left: int) -> int:
