@@ -5,14 +5,27 @@ background; SIGINT/SIGTERM drain it."""
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import logging
+import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neuronfx.cli.loading import load_runtime, plan_inference
 from neuronfx.cli.options import add_async_option, add_plan_options
 from neuronfx.cli.types import Subcommand
+from neuronfx.config.inference import InferenceConfig
 from neuronfx.errors import InputError
 from neuronfx.io import checkpoints
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+    from neuronfx.server.replicas import ReplicaSpec, Scaling
+    from neuronfx.server.served import Served
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 """--tool-call-parser choices (``neuronfx.server.tool_parsers.PARSERS``, which the server loads only when it serves)."""
@@ -48,7 +61,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how tool calls are read from the model's text for tool_choice 'auto' (default: from the chat "
                         "template: hermes for <tool_call> templates, llama3_json for Llama 3's)")
     add_async_option(p)
+    add_replica_options(p)
     add_plan_options(p, batch_size=SERVE_BATCH_SIZE)
+
+
+def add_replica_options(p: argparse.ArgumentParser) -> None:
+    """Data-parallel serving on Ray Serve (``neuronfx.server.replicas``)."""
+    g = p.add_argument_group("data-parallel replicas (Ray Serve; pip install 'neuronfx[ray]')")
+    g.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                   help="serve N replicas, each one engine on its share of the cores, behind one endpoint (Ray Serve), routed by "
+                        "prompt prefix and otherwise to the shortest queue (default: one engine in this process, no Ray)")
+    g.add_argument("--replica-threads", type=int, default=None, metavar="T",
+                   help="torch threads (and cores) per replica (default: this machine's cores / N)")
+    g.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="with --max-replicas: Ray Serve autoscales between them (default: --data-parallel-size, fixed)")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N", help="(default: --data-parallel-size)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (ray start --head prints it) instead of starting one on this machine")
+    g.add_argument("--prefix-affinity-chars", type=int, default=None, metavar="C",
+                   help="characters of a prompt that pick its replica (default 256)")
 
 
 def check_server_options(args: argparse.Namespace) -> None:
@@ -65,14 +96,47 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise InputError(f"--chat-template {args.chat_template!r} is not a file; give the path of a Jinja chat template.")
+    check_replica_options(args)
+
+
+REPLICA_OPTIONS = ("replica_threads", "min_replicas", "max_replicas", "ray_address", "prefix_affinity_chars")
+
+
+def check_replica_options(args: argparse.Namespace) -> None:
+    """The data-parallel options, before anything loads: InputError naming the value and its
+    range (replicas above the cores, bounds around --data-parallel-size, Ray not installed)."""
+    n = args.data_parallel_size
+    if n is None:
+        given = [name for name in REPLICA_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise InputError(f"--{given[0].replace('_', '-')} applies to data-parallel serving: give --data-parallel-size too.")
+        return
+    if n < 1:
+        raise InputError(f"--data-parallel-size={n} must be >= 1 (replicas).")
+    low = n if args.min_replicas is None else args.min_replicas
+    high = n if args.max_replicas is None else args.max_replicas
+    if not 1 <= low <= n <= high:
+        raise InputError(f"--min-replicas={low}, --data-parallel-size={n}, --max-replicas={high}: need 1 <= min <= size <= max.")
+    cores = len(os.sched_getaffinity(0))
+    threads = args.replica_threads if args.replica_threads is not None else cores // high
+    if threads < 1:
+        raise InputError(f"--data-parallel-size={n} (at most {high} replicas) is above this machine's {cores} cores: each replica needs "
+                         f"a core of its own; give at most {cores}, or --replica-threads and --ray-address for a larger cluster.")
+    if args.ray_address is None and high * threads > cores:
+        raise InputError(f"{high} replicas x --replica-threads={threads} need {high * threads} cores; this machine has {cores}: lower "
+                         "them, or join a larger cluster with --ray-address.")
+    if args.prefix_affinity_chars is not None and args.prefix_affinity_chars < 1:
+        raise InputError(f"--prefix-affinity-chars={args.prefix_affinity_chars} must be >= 1.")
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise InputError("--data-parallel-size needs Ray Serve, which is not installed: pip install 'neuronfx[ray]' "
+                         "(or drop --data-parallel-size to serve from this process).")
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, then serve until SIGINT/SIGTERM while the engine thread loads or
     compiles the runtime; returns the exit status. Raises InputError / ConfigError for bad
     options (a busy port is the server's own error, before loading)."""
-    from neuronfx.server.serve import serve
-    from neuronfx.server.served import Served  # fastapi and uvicorn load for serve only
+    from neuronfx.server.serve import serve  # fastapi and uvicorn load for serve only
 
     check_server_options(args)
     args.model = args.model or args.model_option
@@ -81,25 +145,94 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
                          "supported yet (drop --tp-degree).")
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
-    log = logging.getLogger("neuronfx.server")
     template = Path(args.chat_template).read_text() if args.chat_template else None
-
-    def build() -> Served:
-        then = "the saved runtime" if saved is not None else "the checkpoint, then its graphs (compile cache or compile)"
-        log.info("loading %s (%s, %s, %d slots, max_context_length %d, sequence_length %d): %s ...",
-                 args.model or checkpoints.default_model_path(), inference.backend, inference.dtype, inference.batch_size,
-                 inference.max_context_length, inference.sequence_length, then)
-        loaded = load_runtime(args, saved, inference, progress=False)  # the compile cache logs what it does ("neuronfx.cache")
-        log.info("%s", loaded.summary())
-        if template is not None:  # vLLM's --chat-template: replaces the tokenizer's own
-            loaded.tokenizer.chat_template = template
-        return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
-
-    return serve(build, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                 shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
+    if args.data_parallel_size is not None:
+        return serve_replicas_cli(args, saved, inference, name, template)
+    return serve(functools.partial(build_served, args, saved, inference, template), model_name=name, host=args.host,
+                 port=args.port, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout, access_log=args.access_log,
                  max_num_batched_tokens=args.max_num_batched_tokens, async_decode=args.async_decode,
                  tool_parser=args.tool_call_parser)
 
+
+def serve_replicas_cli(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, name: str,
+                       template: str | None) -> int:
+    """``--data-parallel-size``: compile the plan once into the compile cache (the replicas then
+    load it), then serve on Ray Serve (:func:`neuronfx.server.replicas.serve_replicas`)."""
+    from neuronfx.server.serve import bind_socket
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when ray is imported: each replica's log lines, not one folded line
+    from neuronfx.server import replicas  # ray loads for data-parallel serving only
+
+    log = logging.getLogger("neuronfx.server")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
+    if args.ray_address is None:  # a busy port: one line now, not a Ray proxy that cannot start
+        bind_socket(args.host, args.port).close()
+    if saved is None and inference.backend != "eager":
+        log.info("compiling once into the compile cache; the replicas load it ...")
+        log.info("%s", load_runtime(args, saved, inference, progress=False).summary())
+    spec, scaling, chars = replica_setup(args, saved, inference, name, template)
+    return replicas.serve_replicas(spec, scaling, host=args.host, port=args.port, ray_address=args.ray_address,
+                                   cores=len(os.sched_getaffinity(0)), prefix_chars=chars)
+
+
+def replica_setup(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, name: str,
+                  template: str | None) -> tuple[ReplicaSpec, Scaling, int]:
+    """(ReplicaSpec, Scaling, prefix characters) of serve's checked options (``neuronfx.server.replicas``):
+    threads per replica from --replica-threads or this machine's cores / the most replicas."""
+    from neuronfx.server import replicas
+
+    n = args.data_parallel_size
+    high = n if args.max_replicas is None else args.max_replicas
+    threads = args.replica_threads if args.replica_threads is not None else len(os.sched_getaffinity(0)) // high
+    spec = replicas.ReplicaSpec(args=args, saved=saved, inference=inference, template=template, model_name=name, threads=threads,
+                                max_waiting=args.max_waiting, max_num_batched_tokens=args.max_num_batched_tokens,
+                                async_decode=args.async_decode, tool_parser=args.tool_call_parser,
+                                shutdown_timeout=args.shutdown_timeout)
+    scaling = replicas.Scaling(replicas=n, min_replicas=n if args.min_replicas is None else args.min_replicas, max_replicas=high,
+                               target_ongoing=inference.batch_size)
+    chars = args.prefix_affinity_chars if args.prefix_affinity_chars is not None else replicas.PREFIX_CHARS
+    return spec, scaling, chars
+
+
+def replica_application(argv: Sequence[str]) -> Application:
+    """The Ray Serve application ``neuronfx serve ARGV --data-parallel-size N`` runs (N = 1 when
+    not given), for ``serve.run`` on a cluster of your own: the ingress over N replicas of the
+    model and plan ``argv`` names (``neuronfx serve``'s options). Compiles nothing itself: run
+    ``neuronfx compile`` with the same options first, and the replicas load the compile cache.
+    Raises InputError / ConfigError for bad options, as the command does."""
+    from neuronfx.server import replicas
+
+    parser = argparse.ArgumentParser(prog="neuronfx serve")
+    add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    if args.data_parallel_size is None:
+        args.data_parallel_size = 1
+    check_server_options(args)
+    args.model = args.model or args.model_option
+    saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
+    name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    spec, scaling, chars = replica_setup(args, saved, inference, name, template)
+    return replicas.application(spec, scaling, chars)
+
+
+def build_served(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, template: str | None) -> Served:
+    """Load a saved runtime, or load the checkpoint and compile it (through the compile cache),
+    as ``args`` say (:func:`neuronfx.cli.loading.load_runtime`), with the tokenizer's chat
+    template replaced by ``template`` when given (vLLM's --chat-template). Runs in the engine
+    thread (a replica's, under ``--data-parallel-size``). Raises what loading and compiling raise."""
+    from neuronfx.server.served import Served
+
+    log = logging.getLogger("neuronfx.server")
+    then = "the saved runtime" if saved is not None else "the checkpoint, then its graphs (compile cache or compile)"
+    log.info("loading %s (%s, %s, %d slots, max_context_length %d, sequence_length %d): %s ...",
+             args.model or checkpoints.default_model_path(), inference.backend, inference.dtype, inference.batch_size,
+             inference.max_context_length, inference.sequence_length, then)
+    loaded = load_runtime(args, saved, inference, progress=False)  # the compile cache logs what it does ("neuronfx.cache")
+    log.info("%s", loaded.summary())
+    if template is not None:
+        loaded.tokenizer.chat_template = template
+    return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
 COMMAND = Subcommand(name="serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...) over the "
                      "continuous-batching scheduler", description=DESCRIPTION, add_arguments=add_arguments, run=run)

@@ -1,0 +1,414 @@
+"""Data-parallel serving on Ray Serve: N neuronfx engines behind one OpenAI endpoint
+(``neuronfx serve --data-parallel-size N``; ``pip install 'neuronfx[ray]'``).
+
+Two deployments make one Ray Serve application (:func:`application`):
+
+- :class:`Replica` (N of them, or between ``min_replicas`` and ``max_replicas`` with Ray Serve's
+  autoscaling): one engine each (``server/engine.py``) on its own share of the cores (its
+  threads pinned to them: :func:`replica_cores`), running the whole neuronfx app in its process
+  (:func:`neuronfx.server.asgi.call_app`): every route, its validation and its errors are the
+  single server's. Its health check fails once its engine has failed; Ray then restarts it.
+- :class:`Ingress` (one): Ray Serve's HTTP proxy hands it every request; it keys the request by
+  its prompt's prefix (``server/affinity.py``) and forwards it through a deployment handle to
+  the replica :class:`AffinityRouter` picks (Ray Serve's request-router API), then streams the
+  answer back. A replica that dies or cannot be reached before it answered gives a 503 with
+  Retry-After (OpenAI's error JSON); one that dies mid-stream ends the stream with an error event
+  and ``data: [DONE]``. Each answer names its replica in the ``x-neuronfx-replica`` header (its
+  Ray node in ``x-neuronfx-node``); a
+  request that sends that header is routed to that replica while it runs (its /metrics, say).
+
+The driver (:func:`serve_replicas`) compiles the plan once into the compile cache before the
+replicas start (one compile, N loads), starts or joins a Ray cluster, runs the application and
+waits for SIGINT/SIGTERM, then shuts Serve down (each replica drains its requests for up to
+``shutdown_timeout`` seconds) and leaves the cluster (a local one it started stops with it).
+
+Only imported when Ray is used: ``ray`` is an optional dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import ray
+import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from neuronfx.config.inference import InferenceConfig
+from neuronfx.errors import InputError
+from neuronfx.server import protocol as p
+from neuronfx.server.affinity import PREFIX_CHARS, AffinityTable, prefix_key, prefix_text, ranked
+from neuronfx.server.asgi import HttpCall, HttpHead, call_app
+from neuronfx.server.engine import Engine
+from neuronfx.server.errors import ErrorJSON
+from neuronfx.server.metrics import make_metrics
+from neuronfx.server.served import Served
+
+logger = logging.getLogger("neuronfx.server")
+
+APP_NAME = "neuronfx"
+REPLICA_HEADER = "x-neuronfx-replica"
+NODE_HEADER = "x-neuronfx-node"
+RETRY_AFTER_S = 1
+"""Retry-After (seconds) of the ingress's 503: about the time Ray takes to notice a dead replica."""
+READY_POLL_S = 0.2
+
+# What a replica that died or cannot be reached raises at the ingress (Ray's own exceptions).
+UNREACHABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, BackPressureError, DeploymentUnavailableError,
+               ReplicaUnavailableError)
+
+
+class ReplicaBuildError(RuntimeError):
+    """A replica's engine could not load or compile its runtime (the message: the cause, one line)."""
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaSpec:
+    """What every replica serves and how: ``args`` (serve's parsed options: the model and the
+    plan options), ``saved`` (a saved runtime's directory, or None), ``inference`` (the plan's
+    InferenceConfig), ``template`` (a chat template's text replacing the tokenizer's, or None),
+    ``model_name`` (the name requests give), ``threads`` (torch threads per replica, pinned to
+    as many cores), the engine's ``max_waiting``, ``max_num_batched_tokens`` and ``async_decode``,
+    ``tool_parser`` and ``shutdown_timeout`` (seconds a stopping replica drains)."""
+
+    args: argparse.Namespace
+    saved: Path | None
+    inference: InferenceConfig
+    template: str | None
+    model_name: str
+    threads: int
+    max_waiting: int = 64
+    max_num_batched_tokens: int | None = None
+    async_decode: bool = False
+    tool_parser: str | None = None
+    shutdown_timeout: float = 10.0
+
+
+def replica_cores(cores: Sequence[int], local_rank: int, threads: int) -> list[int]:
+    """The cores replica ``local_rank`` of a node pins its threads to: the ``local_rank``-th run
+    of ``threads`` cores of the node's ``cores`` (sorted), wrapping around when the node has
+    fewer than (local_rank + 1) x threads (Ray placed more replicas than cores: they share).
+    Raises ValueError for ``threads`` < 1 or no cores."""
+    if threads < 1 or not cores:
+        raise ValueError(f"threads={threads} must be >= 1 and cores={list(cores)} not empty.")
+    ordered = sorted(cores)
+    start = (local_rank * threads) % len(ordered)
+    return [ordered[(start + i) % len(ordered)] for i in range(min(threads, len(ordered)))]
+
+
+def pin_threads(cores: Sequence[int], threads: int) -> None:
+    """Pin the calling thread (the engine's: the threads it starts inherit the mask) to
+    ``cores`` and give torch ``threads`` threads."""
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(threads)
+
+
+class Replica:
+    """One neuronfx engine serving the whole app (a Ray Serve deployment class; module doc).
+    The constructor returns once the runtime is built: Ray routes to a replica only then.
+    Raises ReplicaBuildError when the runtime cannot be built (Ray reports the deployment
+    failed)."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from neuronfx.cli.serve import build_served
+        from neuronfx.server.app import make_app
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)  # Ray forwards stderr
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()
+        self.cores = replica_cores(sorted(os.sched_getaffinity(0)), context.rank.local_rank, spec.threads)
+        self.spec = spec
+
+        def build() -> Served:
+            pin_threads(self.cores, spec.threads)
+            return build_served(spec.args, spec.saved, spec.inference, spec.template)
+
+        self.engine = Engine(build, max_waiting=spec.max_waiting, metrics=make_metrics(spec.model_name),
+                             max_num_batched_tokens=spec.max_num_batched_tokens, async_decode=spec.async_decode)
+        self.engine.start()
+        while not self.engine.ready and self.engine.failure is None:
+            time.sleep(READY_POLL_S)
+        if self.engine.failure is not None:
+            failure = self.engine.failure
+            raise ReplicaBuildError(f"replica {self.replica} could not build its runtime: {type(failure).__name__}: {failure}")
+        logger.info("replica %s (rank %d) ready on node %s, cores %s, %d threads", self.replica, context.rank.rank,
+                    self.node, self.cores, spec.threads)
+        self.app = make_app(self.engine, spec.model_name, stop_timeout=spec.shutdown_timeout, tool_parser=spec.tool_parser)
+
+    async def forward(self, call: HttpCall) -> AsyncIterator[HttpHead | bytes]:
+        """Answer ``call`` through the app: its :class:`HttpHead` (with the replica's id in
+        ``x-neuronfx-replica`` and its Ray node's in ``x-neuronfx-node``), then a stream's chunks."""
+        names = ((REPLICA_HEADER.encode(), self.replica.encode()), (NODE_HEADER.encode(), self.node.encode()))
+        async for item in call_app(self.app, call):
+            if isinstance(item, HttpHead):
+                item = attrs.evolve(item, headers=(*item.headers, *names))
+            yield item
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises once the engine thread failed or ended."""
+        if self.engine.failure is not None or not self.engine.ready:
+            raise RuntimeError(f"replica {self.replica}: its engine is not running (failure: {self.engine.failure!r}).")
+
+    def __del__(self) -> None:
+        # Ray Serve's graceful shutdown: requests already drained (graceful_shutdown_timeout_s); stop the engine thread.
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.stop(self.spec.shutdown_timeout)
+
+
+class AffinityRouter(RequestRouter):
+    """Ray Serve request router of the replicas: prefix affinity while the load is balanced,
+    least queue otherwise (``server/affinity.py``); a request naming a running replica
+    (:attr:`HttpCall.replica`) goes to it. ``imbalance``: how many more requests the prefix's
+    replica may have in flight than the least loaded before its requests spread."""
+
+    def initialize_state(self, imbalance: int = 8) -> None:
+        self.imbalance = imbalance
+        self.table = AffinityTable()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        call = _call_of(pending_request)
+        # Ray takes the first of equally short queues: a random order spreads ties (as its power-of-two router)
+        by_id = {r.replica_id.unique_id: r for r in random.sample(candidate_replicas, len(candidate_replicas))}
+        if call is not None and call.replica in by_id:
+            return [[by_id[call.replica]]]
+        owner = self.table.owner(call.affinity) if call is not None and call.affinity is not None else None
+        lens = {rid: self.replica_queue_len_cache.get(r.replica_id) for rid, r in by_id.items()}
+        return [[by_id[rid] for rid in rank] for rank in ranked(owner, lens, self.imbalance)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        call = _call_of(pending_request)
+        if call is not None and call.affinity is not None:
+            self.table.routed(call.affinity, replica_id.unique_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.table.forget([replica_id.unique_id])
+
+
+def _call_of(pending_request: PendingRequest | None) -> HttpCall | None:
+    """The HttpCall a pending ``forward`` request carries, or None (a health probe, say)."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], HttpCall):
+        return None
+    return pending_request.args[0]
+
+
+class Ingress:
+    """The HTTP entry (a Ray Serve deployment class; module doc): forwards each request to a
+    replica and relays its answer. ``prefix_chars``: characters of a prompt that key its
+    replica (``server/affinity.py``). :meth:`drain` stops it taking requests (503
+    ``shutting_down``) and waits for those in flight: the driver's graceful stop."""
+
+    def __init__(self, replicas: serve.handle.DeploymentHandle, prefix_chars: int = PREFIX_CHARS) -> None:
+        self.replicas = replicas
+        self.prefix_chars = prefix_chars
+        self.in_flight = 0  # requests forwarded and not answered to the end
+        self.draining = False
+
+    async def __call__(self, request: Request) -> Response:
+        if self.draining:
+            return ErrorJSON(p.error_body("the server is shutting down; it takes no new request.", "server_error",
+                                          code="shutting_down"), status_code=503)
+        self.in_flight += 1
+        try:
+            response = await self._forward(request)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.in_flight -= 1
+        return response
+
+    async def _forward(self, request: Request) -> Response:
+        body = await request.body()
+        text = prefix_text(request.url.path, body)
+        call = HttpCall(method=request.method, path=request.url.path, query=request.scope.get("query_string", b""),
+                        headers=tuple(request.scope["headers"]), body=body, replica=request.headers.get(REPLICA_HEADER),
+                        affinity=None if text is None else prefix_key(text, self.prefix_chars))
+        stream = self.replicas.options(stream=True).forward.remote(call)
+        try:
+            head = await stream.__anext__()
+        except UNREACHABLE as exc:
+            logger.warning("%s %s: no replica answered: %s", request.method, request.url.path, type(exc).__name__)
+            return unavailable(exc)
+        if not head.streamed:
+            response = Response(head.body, status_code=head.status)
+            response.raw_headers = list(head.headers)
+            return response
+        response = StreamingResponse(self._relay(stream), status_code=head.status)
+        response.raw_headers = [(k, v) for k, v in head.headers if k.lower() != b"content-length"]
+        return response
+
+    async def _relay(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A stream's chunks; a replica lost mid-stream ends it with an error event and [DONE]."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        except UNREACHABLE as exc:
+            error = p.error_body(f"the replica serving this stream was lost ({type(exc).__name__}); retry the request.",
+                                 "server_error", code="replica_lost")
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            self.in_flight -= 1
+
+    async def drain(self, timeout: float) -> int:
+        """Take no new request; wait up to ``timeout`` seconds for those in flight to end.
+        Returns how many still run."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self.in_flight
+
+
+def unavailable(exc: BaseException) -> Response:
+    """The ingress's 503 for a replica that died or cannot be reached (OpenAI's error JSON)."""
+    body = p.error_body(f"no replica could serve the request ({type(exc).__name__}); retry in {RETRY_AFTER_S} s.",
+                        "server_error", code="replica_unavailable")
+    return ErrorJSON(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@attrs.frozen(kw_only=True)
+class Scaling:
+    """How many replicas: ``replicas`` at the start; Ray Serve's autoscaling between
+    ``min_replicas`` and ``max_replicas`` when they differ (target: ``target_ongoing`` requests
+    in flight per replica)."""
+
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    target_ongoing: int
+
+
+def application(spec: ReplicaSpec, scaling: Scaling, prefix_chars: int = PREFIX_CHARS) -> serve.Application:
+    """The Ray Serve application: :class:`Ingress` over ``scaling`` replicas of ``spec``
+    (their deployment options: :func:`replica_options`)."""
+    replica = serve.deployment(Replica).options(name="Replica", **replica_options(spec, scaling))
+    ingress = serve.deployment(Ingress).options(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+    return ingress.bind(replica.bind(spec), prefix_chars)
+
+
+def replica_options(spec: ReplicaSpec, scaling: Scaling) -> dict[str, Any]:
+    """The replicas' Ray Serve deployment options: each asks Ray for ``spec.threads`` CPUs (so
+    Ray places at most cores / threads of them on a node), takes up to batch_size + max_waiting
+    requests (its engine's own bound), drains for ``spec.shutdown_timeout`` seconds, is built
+    once (a runtime that cannot be built fails the start rather than being retried) and is
+    routed by :class:`AffinityRouter`; ``scaling.replicas`` of them, or Ray Serve's autoscaling
+    between ``min_replicas`` and ``max_replicas`` (target: a replica's slots in flight)."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": spec.threads}, "max_ongoing_requests": spec.inference.batch_size + spec.max_waiting,
+        "graceful_shutdown_timeout_s": spec.shutdown_timeout, "max_constructor_retry_count": 1,
+        "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter,
+                                                     request_router_kwargs={"imbalance": spec.inference.batch_size}),
+    }
+    if scaling.min_replicas == scaling.max_replicas:
+        return options | {"num_replicas": scaling.replicas}
+    return options | {"autoscaling_config": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
+                                             "initial_replicas": scaling.replicas, "target_ongoing_requests": scaling.target_ongoing}}
+
+
+def start_cluster(address: str | None, cores: int) -> None:
+    """Join the Ray cluster at ``address``, or start a new local one of ``cores`` CPUs (None: never one
+    that ``ray start`` left running);
+    no dashboard, no usage report (nothing leaves the machine)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address is None:
+        ray.init(address="local", num_cpus=cores, include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
+
+
+def check_cluster_cpus(scaling: Scaling, threads: int) -> None:
+    """InputError when the cluster has fewer CPUs than ``max_replicas`` x ``threads`` (Ray would
+    wait for them for ever)."""
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if scaling.max_replicas * threads > cpus:
+        raise InputError(f"{scaling.max_replicas} replicas x {threads} threads need {scaling.max_replicas * threads} CPUs; the Ray "
+                         f"cluster has {cpus}: lower --data-parallel-size / --max-replicas or --replica-threads, or add nodes.")
+
+
+def serve_replicas(spec: ReplicaSpec, scaling: Scaling, *, host: str, port: int, ray_address: str | None, cores: int,
+                   prefix_chars: int = PREFIX_CHARS, stop: threading.Event | None = None) -> int:
+    """Serve ``spec`` on ``scaling`` replicas behind one endpoint at http://host:port until
+    SIGINT/SIGTERM (or ``stop`` is set); returns the exit status: 0 after a stop, 2 when the
+    cluster is too small or the application could not start (a replica failed to build: its
+    error printed as one line). ``ray_address``: an existing cluster (``ray start --head``), or
+    None for a local one of ``cores`` CPUs, stopped on return."""
+    start_cluster(ray_address, cores)
+    stop = stop if stop is not None else _stop_on_signals()  # after ray.init, which installs its own handlers
+    try:
+        check_cluster_cpus(scaling, spec.threads)
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+        serve.run(application(spec, scaling, prefix_chars), name=APP_NAME, route_prefix="/")
+    except (InputError, RuntimeError) as exc:
+        print(f"neuronfx: error: {one_line(exc, deployment_messages())}", file=sys.stderr)
+        _leave()
+        return 2
+    logger.info("serving %s on http://%s:%d: %d replicas x %d threads (Ray Serve)", spec.model_name, host, port, scaling.replicas,
+                spec.threads)
+    while not stop.wait(0.5):
+        pass
+    logger.info("stopping: requests in flight may take up to %s s to finish", spec.shutdown_timeout)
+    with contextlib.suppress(Exception):  # a stop must not fail: Serve shuts down whatever the drain did
+        left = serve.get_app_handle(APP_NAME).drain.remote(spec.shutdown_timeout).result(timeout_s=spec.shutdown_timeout + 10)
+        if left:
+            logger.warning("%d requests still running after %s s (--shutdown-timeout): aborting them", left, spec.shutdown_timeout)
+    _leave()
+    logger.info("stopped")
+    return 0
+
+
+def _leave() -> None:
+    with contextlib.suppress(Exception):
+        serve.shutdown()
+    ray.shutdown()
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def deployment_messages() -> str:
+    """What Serve's status says of the application and its deployments (a replica's failure:
+    its traceback), or "" when it cannot say."""
+    with contextlib.suppress(Exception):
+        app = serve.status().applications[APP_NAME]
+        return "\n".join([app.message, *(d.message for d in app.deployments.values())])
+    return ""
+
+
+def one_line(exc: BaseException, status: str = "") -> str:
+    """The cause of a failed start in one line: a replica's ReplicaBuildError message when
+    ``exc`` or Serve's ``status`` quotes one (they quote the replica's whole traceback), else the
+    error's first line."""
+    text = f"{exc}\n{status}"
+    marker = f"{ReplicaBuildError.__name__}: "
+    lines = [line for line in text.splitlines() if marker in line]
+    if lines:
+        return lines[-1].split(marker, 1)[1].strip()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {first}" if not isinstance(exc, InputError) else first
+

@@ -1,0 +1,224 @@
+"""Data-parallel serving's pure parts, no Ray cluster: the prefix-affinity policy
+(``server/affinity.py``) against its rules and a naive simulation, a replica's cores, the
+in-process ASGI call a replica answers with (``server/asgi.py``), and serve's replica options
+refused before anything loads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from hypothesis import given
+from hypothesis import strategies as st
+
+from neuronfx.cli import main
+from neuronfx.server.affinity import AffinityTable, prefix_key, prefix_text, ranked
+from neuronfx.server.asgi import HttpCall, HttpHead, call_app
+
+
+def body(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def test_prefix_text_reads_each_endpoints_prompt():
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {}}]}]}
+    assert prefix_text("/v1/chat/completions", body(chat)) == "system: Be brief.\nuser: Hi"
+    assert prefix_text("/v1/completions", body({"prompt": "Once upon"})) == "Once upon"
+    assert prefix_text("/v1/completions", body({"prompt": ["first", "second"]})) == "first"
+    assert prefix_text("/v1/completions", body({"prompt": [1, 2, 3]})) == "1,2,3"
+    assert prefix_text("/v1/completions", body({"prompt": [[4, 5], [6]]})) == "4,5"
+    assert prefix_text("/v1/responses", body({"instructions": "Sys", "input": "Q"})) == "Sys\nQ"
+    assert prefix_text("/v1/responses", body({"input": [{"role": "user", "content": "Q"}]})) == "\nuser: Q"
+    # Not a generation, or not a JSON object: no key (the replica answers its 400).
+    assert prefix_text("/v1/models", b"") is None
+    assert prefix_text("/v1/completions", b"{not json") is None
+    assert prefix_text("/v1/completions", b"\xff\xfe") is None
+    assert prefix_text("/v1/completions", body([1, 2])) is None
+    assert prefix_text("/v1/chat/completions", body({"messages": "hi"})) is None
+    assert prefix_text("/v1/completions", body({"prompt": 3})) is None
+
+
+def test_prefix_key_reads_only_the_first_chars():
+    shared = "s" * 300
+    assert prefix_key(shared + "question one", 256) == prefix_key(shared + "another question", 256)
+    assert prefix_key("short a", 256) != prefix_key("short b", 256)
+    assert prefix_key("\ud800 lone surrogate", 7) == prefix_key("\ud800 lone other", 7)  # JSON may carry one
+    with pytest.raises(ValueError, match="chars=0"):
+        prefix_key("x", 0)
+
+
+def test_ranked_keeps_the_owner_until_the_load_is_imbalanced():
+    lens = {"a": 3, "b": 0, "c": 1}
+    assert ranked("a", lens, imbalance=3) == [["a"], ["b", "c"]]
+    assert ranked("a", lens, imbalance=2) == [["a", "b", "c"]]  # 3 more than b: least queue
+    assert ranked(None, lens, imbalance=8) == [["a", "b", "c"]]
+    assert ranked("gone", lens, imbalance=8) == [["a", "b", "c"]]  # its replica died
+    # No recent figure for a replica (new, restarted, idle): Ray asks it before the others.
+    fresh = {"a": 3, "b": None, "c": 1}
+    assert ranked(None, fresh, imbalance=8) == [["b"], ["a", "c"]]
+    assert ranked("a", fresh, imbalance=1) == [["b"], ["a", "c"]]  # 2 more than c
+    assert ranked("b", fresh, imbalance=0) == [["b"], ["a", "c"]]
+    assert ranked("c", {"c": None}, imbalance=0) == [["c"]]
+
+
+def test_table_forgets_the_oldest_and_dead_replicas():
+    table = AffinityTable(size=2)
+    table.routed("k1", "a")
+    table.routed("k2", "b")
+    table.routed("k1", "a")  # k1 used again: k2 is now the oldest
+    table.routed("k3", "a")
+    assert (table.owner("k1"), table.owner("k2"), table.owner("k3")) == ("a", None, "a")
+    table.forget(["a"])
+    assert len(table) == 0
+    with pytest.raises(ValueError, match="size=0"):
+        AffinityTable(size=0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.integers(0, 6), min_size=3, max_size=3)), min_size=1, max_size=60),
+       st.integers(0, 4))
+def test_routing_simulation_keeps_prefixes_together_while_balanced(requests, imbalance):
+    """A naive router (the least loaded replica for a new prefix, the prefix's replica while
+    within ``imbalance`` of the least loaded) against ranked + AffinityTable, request by request."""
+    table, owners = AffinityTable(), {}
+    for prefix, loads in requests:
+        lens = dict(zip("abc", loads, strict=True))
+        ranks = ranked(table.owner(str(prefix)), lens, imbalance)
+        assert sorted(r for rank in ranks for r in rank) == ["a", "b", "c"]
+        chosen = min(ranks[0], key=lambda r: lens[r])  # Ray: the shortest queue of the first rank
+        owner = owners.get(prefix)
+        expected = owner if owner is not None and lens[owner] - min(lens.values()) <= imbalance else \
+            min(lens, key=lambda r: lens[r])
+        assert lens[chosen] == lens[expected] and (owner is None or chosen == expected or lens[owner] - min(lens.values()) > imbalance)
+        table.routed(str(prefix), chosen)
+        owners[prefix] = chosen
+
+
+def test_replica_cores_split_a_node():
+    from neuronfx.server.replicas import replica_cores
+
+    assert replica_cores([3, 0, 1, 2], local_rank=0, threads=2) == [0, 1]
+    assert replica_cores([3, 0, 1, 2], local_rank=1, threads=2) == [2, 3]
+    assert replica_cores([0, 1], local_rank=2, threads=1) == [0]  # more replicas than cores: they share
+    assert replica_cores([0], local_rank=0, threads=4) == [0]
+    with pytest.raises(ValueError, match="threads=0"):
+        replica_cores([0, 1], local_rank=0, threads=0)
+
+
+def tiny_app() -> FastAPI:
+    app = FastAPI()
+    seen: list[str] = []
+
+    @app.post("/echo")
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse({"body": (await request.body()).decode(), "query": request.url.query}, headers={"x-a": "1"})
+
+    @app.get("/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        async def events():
+            try:
+                for i in range(1000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.001)
+            finally:
+                seen.append("closed")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.state.seen = seen
+    return app
+
+
+def test_call_app_gives_whole_answers_in_one_piece_and_streams_chunks():
+    app = tiny_app()
+
+    async def run() -> tuple[list, list]:
+        whole = [item async for item in call_app(app, HttpCall(method="POST", path="/echo", query=b"x=1", body=b"hello"))]
+        chunks = []
+        gen = call_app(app, HttpCall(method="GET", path="/stream"))
+        async for item in gen:
+            chunks.append(item)
+            if len(chunks) == 4:
+                break
+        await gen.aclose()  # the caller went away: the app sees http.disconnect and ends its stream
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    assert len(whole) == 1 and isinstance(whole[0], HttpHead) and not whole[0].streamed
+    assert whole[0].status == 200 and json.loads(whole[0].body) == {"body": "hello", "query": "x=1"}
+    assert (b"x-a", b"1") in whole[0].headers
+    head, *rest = chunks
+    assert isinstance(head, HttpHead) and head.streamed and head.body == b""
+    assert b"".join(rest).startswith(b"data: 0\n\n")
+    assert app.state.seen == ["closed"]
+
+
+def test_call_app_answers_unknown_paths_as_the_app_does():
+    async def run() -> list:
+        return [item async for item in call_app(tiny_app(), HttpCall(method="GET", path="/nowhere"))]
+
+    (head,) = asyncio.run(run())
+    assert head.status == 404
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replica-threads", "1"], "--replica-threads applies to data-parallel serving: give --data-parallel-size too."),
+    (["--data-parallel-size", "0"], "--data-parallel-size=0 must be >= 1"),
+    (["--data-parallel-size", "2", "--min-replicas", "3"], "need 1 <= min <= size <= max"),
+    (["--data-parallel-size", str(len(os.sched_getaffinity(0)) + 1)], "is above this machine's"),
+    (["--data-parallel-size", "1", "--replica-threads", str(len(os.sched_getaffinity(0)) + 1)], "lower them, or join a larger"),
+    (["--data-parallel-size", "1", "--prefix-affinity-chars", "0"], "--prefix-affinity-chars=0 must be >= 1"),
+])
+def test_replica_options_refused_before_loading(argv, message, capsys):
+    assert main(["serve", "/no/such/model", "--backend", "eager", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_data_parallel_without_ray_says_how_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("ray") else real(name, *a))
+    assert main(["serve", "--backend", "eager", "--data-parallel-size", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'neuronfx[ray]'" in err and len(err.splitlines()) == 1, err
+
+
+def test_replica_application_from_serve_options(tmp_path):
+    """serve's options -> the replicas' deployment options (no cluster): CPUs per replica,
+    admission bound, drain, the affinity router; a fixed count, or autoscaling bounds."""
+    from ray.serve import Application
+
+    from neuronfx.cli.serve import replica_application, replica_setup
+    from neuronfx.config.inference import InferenceConfig
+    from neuronfx.server.replicas import AffinityRouter, replica_options
+
+    app = replica_application(["--backend", "eager", "--data-parallel-size", "1", "--replica-threads", "1"])
+    assert isinstance(app, Application)
+    inference = InferenceConfig(batch_size=4, backend="eager")
+    args = main_args(["--data-parallel-size", "2", "--min-replicas", "1", "--max-replicas", "2", "--max-waiting", "10",
+                      "--shutdown-timeout", "3", "--prefix-affinity-chars", "100"])
+    spec, scaling, chars = replica_setup(args, None, inference, "m", None)
+    assert (spec.threads, chars) == (len(os.sched_getaffinity(0)) // 2, 100)
+    options = replica_options(spec, scaling)
+    assert options["ray_actor_options"] == {"num_cpus": spec.threads} and options["max_ongoing_requests"] == 4 + 10
+    assert options["graceful_shutdown_timeout_s"] == 3 and options["max_constructor_retry_count"] == 1
+    assert options["request_router_config"].request_router_kwargs == {"imbalance": 4}
+    assert options["request_router_config"].get_request_router_class() is AffinityRouter
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "target_ongoing_requests": 4}
+    fixed = replica_options(*replica_setup(main_args(["--data-parallel-size", "2"]), None, inference, "m", None)[:2])
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+
+
+def main_args(argv: list[str]):
+    import argparse
+
+    from neuronfx.cli.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
