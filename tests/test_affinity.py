@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import types
 
 import pytest
 from fastapi import FastAPI, Request
@@ -16,8 +17,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from neuronfx.cli import main
+from neuronfx.errors import InputError
 from neuronfx.server.affinity import AffinityTable, prefix_key, prefix_text, ranked
 from neuronfx.server.asgi import HttpCall, HttpHead, call_app
+
+
+@pytest.fixture(autouse=True)
+def ray_log_env(monkeypatch):
+    """serve --data-parallel-size sets RAY_DEDUP_LOGS for Ray; restored after each test here."""
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
 
 
 def body(obj: object) -> bytes:
@@ -171,6 +179,8 @@ def test_call_app_answers_unknown_paths_as_the_app_does():
     (["--data-parallel-size", str(len(os.sched_getaffinity(0)) + 1)], "is above this machine's"),
     (["--data-parallel-size", "1", "--replica-threads", str(len(os.sched_getaffinity(0)) + 1)], "lower them, or join a larger"),
     (["--data-parallel-size", "1", "--prefix-affinity-chars", "0"], "--prefix-affinity-chars=0 must be >= 1"),
+    (["--data-parallel-size", "1", "--replica-threads", "0"], "--replica-threads=0 must be >= 1"),
+    (["--data-parallel-size", "1", "--tp-degree", "2"], "--tp-degree=2: serve runs in one process"),
 ])
 def test_replica_options_refused_before_loading(argv, message, capsys):
     assert main(["serve", "/no/such/model", "--backend", "eager", *argv]) == 2
@@ -197,8 +207,10 @@ def test_replica_application_from_serve_options(tmp_path):
     from neuronfx.config.inference import InferenceConfig
     from neuronfx.server.replicas import AffinityRouter, replica_options
 
-    app = replica_application(["--backend", "eager", "--data-parallel-size", "1", "--replica-threads", "1"])
-    assert isinstance(app, Application)
+    app = replica_application(["--backend", "eager", "--data-parallel-size", "4", "--replica-threads", "1"])
+    assert isinstance(app, Application)  # 4 replicas on a cluster of the caller's: this machine's cores do not count
+    with pytest.raises(InputError, match="give --replica-threads"):
+        replica_application(["--backend", "eager"])
     inference = InferenceConfig(batch_size=4, backend="eager")
     args = main_args(["--data-parallel-size", "2", "--min-replicas", "1", "--max-replicas", "2", "--max-waiting", "10",
                       "--shutdown-timeout", "3", "--prefix-affinity-chars", "100"])
@@ -222,3 +234,43 @@ def main_args(argv: list[str]):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def test_the_driver_compiles_with_the_replicas_thread_count(monkeypatch):
+    """The compile cache keys on the thread count (compiled code guards on it): the driver's one
+    compile runs with the replicas' threads, or every replica would compile again."""
+    import torch
+
+    import neuronfx.cli.serve as serve_cli
+    from neuronfx.server import replicas
+
+    seen = {}
+
+    def compile_once(*args, **kwargs):
+        seen["threads"] = torch.get_num_threads()
+        return types.SimpleNamespace(summary=lambda: "stand-in")
+
+    monkeypatch.setattr(serve_cli, "load_runtime", compile_once)
+    monkeypatch.setattr(replicas, "serve_replicas", lambda spec, scaling, **k: seen.setdefault("spec", spec) and 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the driver's own count differs from the replicas'
+    try:
+        assert main(["serve", "--data-parallel-size", "1", "--replica-threads", "1", "--port", "0"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen["threads"] == seen["spec"].threads == 1 and seen["spec"].inference.backend == "inductor"
+
+
+def test_cluster_must_fit_the_replicas_node_by_node(monkeypatch):
+    """Ray places a replica on one node: 2 nodes of 3 CPUs hold two replicas of 2 threads, not
+    three (6 CPUs in all would say they fit); a dead node's CPUs do not count."""
+    import ray
+
+    from neuronfx.server.replicas import Scaling, check_cluster_cpus
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 3.0}}, {"Alive": True, "Resources": {"CPU": 3.0}},
+             {"Alive": False, "Resources": {"CPU": 8.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    check_cluster_cpus(Scaling(replicas=2, min_replicas=2, max_replicas=2, target_ongoing=8), threads=2)
+    with pytest.raises(InputError, match=r"3 replicas x 2 threads do not fit the Ray cluster: its nodes have \[3, 3\] CPUs, room for 2"):
+        check_cluster_cpus(Scaling(replicas=3, min_replicas=3, max_replicas=3, target_ongoing=8), threads=2)

@@ -1,11 +1,11 @@
-"""``neuronfx serve --data-parallel-size 2``: two replicas on a local Ray cluster behind one
-OpenAI endpoint, driven with the official openai client and plain HTTP. Outputs equal solo
-runs; requests sharing a long prefix land on one replica (counted from each replica's
-prefix-hit metric); a replica killed with SIGKILL under load fails only its own requests, each
-with a 503 or a cut connection within a bound, and Ray restarts it; SIGTERM drains and leaves
-no Ray process behind. Then two Ray "nodes" on this machine (``ray start --head`` and ``ray
-start --address``), one replica on each, and a replica that cannot build its runtime: one error
-line, exit 2.
+"""``neuronfx serve --data-parallel-size 2``: first a replica that cannot build its runtime on
+a local Ray cluster the command starts (one error line, exit 2, no Ray process left); then two
+Ray "nodes" on this machine (``ray start --head``, ``ray start --address``) and two replicas
+behind one OpenAI endpoint, one on each node, driven with the official openai client and plain
+HTTP: outputs equal solo runs; requests sharing a long prefix land on one replica (counted from
+that replica's prefix-hit metric); a replica killed with SIGKILL under load fails only its own
+requests, each with a 503 or a cut connection within a bound, and Ray restarts it; SIGTERM
+drains and exits 0.
 
 The model: test_server.py's tiny llama with SmolLM2's vocabulary and tokenizer, eager backend,
 4 slots (128-token prompts), prefix caching in blocks of 8 tokens, one thread per replica.
@@ -51,14 +51,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory) -> ServerProcess:
-    """The replicas' server; its teardown checks that SIGTERM leaves no process of its Ray cluster."""
-    server = start_server([str(model_dir), *PLAN, *REPLICAS], tmp_path_factory.mktemp("dp") / "server.log", timeout=240)
+def server(model_dir, two_nodes, tmp_path_factory) -> ServerProcess:
+    """The replicas' server on the two-node cluster; SIGTERM at the end drains it: exit 0."""
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in RAY_ENV.items():
+            env.setenv(key, value)
+        server = start_server([str(model_dir), *PLAN, *REPLICAS, "--ray-address", two_nodes],
+                              tmp_path_factory.mktemp("dp") / "server.log", timeout=240)
     yield server
-    assert len(session_processes(server.proc.pid)) > 3  # its Ray cluster: GCS, raylet, controller, proxy, replicas, ...
     stop_server(server)
     assert server.proc.returncode == 0, server.output()
-    assert not left_behind(server.proc.pid)
 
 
 @pytest.fixture(scope="module")
@@ -129,37 +131,18 @@ def stop_session(head: int) -> None:
             return
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes():
     """A Ray cluster of two nodes on this machine, one CPU each (the docs' recipe); stopped at the end."""
     port = free_port()
     head = ray_start(["--head", f"--port={port}", "--include-dashboard=false"])
     try:
+        assert len(session_processes(head)) >= 3  # GCS, raylet, ...: what left_behind looks for is found
         ray_start([f"--address=127.0.0.1:{port}"])
         yield f"127.0.0.1:{port}"
     finally:
         stop_session(head)
-
-
-def test_two_nodes_one_replica_each(model_dir, two_nodes, tmp_path, monkeypatch):
-    """``--ray-address`` of a two-node cluster: one replica per node (each asks for one CPU),
-    both answering through the head node's endpoint."""
-    for key, value in RAY_ENV.items():
-        monkeypatch.setenv(key, value)
-    dp = start_server([str(model_dir), *PLAN, *REPLICAS, "--ray-address", two_nodes], tmp_path / "two-nodes.log", timeout=240)
-    try:
-        answered: set[tuple[str, str]] = set()
-        deadline = time.monotonic() + 30
-        with ThreadPoolExecutor(4) as pool:
-            while len(answered) < 2 and time.monotonic() < deadline:
-                for status, headers, _ in pool.map(lambda k: request(dp, "POST", "/v1/completions", {
-                        "model": NAME, "prompt": f"Node test {k} {time.monotonic()}", "max_tokens": 4}), range(8)):
-                    assert status == 200
-                    answered.add((headers["x-neuronfx-replica"], headers["x-neuronfx-node"]))
-        assert len(answered) == 2 and len({node for _, node in answered}) == 2, answered
-    finally:
-        stop_server(dp)
-    assert dp.proc.returncode == 0, dp.output()
+    assert not left_behind(head)
 
 
 def test_a_replica_that_cannot_build_is_one_error_line(model_dir, tmp_path):
@@ -258,37 +241,82 @@ def test_shared_prefix_lands_on_one_replica(server, client):
     assert hits >= 8 * shared.count(top), hits  # at least one 8-token block for each
 
 
+def test_one_replica_on_each_node(server):
+    """Each replica asks for one CPU, each node has one: Ray puts one on each node, and both
+    answer through the head node's endpoint."""
+    answered: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + 30
+    with ThreadPoolExecutor(4) as pool:
+        while len(answered) < 2 and time.monotonic() < deadline:
+            for status, headers, _ in pool.map(lambda k: request(server, "POST", "/v1/completions", {
+                    "model": NAME, "prompt": f"Node test {k} {time.monotonic()}", "max_tokens": 4}), range(8)):
+                assert status == 200
+                answered.add((headers["x-neuronfx-replica"], headers["x-neuronfx-node"]))
+    assert len(answered) == 2 and len({node for _, node in answered}) == 2, answered
+
+
+def replica_of(pid: int) -> str:
+    """The replica id of the replica process ``pid``: its "ready" line in its Ray worker log."""
+    for log in Path("/tmp/ray").glob(f"session_*/logs/worker-*-{pid}.err"):
+        found = re.search(r"replica (\w+) \(rank \d+\) ready", log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+    raise AssertionError(f"no Ray worker log names the replica of pid {pid}")
+
+
+def outcome_of(call) -> str:
+    """"ok", "503 <code>", "lost" (a stream's replica_lost event) or "connection"."""
+    try:
+        call()
+        return "ok"
+    except openai.APIStatusError as exc:
+        assert exc.status_code != 503 or exc.response.headers.get("retry-after") == "1", exc.response.headers
+        return f"{exc.status_code} {exc.code}"
+    except openai.APIConnectionError:
+        return "connection"
+    except openai.APIError as exc:  # an error event inside a stream
+        return "lost" if "was lost" in str(exc) else f"error {exc}"
+
+
 def test_replica_killed_under_load_fails_only_its_requests(server, client):
-    """64 bounded requests, 8 at a time; one replica SIGKILLed after a few: every request ends
-    within REQUEST_BOUND_S, either answered or with a 503 or a cut connection; Ray restarts the
-    replica (two replicas answer again) and later requests succeed."""
+    """Three long streams held on one replica, then 64 bounded requests 8 at a time, and that
+    replica SIGKILLed: its streams end with the replica_lost event (or a cut connection); of the
+    others at most the 8 in flight fail, each with a 503 replica_unavailable (Retry-After 1) or a
+    cut connection, all within REQUEST_BOUND_S; Ray restarts the replica and both answer again."""
     pids = replica_pids()
     assert len(pids) == 2, pids
+    victim = replica_of(pids[0])
+    started = []
 
-    def one(k: int) -> tuple[str, float]:
+    def held(k: int) -> str:
+        def run() -> None:
+            stream = client.completions.create(model=NAME, prompt=f"Held {k}", max_tokens=140, temperature=0.0, stream=True,
+                                               extra_body={"ignore_eos": True}, extra_headers={"x-neuronfx-replica": victim})
+            for i, _ in enumerate(stream):
+                if i == 0:
+                    started.append(k)
+        return outcome_of(run)
+
+    def bounded(k: int) -> tuple[str, float]:
         t0 = time.monotonic()
-        try:
-            out = client.completions.create(model=NAME, prompt=f"Story {k}: once upon a time", max_tokens=16, temperature=0.0,
-                                            stream=k % 2 == 0)
-            if k % 2 == 0:
-                text = "".join(c.choices[0].text if c.choices else "" for c in out)
-                outcome = "ok" if text else "empty"
-            else:
-                outcome = "ok" if out.choices[0].text is not None else "empty"
-        except openai.APIStatusError as exc:
-            outcome = f"status {exc.status_code}"
-        except (openai.APIConnectionError, openai.APIError):
-            outcome = "connection"
+        outcome = outcome_of(lambda: "".join(c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=f"Story {k}: once upon a time", max_tokens=16, temperature=0.0, stream=True) if c.choices))
         return outcome, time.monotonic() - t0
 
-    with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(one, k) for k in range(64)]
-        time.sleep(1.0)
+    with ThreadPoolExecutor(3) as holders, ThreadPoolExecutor(8) as pool:
+        streams = [holders.submit(held, k) for k in range(3)]
+        deadline = time.monotonic() + 30
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        futures = [pool.submit(bounded, k) for k in range(64)]
+        time.sleep(0.3)
         os.kill(pids[0], signal.SIGKILL)
+        lost = [f.result(timeout=REQUEST_BOUND_S) for f in streams]
         results = [f.result(timeout=REQUEST_BOUND_S + 30) for f in futures]
-    outcomes = [o for o, _ in results]
-    assert set(outcomes) <= {"ok", "status 503", "connection"}, outcomes
-    assert outcomes.count("ok") >= 32 and max(t for _, t in results) < REQUEST_BOUND_S, results
+    assert len(started) == 3 and set(lost) <= {"lost", "connection"}, (started, lost)
+    failed = [o for o, _ in results if o != "ok"]
+    assert set(failed) <= {"503 replica_unavailable", "connection", "lost"} and len(failed) <= 8, results
+    assert max(t for _, t in results) < REQUEST_BOUND_S, results
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (len(replica_pids()) < 2 or pids[0] in replica_pids()):
         time.sleep(1.0)
@@ -298,6 +326,34 @@ def test_replica_killed_under_load_fails_only_its_requests(server, client):
     while len(answered) < 2 and time.monotonic() < deadline:
         with ThreadPoolExecutor(4) as pool:
             for raw in pool.map(lambda k: client.completions.with_raw_response.create(
-                    model=NAME, prompt=f"After the restart {k}", max_tokens=4, temperature=0.0), range(8)):
+                    model=NAME, prompt=f"After the restart {k} {time.monotonic()}", max_tokens=4, temperature=0.0), range(8)):
                 answered.add(raw.headers["x-neuronfx-replica"])
-    assert len(answered) == 2, answered
+    assert len(answered) == 2 and victim not in answered, answered
+
+
+def test_sigterm_drains_then_exits_0(server, client):
+    """SIGTERM with a long stream running: new requests get 503 shutting_down, the stream runs
+    to its last token and [DONE], then the command exits 0 (the fixture checks)."""
+    chunks, first = [], []
+
+    def stream() -> None:
+        for c in client.completions.create(model=NAME, prompt="Drain me", max_tokens=140, temperature=0.0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            chunks.append(c)
+            first.append(True)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        deadline = time.monotonic() + 30
+        while not first and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        status = None
+        while status != 503 and time.monotonic() < deadline:
+            status, _, text = request(server, "GET", "/v1/models", timeout=10)
+        running.result(timeout=REQUEST_BOUND_S)
+    assert status == 503 and json.loads(text)["error"]["code"] == "shutting_down", text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 140
+    server.proc.wait(60)

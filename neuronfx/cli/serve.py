@@ -82,8 +82,9 @@ def add_replica_options(p: argparse.ArgumentParser) -> None:
                    help="characters of a prompt that pick its replica (default 256)")
 
 
-def check_server_options(args: argparse.Namespace) -> None:
-    """serve's own options, before anything loads: InputError naming the value and its range."""
+def check_server_options(args: argparse.Namespace, local: bool = True) -> None:
+    """serve's own options, before anything loads: InputError naming the value and its range
+    (``local``: :func:`check_replica_options`'s)."""
     if args.model and args.model_option and args.model != args.model_option:
         raise InputError(f"MODEL {args.model!r} and --model {args.model_option!r} differ; give the model once.")
     if not 0 <= args.port <= 65535:
@@ -96,15 +97,18 @@ def check_server_options(args: argparse.Namespace) -> None:
         raise InputError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0 seconds.")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise InputError(f"--chat-template {args.chat_template!r} is not a file; give the path of a Jinja chat template.")
-    check_replica_options(args)
+    check_replica_options(args, local)
 
 
 REPLICA_OPTIONS = ("replica_threads", "min_replicas", "max_replicas", "ray_address", "prefix_affinity_chars")
 
 
-def check_replica_options(args: argparse.Namespace) -> None:
+def check_replica_options(args: argparse.Namespace, local: bool = True) -> None:
     """The data-parallel options, before anything loads: InputError naming the value and its
-    range (replicas above the cores, bounds around --data-parallel-size, Ray not installed)."""
+    range (replicas above the cores, bounds around --data-parallel-size, Ray not installed).
+    ``local``: the replicas run on this machine or a cluster joined with --ray-address (False:
+    :func:`replica_application`, a cluster of its caller's, where --replica-threads is required
+    and this machine's cores do not count)."""
     n = args.data_parallel_size
     if n is None:
         given = [name for name in REPLICA_OPTIONS if getattr(args, name) is not None]
@@ -113,23 +117,43 @@ def check_replica_options(args: argparse.Namespace) -> None:
         return
     if n < 1:
         raise InputError(f"--data-parallel-size={n} must be >= 1 (replicas).")
+    if args.replica_threads is not None and args.replica_threads < 1:
+        raise InputError(f"--replica-threads={args.replica_threads} must be >= 1 (torch threads, and cores, per replica).")
     low = n if args.min_replicas is None else args.min_replicas
     high = n if args.max_replicas is None else args.max_replicas
     if not 1 <= low <= n <= high:
         raise InputError(f"--min-replicas={low}, --data-parallel-size={n}, --max-replicas={high}: need 1 <= min <= size <= max.")
-    cores = len(os.sched_getaffinity(0))
-    threads = args.replica_threads if args.replica_threads is not None else cores // high
-    if threads < 1:
-        raise InputError(f"--data-parallel-size={n} (at most {high} replicas) is above this machine's {cores} cores: each replica needs "
-                         f"a core of its own; give at most {cores}, or --replica-threads and --ray-address for a larger cluster.")
-    if args.ray_address is None and high * threads > cores:
-        raise InputError(f"{high} replicas x --replica-threads={threads} need {high * threads} cores; this machine has {cores}: lower "
-                         "them, or join a larger cluster with --ray-address.")
     if args.prefix_affinity_chars is not None and args.prefix_affinity_chars < 1:
         raise InputError(f"--prefix-affinity-chars={args.prefix_affinity_chars} must be >= 1.")
+    if local:
+        check_local_cores(args, high)
+    elif args.replica_threads is None:
+        raise InputError("give --replica-threads: the threads (and CPUs) of each replica on your cluster's nodes.")
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
         raise InputError("--data-parallel-size needs Ray Serve, which is not installed: pip install 'neuronfx[ray]' "
                          "(or drop --data-parallel-size to serve from this process).")
+
+
+def check_local_cores(args: argparse.Namespace, high: int) -> None:
+    """InputError when ``high`` replicas cannot each have a core of this machine (a cluster
+    joined with --ray-address is checked once joined: ``replicas.check_cluster_cpus``)."""
+    cores = len(os.sched_getaffinity(0))
+    threads = args.replica_threads if args.replica_threads is not None else cores // high
+    if threads < 1:
+        raise InputError(f"--data-parallel-size={args.data_parallel_size} (at most {high} replicas) is above this machine's {cores} "
+                         f"cores: each replica needs a core of its own; give at most {cores}, or --replica-threads and "
+                         "--ray-address for a larger cluster.")
+    if args.ray_address is None and high * threads > cores:
+        raise InputError(f"{high} replicas x --replica-threads={threads} need {high * threads} cores; this machine has {cores}: lower "
+                         "them, or join a larger cluster with --ray-address.")
+
+
+def check_one_process(inference: InferenceConfig) -> None:
+    """InputError for tensor-parallel serving (``--tp-degree`` > 1): a server, or each replica,
+    runs in one process."""
+    if inference.tp_degree > 1:
+        raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
+                         "supported yet (drop --tp-degree).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,12 +162,12 @@ def run(args: argparse.Namespace) -> int:
     options (a busy port is the server's own error, before loading)."""
     from neuronfx.server.serve import serve  # fastapi and uvicorn load for serve only
 
+    if args.data_parallel_size is not None:
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when ray is first imported: each replica's lines, not one folded line
     check_server_options(args)
     args.model = args.model or args.model_option
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
-    if inference.tp_degree > 1:
-        raise InputError(f"--tp-degree={inference.tp_degree}: serve runs in one process; tensor-parallel serving is not "
-                         "supported yet (drop --tp-degree).")
+    check_one_process(inference)
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
     template = Path(args.chat_template).read_text() if args.chat_template else None
     if args.data_parallel_size is not None:
@@ -158,19 +182,20 @@ def serve_replicas_cli(args: argparse.Namespace, saved: Path | None, inference: 
                        template: str | None) -> int:
     """``--data-parallel-size``: compile the plan once into the compile cache (the replicas then
     load it), then serve on Ray Serve (:func:`neuronfx.server.replicas.serve_replicas`)."""
-    from neuronfx.server.serve import bind_socket
-
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when ray is imported: each replica's log lines, not one folded line
     from neuronfx.server import replicas  # ray loads for data-parallel serving only
+    from neuronfx.server.serve import bind_socket
 
     log = logging.getLogger("neuronfx.server")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     if args.ray_address is None:  # a busy port: one line now, not a Ray proxy that cannot start
         bind_socket(args.host, args.port).close()
-    if saved is None and inference.backend != "eager":
-        log.info("compiling once into the compile cache; the replicas load it ...")
-        log.info("%s", load_runtime(args, saved, inference, progress=False).summary())
     spec, scaling, chars = replica_setup(args, saved, inference, name, template)
+    if saved is None and inference.backend != "eager":
+        import torch
+
+        torch.set_num_threads(spec.threads)  # the cache key holds the thread count (compiled code guards on it): the replicas'
+        log.info("compiling once into the compile cache (%d threads, as each replica); the replicas load it ...", spec.threads)
+        log.info("%s", load_runtime(args, saved, inference, progress=False).summary())
     return replicas.serve_replicas(spec, scaling, host=args.host, port=args.port, ray_address=args.ray_address,
                                    cores=len(os.sched_getaffinity(0)), prefix_chars=chars)
 
@@ -207,9 +232,10 @@ def replica_application(argv: Sequence[str]) -> Application:
     args = parser.parse_args(list(argv))
     if args.data_parallel_size is None:
         args.data_parallel_size = 1
-    check_server_options(args)
+    check_server_options(args, local=False)
     args.model = args.model or args.model_option
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
+    check_one_process(inference)
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
     template = Path(args.chat_template).read_text() if args.chat_template else None
     spec, scaling, chars = replica_setup(args, saved, inference, name, template)

@@ -11,13 +11,14 @@ engine work as it does for a client that went away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
 
 EVENT_STREAM = "text/event-stream"
+SETTLE_S = 5.0
+"""Seconds an app may take to end a request after its caller went away before it is cancelled."""
 
 AsgiApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
@@ -92,18 +93,30 @@ async def call_app(app: AsgiApp, call: HttpCall) -> AsyncIterator[HttpHead | byt
                 yield chunk
     finally:
         gone.set()
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await task
+        await _settle(task)
+
+
+async def _settle(task: asyncio.Future) -> None:
+    """Let the app end after the disconnect (it aborts its engine requests) for at most
+    SETTLE_S seconds, then cancel it; its exception, if any, is dropped (the caller is gone)."""
+    done, _ = await asyncio.wait({task}, timeout=SETTLE_S)
+    if not done:
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
 async def _next_message(sent: asyncio.Queue, task: asyncio.Future) -> dict:
     """The app's next message; RuntimeError when it ended without one (its exception, if any,
     is raised as is)."""
     get = asyncio.ensure_future(sent.get())
-    await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
+    try:
+        await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled():
         return get.result()
-    get.cancel()
     if not sent.empty():
         return sent.get_nowait()
     task.result()  # the app's own exception

@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ RETRY_AFTER_S = 1
 READY_POLL_S = 0.2
 
 # What a replica that died or cannot be reached raises at the ingress (Ray's own exceptions).
-UNREACHABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, BackPressureError, DeploymentUnavailableError,
+UNREACHABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError,
                ReplicaUnavailableError)
 
 
@@ -131,12 +131,13 @@ class Replica:
         from neuronfx.cli.serve import build_served
         from neuronfx.server.app import make_app
 
+        self.spec = spec
+        self.engine: Engine | None = None  # until built: Ray may call __del__ on a replica whose constructor raised
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)  # Ray forwards stderr
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         self.cores = replica_cores(sorted(os.sched_getaffinity(0)), context.rank.local_rank, spec.threads)
-        self.spec = spec
 
         def build() -> Served:
             pin_threads(self.cores, spec.threads)
@@ -158,21 +159,21 @@ class Replica:
         """Answer ``call`` through the app: its :class:`HttpHead` (with the replica's id in
         ``x-neuronfx-replica`` and its Ray node's in ``x-neuronfx-node``), then a stream's chunks."""
         names = ((REPLICA_HEADER.encode(), self.replica.encode()), (NODE_HEADER.encode(), self.node.encode()))
-        async for item in call_app(self.app, call):
-            if isinstance(item, HttpHead):
-                item = attrs.evolve(item, headers=(*item.headers, *names))
-            yield item
+        async with contextlib.aclosing(call_app(self.app, call)) as answer:  # closed at once when the ingress cancels
+            async for item in answer:
+                if isinstance(item, HttpHead):
+                    item = attrs.evolve(item, headers=(*item.headers, *names))
+                yield item
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises once the engine thread failed or ended."""
-        if self.engine.failure is not None or not self.engine.ready:
-            raise RuntimeError(f"replica {self.replica}: its engine is not running (failure: {self.engine.failure!r}).")
+        if self.engine is None or self.engine.failure is not None or not self.engine.ready:
+            raise RuntimeError(f"replica {self.replica}: its engine is not running.")
 
     def __del__(self) -> None:
         # Ray Serve's graceful shutdown: requests already drained (graceful_shutdown_timeout_s); stop the engine thread.
-        engine = self.__dict__.get("engine")
-        if engine is not None:
-            engine.stop(self.spec.shutdown_timeout)
+        if self.engine is not None:
+            self.engine.stop(self.spec.shutdown_timeout)
 
 
 class AffinityRouter(RequestRouter):
@@ -235,7 +236,7 @@ class Ingress:
         except BaseException:
             self.in_flight -= 1
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, RelayResponse):
             self.in_flight -= 1
         return response
 
@@ -248,28 +249,24 @@ class Ingress:
         stream = self.replicas.options(stream=True).forward.remote(call)
         try:
             head = await stream.__anext__()
+        except BackPressureError:
+            stream.cancel()
+            return busy()
         except UNREACHABLE as exc:
+            stream.cancel()
             logger.warning("%s %s: no replica answered: %s", request.method, request.url.path, type(exc).__name__)
             return unavailable(exc)
+        except BaseException:
+            stream.cancel()
+            raise
         if not head.streamed:
             response = Response(head.body, status_code=head.status)
             response.raw_headers = list(head.headers)
             return response
-        response = StreamingResponse(self._relay(stream), status_code=head.status)
-        response.raw_headers = [(k, v) for k, v in head.headers if k.lower() != b"content-length"]
-        return response
+        return RelayResponse(stream, head, self._ended)
 
-    async def _relay(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """A stream's chunks; a replica lost mid-stream ends it with an error event and [DONE]."""
-        try:
-            async for chunk in stream:
-                yield chunk
-        except UNREACHABLE as exc:
-            error = p.error_body(f"the replica serving this stream was lost ({type(exc).__name__}); retry the request.",
-                                 "server_error", code="replica_lost")
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            self.in_flight -= 1
+    def _ended(self) -> None:
+        self.in_flight -= 1
 
     async def drain(self, timeout: float) -> int:
         """Take no new request; wait up to ``timeout`` seconds for those in flight to end.
@@ -279,6 +276,44 @@ class Ingress:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         return self.in_flight
+
+
+class RelayResponse(StreamingResponse):
+    """A replica's stream relayed to the client: its chunks; a replica lost mid-stream ends it
+    with an error event (``replica_lost``) and ``data: [DONE]``. However the response ends (done,
+    the client gone, never started), the replica's stream is cancelled and ``ended`` is called
+    once: the ingress's in-flight count cannot leak and a replica stops generating for nobody."""
+
+    def __init__(self, stream: Any, head: HttpHead, ended: Callable[[], None]) -> None:
+        super().__init__(_relay(stream), status_code=head.status)
+        self.raw_headers = [(k, v) for k, v in head.headers if k.lower() != b"content-length"]
+        self.stream, self.ended = stream, ended
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.cancel()
+            self.ended()
+
+
+async def _relay(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream's chunks; a replica lost mid-stream ends it with an error event and [DONE]."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except UNREACHABLE as exc:
+        error = p.error_body(f"the replica serving this stream was lost ({type(exc).__name__}); retry the request.",
+                             "server_error", code="replica_lost")
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+def busy() -> Response:
+    """The ingress's 503 when every replica is full and ``--max-waiting`` requests wait already
+    (Ray Serve's back-pressure; the single server's own 503 for a full queue)."""
+    body = p.error_body(f"the server is busy: every replica is full and the queue is too; retry in {RETRY_AFTER_S} s.",
+                        "server_error", code="server_busy")
+    return ErrorJSON(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def unavailable(exc: BaseException) -> Response:
@@ -311,12 +346,14 @@ def application(spec: ReplicaSpec, scaling: Scaling, prefix_chars: int = PREFIX_
 def replica_options(spec: ReplicaSpec, scaling: Scaling) -> dict[str, Any]:
     """The replicas' Ray Serve deployment options: each asks Ray for ``spec.threads`` CPUs (so
     Ray places at most cores / threads of them on a node), takes up to batch_size + max_waiting
-    requests (its engine's own bound), drains for ``spec.shutdown_timeout`` seconds, is built
+    requests (its engine's own bound; past that and ``max_waiting`` more queued at the ingress, a
+    503 ``server_busy``), drains for ``spec.shutdown_timeout`` seconds, is built
     once (a runtime that cannot be built fails the start rather than being retried) and is
     routed by :class:`AffinityRouter`; ``scaling.replicas`` of them, or Ray Serve's autoscaling
     between ``min_replicas`` and ``max_replicas`` (target: a replica's slots in flight)."""
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": spec.threads}, "max_ongoing_requests": spec.inference.batch_size + spec.max_waiting,
+        "max_queued_requests": spec.max_waiting,
         "graceful_shutdown_timeout_s": spec.shutdown_timeout, "max_constructor_retry_count": 1,
         "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter,
                                                      request_router_kwargs={"imbalance": spec.inference.batch_size}),
@@ -339,31 +376,37 @@ def start_cluster(address: str | None, cores: int) -> None:
 
 
 def check_cluster_cpus(scaling: Scaling, threads: int) -> None:
-    """InputError when the cluster has fewer CPUs than ``max_replicas`` x ``threads`` (Ray would
-    wait for them for ever)."""
-    cpus = int(ray.cluster_resources().get("CPU", 0))
-    if scaling.max_replicas * threads > cpus:
-        raise InputError(f"{scaling.max_replicas} replicas x {threads} threads need {scaling.max_replicas * threads} CPUs; the Ray "
-                         f"cluster has {cpus}: lower --data-parallel-size / --max-replicas or --replica-threads, or add nodes.")
+    """InputError when the cluster's nodes cannot hold ``max_replicas`` replicas of ``threads``
+    CPUs each (a replica runs on one node: Ray would wait for room for ever)."""
+    nodes = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    room = sum(cpus // threads for cpus in nodes)
+    if scaling.max_replicas > room:
+        raise InputError(f"{scaling.max_replicas} replicas x {threads} threads do not fit the Ray cluster: its nodes have {nodes} "
+                         f"CPUs, room for {room}; lower --data-parallel-size / --max-replicas or --replica-threads, or add nodes.")
 
 
 def serve_replicas(spec: ReplicaSpec, scaling: Scaling, *, host: str, port: int, ray_address: str | None, cores: int,
                    prefix_chars: int = PREFIX_CHARS, stop: threading.Event | None = None) -> int:
     """Serve ``spec`` on ``scaling`` replicas behind one endpoint at http://host:port until
-    SIGINT/SIGTERM (or ``stop`` is set); returns the exit status: 0 after a stop, 2 when the
-    cluster is too small or the application could not start (a replica failed to build: its
-    error printed as one line). ``ray_address``: an existing cluster (``ray start --head``), or
-    None for a local one of ``cores`` CPUs, stopped on return."""
+    SIGINT/SIGTERM (or ``stop`` is set); returns the exit status: 0 after a stop (one during the
+    start too), 2 when the cluster is too small or the application could not start (a replica
+    failed to build: its error printed as one line). ``ray_address``: an existing cluster
+    (``ray start --head``; on return only this application is deleted from it), or None for a
+    local one of ``cores`` CPUs, stopped on return."""
     start_cluster(ray_address, cores)
     stop = stop if stop is not None else _stop_on_signals()  # after ray.init, which installs its own handlers
     try:
         check_cluster_cpus(scaling, spec.threads)
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-        serve.run(application(spec, scaling, prefix_chars), name=APP_NAME, route_prefix="/")
-    except (InputError, RuntimeError) as exc:
+        running = _run_until(application(spec, scaling, prefix_chars), stop)
+    except Exception as exc:  # whatever failed the start is reported in one line
         print(f"neuronfx: error: {one_line(exc, deployment_messages())}", file=sys.stderr)
-        _leave()
+        _leave(ray_address)
         return 2
+    if not running:
+        logger.info("stopped while starting")
+        _leave(ray_address)
+        return 0
     logger.info("serving %s on http://%s:%d: %d replicas x %d threads (Ray Serve)", spec.model_name, host, port, scaling.replicas,
                 spec.threads)
     while not stop.wait(0.5):
@@ -373,14 +416,43 @@ def serve_replicas(spec: ReplicaSpec, scaling: Scaling, *, host: str, port: int,
         left = serve.get_app_handle(APP_NAME).drain.remote(spec.shutdown_timeout).result(timeout_s=spec.shutdown_timeout + 10)
         if left:
             logger.warning("%d requests still running after %s s (--shutdown-timeout): aborting them", left, spec.shutdown_timeout)
-    _leave()
+    _leave(ray_address)
     logger.info("stopped")
     return 0
 
 
-def _leave() -> None:
+def _run_until(app: serve.Application, stop: threading.Event) -> bool:
+    """``serve.run(app)`` (which waits for every replica to be built, without a time limit) in a
+    thread, so a signal can end the start: True once running, False when ``stop`` was set
+    first. Raises what ``serve.run`` raised."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="neuronfx-serve-run", daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop.is_set():
+        thread.join(0.2)
+    if not outcome:
+        return False
+    if outcome[0] is not None:
+        raise outcome[0]
+    return True
+
+
+def _leave(ray_address: str | None) -> None:
+    """Remove the application: a local cluster is shut down with Serve; a cluster of the user's
+    keeps its other Serve applications."""
     with contextlib.suppress(Exception):
-        serve.shutdown()
+        if ray_address is None:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
     ray.shutdown()
 
 
