@@ -61,7 +61,7 @@ UNIT_SECONDS = {
     "test_quantized.py": 25, "test_int8_activations.py": 30, "test_server.py": 25, "test_lowp.py": 25, "test_soak.py": 20, "test_server_structured.py": 20,
     "test_bench_ab.py": 20, "test_embeddings.py": 20, "test_bench_suite.py": 20, "test_kernels.py": 15,
     "test_bench_openvino.py": 15, "test_logit_bias.py": 10, "test_accuracy.py": 40, "test_kv_dtypes.py": 45, "test_kv_blocks.py": 30,
-    "test_replicas.py": 110,
+    "test_replicas.py": 130,
 }
 """Test seconds of the heaviest work units in a cold ``make test`` (summed setup + call +
 teardown, two workers; a cold run of 2026-12-04, 21:40). Units start heaviest first (longest processing time first),

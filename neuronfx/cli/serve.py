@@ -209,7 +209,8 @@ def replica_setup(args: argparse.Namespace, saved: Path | None, inference: Infer
     n = args.data_parallel_size
     high = n if args.max_replicas is None else args.max_replicas
     threads = args.replica_threads if args.replica_threads is not None else len(os.sched_getaffinity(0)) // high
-    spec = replicas.ReplicaSpec(args=args, saved=saved, inference=inference, template=template, model_name=name, threads=threads,
+    build = functools.partial(build_served, args, saved, inference, template)
+    spec = replicas.ReplicaSpec(build=build, inference=inference, model_name=name, threads=threads,
                                 max_waiting=args.max_waiting, max_num_batched_tokens=args.max_num_batched_tokens,
                                 async_decode=args.async_decode, tool_parser=args.tool_call_parser,
                                 shutdown_timeout=args.shutdown_timeout)

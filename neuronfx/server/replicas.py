@@ -27,7 +27,6 @@ Only imported when Ray is used: ``ray`` is an optional dependency.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -39,7 +38,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -82,17 +80,15 @@ class ReplicaBuildError(RuntimeError):
 
 @attrs.frozen(kw_only=True)
 class ReplicaSpec:
-    """What every replica serves and how: ``args`` (serve's parsed options: the model and the
-    plan options), ``saved`` (a saved runtime's directory, or None), ``inference`` (the plan's
-    InferenceConfig), ``template`` (a chat template's text replacing the tokenizer's, or None),
+    """What every replica serves and how: ``build`` (loads or compiles the runtime and its
+    tokenizer: picklable, run in each replica's engine thread; ``neuronfx serve`` gives its
+    ``build_served`` bound to its options), ``inference`` (the plan's InferenceConfig),
     ``model_name`` (the name requests give), ``threads`` (torch threads per replica, pinned to
     as many cores), the engine's ``max_waiting``, ``max_num_batched_tokens`` and ``async_decode``,
     ``tool_parser`` and ``shutdown_timeout`` (seconds a stopping replica drains)."""
 
-    args: argparse.Namespace
-    saved: Path | None
+    build: Callable[[], Served]
     inference: InferenceConfig
-    template: str | None
     model_name: str
     threads: int
     max_waiting: int = 64
@@ -128,7 +124,6 @@ class Replica:
     failed)."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        from neuronfx.cli.serve import build_served
         from neuronfx.server.app import make_app
 
         self.spec = spec
@@ -141,7 +136,7 @@ class Replica:
 
         def build() -> Served:
             pin_threads(self.cores, spec.threads)
-            return build_served(spec.args, spec.saved, spec.inference, spec.template)
+            return spec.build()
 
         self.engine = Engine(build, max_waiting=spec.max_waiting, metrics=make_metrics(spec.model_name),
                              max_num_batched_tokens=spec.max_num_batched_tokens, async_decode=spec.async_decode)
