@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import types
 
 import pytest
@@ -274,3 +275,55 @@ def test_cluster_must_fit_the_replicas_node_by_node(monkeypatch):
     check_cluster_cpus(Scaling(replicas=2, min_replicas=2, max_replicas=2, target_ongoing=8), threads=2)
     with pytest.raises(InputError, match=r"3 replicas x 2 threads do not fit the Ray cluster: its nodes have \[3, 3\] CPUs, room for 2"):
         check_cluster_cpus(Scaling(replicas=3, min_replicas=3, max_replicas=3, target_ongoing=8), threads=2)
+
+
+def test_serve_replicas_starts_a_local_cluster_fresh_and_leaves_it(monkeypatch, capsys):
+    """The driver's Ray calls (Ray itself stood in for: tests/test_replicas.py runs the real one):
+    a local cluster is a new one (never a running ``ray start``'s) and is shut down with Serve on
+    a failed start; on a cluster of the user's, a Serve that ran before keeps its other
+    applications (only this one is deleted); a stop while the replicas are built ends the start."""
+    import threading
+
+    import ray
+    from ray import serve
+    from ray.serve.schema import ApplicationStatusOverview, ServeStatus
+
+    from neuronfx.config.inference import InferenceConfig
+    from neuronfx.server.replicas import APP_NAME, ReplicaSpec, Scaling, serve_replicas
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw.get("address"), kw.get("num_cpus"))))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append(("ray.shutdown",)))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("serve.start",)))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append(("serve.shutdown",)))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(("serve.delete", name)))
+    monkeypatch.setattr(serve, "status", lambda: ServeStatus())  # no Serve running before: Serve's empty status
+
+    def failing_run(app, **kw):
+        raise RuntimeError("Deploying application neuronfx failed: replica x: ReplicaBuildError: replica x could not build")
+
+    monkeypatch.setattr(serve, "run", failing_run)
+    spec = ReplicaSpec(build=lambda: None, inference=InferenceConfig(batch_size=4, backend="eager"), model_name="m", threads=1)
+    scaling = Scaling(replicas=2, min_replicas=2, max_replicas=2, target_ongoing=4)
+    args = {"host": "127.0.0.1", "port": 0, "cores": 2, "stop": threading.Event()}
+    assert serve_replicas(spec, scaling, ray_address=None, **args) == 2
+    assert calls == [("init", "local", 2), ("serve.start",), ("serve.shutdown",), ("ray.shutdown",)]
+    assert capsys.readouterr().err.strip() == "neuronfx: error: replica x could not build"
+    calls.clear()
+    assert serve_replicas(spec, scaling, ray_address="10.0.0.1:6379", **args) == 2  # Serve not running there before: shut down
+    assert calls == [("init", "10.0.0.1:6379", None), ("serve.start",), ("serve.shutdown",), ("ray.shutdown",)]
+    calls.clear()
+    running = ServeStatus(applications={"theirs": ApplicationStatusOverview(status="RUNNING", message="", last_deployed_time_s=0,
+                                                                          deployments={})})
+    monkeypatch.setattr(serve, "status", lambda: running)  # Serve already serves other applications there: only ours goes
+    assert serve_replicas(spec, scaling, ray_address="10.0.0.1:6379", **args) == 2
+    assert calls == [("init", "10.0.0.1:6379", None), ("serve.start",), ("serve.delete", APP_NAME), ("ray.shutdown",)]
+    monkeypatch.setattr(serve, "status", lambda: ServeStatus())
+    calls.clear()
+    stop = threading.Event()
+    monkeypatch.setattr(serve, "run", lambda app, **kw: time.sleep(30))  # replicas that take long to build
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    assert serve_replicas(spec, scaling, ray_address=None, **(args | {"stop": stop})) == 0
+    assert time.monotonic() - t0 < 5 and calls[-2:] == [("serve.shutdown",), ("ray.shutdown",)]

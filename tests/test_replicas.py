@@ -1,6 +1,6 @@
-"""``neuronfx serve --data-parallel-size 2``: first a replica that cannot build its runtime on
-a local Ray cluster the command starts (one error line, exit 2, no Ray process left); then two
-Ray "nodes" on this machine (``ray start --head``, ``ray start --address``) and two replicas
+"""``neuronfx serve --data-parallel-size`` on one Ray cluster of two "nodes" on this machine
+(``ray start --head``, ``ray start --address``), started once for the module: first a replica
+that cannot build its runtime (one error line, exit 2, no replica left); then two replicas
 behind one OpenAI endpoint, one on each node, driven with the official openai client and plain
 HTTP: outputs equal solo runs; requests sharing a long prefix land on one replica (counted from
 that replica's prefix-hit metric); a replica killed with SIGKILL under load fails only its own
@@ -143,23 +143,27 @@ def two_nodes():
     assert not left_behind(head)
 
 
-def test_a_replica_that_cannot_build_is_one_error_line(model_dir, tmp_path):
+def test_a_replica_that_cannot_build_is_one_error_line(model_dir, two_nodes, tmp_path):
     """A checkpoint whose weights cannot be read (the driver checks only its config on the eager
-    backend): the replicas fail to build, serve prints one error line and exits 2, and no
-    process of the Ray cluster it started outlives it."""
+    backend), on the module's cluster: the replica fails to build, serve prints one error line
+    and exits 2, and no replica process is left on the cluster (the local-cluster path's own
+    clean-up: test_affinity.py)."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in model_dir.iterdir():
         (broken / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    one = ["--data-parallel-size", "1", "--replica-threads", "1"]  # one replica is enough to fail
+    env = os.environ | RAY_ENV | {"OMP_NUM_THREADS": "1"}
+    one = ["--data-parallel-size", "1", "--replica-threads", "1", "--ray-address", two_nodes]  # one replica is enough to fail
     proc = subprocess.Popen([sys.executable, "-m", "neuronfx", "serve", str(broken), *PLAN, *one, "--port", str(free_port())],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, stderr = proc.communicate(timeout=300)
     errors = [line for line in stderr.splitlines() if line.startswith("neuronfx: error:")]
     assert proc.returncode == 2 and len(errors) == 1, stderr[-3000:]
     assert "could not build its runtime" in errors[0] and "safetensors" in errors[0].lower(), errors
-    assert not left_behind(proc.pid)
+    deadline = time.monotonic() + 30
+    while replica_pids() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not replica_pids()
 
 
 def session_processes(driver: int) -> list[int]:

@@ -386,21 +386,25 @@ def serve_replicas(spec: ReplicaSpec, scaling: Scaling, *, host: str, port: int,
     SIGINT/SIGTERM (or ``stop`` is set); returns the exit status: 0 after a stop (one during the
     start too), 2 when the cluster is too small or the application could not start (a replica
     failed to build: its error printed as one line). ``ray_address``: an existing cluster
-    (``ray start --head``; on return only this application is deleted from it), or None for a
-    local one of ``cores`` CPUs, stopped on return."""
+    (``ray start --head``; Serve is shut down on return, unless it ran there before: then only
+    this application is deleted), or None for a local one of ``cores`` CPUs, stopped on return."""
     start_cluster(ray_address, cores)
     stop = stop if stop is not None else _stop_on_signals()  # after ray.init, which installs its own handlers
+    shared = ray_address is not None and serve_running()  # Serve there serves other applications too: leave it up
+    if shared:
+        logger.warning("Ray Serve already runs on %s: its HTTP address stays as it is (--host/--port apply to a Serve this "
+                       "command starts)", ray_address)
     try:
         check_cluster_cpus(scaling, spec.threads)
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
         running = _run_until(application(spec, scaling, prefix_chars), stop)
     except Exception as exc:  # whatever failed the start is reported in one line
         print(f"neuronfx: error: {one_line(exc, deployment_messages())}", file=sys.stderr)
-        _leave(ray_address)
+        _leave(shared)
         return 2
     if not running:
         logger.info("stopped while starting")
-        _leave(ray_address)
+        _leave(shared)
         return 0
     logger.info("serving %s on http://%s:%d: %d replicas x %d threads (Ray Serve)", spec.model_name, host, port, scaling.replicas,
                 spec.threads)
@@ -411,7 +415,7 @@ def serve_replicas(spec: ReplicaSpec, scaling: Scaling, *, host: str, port: int,
         left = serve.get_app_handle(APP_NAME).drain.remote(spec.shutdown_timeout).result(timeout_s=spec.shutdown_timeout + 10)
         if left:
             logger.warning("%d requests still running after %s s (--shutdown-timeout): aborting them", left, spec.shutdown_timeout)
-    _leave(ray_address)
+    _leave(shared)
     logger.info("stopped")
     return 0
 
@@ -440,14 +444,22 @@ def _run_until(app: serve.Application, stop: threading.Event) -> bool:
     return True
 
 
-def _leave(ray_address: str | None) -> None:
-    """Remove the application: a local cluster is shut down with Serve; a cluster of the user's
-    keeps its other Serve applications."""
+def serve_running() -> bool:
+    """Whether a Ray Serve instance already runs on the connected cluster (its status names
+    proxies or applications; an empty one when none runs)."""
+    status = serve.status()
+    return bool(status.proxies or status.applications)
+
+
+def _leave(shared: bool) -> None:
+    """Remove the application and leave the cluster: Serve shuts down with it, unless it ran
+    before this command (``shared``: it keeps its other applications and its HTTP address); a
+    local cluster stops with ``ray.shutdown``."""
     with contextlib.suppress(Exception):
-        if ray_address is None:
-            serve.shutdown()
-        else:
+        if shared:
             serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
     ray.shutdown()
 
 
