@@ -243,7 +243,7 @@ def test_the_driver_compiles_with_the_replicas_thread_count(monkeypatch):
     import torch
 
     import neuronfx.cli.serve as serve_cli
-    from neuronfx.server import replicas
+    from neuronfx.server import replica_driver
 
     seen = {}
 
@@ -252,7 +252,7 @@ def test_the_driver_compiles_with_the_replicas_thread_count(monkeypatch):
         return types.SimpleNamespace(summary=lambda: "stand-in")
 
     monkeypatch.setattr(serve_cli, "load_runtime", compile_once)
-    monkeypatch.setattr(replicas, "serve_replicas", lambda spec, scaling, **k: seen.setdefault("spec", spec) and 0)
+    monkeypatch.setattr(replica_driver, "serve_replicas", lambda spec, scaling, **k: seen.setdefault("spec", spec) and 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the driver's own count differs from the replicas'
     try:
@@ -267,7 +267,8 @@ def test_cluster_must_fit_the_replicas_node_by_node(monkeypatch):
     three (6 CPUs in all would say they fit); a dead node's CPUs do not count."""
     import ray
 
-    from neuronfx.server.replicas import Scaling, check_cluster_cpus
+    from neuronfx.server.replica_driver import check_cluster_cpus
+    from neuronfx.server.replicas import Scaling
 
     nodes = [{"Alive": True, "Resources": {"CPU": 3.0}}, {"Alive": True, "Resources": {"CPU": 3.0}},
              {"Alive": False, "Resources": {"CPU": 8.0}}]
@@ -289,7 +290,8 @@ def test_serve_replicas_starts_a_local_cluster_fresh_and_leaves_it(monkeypatch, 
     from ray.serve.schema import ApplicationStatusOverview, ServeStatus
 
     from neuronfx.config.inference import InferenceConfig
-    from neuronfx.server.replicas import APP_NAME, ReplicaSpec, Scaling, serve_replicas
+    from neuronfx.server.replica_driver import serve_replicas
+    from neuronfx.server.replicas import APP_NAME, ReplicaSpec, Scaling
 
     calls: list[tuple] = []
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw.get("address"), kw.get("num_cpus"))))

@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
 def serve_replicas_cli(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, name: str,
                        template: str | None) -> int:
     """``--data-parallel-size``: compile the plan once into the compile cache (the replicas then
-    load it), then serve on Ray Serve (:func:`neuronfx.server.replicas.serve_replicas`)."""
-    from neuronfx.server import replicas  # ray loads for data-parallel serving only
+    load it), then serve on Ray Serve (:func:`neuronfx.server.replica_driver.serve_replicas`)."""
+    from neuronfx.server import replica_driver  # ray loads for data-parallel serving only
     from neuronfx.server.serve import bind_socket
 
     log = logging.getLogger("neuronfx.server")
@@ -196,7 +196,7 @@ def serve_replicas_cli(args: argparse.Namespace, saved: Path | None, inference: 
         torch.set_num_threads(spec.threads)  # the cache key holds the thread count (compiled code guards on it): the replicas'
         log.info("compiling once into the compile cache (%d threads, as each replica); the replicas load it ...", spec.threads)
         log.info("%s", load_runtime(args, saved, inference, progress=False).summary())
-    return replicas.serve_replicas(spec, scaling, host=args.host, port=args.port, ray_address=args.ray_address,
+    return replica_driver.serve_replicas(spec, scaling, host=args.host, port=args.port, ray_address=args.ray_address,
                                    cores=len(os.sched_getaffinity(0)), prefix_chars=chars)
 
 
