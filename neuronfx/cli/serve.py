@@ -138,7 +138,7 @@ def check_local_cores(args: argparse.Namespace, high: int) -> None:
     """InputError when ``high`` replicas cannot each have a core of this machine (a cluster
     joined with --ray-address is checked once joined: ``replicas.check_cluster_cpus``)."""
     cores = len(os.sched_getaffinity(0))
-    threads = args.replica_threads if args.replica_threads is not None else cores // high
+    threads = replica_threads(args, high)
     if threads < 1:
         raise InputError(f"--data-parallel-size={args.data_parallel_size} (at most {high} replicas) is above this machine's {cores} "
                          f"cores: each replica needs a core of its own; give at most {cores}, or --replica-threads and "
@@ -200,6 +200,12 @@ def serve_replicas_cli(args: argparse.Namespace, saved: Path | None, inference: 
                                    cores=len(os.sched_getaffinity(0)), prefix_chars=chars)
 
 
+def replica_threads(args: argparse.Namespace, high: int) -> int:
+    """Torch threads per replica: --replica-threads, or this machine's cores / the most
+    replicas (``high``); 0 when there are more replicas than cores."""
+    return args.replica_threads if args.replica_threads is not None else len(os.sched_getaffinity(0)) // high
+
+
 def replica_setup(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, name: str,
                   template: str | None) -> tuple[ReplicaSpec, Scaling, int]:
     """(ReplicaSpec, Scaling, prefix characters) of serve's checked options (``neuronfx.server.replicas``):
@@ -208,7 +214,7 @@ def replica_setup(args: argparse.Namespace, saved: Path | None, inference: Infer
 
     n = args.data_parallel_size
     high = n if args.max_replicas is None else args.max_replicas
-    threads = args.replica_threads if args.replica_threads is not None else len(os.sched_getaffinity(0)) // high
+    threads = replica_threads(args, high)
     build = functools.partial(build_served, args, saved, inference, template)
     spec = replicas.ReplicaSpec(build=build, inference=inference, model_name=name, threads=threads,
                                 max_waiting=args.max_waiting, max_num_batched_tokens=args.max_num_batched_tokens,

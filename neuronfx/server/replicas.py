@@ -50,7 +50,7 @@ from neuronfx.config.inference import InferenceConfig
 from neuronfx.server import protocol as p
 from neuronfx.server.affinity import PREFIX_CHARS, AffinityTable, prefix_key, prefix_text, ranked
 from neuronfx.server.asgi import HttpCall, HttpHead, call_app
-from neuronfx.server.engine import Engine
+from neuronfx.server.engine import RETRY_AFTER_S, Engine
 from neuronfx.server.errors import ErrorJSON
 from neuronfx.server.metrics import make_metrics
 from neuronfx.server.served import Served
@@ -60,8 +60,6 @@ logger = logging.getLogger("neuronfx.server")
 APP_NAME = "neuronfx"
 REPLICA_HEADER = "x-neuronfx-replica"
 NODE_HEADER = "x-neuronfx-node"
-RETRY_AFTER_S = 1
-"""Retry-After (seconds) of the ingress's 503: about the time Ray takes to notice a dead replica."""
 READY_POLL_S = 0.2
 
 # What a replica that died or cannot be reached raises at the ingress (Ray's own exceptions).
@@ -300,9 +298,9 @@ async def _relay(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 def busy() -> Response:
     """The ingress's 503 when every replica is full and ``--max-waiting`` requests wait already
-    (Ray Serve's back-pressure; the single server's own 503 for a full queue)."""
+    (Ray Serve's back-pressure; the single server's code for a full queue)."""
     body = p.error_body(f"the server is busy: every replica is full and the queue is too; retry in {RETRY_AFTER_S} s.",
-                        "server_error", code="server_busy")
+                        "server_error", code="overloaded")
     return ErrorJSON(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -337,7 +335,7 @@ def replica_options(spec: ReplicaSpec, scaling: Scaling) -> dict[str, Any]:
     """The replicas' Ray Serve deployment options: each asks Ray for ``spec.threads`` CPUs (so
     Ray places at most cores / threads of them on a node), takes up to batch_size + max_waiting
     requests (its engine's own bound; past that and ``max_waiting`` more queued at the ingress, a
-    503 ``server_busy``), drains for ``spec.shutdown_timeout`` seconds, is built
+    503 ``overloaded``), drains for ``spec.shutdown_timeout`` seconds, is built
     once (a runtime that cannot be built fails the start rather than being retried) and is
     routed by :class:`AffinityRouter`; ``scaling.replicas`` of them, or Ray Serve's autoscaling
     between ``min_replicas`` and ``max_replicas`` (target: a replica's slots in flight)."""
