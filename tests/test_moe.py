@@ -177,8 +177,9 @@ def eager(hf):
 
 @pytest.fixture(scope="module")
 def inductor_qwen3_moe():
-    """(tiny qwen3_moe, its inductor runtime): batch 4, prefill bucket 16, decode bucket 64."""
-    hf = tiny_hf_model("qwen3_moe", seed=SEED["qwen3_moe"])
+    """(tiny qwen3_moe, its inductor runtime): 6 layers alternating dense and MoE
+    (decoder_sparse_step=2), batch 4, prefill bucket 16, decode bucket 64."""
+    hf = tiny_hf_model("qwen3_moe", seed=28, num_hidden_layers=6, decoder_sparse_step=2)
     return hf, tiny_runtime(hf, "inductor", **COMPILED)
 
 
@@ -397,18 +398,16 @@ def test_dense_layers_quantize_and_experts_stay_float():
     check_logits(ref, rt, lengths=(7,), steps=3)
 
 
-def test_dense_layers_match_transformers_inductor():
-    """One inductor runtime, 6 layers alternating dense and MoE (decoder_sparse_step=2): prefill
-    runs one compiled 2-layer group (dense, MoE) three times, decode one 6-layer group; logits,
-    24 greedy tokens and a ragged batch are transformers'."""
+def test_dense_layers_match_transformers_inductor(inductor_qwen3_moe):
+    """The module's inductor runtime, 6 layers alternating dense and MoE: prefill runs one
+    compiled 2-layer group (dense, MoE) three times, decode one 6-layer group; its logits are
+    transformers' (its greedy tokens and a ragged batch: the test above)."""
     from neuronfx.graphs.backends.inductor_parts import phase_group_size
 
-    hf = tiny_hf_model("qwen3_moe", seed=28, num_hidden_layers=6, decoder_sparse_step=2)
-    rt = tiny_runtime(hf, "inductor", **COMPILED)
+    hf, rt = inductor_qwen3_moe
     assert rt.plan.model.moe_layers == (1, 3, 5)
     assert (phase_group_size(rt.plan, "prefill"), phase_group_size(rt.plan, "decode")) == (2, 6)
     check_logits(hf, rt, lengths=(15, 16), steps=4)
-    check_greedy_and_ragged(hf, rt)
 
 
 @pytest.mark.parametrize("overrides, groups", [

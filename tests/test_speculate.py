@@ -161,9 +161,11 @@ def unrelated_inductor():
     return tiny_runtime(tiny_hf_model("llama", seed=99), "inductor", output_logits=True, **INDUCTOR_ONE_ROW)
 
 
-@pytest.mark.parametrize("k", [2, 3, 5])  # k = 4: test_artifacts' and test_ngram's shared inductor runtime
+# k = 4: test_artifacts' and test_ngram's shared inductor runtime; k = 3 (the first k the stride bug
+# below hit) left to k = 4 and 5 (the suite's time)
+@pytest.mark.parametrize("k", [2, 5])
 def test_one_row_speculation_on_inductor_equals_plain_greedy(hf, unrelated_inductor, k):
-    """The default backend, batch 1: self-speculation and a draft model at k = 2, 3 and 5 give
+    """The default backend, batch 1: self-speculation and a draft model at k = 2 and 5 give
     plain greedy's tokens. At k >= 3 a draft step's uniforms reached the compiled draft epilogue as a
     view of stride k - 1 in a dimension of size 1 (``is_contiguous()``, but not what the graph's
     guards accept) and the step raised; ``call_graph`` now hands every graph dense inputs."""
