@@ -6,9 +6,10 @@ import re
 
 import attrs
 
+from neuronfx.config import inference_checks as checks
 from neuronfx.config.dtypes import FLOAT_DTYPES
 from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
-from neuronfx.config.kv_blocks import DEFAULT_KV_BLOCK_SIZE, block_size_field, check_block_options
+from neuronfx.config.kv_blocks import block_size_field
 from neuronfx.config.validators import boolean, non_negative_int, one_of, positive_int
 from neuronfx.errors import ConfigError
 
@@ -23,8 +24,6 @@ WEIGHT_GROUP_SIZES = (32, 64, 128)
 """int4 group sizes (weights sharing one scale and offset along the input dim)."""
 DEVICES = ("cpu", "cuda", "cuda:N")
 """Devices a plan may run on: the CPU, "cuda" (GPU 0; GPU r for tensor-parallel rank r) or GPU N (torch's names)."""
-CUDA_BACKENDS = ("eager", "inductor")
-"""Backends that run on a CUDA device (inductor replays its graphs as CUDA graphs there)."""
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:(0|[1-9][0-9]*))?")
 TASKS = ("generate", "embed")
 """What a plan's graphs do (vLLM's ``task`` / ``--runner``): generate tokens, or embed prompts."""
@@ -33,11 +32,6 @@ POOLINGS = ("last", "mean")
 SPECULATIVE_METHODS = ("ngram",)
 """Draft methods besides a draft model or self-speculation (vLLM's ``speculative_config.method``):
 "ngram", prompt lookup (``runtime/ngram.py``)."""
-
-
-def is_cuda(device: str) -> bool:
-    """Whether ``device`` (a valid ``InferenceConfig.device``) names a CUDA device."""
-    return device.startswith("cuda")
 
 
 def _device(inst: object, attribute: attrs.Attribute, value: object) -> None:
@@ -114,29 +108,6 @@ def prefix_caching_chunk(max_context_length: int, prefix_block_size: int) -> int
     (at least one block)."""
     limit = min(PREFIX_CACHING_CHUNK, max_context_length)
     return max(limit - limit % prefix_block_size, prefix_block_size)
-
-
-def _check_prefix_caching(inf: InferenceConfig) -> None:
-    """The prefix-cache options fit the plan: a cached prefix is continued by the chunked-prefill
-    (prefill at an offset) graphs, whose chunks cover whole blocks."""
-    b = inf.prefix_block_size
-    if not inf.enable_prefix_caching:
-        return
-    if inf.enable_prompt_logprobs:
-        raise ConfigError("enable_prompt_logprobs=True with enable_prefix_caching=True: a prompt prefix taken from the cache "
-                          "has no logits to score; drop one of them.")
-    if b >= inf.max_context_length:
-        raise ConfigError(
-            f"prefix_block_size={b} >= max_context_length={inf.max_context_length}: no prompt could reuse a block (one "
-            "token is always left to prefill); lower prefix_block_size (vLLM uses 16)."
-        )
-    chunk = inf.prefill_chunk_size
-    if chunk % b:
-        raise ConfigError(
-            f"prefix_block_size={b} does not divide prefill_chunk_size={chunk}: a chunk must end on a block boundary "
-            f"so that a prompt's cached and prefilled parts meet at whole blocks; pick a divisor of {chunk} (e.g. 16) "
-            "or a chunk size that is a multiple of it."
-        )
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)  # hashed on every step (state/plan check)
@@ -291,7 +262,7 @@ class InferenceConfig:
                 "a prompt must fit in the KV cache: lower max_context_length or raise sequence_length."
             )
         _check_bucket_list("batch_buckets", self.batch_buckets, "batch_size", self.batch_size)
-        self._check_chunking()
+        checks.check_chunking(self)
         limit_field = "max_context_length" if self.prefill_chunk_size is None else "prefill_chunk_size"  # <= max_context_length
         _check_bucket_list("prefill_buckets", self.prefill_buckets, limit_field, prefill_limit(self))
         _check_bucket_list("decode_buckets", self.decode_buckets, "sequence_length", self.sequence_length)
@@ -300,148 +271,30 @@ class InferenceConfig:
                 f"speculation_length={self.speculation_length} must be 0 (off) or in [2, sequence_length - 1 = "
                 f"{self.sequence_length - 1}]: it counts the verified tokens (drafted + 1), written after at least one cached token."
             )
-        self._check_speculation()
+        checks.check_speculation(self)
         if self.sequence_parallel and self.tp_degree < 2:
             raise ConfigError("sequence_parallel=True needs tp_degree >= 2 (it splits prefill over the ranks); "
                               "set tp_degree or drop sequence_parallel.")
-        self._check_weights()
-        self._check_activations()
-        self._check_cuda()
-        self._check_embed()
-        self._check_kv_layout()
-        _check_prefix_caching(self)
+        checks.check_weights(self)
+        checks.check_activations(self)
+        checks.check_cuda(self)
+        checks.check_embed(self)
+        checks.check_kv_layout(self)
+        checks.check_prefix_caching(self)
         if not self.on_device_sampling and not self.output_logits:
             raise ConfigError(
                 "on_device_sampling=False and output_logits=False leaves the graphs with no output; "
                 "set one of them to True."
             )
 
-    def _check_speculation(self) -> None:
-        """The draft options: draft_layers needs speculation_length; "ngram" needs
-        speculation_length and no draft_layers; fused speculation needs speculation_length and
-        a draft model; prompt_lookup_min <= prompt_lookup_max."""
-        if self.draft_layers and not self.speculation_length:
-            raise ConfigError(f"draft_layers={self.draft_layers} needs speculation_length >= 2; set both or neither.")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}: the "
-                              "n-gram lengths tried are min..max; lower prompt_lookup_min or raise prompt_lookup_max.")
-        if self.speculative_method == "ngram" and not self.speculation_length:
-            raise ConfigError("speculative_method='ngram' needs speculation_length=k >= 2 (k - 1 drafts per step); set it.")
-        if self.fused_speculation and (self.speculation_length < 2 or self.speculative_method is not None):
-            raise ConfigError(f"fused_speculation=True fuses a draft model's passes with the verify pass: it needs "
-                              f"speculation_length >= 2 (got {self.speculation_length}) and speculative_method=None (got "
-                              f"{self.speculative_method!r}); set them, or drop fused_speculation.")
-        if self.speculative_method == "ngram" and self.draft_layers:
-            raise ConfigError(f"speculative_method='ngram' with draft_layers={self.draft_layers}: prompt lookup drafts "
-                              "without a model; drop draft_layers (or speculative_method).")
-
-    def _check_weights(self) -> None:
-        """Quantized weights: one rank, a CPU backend."""
-        if self.weight_format != "float" and self.tp_degree > 1:
-            raise ConfigError(
-                f"weight_format={self.weight_format!r} with tp_degree={self.tp_degree}: quantized weights are not "
-                "sharded over tensor-parallel ranks yet; use tp_degree=1 or weight_format='float'."
-            )
-        if self.kv_cache_dtype != "auto" and self.backend == "neuron":
-            raise ConfigError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} with backend='neuron': the neuron backend keeps the KV cache "
-                "in the plan's dtype; use kv_cache_dtype='auto' (or dtype='bfloat16' for a 16-bit cache)."
-            )
-        if self.weight_format != "float" and self.backend == "neuron":
-            raise ConfigError(
-                f"weight_format={self.weight_format!r} runs on the CPU backends (eager, export, inductor) only; "
-                "the neuron backend takes weight_format='float'."
-            )
-
     def _derive_prefix_chunk(self) -> None:
         """Give prefix caching its chunk size when none was given (:func:`prefix_caching_chunk`):
         a derived default, set once while the value is built, before it is hashed or shared."""
         if not self.enable_prefix_caching or self.prefill_chunk_size is not None or self.prefix_block_size >= self.max_context_length:
-            return  # nothing to derive, or _check_prefix_caching names the block size
+            return  # nothing to derive, or check_prefix_caching names the block size
         if self.speculation_length:
             raise ConfigError(
                 f"enable_prefix_caching=True with speculation_length={self.speculation_length}: a cached prefix is continued "
                 "by chunked prefill, which does not drive a draft (its cache would have to follow every chunk); drop one of them."
             )
         object.__setattr__(self, "prefill_chunk_size", prefix_caching_chunk(self.max_context_length, self.prefix_block_size))
-
-    def _check_embed(self) -> None:
-        """An embedding plan (``task="embed"``) holds embed graphs only: no option of generation."""
-        if self.task != "embed":
-            return
-        given = [f"{name}={getattr(self, name)!r}" for name, off in (
-            ("speculation_length", 0), ("prefill_chunk_size", None), ("enable_prefix_caching", False),
-            ("enable_prompt_logprobs", False), ("tp_degree", 1), ("kv_cache_dtype", "auto")) if getattr(self, name) != off]
-        if given:
-            raise ConfigError(f"task='embed' with {', '.join(given)}: an embedding plan runs whole prompts through embed graphs "
-                              "on one rank, without generation options; drop them or use task='generate'.")
-
-    def _check_kv_layout(self) -> None:
-        """The blocks layout's options (``config.kv_blocks.check_block_options``), what it does
-        not run with yet (the neuron backend, embedding plans), and prefix blocks the size of
-        its KV blocks (a cached block is a KV block)."""
-        check_block_options(self.kv_layout, self.kv_block_size, self.num_kv_blocks, self.kv_cache_memory)
-        if self.kv_layout != "blocks":
-            return
-        given = [f"{name}={getattr(self, name)!r}" for name, on in (("backend", "neuron"), ("task", "embed")) if getattr(self, name) == on]
-        if given:
-            raise ConfigError(f"kv_layout='blocks' with {', '.join(given)}: the blocks layout does not run with it yet; "
-                              "use kv_layout='slots' for it.")
-        block = self.kv_block_size or DEFAULT_KV_BLOCK_SIZE
-        if self.enable_prefix_caching and self.prefix_block_size != block:
-            raise ConfigError(f"prefix_block_size={self.prefix_block_size} with kv_block_size={block}: the blocks layout caches "
-                              "prefixes as its own KV blocks, shared by reference; give both the same size.")
-
-    def _check_activations(self) -> None:
-        """int8 activations exist only in the inductor backend's products of quantized weights."""
-        if self.activation_format == "float":
-            return
-        if self.weight_format not in ("int8", "int4", "gguf"):
-            raise ConfigError(
-                f"activation_format={self.activation_format!r} with weight_format={self.weight_format!r}: int8 "
-                "activations serve quantized weights only; use weight_format='int8', 'int4' or 'gguf', or activation_format='float'."
-            )
-        if self.backend != "inductor":
-            raise ConfigError(
-                f"activation_format={self.activation_format!r} with backend={self.backend!r}: the int8 products are "
-                "the inductor backend's CPU kernels; use backend='inductor', or activation_format='float'."
-            )
-
-    def _check_cuda(self) -> None:
-        """What a CUDA device rules out: the export and neuron backends, quantized weights (their
-        kernels are CPU code), and one device index for several tensor-parallel ranks."""
-        if not is_cuda(self.device):
-            return
-        if self.backend not in CUDA_BACKENDS:
-            raise ConfigError(
-                f"device={self.device!r} with backend={self.backend!r}: CUDA plans run the backends {CUDA_BACKENDS} "
-                "(inductor replays CUDA graphs); pick one of them, or device='cpu'."
-            )
-        if self.weight_format != "float":
-            raise ConfigError(
-                f"device={self.device!r} with weight_format={self.weight_format!r}: the quantized weight formats run "
-                "neuronfx's CPU kernels only; use weight_format='float' (with dtype='bfloat16' for half the bytes) "
-                "on CUDA, or device='cpu'."
-            )
-        if self.tp_degree > 1 and self.device != "cuda":
-            raise ConfigError(
-                f"device={self.device!r} with tp_degree={self.tp_degree}: tensor-parallel ranks take one GPU each "
-                "(rank r on cuda:r); pass device='cuda'."
-            )
-
-    def _check_chunking(self) -> None:
-        """ConfigError for a ``prefill_chunk_size`` no prompt would be chunked with, or one combined
-        with an option chunked prefill does not support."""
-        chunk = self.prefill_chunk_size
-        if chunk is None:
-            return
-        if chunk > self.max_context_length:
-            raise ConfigError(
-                f"prefill_chunk_size={chunk} > max_context_length={self.max_context_length}: no prompt would be chunked "
-                f"and the chunk graphs would be larger than any prompt; lower prefill_chunk_size or drop it."
-            )
-        if self.speculation_length:
-            raise ConfigError(
-                f"prefill_chunk_size={chunk} with speculation_length={self.speculation_length}: chunked prefill does not "
-                "drive a draft (a draft model's cache would have to follow every chunk); drop one of them."
-            )

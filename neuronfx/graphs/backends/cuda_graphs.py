@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from neuronfx.config.inference import is_cuda
+from neuronfx.config.inference_checks import is_cuda
 from neuronfx.config.inputs import from_leaves, leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.errors import ConfigError

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 import torch
 
-from neuronfx.config.inference import InferenceConfig, is_cuda
+from neuronfx.config.inference import InferenceConfig
+from neuronfx.config.inference_checks import is_cuda
 from neuronfx.config.plan import Plan
 from neuronfx.errors import ConfigError
 
