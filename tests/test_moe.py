@@ -1,14 +1,14 @@
 """Mixture-of-experts families (mixtral, qwen3_moe): the router and both expert strategies
 against naive references, the registry's options and refusals, and the tiny random models
 against transformers: 24 greedy tokens and a ragged batch on eager (both families) and inductor
-(qwen3_moe: one compiled runtime, shared by its tests), prefill logits at bucket - 1 and bucket
+(qwen3_moe: one compiled runtime of 6 layers alternating dense and MoE, shared by its tests), prefill logits at bucket - 1 and bucket
 on inductor (bucket - 1, bucket, bucket + 1 on eager: tests/test_models.py), bf16, a save_pretrained directory (hub layout: one
 tensor per expert) through load_checkpoint, lazy tensor-parallel reads and the CLI, and
 self-speculation. qwen3_moe with dense layers among the MoE ones (``mlp_only_layers``,
 ``decoder_sparse_step``): which layers the config records as MoE, the configs with none refused,
 eager against transformers on three patterns (one that repeats, one whose period does not
 divide the layers, one that never repeats), a saved directory and its tensor-parallel split, an
-int8 plan, one inductor runtime (a 2-layer compiled group reused three times in prefill) and
+int8 plan, that inductor runtime (a 2-layer compiled group reused three times in prefill) and
 the compiled group sizes of irregular patterns.
 
 The tiny models (tests/helpers.py): mixtral 4 experts, qwen3_moe 8 experts (48 wide), both
