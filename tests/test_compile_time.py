@@ -66,30 +66,6 @@ def test_buckets_share_compiled_parts(inductor_qwen2):
         assert len({id(p.prologue.compiled) for p in parts}) == 3
 
 
-def test_another_plan_of_the_model_loads_its_compiled_parts(inductor_qwen2):
-    """A second plan of the session's tiny qwen2 (a sub-ladder of its buckets: new graphs, not a
-    cache entry) finds every part in the compile cache's kernel store: AOTAutograd cache hits,
-    no lowering (``inductor_parts.autograd_cache_without_backend_id``); the same tokens and
-    logits as the first plan."""
-    from torch._dynamo.utils import counters
-
-    hf, first = inductor_qwen2
-    before = dict(counters["aot_autograd"])
-    rt = neuronfx.compile(tiny_plan(hf, "inductor", prefill_buckets=(16, 32), decode_buckets=(32, 64)), hf.state_dict(),
-                          progress=False)
-    assert not rt.from_cache
-    after = counters["aot_autograd"]
-    # 8 parts: a prologue per bucket (2 + 2), prefill's and decode's layer group and epilogue
-    assert (after["autograd_cache_hit"] - before.get("autograd_cache_hit", 0),
-            after["autograd_cache_miss"] - before.get("autograd_cache_miss", 0)) == (8, 0)
-    prompts = [random_prompt(12, seed=5), random_prompt(20, seed=6)]
-    got, got_logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], prompts, 8)
-    want, want_logits, _, _ = run_steps(first, neuronfx.init_state(first), [0, 1], prompts, 8)
-    assert got == want
-    for row, want_row in zip(got_logits, want_logits, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(row, want_row, strict=True))
-
-
 def test_units_and_split():
     hf = tiny_hf_model("llama", seed=21)
     plan = tiny_plan(hf, "inductor", batch_size=2, batch_buckets=(1, 2), prefill_buckets=(8, 16, 32), decode_buckets=(64,))

@@ -159,3 +159,27 @@ def test_inductor_structured_greedy_row_equals_eager(inductor_qwen2):
             for rt in (eager, compiled)]
     assert runs[0].token_ids == runs[1].token_ids and runs[1].finish_reasons == ("stop",)
     assert len(runs[1].texts[0]) == 6 and runs[1].texts[0][2] == "-"
+
+
+def test_another_plan_of_the_model_loads_its_compiled_parts(inductor_qwen2):
+    """A second plan of the session's tiny qwen2 (a sub-ladder of its buckets: new graphs, not a
+    cache entry) finds every part in the compile cache's kernel store: AOTAutograd cache hits,
+    no lowering (``inductor_parts.autograd_cache_without_backend_id``); the same tokens and
+    logits as the first plan. (Here, not in test_compile_time.py: its worker test's runtime holds
+    another torch thread count, which keys the store, for the rest of that module.)"""
+    from torch._dynamo.utils import counters
+
+    hf, first = inductor_qwen2
+    before = dict(counters["aot_autograd"])
+    rt = tiny_runtime(hf, "inductor", prefill_buckets=(16, 32), decode_buckets=(32, 64))
+    assert not rt.from_cache
+    after = counters["aot_autograd"]
+    # 8 parts: a prologue per bucket (2 + 2), prefill's and decode's layer group and epilogue
+    assert (after["autograd_cache_hit"] - before.get("autograd_cache_hit", 0),
+            after["autograd_cache_miss"] - before.get("autograd_cache_miss", 0)) == (8, 0)
+    prompts = [random_prompt(12, seed=5), random_prompt(20, seed=6)]
+    got, got_logits, _, _ = run_steps(rt, neuronfx.init_state(rt), [0, 1], prompts, 8)
+    want, want_logits, _, _ = run_steps(first, neuronfx.init_state(first), [0, 1], prompts, 8)
+    assert got == want
+    for row, want_row in zip(got_logits, want_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(row, want_row, strict=True))
