@@ -476,24 +476,24 @@ def test_source_fingerprint_covers_the_graph_and_config_sources(hf, tmp_path, mo
     """The key's source fingerprint reads neuronfx/graphs and neuronfx/config (after artifacts.py
     moved into io/ it read nothing, and an entry compiled before a new graph input was loaded
     after it): editing one of those files changes every key."""
-    from neuronfx.io import artifacts
+    from neuronfx import version
 
-    names = {p.relative_to(artifacts.PACKAGE_ROOT).as_posix() for p in artifacts.fingerprint_sources()}
+    names = {p.relative_to(version.PACKAGE_ROOT).as_posix() for p in version.fingerprint_sources()}
     assert {"graphs/phases/sampling.py", "config/inputs.py", "graphs/kernels/csrc/small_gemm.cpp"} <= names
     assert not any(n.startswith(("runtime/", "server/", "io/")) for n in names)
     plan = tiny_plan(hf, "export", **SMALL)
     before = cache.cache_key(plan)
     copy = tmp_path / "neuronfx"
-    for p in artifacts.fingerprint_sources():
-        (copy / p.relative_to(artifacts.PACKAGE_ROOT)).parent.mkdir(parents=True, exist_ok=True)
-        (copy / p.relative_to(artifacts.PACKAGE_ROOT)).write_bytes(p.read_bytes())
-    monkeypatch.setattr(artifacts, "PACKAGE_ROOT", copy)
+    for p in version.fingerprint_sources():
+        (copy / p.relative_to(version.PACKAGE_ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / p.relative_to(version.PACKAGE_ROOT)).write_bytes(p.read_bytes())
+    monkeypatch.setattr(version, "PACKAGE_ROOT", copy)
     try:
-        artifacts.source_fingerprint.cache_clear()  # computed once per process
+        version.source_fingerprint.cache_clear()  # computed once per process
         assert cache.cache_key(plan) == before
         (copy / "config" / "inputs.py").write_text((copy / "config" / "inputs.py").read_text() + "\n# edited\n")
-        artifacts.source_fingerprint.cache_clear()
+        version.source_fingerprint.cache_clear()
         assert cache.cache_key(plan) != before
     finally:
         monkeypatch.undo()
-        artifacts.source_fingerprint.cache_clear()
+        version.source_fingerprint.cache_clear()

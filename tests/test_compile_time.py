@@ -10,8 +10,10 @@ guard-split case (two versions)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,25 +30,35 @@ LADDERS = dict(batch_size=1, max_context_length=16, sequence_length=16, prefill_
 
 @pytest.fixture(scope="module")
 def runtimes():
-    """(eager runtime, inductor runtime compiled with one worker) of one tiny llama, built and
-    run with another thread count than the environment's (compiled code guards on it: the
-    worker must compile with the caller's)."""
+    """(eager runtime, inductor runtime compiled with one worker, its thread count) of one tiny
+    llama, built with another thread count than the environment's (compiled code guards on it:
+    the worker must compile with the caller's), which holds only while it compiles and runs
+    (other tests of the session compile with the environment's: the kernel store is keyed by it)."""
     hf = tiny_hf_model("llama", seed=21)
     threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, torch_threads(threads + 1):
         mp.setenv(compile_workers.ENV_VAR, "1")
         compiled = neuronfx.compile(tiny_plan(hf, "inductor", **LADDERS), hf.state_dict(), progress=False, cache=False)
-    yield neuronfx.compile(tiny_plan(hf, "eager", **LADDERS), hf.state_dict(), progress=False), compiled
-    torch.set_num_threads(threads)
+    return neuronfx.compile(tiny_plan(hf, "eager", **LADDERS), hf.state_dict(), progress=False), compiled, threads + 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("length", [5, 12])  # prefill buckets 8 and 16
 def test_worker_and_guard_split_graphs_match_eager(runtimes, length):
-    eager, compiled = runtimes
+    eager, compiled, threads = runtimes
     prompt = random_prompt(length, seed=length)
     want, want_logits, want_buckets, _ = run_steps(eager, neuronfx.init_state(eager), [0], [prompt], 16 - length)
-    got, logits, buckets, _ = run_steps(compiled, neuronfx.init_state(compiled), [0], [prompt], 16 - length)
+    with torch_threads(threads):
+        got, logits, buckets, _ = run_steps(compiled, neuronfx.init_state(compiled), [0], [prompt], 16 - length)
     assert got == want and buckets == want_buckets == [8 if length <= 8 else 16] + [16] * (15 - length)
     for a, b in zip(logits[0], want_logits[0]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

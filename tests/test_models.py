@@ -11,13 +11,27 @@ Expected buckets come from each runtime's own plan: the smallest that holds the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from helpers import GREEDY, byte_tokenizer, hf_greedy, hf_last_logits, kv_tensors, random_prompt, run_steps, tiny_hf_model, tiny_runtime
+from helpers import (
+    GREEDY,
+    byte_tokenizer,
+    hf_greedy,
+    hf_last_logits,
+    kv_tensors,
+    random_prompt,
+    run_steps,
+    tiny_hf_model,
+    tiny_plan,
+    tiny_runtime,
+)
 
 import neuronfx
 from neuronfx import PrefillBatch
 from neuronfx.config.buckets import select_bucket
+from neuronfx.errors import ArtifactError
 
 ATOL = 1e-4
 # Eager cases: name -> (model_type, config overrides). Windows shorter than the buckets: the
@@ -164,14 +178,18 @@ def test_inductor_structured_greedy_row_equals_eager(inductor_qwen2):
 def test_another_plan_of_the_model_loads_its_compiled_parts(inductor_qwen2):
     """A second plan of the session's tiny qwen2 (a sub-ladder of its buckets: new graphs, not a
     cache entry) finds every part in the compile cache's kernel store: AOTAutograd cache hits,
-    no lowering (``inductor_parts.autograd_cache_without_backend_id``); the same tokens and
-    logits as the first plan. (Here, not in test_compile_time.py: its worker test's runtime holds
-    another torch thread count, which keys the store, for the rest of that module.)"""
+    no lowering (``inductor_parts.autograd_cache_keyed_by_source``); the same tokens and
+    logits as the first plan."""
     from torch._dynamo.utils import counters
 
+    from neuronfx.io import cache
+
     hf, first = inductor_qwen2
+    plan = tiny_plan(hf, "inductor", prefill_buckets=(16, 32), decode_buckets=(32, 64))
+    with contextlib.suppress(ArtifactError):  # a kept test cache (NEURONFX_TEST_CACHE_DIR) holds its entry
+        cache.clear(cache.cache_key(plan))
     before = dict(counters["aot_autograd"])
-    rt = tiny_runtime(hf, "inductor", prefill_buckets=(16, 32), decode_buckets=(32, 64))
+    rt = neuronfx.compile(plan, hf.state_dict(), progress=False)
     assert not rt.from_cache
     after = counters["aot_autograd"]
     # 8 parts: a prologue per bucket (2 + 2), prefill's and decode's layer group and epilogue

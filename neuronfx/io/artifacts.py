@@ -16,7 +16,6 @@ weights, tokenizer and generation config.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -41,7 +40,7 @@ from neuronfx.io.weights import nest
 from neuronfx.runtime import distributed
 from neuronfx.runtime.distributed import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
-from neuronfx.version import __version__
+from neuronfx.version import __version__, source_fingerprint
 
 FORMAT_VERSION = 6  # 6: InferenceConfig's weight_format fields, quantized weight records (manifest "quantized")
 """3: graphs take the KV cache as (K, V) per layer and step-input records (2: a flat KV list)."""
@@ -53,27 +52,6 @@ GENERATION_CONFIG = "generation_config.json"
 _SKIPPED_SUFFIXES = (".lock", ".pyc")
 
 __all__ = ["ArtifactError", "load", "load_tokenizer", "push_to_hub", "read_manifest", "save"]
-
-
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-"""The ``neuronfx`` package directory (this module lives in ``neuronfx/io/``)."""
-
-
-def fingerprint_sources() -> list[Path]:
-    """The source files compiled graphs are made of: every .py and .cpp under
-    ``neuronfx/graphs`` and ``neuronfx/config``, sorted."""
-    sources = [p for sub in ("graphs", "config") for p in (PACKAGE_ROOT / sub).rglob("*")]
-    return sorted(p for p in sources if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts)
-
-
-@functools.cache
-def source_fingerprint() -> str:
-    """sha256 over :func:`fingerprint_sources` (paths and contents): an edited checkout must not
-    reuse graphs compiled from the old code. Computed once per process."""
-    h = hashlib.sha256()
-    for path in fingerprint_sources():
-        h.update(str(path.relative_to(PACKAGE_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def environment(backend: str) -> dict[str, str]:

@@ -99,7 +99,10 @@ def kernel_store(root: Path, plan: Plan) -> Path:
     second plan of a model (other buckets, batch sizes, speculation, dtype) reuses the kernels
     the first one compiled (a tiny llama's second plan: 37 s instead of 102 s, measured). Keyed
     by shape so that a runtime ships only the kernels of its own model's plans; inductor names
-    kernels by their source's hash, so sharing one never runs another's code."""
+    kernels by their source's hash, so sharing one never runs another's code. It also holds
+    AOTAutograd's cache entry of each compiled part, keyed by the part's graph, inputs, settings
+    and neuronfx's source fingerprint (``inductor_parts.autograd_cache_keyed_by_source``): a
+    part another plan compiled is loaded, not lowered again."""
     env = {k: v for k, v in environment(plan.inference.backend).items() if k != "neuronfx_source"}
     content = {"shape": {f: getattr(plan.model, f) for f in _SHAPE_FIELDS}, "environment": env,
                "num_threads": torch.get_num_threads()}
