@@ -102,8 +102,8 @@ def test_torchrun_two_nodes_on_localhost(smollm2_dir, tp1_tokens):
 
 
 def _rank_pids(root: int) -> list[int]:
-    """Pids of the rank processes below ``root`` (at any depth): the launcher's spawned workers
-    (their environment is set after start, so /proc shows no RANK; the resource tracker is not one)."""
+    """Pids of the rank processes below ``root`` (at any depth): the children of the launcher's
+    fork server, which share its command line (the server's parent is not one of them)."""
     parent, cmdline = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -121,7 +121,10 @@ def _rank_pids(root: int) -> list[int]:
                 return True
         return False
 
-    return sorted(p for p, cmd in cmdline.items() if "spawn_main" in cmd and "resource_tracker" not in cmd and below(p))
+    def forked(pid: int) -> bool:
+        return "multiprocessing.forkserver" in cmdline.get(pid, "")
+
+    return sorted(p for p in cmdline if forked(p) and forked(parent.get(p, 0)) and below(p))
 
 
 def test_killed_rank_ends_the_run_with_one_line(smollm2_dir):

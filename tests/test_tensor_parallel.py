@@ -173,6 +173,25 @@ def test_failed_rank_stops_the_launch() -> None:
     assert time.monotonic() - start < 60
 
 
+def rank_context() -> tuple:
+    import os
+
+    return os.environ.get("NEURONFX_TEST_PROBE"), os.environ["RANK"], os.environ["WORLD_SIZE"], os.getcwd()
+
+
+def test_ranks_see_the_callers_environment_and_directory(monkeypatch, tmp_path) -> None:
+    """Ranks are forked from a fork server started by the first launch of the process: each launch's
+    environment and working directory are still the ones its ranks see (as spawned ranks did),
+    with the launcher's per-rank variables over them."""
+    neuronfx.launch(rank_context, tp_degree=2, threads=1)  # the server runs from here on (if not already)
+    monkeypatch.setenv("NEURONFX_TEST_PROBE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    got = neuronfx.launch(rank_context, tp_degree=2, threads=1)
+    assert got == ("set after the first launch", "0", "2", str(tmp_path))
+    monkeypatch.delenv("NEURONFX_TEST_PROBE")
+    assert neuronfx.launch(rank_context, tp_degree=2, threads=1)[0] is None
+
+
 def save_and_reload(directory: str) -> tuple:
     """Compile at tp=2 and save (every rank its part), load back on the same ranks: the tokens
     before and after, and what this rank saved."""
