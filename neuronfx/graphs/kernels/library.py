@@ -14,7 +14,7 @@ in integers (``csrc/w8a8_gemm.cpp``; the packed layouts ``quant.Int8Packed`` / `
 ``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``),
 ``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``).
 
-The C++ sources are built once per machine (and torch install) with torch's extension builder (about 30 s; cached
+The C++ sources are built once per machine (and torch install) with torch's extension builder (about 25 s on 2 cores; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,
 so the library name carries a hash of the CPU's feature flags: a cache shared between different
 CPUs never loads a binary built for another. Set ``NEURONFX_KERNELS=0`` to turn the kernel off;
@@ -52,6 +52,9 @@ the packed kernel 2.2-2.8x the row-major one."""
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp",
                                                                         "topk.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
+BUILD_UNITS = tuple(Path(__file__).parent / "csrc" / name for name in ("unit_dense.cpp", "unit_quant.cpp"))
+"""What the compiler is given: two translation units that include :data:`SOURCES` (each parses
+torch's headers once; five units took 1.75x the CPU time, see ``csrc/unit_dense.cpp``)."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 """The kernels' compiler flags (part of the library's name). -O2 built the library in 28 s
 instead of 38 (quant_gemm.cpp 22 s of one core instead of 32, GCC 12), but its tiles ran slower:
@@ -77,7 +80,7 @@ def library_name() -> str:
     virtualenvs sharing one build directory rebuilt the library, 30-40 CPU s, each time the
     other had run)."""
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode() + cpu_flags().encode()
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + BUILD_UNITS) + " ".join(CFLAGS).encode() + cpu_flags().encode()
                        + torch.__version__.encode() + torch_dir.encode())
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 
@@ -107,7 +110,7 @@ def small_gemm_available() -> bool:
 
     try:
         with build_lock(library_name()):
-            load(name=library_name(), sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
+            load(name=library_name(), sources=[str(p) for p in BUILD_UNITS], extra_cflags=list(CFLAGS),
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
