@@ -58,7 +58,7 @@ XDIST_GROUPS = {
 UNIT_SECONDS = {
     "shared-compiled": 270, "smollm2": 250, "speculation": 115, "test_tensor_parallel.py": 90, "test_replicas.py": 90,
     "test_gemma3.py": 50, "test_int8_activations.py": 50, "test_moe.py": 45, "test_cache.py": 40, "test_phi3_rope.py": 35,
-    "test_lowp.py": 35, "test_server.py": 30, "test_quantized.py": 25, "test_kernels.py": 25, "test_kv_dtypes.py": 25,
+    "test_isa_pinned.py": 35, "test_lowp.py": 35, "test_server.py": 30, "test_quantized.py": 25, "test_kernels.py": 25, "test_kv_dtypes.py": 25,
     "test_bench_ab.py": 25, "test_accuracy.py": 25, "test_server_structured.py": 20, "test_bench.py": 20, "test_soak.py": 20,
     "test_bench_suite.py": 20, "test_embeddings.py": 20, "test_kv_blocks.py": 15, "test_kv_ring.py": 10,
 }

@@ -449,3 +449,15 @@ def test_causal_attention_matches_the_prefill_mask_on_real_tokens(dtype: torch.d
             tol = 1e-6 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got[row, :, :n].float(), want[row, :, :n].float(), rtol=tol, atol=tol)
         assert not torch.equal(got[0, :, 37:], want[0, :, 37:])  # pad rows really differ: the flag is not the mask
+
+
+def test_build_units_include_every_source_once() -> None:
+    """The compiler is given the two build units (``library.BUILD_UNITS``); together they must
+    include each of ``library.SOURCES`` exactly once (a source left out would leave its ops
+    unregistered; one included twice would not compile), and the library's name hashes both."""
+    import re
+
+    from neuronfx.graphs.kernels import library
+
+    included = [m for unit in library.BUILD_UNITS for m in re.findall(r'^#include "([^"]+)"', unit.read_text(), re.M)]
+    assert sorted(included) == sorted(p.name for p in library.SOURCES)

@@ -185,11 +185,34 @@ def test_ranks_see_the_callers_environment_and_directory(monkeypatch, tmp_path) 
     with the launcher's per-rank variables over them."""
     neuronfx.launch(rank_context, tp_degree=2, threads=1)  # the server runs from here on (if not already)
     monkeypatch.setenv("NEURONFX_TEST_PROBE", "set after the first launch")
+    monkeypatch.setenv("RANK", "7")  # the launcher's per-rank variables win over the caller's
+    monkeypatch.setenv("WORLD_SIZE", "9")
     monkeypatch.chdir(tmp_path)
     got = neuronfx.launch(rank_context, tp_degree=2, threads=1)
     assert got == ("set after the first launch", "0", "2", str(tmp_path))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("NEURONFX_TEST_PROBE")
     assert neuronfx.launch(rank_context, tp_degree=2, threads=1)[0] is None
+
+
+def test_fork_server_skips_a_module_that_fails_to_import(tmp_path) -> None:
+    """The fork server's preload (runtime/fork_preload.py) takes the caller's import path and
+    imports what it can: a module that raises is left to the ranks (which report it), not fatal."""
+    import json
+    import sys
+
+    from neuronfx.runtime import fork_preload
+
+    (tmp_path / "nfx_preload_ok.py").write_text("VALUE = 1\n")
+    (tmp_path / "nfx_preload_bad.py").write_text("raise RuntimeError('boom')\n")
+    before = list(sys.path)
+    try:
+        failed = fork_preload.preload(json.dumps({"sys_path": [str(tmp_path), *before], "modules": ["nfx_preload_bad", "nfx_preload_ok"]}))
+        assert failed == ["nfx_preload_bad"] and sys.modules["nfx_preload_ok"].VALUE == 1 and sys.path[0] == str(tmp_path)
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("nfx_preload_ok", None)
 
 
 def save_and_reload(directory: str) -> tuple:

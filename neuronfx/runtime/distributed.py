@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import multiprocessing
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from neuronfx.errors import ConfigError, TensorParallelError
+from neuronfx.runtime import fork_preload
 
 DEFAULT_TIMEOUT_S = 60
 TIMEOUT_ENV = "NEURONFX_TP_TIMEOUT"
@@ -119,17 +122,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_ENV_AT_IMPORT = dict(os.environ)
-"""The environment this module was imported with. In a rank forked from the fork server
-(:func:`launch`) it is the server's, so what differs from it is what the launcher set for this
-rank (RANK, MASTER_PORT, ...): :func:`adopt_environment` keeps exactly that."""
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+"""What torch's elastic launcher sets for each rank beside the ``TORCHELASTIC_`` variables (torch
+2.13, ``LocalElasticAgent._start_workers``; the CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS it sets
+are the caller's own)."""
 
 
-def adopt_environment(caller: dict[str, str]) -> None:
-    """Give this rank the environment its :func:`launch` call saw (``caller``), with the
-    launcher's per-rank variables over it, as a spawned process would have had: a rank forked
-    from the fork server inherits the server's environment, which is the first launch's."""
-    launcher = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+def _adopt_environment(caller: dict[str, str]) -> None:
+    """Give this rank the environment its :func:`launch` call saw (``caller``) with the launcher's
+    per-rank variables over it, as a spawned rank had: a rank forked from the fork server
+    inherits the server's environment, which is the first launch's."""
+    launcher = {k: v for k, v in os.environ.items() if k in LAUNCHER_VARIABLES or k.startswith("TORCHELASTIC_")}
     os.environ.clear()
     os.environ.update(caller)
     os.environ.update(launcher)
@@ -137,16 +141,17 @@ def adopt_environment(caller: dict[str, str]) -> None:
 
 def _rank_main(fn: Callable[..., Any], args: tuple, threads: int, caller_env: dict[str, str]) -> Any:
     """One rank started by :func:`launch`: take the caller's environment, join the group, run
-    ``fn(*args)``, leave."""
-    adopt_environment(caller_env)
+    ``fn(*args)``, leave (a failing rank of several after :data:`FAILED_RANK_LINGER_S`)."""
+    _adopt_environment(caller_env)
     torch.set_num_threads(threads)
     init_tensor_parallel(int(os.environ["WORLD_SIZE"]))
     try:
         return fn(*args)
-    except BaseException:
+    except (Exception, SystemExit) as exc:
         # A rank whose peer died fails at once (its collective breaks); lingering lets the launcher,
         # which reports the first exit it sees, report the peer's (forked ranks' exits reach it together).
-        time.sleep(FAILED_RANK_LINGER_S)
+        if not (isinstance(exc, SystemExit) and exc.code in (None, 0)) and int(os.environ["WORLD_SIZE"]) > 1:
+            time.sleep(FAILED_RANK_LINGER_S)
         raise
     finally:
         if dist.is_initialized():  # a single rank joins no group
@@ -163,15 +168,15 @@ def launch(fn: Callable[..., Any], *args: Any, tp_degree: int, threads: int | No
     """Run ``fn(*args)`` on ``tp_degree`` ranks of this machine, started by torch's elastic
     launcher (``torch.distributed.launcher.elastic_launch``, what torchrun runs), each in a
     process group of all of them; returns rank 0's return value. ``fn`` and ``args`` must be
-    picklable (``fn`` a module-level function): the ranks are new processes, forked from
-    multiprocessing's fork server (:func:`start_method`), which imported torch, neuronfx and
-    ``fn``'s module once for every launch of this process: a rank starts in a fraction of a
-    second where a spawned one imported them itself (measured 2026-12-06, 2-core AMD EPYC: a
-    launch of 2 ranks of a tiny function 2.8-3.6 s spawned, 0.3-0.5 s forked after the first).
-    Each rank gets this call's working directory, import path and environment, as a spawned
-    one would; what torch and neuronfx read from the environment when they are imported is
-    the first launch's. ``threads``: torch threads per rank, default this machine's cores split
-    evenly.
+    picklable (``fn`` a module-level function): on Linux the ranks are new processes forked
+    from multiprocessing's fork server (:func:`_start_method`), which the first launch of this
+    process starts with torch, neuronfx and that launch's ``fn`` module imported, so that a
+    rank starts in a fraction of a second where a spawned one imported them itself (measured
+    2026-12-06, 2-core AMD EPYC: a launch of 2 ranks of a tiny function 2.8-3.6 s spawned,
+    0.3-0.5 s forked after the first); elsewhere they are spawned. Each rank gets this call's
+    working directory, import path and environment, as a spawned one would, but a module the
+    server imported read the environment of the first launch. ``threads``: torch threads per
+    rank, default this machine's cores split evenly.
 
     Raises ConfigError for a ``tp_degree`` < 1; TensorParallelError when a rank fails
     (exception, exit or signal): the launcher stops the others and the error names the rank
@@ -187,7 +192,7 @@ def launch(fn: Callable[..., Any], *args: Any, tp_degree: int, threads: int | No
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=tp_degree, run_id=f"neuronfx-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=MONITOR_INTERVAL_S,
-        start_method=start_method(fn),
+        start_method=_start_method(fn),
     )
     try:
         results = elastic_launch(config, _rank_main)(fn, args, threads, dict(os.environ))
@@ -198,34 +203,36 @@ def launch(fn: Callable[..., Any], *args: Any, tp_degree: int, threads: int | No
     return results[0]
 
 
-def start_method(fn: Callable[..., Any]) -> str:
-    """"forkserver" where the platform has it (:func:`start_fork_server`), else "spawn". Forking
-    from a server that only imported modules is safe where forking this process is not (its
-    OpenMP threads may be running)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+def _start_method(fn: Callable[..., Any]) -> str:
+    """"forkserver" on Linux, starting this process's fork server if it is not running
+    (:func:`_start_fork_server`); else "spawn" (macOS's system frameworks are not safe to fork
+    and Python spawns there by default; Windows cannot fork). Forking from a server that only
+    imported modules is safe where forking this process is not (its OpenMP threads may run)."""
+    if not sys.platform.startswith("linux"):
         return "spawn"
-    start_fork_server([__name__] + ([fn.__module__] if fn.__module__ not in (None, "__main__") else []))
+    _start_fork_server(["torch", __name__] + ([fn.__module__] if fn.__module__ not in (None, "__main__") else []))
     return "forkserver"
 
 
-def start_fork_server(modules: list[str]) -> None:
-    """Start this process's fork server, once, importing ``modules`` (this module with torch,
-    and the module of the first launch's function: ``__main__`` is imported by each rank, as a
-    spawned one does). Started here rather than by the launcher so that it sees this process's
-    import path: Python 3.11's server ignores the path it is given, so it gets it as PYTHONPATH
-    while it starts (restored after)."""
+_FORK_SERVER_LOCK = threading.Lock()
+"""One thread starts the fork server at a time (its environment variable must not interleave)."""
+
+
+def _start_fork_server(modules: list[str]) -> None:
+    """Start this process's fork server if it is not running, importing ``modules`` and this
+    process's import path into it (``runtime/fork_preload.py``; ``__main__`` is imported by each
+    rank, as a spawned one does). The server then runs for the life of this process; it replaces
+    any preload list set with ``multiprocessing.set_forkserver_preload``."""
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(modules)  # read when the server starts
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+    spec = json.dumps({"sys_path": [str(p) for p in sys.path], "modules": modules})
+    with _FORK_SERVER_LOCK:
+        multiprocessing.set_forkserver_preload([fork_preload.__name__])
+        os.environ[fork_preload.ENV_VAR] = spec  # the server inherits it when it starts
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ[fork_preload.ENV_VAR]
 
 
 def describe_failure(exc: Exception) -> str:

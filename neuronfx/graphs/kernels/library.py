@@ -54,7 +54,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.c
 """One library (one build per machine) holds every neuronfx kernel op."""
 BUILD_UNITS = tuple(Path(__file__).parent / "csrc" / name for name in ("unit_dense.cpp", "unit_quant.cpp"))
 """What the compiler is given: two translation units that include :data:`SOURCES` (each parses
-torch's headers once; five units took 1.75x the CPU time, see ``csrc/unit_dense.cpp``)."""
+torch's headers once; five units took 1.56x the CPU time, see ``csrc/unit_dense.cpp``)."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 """The kernels' compiler flags (part of the library's name). -O2 built the library in 28 s
 instead of 38 (quant_gemm.cpp 22 s of one core instead of 32, GCC 12), but its tiles ran slower:
