@@ -2,10 +2,13 @@
 :class:`Progress` once admitted, the :class:`Queue` of them, the events a schedule yields
 (:class:`TokenEvent`, :class:`Finished`), and :func:`submit`, where a request is checked once
 (:func:`check_request`; the server's handler and ``generate`` call the same check) before it
-is queued. Nothing past ``submit`` checks a request again.
+is queued. Nothing past ``submit`` checks a request again. :func:`step_batch` turns admitted
+rows into the step batch of one kind.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import attrs
 
@@ -15,8 +18,9 @@ from neuronfx.runtime.checks import check_prompts
 from neuronfx.runtime.pipeline import Logprobs
 from neuronfx.runtime.prefix_store import Match
 from neuronfx.runtime.runtime import Runtime
-from neuronfx.runtime.speculate import SpeculationStats
+from neuronfx.runtime.speculate import SpeculateBatch, SpeculationStats
 from neuronfx.runtime.state import State
+from neuronfx.runtime.steps import DecodeBatch, PrefillBatch
 from neuronfx.runtime.structured import Grammars, Matcher, grammars_for
 
 
@@ -201,3 +205,20 @@ def submit(queue: Queue, index: int, request: Request, runtime: Runtime | None =
                          "tell the slot's room); pass runtime=, or SamplingParams(max_tokens=N).")
     check_priority(index, request.priority)
     return attrs.evolve(queue, waiting=queued(queue.waiting, index, request))
+
+
+def step_batch(kind: str, rows: Sequence[Progress]) -> PrefillBatch | SpeculateBatch | DecodeBatch:
+    """The step batch of ``rows``: a prefill gets each row's prompt, a refill each row's whole
+    sequence, a decode or speculate batch each row's last token (a speculate batch each row's
+    prompt and tokens too, its ``history``); structured rows their matchers."""
+    slots, sampling = [r.slot for r in rows], [r.request.sampling for r in rows]
+    constraints = None if all(r.matcher is None for r in rows) else [r.matcher for r in rows]
+    if kind == "prefill":
+        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt for r in rows], sampling=sampling, constraints=constraints)
+    if kind == "refill":
+        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling,
+                            constraints=constraints)
+    if kind == "speculate":  # history: what prompt lookup searches
+        return SpeculateBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints,
+                              history=[r.request.prompt + r.tokens for r in rows])
+    return DecodeBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints)

@@ -66,11 +66,11 @@ from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import StepOutput
 from neuronfx.runtime.preempt import block_room, cached_tokens, make_room, resume
 from neuronfx.runtime.prefix import cache_sequences, drop, load, outputs_reusable, prefill_reusing, store
-from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, submit
+from neuronfx.runtime.requests import Finished, Progress, Queue, Request, TokenEvent, step_batch, submit
 from neuronfx.runtime.runtime import Runtime, check_state
-from neuronfx.runtime.speculate import SpeculateBatch, speculate
+from neuronfx.runtime.speculate import speculate
 from neuronfx.runtime.state import State
-from neuronfx.runtime.steps import DecodeBatch, PrefillBatch, decode, free, prefill, refill
+from neuronfx.runtime.steps import decode, free, prefill, refill
 from neuronfx.runtime.structured import Grammars, Matcher
 
 
@@ -293,32 +293,15 @@ def execute(runtime: Runtime, state: State, it: Iteration) -> tuple[tuple[Ran, .
         state = resume(runtime, state, it.resume)
     if it.prefill:
         pipeline = prefill_reusing if runtime.plan.inference.enable_prefix_caching else prefill
-        state = _timed(ran, "prefill", it.prefill, pipeline, runtime, state, _batch("prefill", it.prefill))
+        state = _timed(ran, "prefill", it.prefill, pipeline, runtime, state, step_batch("prefill", it.prefill))
     if it.chunk is not None:
         state = _timed(ran, "chunk", (it.chunk,), _chunk_row, runtime, state, it)
     if it.fork:
         state = _timed(ran, "fork", it.fork, fork, runtime, state, fork_batch(it.fork, it.fork_sources))
     for kind, rows in (("refill", it.refill), ("speculate", it.speculate), ("decode", it.decode)):
         if rows:
-            state = _timed(ran, kind, rows, PIPELINES[kind], runtime, state, _batch(kind, rows))
+            state = _timed(ran, kind, rows, PIPELINES[kind], runtime, state, step_batch(kind, rows))
     return tuple(ran), state
-
-
-def _batch(kind: str, rows: Sequence[Progress]) -> PrefillBatch | SpeculateBatch | DecodeBatch:
-    """The step batch of ``rows``: a prefill gets each row's prompt, a refill each row's whole
-    sequence, a decode or speculate batch each row's last token (a speculate batch each row's
-    prompt and tokens too, its ``history``); structured rows their matchers."""
-    slots, sampling = [r.slot for r in rows], [r.request.sampling for r in rows]
-    constraints = None if all(r.matcher is None for r in rows) else [r.matcher for r in rows]
-    if kind == "prefill":
-        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt for r in rows], sampling=sampling, constraints=constraints)
-    if kind == "refill":
-        return PrefillBatch(seq_ids=slots, prompts=[r.request.prompt + r.tokens for r in rows], sampling=sampling,
-                            constraints=constraints)
-    if kind == "speculate":  # history: what prompt lookup searches
-        return SpeculateBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints,
-                              history=[r.request.prompt + r.tokens for r in rows])
-    return DecodeBatch(seq_ids=slots, input_ids=[r.tokens[-1] for r in rows], sampling=sampling, constraints=constraints)
 
 
 def timed(queue: Queue, ran: Sequence[Ran]) -> Queue:
