@@ -1,9 +1,10 @@
-"""What the fork server of ``neuronfx.launch`` imports when it starts, and nothing else imports:
-it takes the launching process's import path and imports the modules named in
-``$NEURONFX_FORK_SERVER`` (JSON ``{"sys_path": [...], "modules": [...]}``, set by
-``distributed._start_fork_server`` while the server starts), so that the ranks forked from it
-start with torch, neuronfx and the launched function's module imported. Python 3.11's server
-ignores the import path it is given, and any import error but ImportError would end it."""
+"""What the fork server of ``neuronfx.launch`` imports when it starts: where
+``$NEURONFX_FORK_SERVER`` is set (JSON ``{"sys_path": [...], "modules": [...]}``, only in the
+server's environment: ``distributed._start_fork_server`` sets it while the server starts), it
+takes the launching process's import path and imports the modules named, so that the ranks
+forked from the server start with torch, neuronfx and the launched function's module imported.
+Python 3.11's server ignores the import path it is given, and any import error but ImportError
+would end it. Elsewhere (``distributed.py`` imports it for its names) importing it does nothing."""
 
 from __future__ import annotations
 
