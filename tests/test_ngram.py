@@ -205,6 +205,27 @@ def test_sampled_acceptance_keeps_the_target_distribution(ngram_rt):
     assert p_value > ALPHA, f"p={p_value:.2g}"
 
 
+@given(st.sampled_from([{}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.7},
+                        {"logit_bias": {7: 100.0}}, {"min_tokens": 5}, {"min_tokens": 2}, {"temperature": 0.8, "seed": 1}]),
+       st.integers(0, 6), st.integers(0, 2**31 - 1))
+def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fields, generated, seed):
+    """Greedy rows with nothing that changes their logits (``acceptance.raw_argmax``) skip the
+    penalty pass; an all-allowing grammar bitmask forces that pass on the same inputs: the
+    emitted tokens must not change, whichever options the row has."""
+    g = torch.Generator().manual_seed(seed)
+    k, sp = 4, SamplingParams(**fields)
+    counts = torch.randint(0, 3, (1, VOCAB), generator=g, dtype=torch.int32)
+    rows = RowFacts(slots=[0], params=[sp], generated=[generated], counts=counts, prompt_mask=torch.rand(1, VOCAB, generator=g) < 0.3)
+    logits = torch.randn(1, k, VOCAB, generator=g)
+    logits[0, :, 7] = logits[0].max(-1).values + 0.05  # a biased token close to the top: a bias or penalty flips the argmax
+    u = Uniforms(draft=torch.rand(1, k - 1, generator=g), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
+    history = [3, 7, 7, 9, 3, 7]
+    proposal = ngram_proposal(ngram_rt, rows, [history[-1]], [history], u)
+    masked = attrs.evolve(proposal, masks=[torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)] * k)
+    width = ngram_rt.plan.topk_width
+    assert accept(ngram_rt, width, rows, proposal, logits, u) == accept(ngram_rt, width, rows, masked, logits, u)
+
+
 # --- errors ---------------------------------------------------------------------------------------
 
 

@@ -59,6 +59,15 @@ def accept_sampled(drafts: Sequence[int], q: Tensor, p: Tensor, accept_u: Tensor
     return out
 
 
+def raw_argmax(sp: SamplingParams, generated: int) -> bool:
+    """Whether a row takes the argmax of its raw logits at every position of a speculate step:
+    greedy, no penalties, no ``logit_bias`` and ``min_tokens`` reached (``generated`` tokens so
+    far), so its penalized logits (``sampling.penalized_logits``) are its raw logits, bit for bit.
+    (Acceptance then skips the (n, k, V) penalty pass: 5 ms of a 30 ms SmolLM2 step, measured.)"""
+    return (sp.greedy and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
+            and not sp.logit_bias and generated >= sp.min_tokens)
+
+
 @attrs.frozen
 class Uniforms:
     """The uniforms of one speculate step: ``draft`` (n, k-1) for drafting, ``accept`` (n, k-1)
@@ -131,11 +140,14 @@ class Proposal:
 
 def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
     """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
-    penalized logits (n, k, V) at every position, sampled rows by :func:`accept_sampled` with the
+    penalized logits (n, k, V) at every position (of the raw logits when every row is
+    :func:`raw_argmax` and none has a grammar mask: the same argmax, without the penalty pass), sampled rows by :func:`accept_sampled` with the
     target's p and the draft's q (top-k packed for the drafter's ``draft_width``) computed with
     the sampler inputs of each position."""
     n, k = logits.shape[:2]
     drafts = proposal.tokens
+    if all(m is None for m in proposal.masks) and all(map(raw_argmax, rows.params, rows.generated)):
+        return [accept_greedy(d, a) for d, a in zip(drafts, logits.argmax(-1).tolist())]
     last = position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n), proposal.masks[k - 1])
     stacked = stack_positions([*proposal.targets, last])
     flat_logits = logits.reshape(n * k, -1)
