@@ -327,6 +327,28 @@ def test_compiled_fused_cached_attention_reads_blocks(cache_dtype: torch.dtype, 
     torch.testing.assert_close(out.double(), naive_attention(q, k, v, table, BLOCK_POSITIONS, mask), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("heads,kv_heads,tokens,head_dim", [(9, 3, 1, 64), (8, 2, 1, 64), (8, 2, 5, 16), (6, 3, 2, 32)])
+def test_cached_attention_query_heads_sharing_a_kv_head_equal_each_head_alone(cache: str, heads: int, kv_heads: int,
+                                                                               tokens: int, head_dim: int) -> None:
+    """The query heads of a KV head go through its keys and values together (each chunk widened
+    once for up to 3 or 4 of them); every head's output must be the one it gets alone (one query
+    head over one KV head), bit for bit, whatever the group size, tokens or cache dtype."""
+    g = torch.Generator().manual_seed(heads * 100 + tokens)
+    B, S = 2, 44
+    k, v = (torch.randn(B, kv_heads, S, head_dim, generator=g) for _ in range(2))
+    k, v = (store_rows(x, torch.empty(0, dtype=getattr(torch, cache))) for x in (k, v))
+    q = torch.randn(B, heads, tokens, head_dim, generator=g)
+    mask = torch.rand(B, 1, tokens, S, generator=g) < 0.9
+    table = torch.arange(B, dtype=torch.int32)[:, None]
+    together = kernel_cached_attention(q, k, v, table, S, mask)
+    group = heads // kv_heads
+    for h in range(heads):
+        kh, vh = (x[:, h // group : h // group + 1].contiguous() for x in (k, v))
+        alone = kernel_cached_attention(q[:, h : h + 1].contiguous(), kh, vh, table, S, mask)
+        assert torch.equal(together[:, h : h + 1], alone), f"head {h}"
+
+
 def test_cached_attention_kernel_rejects_bad_block_tables() -> None:
     q, mask = torch.randn(2, 4, 1, 16), torch.ones(2, 1, 1, 10, dtype=torch.bool)
     cache = torch.randn(5, 2, 4, 16)  # 5 blocks of 4 positions

@@ -488,6 +488,54 @@ inline void axpy_rows(const float* p, const C* v, int64_t ld, int64_t D, float* 
 }
 #endif
 
+#if defined(NFX_AVX2) && !defined(NFX_ATTN_AVX512)
+#define NFX_ATTN_AVX2 1
+// The AVX2 forms of dot_rows / axpy_rows (8 lanes, D a multiple of 8), for up to 3 rows: 3 x 4
+// accumulators, 3 query chunks and one key fill the 16 registers. Each (row, key) sum runs in
+// dot4's order and each output in axpy<4>'s, so the results are theirs bit for bit; what changes
+// is that a key or value chunk is widened once for all R rows, not once per row (an int8 or bf16
+// chunk costs two instructions to widen, the product one).
+template <int R, typename C>
+inline void dot_rows8(const float* q, const C* k, int64_t ld, int64_t D, float* out) {
+  __m256 acc[R][4];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q + r * D + d);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kv = load8(k + i * ld + d);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm256_fmadd_ps(qv[r], kv, acc[r][i]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    _mm_storeu_ps(out + 4 * r, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+}
+
+template <int R, typename C>
+inline void axpy_rows8(const float* p, const C* v, int64_t ld, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 v0 = load8(v + d), v1 = load8(v + ld + d), v2 = load8(v + 2 * ld + d), v3 = load8(v + 3 * ld + d);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      __m256 a = _mm256_loadu_ps(out + r * D + d);
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[4 * r]), v0, a);
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[4 * r + 1]), v1, a);
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[4 * r + 2]), v2, a);
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[4 * r + 3]), v3, a);
+      _mm256_storeu_ps(out + r * D + d, a);
+    }
+  }
+}
+#endif
+
 // dots[4 r + i] = q_r . k_i for n <= 4 query rows (stride D) and 4 keys (stride ld).
 template <typename C>
 inline void dots_4keys(int64_t n, const float* q, const C* k, int64_t ld, int64_t D, float* dots) {
@@ -498,6 +546,16 @@ inline void dots_4keys(int64_t n, const float* q, const C* k, int64_t ld, int64_
       case 3: return dot_rows<3>(q, k, ld, D, dots);
       case 2: return dot_rows<2>(q, k, ld, D, dots);
       default: return dot_rows<1>(q, k, ld, D, dots);
+    }
+  }
+#endif
+#ifdef NFX_ATTN_AVX2
+  if (D % 8 == 0) {
+    switch (n) {
+      case 4: dot_rows8<2>(q, k, ld, D, dots); return dot_rows8<2>(q + 2 * D, k, ld, D, dots + 8);
+      case 3: return dot_rows8<3>(q, k, ld, D, dots);
+      case 2: return dot_rows8<2>(q, k, ld, D, dots);
+      default: return dot_rows8<1>(q, k, ld, D, dots);
     }
   }
 #endif
@@ -514,6 +572,16 @@ inline void axpy_4values(int64_t n, const float* p, const C* v, int64_t ld, int6
       case 3: return axpy_rows<3>(p, v, ld, D, out);
       case 2: return axpy_rows<2>(p, v, ld, D, out);
       default: return axpy_rows<1>(p, v, ld, D, out);
+    }
+  }
+#endif
+#ifdef NFX_ATTN_AVX2
+  if (D % 8 == 0) {
+    switch (n) {
+      case 4: axpy_rows8<2>(p, v, ld, D, out); return axpy_rows8<2>(p + 8, v, ld, D, out + 2 * D);
+      case 3: return axpy_rows8<3>(p, v, ld, D, out);
+      case 2: return axpy_rows8<2>(p, v, ld, D, out);
+      default: return axpy_rows8<1>(p, v, ld, D, out);
     }
   }
 #endif
