@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from unittest import mock
 
 import attrs
 import pytest
@@ -210,8 +211,8 @@ def test_sampled_acceptance_keeps_the_target_distribution(ngram_rt):
        st.integers(0, 6), st.integers(0, 2**31 - 1))
 def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fields, generated, seed):
     """Greedy rows with nothing that changes their logits (``acceptance.raw_argmax``) skip the
-    penalty pass; an all-allowing grammar bitmask forces that pass on the same inputs: the
-    emitted tokens must not change, whichever options the row has."""
+    penalty pass and their proposal carries no sampler inputs; the same step with that shortcut
+    off (``raw_argmax`` patched to False) must emit the same tokens, whichever options the row has."""
     g = torch.Generator().manual_seed(seed)
     k, sp = 4, SamplingParams(**fields)
     counts = torch.randint(0, 3, (1, VOCAB), generator=g, dtype=torch.int32)
@@ -219,11 +220,17 @@ def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fi
     logits = torch.randn(1, k, VOCAB, generator=g)
     logits[0, :, 7] = logits[0].max(-1).values + 0.05  # a biased token close to the top: a bias or penalty flips the argmax
     u = Uniforms(draft=torch.rand(1, k - 1, generator=g), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
-    history = [3, 7, 7, 9, 3, 7]
-    proposal = ngram_proposal(ngram_rt, rows, [history[-1]], [history], u)
-    masked = attrs.evolve(proposal, masks=[torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)] * k)
-    width = ngram_rt.plan.topk_width
-    assert accept(ngram_rt, width, rows, proposal, logits, u) == accept(ngram_rt, width, rows, masked, logits, u)
+    history, width = [3, 7, 7, 9, 3, 7], ngram_rt.plan.topk_width
+
+    def emitted() -> tuple[bool, list[list[int]]]:
+        proposal = ngram_proposal(ngram_rt, rows, [history[-1]], [history], u)
+        return proposal.raw_greedy, accept(ngram_rt, width, rows, proposal, logits, u)
+
+    shortcut, fast = emitted()
+    with mock.patch("neuronfx.runtime.drafts.raw_argmax", return_value=False), \
+            mock.patch("neuronfx.runtime.acceptance.raw_argmax", return_value=False):
+        assert emitted() == (False, fast)
+    assert shortcut == (sp.greedy and fields.get("min_tokens", 0) <= generated and set(fields) <= {"min_tokens"})
 
 
 # --- errors ---------------------------------------------------------------------------------------

@@ -128,7 +128,9 @@ class Proposal:
     packed for the target's width), which acceptance reuses; ``masks``: the token bitmask
     ((n, W) int32, or None) of each of the k positions, the last for the bonus token;
     ``drafted``: how many of each row's k - 1 tokens were proposed (prompt lookup pads its
-    shorter proposals with filler, verified like the rest; None: all of them)."""
+    shorter proposals with filler, verified like the rest; None: all of them); ``raw_greedy``:
+    every row :func:`raw_argmax` without a grammar, so the drafter may leave ``logits``,
+    ``samplers`` and ``targets`` empty (acceptance takes the raw argmax)."""
 
     tokens: list[list[int]]
     logits: list[Tensor]
@@ -136,17 +138,19 @@ class Proposal:
     targets: list[SamplerInputs]
     masks: list[Tensor | None]
     drafted: tuple[int, ...] | None = None  # [n] drafts each row's drafter really proposed, filler excluded (None: k - 1 each)
+    raw_greedy: bool = False  # every row raw_argmax and none with a grammar: logits, samplers and targets may be empty
 
 
 def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
     """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
-    penalized logits (n, k, V) at every position (of the raw logits when every row is
-    :func:`raw_argmax` and none has a grammar mask: the same argmax, without the penalty pass), sampled rows by :func:`accept_sampled` with the
+    penalized logits (n, k, V) at every position (of the raw logits when the proposal is
+    ``raw_greedy`` or every row is :func:`raw_argmax` without a grammar mask: the same argmax,
+    without the penalty pass), sampled rows by :func:`accept_sampled` with the
     target's p and the draft's q (top-k packed for the drafter's ``draft_width``) computed with
     the sampler inputs of each position."""
     n, k = logits.shape[:2]
     drafts = proposal.tokens
-    if all(m is None for m in proposal.masks) and all(map(raw_argmax, rows.params, rows.generated)):
+    if proposal.raw_greedy or (all(m is None for m in proposal.masks) and all(map(raw_argmax, rows.params, rows.generated))):
         return [accept_greedy(d, a) for d, a in zip(drafts, logits.argmax(-1).tolist())]
     last = position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n), proposal.masks[k - 1])
     stacked = stack_positions([*proposal.targets, last])

@@ -18,7 +18,7 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.graphs.phases.sampling import sample
-from neuronfx.runtime.acceptance import Proposal, RowFacts, Uniforms, position_sampler
+from neuronfx.runtime.acceptance import Proposal, RowFacts, Uniforms, position_sampler, raw_argmax
 from neuronfx.runtime.batch import sampler_inputs
 from neuronfx.runtime.ngram import ngram_propose
 from neuronfx.runtime.pipeline import plan_rows, run_rows
@@ -119,16 +119,20 @@ def ngram_proposal(runtime: Runtime, rows: RowFacts, x0: Sequence[int], history:
     sampled rows keep the target's distribution (rejection sampling with a deterministic draft).
     The target's sampler and mask at each position are as for any drafter (:class:`DraftWalk`).
     ``Proposal.drafted``: each row's lookup length (0 when nothing matched: the row is verified
-    all the same, its filler accepted only where the target agrees)."""
+    all the same, its filler accepted only where the target agrees). When every row is
+    ``acceptance.raw_argmax`` and none has a grammar, the proposal is ``raw_greedy`` and carries
+    no draft logits or sampler inputs (acceptance reads none)."""
     inf = runtime.plan.inference
     k, n, vocab = inf.speculation_length, len(rows.slots), runtime.plan.model.vocab_size
     found = [list(ngram_propose(h, k - 1, inf.prompt_lookup_min, inf.prompt_lookup_max)) for h in history]
     if constraints is not None:  # a matcher must never consume a token its grammar refuses
         found = [f[: m.validate(f)] if m is not None and f else f for f, m in zip(found, constraints)]
-    zeros = torch.zeros(n, vocab)
-    greedy = sampler_inputs(runtime, [GREEDY] * n, zeros.int(), zeros.bool(), zeros, torch.zeros(n), n)
+    raw = all(map(raw_argmax, rows.params, rows.generated)) and all(m is None for m in constraints or ())
+    if not raw:
+        zeros = torch.zeros(n, vocab)
+        greedy = sampler_inputs(runtime, [GREEDY] * n, zeros.int(), zeros.bool(), zeros, torch.zeros(n), n)
     proposal = Proposal(tokens=[[] for _ in range(n)], logits=[], samplers=[], targets=[], masks=[],
-                        drafted=tuple(len(f) for f in found))
+                        drafted=tuple(len(f) for f in found), raw_greedy=raw)
     walk = DraftWalk(constraints)
     try:  # the matchers are net unchanged even when a mask is refused
         for i in range(k - 1):
@@ -136,11 +140,12 @@ def ngram_proposal(runtime: Runtime, rows: RowFacts, x0: Sequence[int], history:
             for r, row in enumerate(proposal.tokens):
                 allowed = mask[r] if mask is not None and walk.walking(r) else None
                 row.append(found[r][i] if i < len(found[r]) else _filler(row, x0[r], allowed))
-            drafts = torch.tensor([[row[i]] for row in proposal.tokens])
             proposal.masks.append(mask)
-            proposal.targets.append(position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i], mask))
-            proposal.logits.append(zeros.scatter(1, drafts, 1.0))
-            proposal.samplers.append(greedy)
+            if not raw:  # what sampled acceptance reads (q, p and their samplers); raw greedy rows need none of it
+                drafts = torch.tensor([[row[i]] for row in proposal.tokens])
+                proposal.targets.append(position_sampler(runtime, rows, proposal.tokens, i, u.draft[:, i], mask))
+                proposal.logits.append(zeros.scatter(1, drafts, 1.0))
+                proposal.samplers.append(greedy)
             walk.advance([row[i] for row in proposal.tokens])
         proposal.masks.append(walk.mask(runtime, rows, k - 1))
     finally:
