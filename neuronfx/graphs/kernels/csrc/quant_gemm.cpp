@@ -584,13 +584,27 @@ struct IsInt8<Int8Layout<S>> : std::true_type {};
 // Accumulators a tile of layout L keeps in registers (MT * NT): the 4-bit paths of AVX-512
 // (lookup table, int8 x) and int8 per channel (no groups: no partial sums) keep only their
 // sums, 16 of the 32 zmm (8 rows of x meet 2 weight rows, so each x load serves two FMAs);
+// int8 per channel on AVX2 12 of the 16 ymm (5 rows of x meet 2 weight rows: with 4, a verify
+// pass's 5 rows ran as 4 + 1 single-row tiles, each on one FMA chain per row, 1.37x slower);
 // the others Isa::kRegs.
 template <typename L>
 constexpr int regs() {
 #if defined(NFX_Q_AVX512)
   if constexpr (L::kNibbles || IsInt8<L>::value) return 16;
+#elif defined(NFX_Q_AVX2)
+  if constexpr (IsInt8<L>::value) return 12;
 #endif
   return Isa::kRegs;
+}
+
+// The most weight rows one tile takes: 8, but 4 for int8 weights on AVX2, where their 12
+// registers would let one row of x meet 8 (measured 5-8% slower than 4 at one row).
+template <typename L>
+constexpr int max_nt() {
+#if defined(NFX_Q_AVX2)
+  if constexpr (IsInt8<L>::value) return 4;
+#endif
+  return 8;
 }
 
 // Rows [m, m + R) of x against weight rows [n, n + NT), R < 8 known only at run time.
@@ -618,12 +632,12 @@ inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out
 // on AVX-512: independent FMA chains for the pipelines and fewer tile ends).
 template <typename L>
 void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, const Out& out) {
-  constexpr int kRegs = regs<L>();
+  constexpr int kRegs = regs<L>(), kMaxNt = max_nt<L>();
   const int64_t mt = std::min<int64_t>({M, 8, kRegs});
   const int64_t per = kRegs / mt;
-  const int64_t nt = per >= 8 ? 8 : per >= 4 ? 4 : per >= 2 ? 2 : 1;
+  const int64_t nt = per >= 8 && kMaxNt >= 8 ? 8 : per >= 4 ? 4 : per >= 2 ? 2 : 1;
   int64_t n = n0;
-  if constexpr (kRegs >= 8)
+  if constexpr (kRegs >= 8 && kMaxNt >= 8)
     if (nt == 8)
       for (; n + 8 <= n1; n += 8) all_rows<8>(lay, xs, M, n, out);
   if (nt >= 4)
