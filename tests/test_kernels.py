@@ -328,14 +328,15 @@ def test_compiled_fused_cached_attention_reads_blocks(cache_dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("heads,kv_heads,tokens,head_dim", [(9, 3, 1, 64), (8, 2, 1, 64), (8, 2, 5, 16), (6, 3, 2, 32)])
+@pytest.mark.parametrize("heads,kv_heads,tokens,head_dim", [(9, 3, 1, 64), (8, 2, 1, 64), (8, 2, 5, 16), (6, 3, 2, 32),
+                                                           (6, 2, 1, 24)])
 def test_cached_attention_query_heads_sharing_a_kv_head_equal_each_head_alone(cache: str, heads: int, kv_heads: int,
                                                                                tokens: int, head_dim: int) -> None:
     """The query heads of a KV head go through its keys and values together (each chunk widened
     once for up to 3 or 4 of them); every head's output must be the one it gets alone (one query
     head over one KV head), bit for bit, whatever the group size, tokens or cache dtype."""
     g = torch.Generator().manual_seed(heads * 100 + tokens)
-    B, S = 2, 44
+    B, S = 2, 45  # a key past the last group of four
     k, v = (torch.randn(B, kv_heads, S, head_dim, generator=g) for _ in range(2))
     k, v = (store_rows(x, torch.empty(0, dtype=getattr(torch, cache))) for x in (k, v))
     q = torch.randn(B, heads, tokens, head_dim, generator=g)

@@ -206,19 +206,27 @@ def test_sampled_acceptance_keeps_the_target_distribution(ngram_rt):
     assert p_value > ALPHA, f"p={p_value:.2g}"
 
 
-@given(st.sampled_from([{}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.7},
-                        {"logit_bias": {7: 100.0}}, {"min_tokens": 5}, {"min_tokens": 2}, {"temperature": 0.8, "seed": 1}]),
-       st.integers(0, 6), st.integers(0, 2**31 - 1))
-def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fields, generated, seed):
+RAW_OPTIONS = [{}, {"top_k": 1, "temperature": 0.8}, {"min_tokens": 2, "stop_token_ids": (7, 9)}]  # min_tokens reached at 2+
+
+
+@given(st.sampled_from([*RAW_OPTIONS, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.7},
+                        {"logit_bias": {7: 100.0}}, {"logit_bias": {9: -100.0}}, {"min_tokens": 5, "stop_token_ids": (7,)},
+                        {"temperature": 0.8, "seed": 1}]),
+       st.integers(0, 6), st.lists(st.sampled_from([7, 9, 3, 11]), min_size=4, max_size=4), st.integers(0, 2**31 - 1))
+def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fields, generated, tops, seed):
     """Greedy rows with nothing that changes their logits (``acceptance.raw_argmax``) skip the
     penalty pass and their proposal carries no sampler inputs; the same step with that shortcut
-    off (``raw_argmax`` patched to False) must emit the same tokens, whichever options the row has."""
+    off (``raw_argmax`` patched to False) must emit the same tokens, whichever options the row
+    has. Each position's top token (``tops``) sits just above the rest, so a bias, a penalty or a
+    pending min_tokens on it changes the answer, and the drafts [7, 9, 3] are accepted to
+    different depths."""
     g = torch.Generator().manual_seed(seed)
     k, sp = 4, SamplingParams(**fields)
     counts = torch.randint(0, 3, (1, VOCAB), generator=g, dtype=torch.int32)
     rows = RowFacts(slots=[0], params=[sp], generated=[generated], counts=counts, prompt_mask=torch.rand(1, VOCAB, generator=g) < 0.3)
     logits = torch.randn(1, k, VOCAB, generator=g)
-    logits[0, :, 7] = logits[0].max(-1).values + 0.05  # a biased token close to the top: a bias or penalty flips the argmax
+    for i, t in enumerate(tops):
+        logits[0, i, t] = logits[0, i].max() + 0.05
     u = Uniforms(draft=torch.rand(1, k - 1, generator=g), accept=torch.rand(1, k - 1, generator=g), final=torch.rand(1, k, generator=g))
     history, width = [3, 7, 7, 9, 3, 7], ngram_rt.plan.topk_width
 
@@ -230,7 +238,7 @@ def test_acceptance_without_a_penalty_pass_equals_the_penalized_one(ngram_rt, fi
     with mock.patch("neuronfx.runtime.drafts.raw_argmax", return_value=False), \
             mock.patch("neuronfx.runtime.acceptance.raw_argmax", return_value=False):
         assert emitted() == (False, fast)
-    assert shortcut == (sp.greedy and fields.get("min_tokens", 0) <= generated and set(fields) <= {"min_tokens"})
+    assert shortcut == (fields in RAW_OPTIONS and generated >= fields.get("min_tokens", 0))
 
 
 # --- errors ---------------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ def raw_argmax(sp: SamplingParams, generated: int) -> bool:
     """Whether a row takes the argmax of its raw logits at every position of a speculate step:
     greedy, no penalties, no ``logit_bias`` and ``min_tokens`` reached (``generated`` tokens so
     far), so its penalized logits (``sampling.penalized_logits``) are its raw logits, bit for bit.
-    (Acceptance then skips the (n, k, V) penalty pass: 5 ms of a 30 ms SmolLM2 step, measured.)"""
+    (Acceptance then skips the (n, k, V) penalty pass: 5 ms of a 37 ms fp32 SmolLM2 prompt-lookup
+    speculate step, measured.)"""
     return (sp.greedy and sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0
             and not sp.logit_bias and generated >= sp.min_tokens)
 
