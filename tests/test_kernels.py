@@ -19,6 +19,7 @@ from neuronfx.graphs.kernels.bundles import (
     kernel_cached_attention,
 )
 from neuronfx.graphs.kernels.library import (
+    FP32_KERNEL_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
     small_gemm,
     small_gemm_available,
@@ -43,7 +44,7 @@ def kernel() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 30])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_gemm_matches_float64(dtype: torch.dtype, rows: int, bias: bool) -> None:
     # K = 197 and N = 67 leave tails after the 8-wide vector loop and the 4/2-row tiles.
@@ -60,14 +61,18 @@ def test_small_gemm_matches_float64(dtype: torch.dtype, rows: int, bias: bool) -
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_gemm_rows_equal_each_row_alone(dtype: torch.dtype) -> None:
-    """Batch invariance: every row of an M-row product (M = 1..8 and 11) has the bits of that row
-    multiplied alone (a verify row of a speculate step reduces as its decode row)."""
+    """Batch invariance: every row of an M-row product (M = 1..8, 11, and fp32's 4 x 3 tiles up to
+    FP32_KERNEL_MAX_ROWS with each remainder of four) has the bits of that row multiplied alone
+    (a verify row of a speculate step reduces as its decode row); the same for small_glu.
+    N = 67 leaves one weight row after the groups of three, K = 197 a tail after the 8-wide loop."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(11, 197, generator=g).to(dtype)
-    w = torch.randn(67, 197, generator=g).to(dtype)
-    alone = torch.cat([small_gemm(x[i : i + 1], w, None) for i in range(11)])
-    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11]:
+    x = torch.randn(FP32_KERNEL_MAX_ROWS, 197, generator=g).to(dtype)
+    w, gate, up = (torch.randn(67, 197, generator=g).to(dtype) for _ in range(3))
+    alone = torch.cat([small_gemm(x[i : i + 1], w, None) for i in range(len(x))])
+    glu_alone = torch.cat([small_glu(x[i : i + 1], gate, up) for i in range(len(x))])
+    for rows in [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 14, 32, FP32_KERNEL_MAX_ROWS - 1, FP32_KERNEL_MAX_ROWS]:
         assert torch.equal(small_gemm(x[:rows], w, None), alone[:rows]), rows
+        assert torch.equal(small_glu(x[:rows], gate, up), glu_alone[:rows]), rows
 
 
 def _ops_run(fn: object, *args: torch.Tensor) -> set[str]:
@@ -76,14 +81,20 @@ def _ops_run(fn: object, *args: torch.Tensor) -> set[str]:
     return {e.name for e in prof.events()}
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1])
-def test_compiled_linear_uses_kernel_up_to_max_rows(rows: int) -> None:
-    x, w = torch.randn(rows, 64), torch.randn(32, 64)
-    fn = torch.compile(linear, fullgraph=True, dynamic=False)
+@pytest.mark.parametrize(("dtype", "rows", "kernel"), [
+    ("float32", 1, True), ("float32", SMALL_GEMM_MAX_ROWS + 1, True), ("float32", FP32_KERNEL_MAX_ROWS, True),
+    ("float32", FP32_KERNEL_MAX_ROWS + 1, False), ("bfloat16", SMALL_GEMM_MAX_ROWS, True),
+    ("bfloat16", SMALL_GEMM_MAX_ROWS + 1, False)])
+def test_compiled_linear_uses_kernel_up_to_max_rows(dtype: str, rows: int, kernel: bool) -> None:
+    """small_gemm serves up to SMALL_GEMM_MAX_ROWS rows, fp32 weights up to FP32_KERNEL_MAX_ROWS."""
+    dt = getattr(torch, dtype)
+    x, w = torch.randn(rows, 64).to(dt), torch.randn(32, 64).to(dt)
+    fn = torch.compile(cpu_kernel_ops(dtype).linear, fullgraph=True, dynamic=False)
     out = fn(x, w)
-    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == "float32" else 2**-6
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=tol, atol=tol)
     ops = _ops_run(fn, x, w)
-    assert ("neuronfx::small_gemm" in ops) == (rows <= SMALL_GEMM_MAX_ROWS), sorted(ops)
+    assert ("neuronfx::small_gemm" in ops) == kernel, sorted(ops)
 
 
 def test_reference_linear_is_f_linear() -> None:

@@ -26,6 +26,7 @@ from neuronfx.graphs.kernels import library as cpu_kernels
 from neuronfx.graphs.kernels.activation_choice import FLOAT_PATHS, Int8Paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.kernels.library import (
+    FP32_KERNEL_MAX_ROWS,
     PACKED_KERNEL_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
     small_gemm,
@@ -111,9 +112,20 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.to(x.dtype)
 
 
+def _dense_kernel(x: Tensor, weights: Sequence[Weight], kernels: bool) -> bool:
+    """Whether ``small_gemm`` serves these float weights: up to SMALL_GEMM_MAX_ROWS rows, fp32
+    weights up to FP32_KERNEL_MAX_ROWS (where its 4 x 3 tiles measured faster than torch's GEMM)."""
+    if not kernels or _any_quantized(weights):
+        return False
+    rows = _rows(x)
+    fp32 = all(w.dtype == torch.float32 for w in weights)
+    return rows <= SMALL_GEMM_MAX_ROWS or (fp32 and rows <= FP32_KERNEL_MAX_ROWS)
+
+
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,
                int8: Int8Paths = FLOAT_PATHS) -> Tensor:
-    """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows run ``small_gemm``
+    """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows (fp32 weights:
+    FP32_KERNEL_MAX_ROWS) run ``small_gemm``
     (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
     products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
     ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
@@ -122,7 +134,7 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
     rows = _rows(x)
     if isinstance(weight, quant.QUANTIZED_TYPES):
         return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8=int8)
-    if kernels and rows <= SMALL_GEMM_MAX_ROWS:
+    if _dense_kernel(x, (weight,), kernels):
         return small_gemm(x, weight, bias)
     if weight.dtype != torch.float32 and rows == 1:
         return gemv(x, weight, bias)
@@ -185,7 +197,7 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
     """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, one
     ``w8a8_packed_multi`` / ``w4a8_packed_multi`` for packed int8 / 4-bit weights (any rows), or one ``quant_gemm_multi`` for
     quantized weights of one format and group size; otherwise one product each."""
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized(weights):
+    if _dense_kernel(x, weights, kernels):
         return small_gemm_multi(x, list(weights), list(biases))
     # the weights' type first: the row test would guard a prefill's dynamic bucket in every plan
     if all(isinstance(w, quant.Int8Packed) for w in weights) and _packed_kernel(x, kernels):
@@ -201,7 +213,7 @@ def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, 
     """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights), ``w8a8_packed_glu``
     / ``w4a8_packed_glu`` (packed int8 / 4-bit, any rows) or ``quant_glu`` (quantized, one format and group size) forms it from
     the fp32 values and rounds once."""
-    if kernels and _rows(x) <= SMALL_GEMM_MAX_ROWS and not _any_quantized((gate, up)):
+    if _dense_kernel(x, (gate, up), kernels):
         return small_glu(x, gate, up)
     if isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_glu(x, gate, up)

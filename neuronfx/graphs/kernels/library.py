@@ -1,7 +1,7 @@
 """Hand-written CPU kernels used inside compiled graphs (inductor backend).
 
 ``neuronfx::small_gemm(x, w, bias)``: ``x (..., K) @ w.T (+ bias)`` for at most
-:data:`SMALL_GEMM_MAX_ROWS` rows of x, weights fp32, bf16 or fp16 of shape (N, K), fp32
+:data:`SMALL_GEMM_MAX_ROWS` rows of x (fp32 weights: :data:`FP32_KERNEL_MAX_ROWS`), weights fp32, bf16 or fp16 of shape (N, K), fp32
 accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights against the same x in
 one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
 step, and torch's GEMM paths stream them slowly at M <= 8 (see docs/performance.md);
@@ -41,6 +41,14 @@ from neuronfx.graphs.models.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Pack
 SMALL_GEMM_MAX_ROWS = 8
 """Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
 bound and torch's blocked GEMM wins."""
+
+FP32_KERNEL_MAX_ROWS = 64
+"""Largest number of rows for which fp32 weights' products run ``small_gemm`` (its 4 x 3 tiles
+from 5 rows): SmolLM2's products on a 2-core AVX2 EPYC, 2 threads, took 75.5 ms at 32 rows
+against 131.5 for torch's GEMM and 149 against 190 at 64 (three alternating rounds,
+2026-12-06); prefill chunks of 128 rows and more stay on torch's GEMM (152 GFLOPS at 256 rows
+against the kernel's ~116). Batch buckets and speculation rows up to here also sum each row in
+one order, the single row's."""
 
 PACKED_KERNEL_MAX_ROWS = 64
 """Rows up to which packed int8 weights multiply in ``library.w8a8_packed``; above, torch's
