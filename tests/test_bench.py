@@ -341,3 +341,26 @@ def test_speculative_bench_needs_a_chat_template():
     plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"w0": 0}, unk_token="w0")))
     with pytest.raises(InputError, match="cannot render chat prompts .* an instruct model"):
         chat_prompts(plain)
+
+
+def test_kv_blocks_bench_tiny(tiny_checkpoint, capsys):
+    """`bench kv-blocks` on a tiny model: the blocks layout with its own batch buckets and a bf16
+    KV cache serves more requests at once than 2 slots, every output equal across the layouts and
+    to the lone runs."""
+    assert main(["bench", "kv-blocks", "--model", tiny_checkpoint.source, "--backend", "eager", "--slots", "8",
+                 "--sequence-length", "64", "--block-size", "8", "--max-num-seqs", "12", "--batch-buckets", "1", "8", "12",
+                 "--kv-cache-dtype", "bf16", "--chunk", "16", "--requests", "24", "--prompt-lens", "4", "24", "--output-lens",
+                 "16", "36", "--solo", "2", "--prompt-tokens", "8", "--gen-tokens", "3", "--rounds", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["capacity"]
+    assert data["same_outputs"] and data["solo_equal"] and data["blocks_batch_buckets"] == [1, 8, 12]
+    assert data["slots"]["peak_running"] == 8 < data["blocks"]["peak_running"] <= 12
+    assert data["slots"]["generated"] == data["blocks"]["generated"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-num-seqs", "16", "--batch-buckets", "1", "8"], "batch_buckets"),
+    (["--slots", "4"], "--slots has [4]; each value must be >= 8."),
+])
+def test_kv_blocks_bench_rejects_bad_sizes(tiny_checkpoint, capsys, args, message):
+    assert main(["bench", "kv-blocks", "--model", tiny_checkpoint.source, "--backend", "eager", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -11,9 +11,11 @@
    ``--gen-tokens`` tokens) on each layout, ``--rounds`` alternating rounds. Target: the blocks
    layout within 5% of slots.
 
-The blocks layout's runtime holds ``--max-num-seqs`` request slots (its batch size) and
-``--slots x --sequence-length / --block-size`` blocks; both layouts chunk prompts at
-``--chunk`` tokens (the blocks layout recomputes preempted requests through the chunk graphs)."""
+The blocks layout's runtime holds ``--max-num-seqs`` request slots (its batch size, compiled
+at ``--batch-buckets`` rows, by default the plan's 1, 2, 4, ...) and ``--slots x
+--sequence-length / --block-size`` blocks; both layouts chunk prompts at ``--chunk`` tokens (the
+blocks layout recomputes preempted requests through the chunk graphs) and store the KV cache in
+``--kv-cache-dtype``. ``--slots`` and ``--max-num-seqs`` are at least 8 (figure 2's batch)."""
 
 from __future__ import annotations
 
@@ -29,11 +31,14 @@ from neuronfx.bench.rounds import ab_rounds, format_ab, median
 from neuronfx.bench.types import Benchmark
 from neuronfx.bench.workload import check_range, random_ids
 from neuronfx.config.inference import ACTIVATION_FORMATS, WEIGHT_FORMATS
+from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
 from neuronfx.io import checkpoints
 from neuronfx.runtime.requests import Queue, submit
 from neuronfx.runtime.scheduler import step
 
 NO_EOS: frozenset[int] = frozenset()
+DECODE_ROWS = (1, 8)
+"""Batch sizes of figure 2 (decode speed)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-length", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16, help="kv_block_size of the blocks layout (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="request slots of the blocks layout (default 64)")
+    p.add_argument("--batch-buckets", type=int, nargs="+", default=None, metavar="ROWS",
+                   help="compiled batch sizes of the blocks layout, ending at --max-num-seqs (default 1, 2, 4, ... as the plan's)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, type=canonical_kv_cache_dtype, default="auto",
+                   help="KV cache dtype of both layouts (default auto: the plan's dtype)")
     p.add_argument("--chunk", type=int, default=256, help="prefill_chunk_size of both layouts (default 256)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-lens", type=int, nargs=2, default=(32, 1500), metavar=("MIN", "MAX"))
@@ -98,9 +107,10 @@ def compile_layouts(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, 
     blocks = args.slots * args.sequence_length // args.block_size
     base = dict(backend=args.backend, dtype=args.dtype, max_context_length=args.sequence_length,
                 sequence_length=args.sequence_length, prefill_chunk_size=args.chunk, weight_format=args.weight_format,
-                activation_format=args.activation_format)
+                activation_format=args.activation_format, kv_cache_dtype=args.kv_cache_dtype)
     sides = {"slots": dict(batch_size=args.slots),
-             "blocks": dict(batch_size=args.max_num_seqs, kv_layout="blocks", kv_block_size=args.block_size, num_kv_blocks=blocks)}
+             "blocks": dict(batch_size=args.max_num_seqs, kv_layout="blocks", kv_block_size=args.block_size, num_kv_blocks=blocks,
+                            batch_buckets=tuple(args.batch_buckets) if args.batch_buckets else None)}
     runtimes = {}
     for name, options in sides.items():
         t0 = time.perf_counter()
@@ -118,13 +128,13 @@ def capacity(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namespace, vo
     return {name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()} | {
         "same_outputs": runs["slots"]["outputs"] == runs["blocks"]["outputs"],
         "solo_equal": solo == runs["blocks"]["outputs"][:args.solo],
-        "prompt_tokens": sum(len(r.prompt) for r in requests)}
+        "prompt_tokens": sum(len(r.prompt) for r in requests), "blocks_batch_buckets": list(runtimes["blocks"].plan.batch_buckets)}
 
 
 def decode_speed(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """Figure 2: ITL p50 per round at batch 1 and 8, the layouts alternating."""
     out = {}
-    for b in (1, 8):
+    for b in DECODE_ROWS:
         prompts = [random_ids(vocab, args.prompt_tokens, 7 + i) for i in range(b)]
         out[b] = ab_rounds({"slots": runtimes["slots"], "blocks": runtimes["blocks"]}, prompts, args.gen_tokens, args.rounds)
     return out
@@ -136,8 +146,9 @@ def report(cap: dict[str, Any], speed: dict[int, dict[str, list[float]]], args: 
     peak_x, tok_x = b["peak_running"] / s["peak_running"], b["output_tok_s"] / s["output_tok_s"]
     lines = [f"capacity: {args.requests} requests, prompts {args.prompt_lens[0]}-{args.prompt_lens[1]} and outputs "
              f"{args.output_lens[0]}-{args.output_lens[1]} tokens (log-uniform, seed {args.seed}; {cap['prompt_tokens']} prompt "
-             f"tokens), KV budget {args.slots} x {args.sequence_length} positions, {args.backend} {args.dtype}, weights "
-             f"{args.weight_format}, activations {args.activation_format}:"]
+             f"tokens), KV budget {args.slots} x {args.sequence_length} positions ({args.kv_cache_dtype}), {args.backend} "
+             f"{args.dtype}, weights {args.weight_format}, activations {args.activation_format}, batch buckets of the blocks "
+             f"layout {cap['blocks_batch_buckets']}:"]
     for name, run in (("slots", s), ("blocks", b)):
         lines.append(f"  {name:6s} peak running {run['peak_running']:3d}, output {run['output_tok_s']:7.1f} tok/s "
                      f"({run['generated']} tokens in {run['seconds']:.1f} s), preemptions {run['preemptions']}")
@@ -158,6 +169,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "rounds"):
         check_at_least(name, getattr(args, name), 1)
     check_at_least("solo", args.solo, 0)
+    for name in ("slots", "max_num_seqs"):  # figure 2 decodes 8 rows on both layouts
+        check_at_least(name, getattr(args, name), DECODE_ROWS[-1])
     check_range("prompt-lens", args.prompt_lens, 1)
     check_range("output-lens", args.output_lens, 1)
     set_threads(args.threads)
