@@ -656,6 +656,16 @@ inline float softmax_weights(float* w, int64_t S) {
   return sum;
 }
 
+constexpr int64_t kAhead = 32;  // positions; a multiple of 4, so 4 keys there share a block
+
+// Prefetches the 4 cache rows (stride ld elements) at p into L1, one cache line at a time.
+template <typename C>
+inline void prefetch4(const C* p, int64_t ld) {
+  const char* b = reinterpret_cast<const char*>(p);
+  const int64_t bytes = 4 * ld * static_cast<int64_t>(sizeof(C));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(b + off, 0, 3);
+}
+
 // Whether any (all) of the T mask rows (stride S) attends keys j .. j + 3.
 inline bool any4(const bool* m, int64_t T, int64_t S, int64_t j) {
   bool any = false;
@@ -685,11 +695,25 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
                   int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
   const int64_t R = group * T;
   float dots[16], p[16];
+  // Blocks (not one window: the slots layout) are prefetched kAhead positions ahead: the hardware
+  // prefetcher does not follow a jump to another block, and each block met its first reads cold
+  // (SmolLM2's fp32 cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12
+  // GB/s; with the prefetch 82 ms, as the slots layout's 69-80).
+  const bool ahead = bs < S;
+  auto upcoming = [&](int64_t j) -> const C* {  // the rows of 4 keys kAhead positions after j, then the values
+    const int64_t a = j + kAhead;
+    if (a + 4 <= S) return kb[a / bs] + (a % bs) * ld;
+    if (a >= S && a - S + 4 <= S) return vb[(a - S) / bs] + ((a - S) % bs) * ld;
+    return nullptr;
+  };
   for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
     const int64_t end = std::min(S, j0 + bs);
     const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
+      if (ahead) {
+        if (const C* f = upcoming(j)) prefetch4(f, ld);
+      }
       if (!any4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
         continue;
@@ -725,6 +749,7 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       const C* vj = v + (j - j0) * ld;
+      if (ahead && j + kAhead + 4 <= S) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
       if (!all4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t i = 0; i < 4; ++i) one(r, j + i, vj + i * ld);
