@@ -353,14 +353,17 @@ def test_kv_blocks_bench_tiny(tiny_checkpoint, capsys):
                  "16", "36", "--solo", "2", "--prompt-tokens", "8", "--gen-tokens", "3", "--rounds", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["capacity"]
     assert data["same_outputs"] and data["solo_equal"] and data["blocks_batch_buckets"] == [1, 8, 12]
+    assert data["kv_dtypes"] == {"slots": "bfloat16", "blocks": "bfloat16"}
     assert data["slots"]["peak_running"] == 8 < data["blocks"]["peak_running"] <= 12
     assert data["slots"]["generated"] == data["blocks"]["generated"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-num-seqs", "16", "--batch-buckets", "1", "8"], "batch_buckets"),
-    (["--slots", "4"], "--slots has [4]; each value must be >= 8."),
+    (["--max-num-seqs", "16", "--batch-buckets", "1", "8"], "--batch-buckets ends at 8; the blocks layout's largest batch bucket"),
+    (["--max-num-seqs", "16", "--batch-buckets", "8", "4", "16"], "batch_buckets=(8, 4, 16) must be strictly increasing"),
+    (["--slots", "4"], "--slots=4 is below 8: figure 2 decodes batch 8 on both layouts"),
 ])
 def test_kv_blocks_bench_rejects_bad_sizes(tiny_checkpoint, capsys, args, message):
+    """Bad sizes are named before anything compiles (the buckets' order: by the plan, before either layout compiles)."""
     assert main(["bench", "kv-blocks", "--model", tiny_checkpoint.source, "--backend", "eager", *args]) == 2
     assert message in capsys.readouterr().err

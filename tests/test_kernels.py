@@ -97,6 +97,26 @@ def test_compiled_linear_uses_kernel_up_to_max_rows(dtype: str, rows: int, kerne
     assert ("neuronfx::small_gemm" in ops) == kernel, sorted(ops)
 
 
+@pytest.mark.parametrize(("dtype", "rows", "kernel"), [
+    ("float32", 32, True), ("float32", FP32_KERNEL_MAX_ROWS + 1, False), ("bfloat16", SMALL_GEMM_MAX_ROWS + 1, False)])
+def test_compiled_projections_and_glu_use_kernels_up_to_max_rows(dtype: str, rows: int, kernel: bool) -> None:
+    """Q/K/V as one small_gemm_multi call and SwiGLU as one small_glu call at the same row limits as linear."""
+    torch._dynamo.reset()  # cpu_glu's code object is compiled for many shapes across this file: dynamo's recompile limit
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).to(dt)
+    ws = [torch.randn(n, 64, generator=g).to(dt) for n in (64, 32, 32)]
+    ops = cpu_kernel_ops(dtype)
+    proj = torch.compile(lambda x, a, b, c: ops.projections(x, [a, b, c], [None, None, None]), fullgraph=True, dynamic=False)
+    glu = torch.compile(ops.glu, fullgraph=True, dynamic=False)
+    tol = 1e-5 if dtype == "float32" else 2**-6
+    for out, w in zip(proj(x, *ws), ws, strict=True):
+        torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=tol, atol=tol)
+    torch.testing.assert_close(glu(x, ws[1], ws[2]).float(), REFERENCE_OPS.glu(x, ws[1], ws[2]).float(), rtol=tol, atol=tol)
+    assert ("neuronfx::small_gemm_multi" in _ops_run(proj, x, *ws)) == kernel
+    assert ("neuronfx::small_glu" in _ops_run(glu, x, ws[1], ws[2])) == kernel
+
+
 def test_reference_linear_is_f_linear() -> None:
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     assert "neuronfx::small_gemm" not in _ops_run(REFERENCE_OPS.linear, x, w)

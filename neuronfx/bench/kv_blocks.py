@@ -32,6 +32,7 @@ from neuronfx.bench.types import Benchmark
 from neuronfx.bench.workload import check_range, random_ids
 from neuronfx.config.inference import ACTIVATION_FORMATS, WEIGHT_FORMATS
 from neuronfx.config.kv import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from neuronfx.errors import InputError
 from neuronfx.io import checkpoints
 from neuronfx.runtime.requests import Queue, submit
 from neuronfx.runtime.scheduler import step
@@ -103,7 +104,8 @@ def serve(runtime: neuronfx.Runtime, requests: list[neuronfx.Request]) -> dict[s
 
 
 def compile_layouts(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, neuronfx.Runtime]:
-    """The two runtimes: the same plan but the KV layout (and the blocks layout's request slots)."""
+    """The two runtimes: the same plan but the KV layout (and the blocks layout's request slots
+    and batch buckets)."""
     blocks = args.slots * args.sequence_length // args.block_size
     base = dict(backend=args.backend, dtype=args.dtype, max_context_length=args.sequence_length,
                 sequence_length=args.sequence_length, prefill_chunk_size=args.chunk, weight_format=args.weight_format,
@@ -111,10 +113,11 @@ def compile_layouts(ckpt: Any, args: argparse.Namespace, log: Log) -> dict[str, 
     sides = {"slots": dict(batch_size=args.slots),
              "blocks": dict(batch_size=args.max_num_seqs, kv_layout="blocks", kv_block_size=args.block_size, num_kv_blocks=blocks,
                             batch_buckets=tuple(args.batch_buckets) if args.batch_buckets else None)}
+    # both plans first: a bad option is a ConfigError before minutes of compiling the other layout
+    plans = {name: neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(**base, **options)) for name, options in sides.items()}
     runtimes = {}
-    for name, options in sides.items():
+    for name, plan in plans.items():
         t0 = time.perf_counter()
-        plan = neuronfx.make_plan(ckpt.config, neuronfx.InferenceConfig(**base, **options))
         runtimes[name] = neuronfx.compile(plan, ckpt.state_dict, progress=False)
         log(f"compiled {name}: {time.perf_counter() - t0:.0f} s, KV cache {plan.kv.nbytes / 2**20:.0f} MiB {plan.kv.shape}")
     return runtimes
@@ -128,7 +131,8 @@ def capacity(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namespace, vo
     return {name: {k: v for k, v in run.items() if k != "outputs"} for name, run in runs.items()} | {
         "same_outputs": runs["slots"]["outputs"] == runs["blocks"]["outputs"],
         "solo_equal": solo == runs["blocks"]["outputs"][:args.solo],
-        "prompt_tokens": sum(len(r.prompt) for r in requests), "blocks_batch_buckets": list(runtimes["blocks"].plan.batch_buckets)}
+        "prompt_tokens": sum(len(r.prompt) for r in requests), "blocks_batch_buckets": list(runtimes["blocks"].plan.batch_buckets),
+        "kv_dtypes": {name: rt.plan.kv.dtype for name, rt in runtimes.items()}}
 
 
 def decode_speed(runtimes: dict[str, neuronfx.Runtime], args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -169,8 +173,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "rounds"):
         check_at_least(name, getattr(args, name), 1)
     check_at_least("solo", args.solo, 0)
-    for name in ("slots", "max_num_seqs"):  # figure 2 decodes 8 rows on both layouts
-        check_at_least(name, getattr(args, name), DECODE_ROWS[-1])
+    for name in ("slots", "max_num_seqs"):
+        if getattr(args, name) < DECODE_ROWS[-1]:
+            raise InputError(f"--{name.replace('_', '-')}={getattr(args, name)} is below {DECODE_ROWS[-1]}: figure 2 decodes "
+                             f"batch {DECODE_ROWS[-1]} on both layouts; raise it to at least {DECODE_ROWS[-1]}.")
+    if args.batch_buckets and args.batch_buckets[-1] != args.max_num_seqs:
+        raise InputError(f"--batch-buckets ends at {args.batch_buckets[-1]}; the blocks layout's largest batch bucket is its "
+                         f"batch size --max-num-seqs={args.max_num_seqs}: end the list there or change --max-num-seqs.")
     check_range("prompt-lens", args.prompt_lens, 1)
     check_range("output-lens", args.output_lens, 1)
     set_threads(args.threads)

@@ -181,7 +181,8 @@ class SharedCompile:
     """The compiled versions of one part that the buckets of a (phase, batch) share: a bucket
     reuses the first version whose guards accept its arguments, else compiles one more (with
     the bucket dimensions of ``dims`` dynamic). One version is the rule; more appear where a shape
-    guard splits the buckets, e.g. a product switching to ``small_gemm`` at 8 rows or less."""
+    guard splits the buckets, e.g. a product switching to ``small_gemm`` at its row limit (8 rows;
+    fp32 weights 64, so explicit prefill buckets of 64 and 128 compile two versions)."""
 
     def __init__(self, dims: BucketDims, options: dict | None = None, cache_dims: bool = False):
         self.dims = dims

@@ -26,7 +26,6 @@ from neuronfx.graphs.kernels import library as cpu_kernels
 from neuronfx.graphs.kernels.activation_choice import FLOAT_PATHS, Int8Paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
 from neuronfx.graphs.kernels.library import (
-    FP32_KERNEL_MAX_ROWS,
     PACKED_KERNEL_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
     small_gemm,
@@ -112,20 +111,21 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.to(x.dtype)
 
 
-def _dense_kernel(x: Tensor, weights: Sequence[Weight], kernels: bool) -> bool:
+def _dense_kernel(x: Tensor, weights: Sequence[Weight], kernels: bool, fp32_rows: int) -> bool:
     """Whether ``small_gemm`` serves these float weights: up to SMALL_GEMM_MAX_ROWS rows, fp32
-    weights up to FP32_KERNEL_MAX_ROWS (where its 4 x 3 tiles measured faster than torch's GEMM)."""
+    weights up to ``fp32_rows`` (``library.fp32_kernel_rows``: where its 4 x 3 tiles measured
+    faster than torch's GEMM)."""
     if not kernels or _any_quantized(weights):
         return False
     rows = _rows(x)
     fp32 = all(w.dtype == torch.float32 for w in weights)
-    return rows <= SMALL_GEMM_MAX_ROWS or (fp32 and rows <= FP32_KERNEL_MAX_ROWS)
+    return rows <= SMALL_GEMM_MAX_ROWS or (fp32 and rows <= fp32_rows)
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,
-               int8: Int8Paths = FLOAT_PATHS) -> Tensor:
+               int8: Int8Paths = FLOAT_PATHS, fp32_rows: int = SMALL_GEMM_MAX_ROWS) -> Tensor:
     """Kernel choice from static shapes: up to SMALL_GEMM_MAX_ROWS rows (fp32 weights:
-    FP32_KERNEL_MAX_ROWS) run ``small_gemm``
+    ``fp32_rows``, ``library.fp32_kernel_rows()`` in :func:`cpu_kernel_ops`) run ``small_gemm``
     (each weight row streamed once, fp32 accumulation; torch's GEMM paths stream small-M
     products slowly); without the kernels a single row of 16-bit weights is :func:`gemv`;
     ``widen`` (16-bit weights on a CPU without native bf16 GEMM, where oneDNN emulates it about
@@ -134,7 +134,7 @@ def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels
     rows = _rows(x)
     if isinstance(weight, quant.QUANTIZED_TYPES):
         return quantized_linear(x, weight, bias, kernels=kernels, widen=widen, int8=int8)
-    if _dense_kernel(x, (weight,), kernels):
+    if _dense_kernel(x, (weight,), kernels, fp32_rows):
         return small_gemm(x, weight, bias)
     if weight.dtype != torch.float32 and rows == 1:
         return gemv(x, weight, bias)
@@ -193,11 +193,11 @@ def _one_kernel_call(x: Tensor, weights: Sequence[Weight], kernels: bool, int8: 
 
 
 def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor | None], *, kernels: bool,
-                    widen: bool, int8: Int8Paths = FLOAT_PATHS) -> list[Tensor]:
+                    widen: bool, int8: Int8Paths = FLOAT_PATHS, fp32_rows: int = SMALL_GEMM_MAX_ROWS) -> list[Tensor]:
     """Q/K/V: one ``small_gemm_multi`` call (one parallel region) on the kernel path, one
     ``w8a8_packed_multi`` / ``w4a8_packed_multi`` for packed int8 / 4-bit weights (any rows), or one ``quant_gemm_multi`` for
     quantized weights of one format and group size; otherwise one product each."""
-    if _dense_kernel(x, weights, kernels):
+    if _dense_kernel(x, weights, kernels, fp32_rows):
         return small_gemm_multi(x, list(weights), list(biases))
     # the weights' type first: the row test would guard a prefill's dynamic bucket in every plan
     if all(isinstance(w, quant.Int8Packed) for w in weights) and _packed_kernel(x, kernels):
@@ -206,14 +206,15 @@ def cpu_projections(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tenso
         return cpu_kernels.w4a8_packed_multi(x, list(weights), list(biases))
     if _one_kernel_call(x, weights, kernels, int8):
         return cpu_kernels.quant_gemm_multi(x, list(weights), list(biases), int8.uses(weights[0], _rows(x)))
-    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8=int8) for w, b in zip(weights, biases)]
+    return [cpu_linear(x, w, b, kernels=kernels, widen=widen, int8=int8, fp32_rows=fp32_rows) for w, b in zip(weights, biases)]
 
 
-def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8: Int8Paths = FLOAT_PATHS) -> Tensor:
+def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, int8: Int8Paths = FLOAT_PATHS,
+            fp32_rows: int = SMALL_GEMM_MAX_ROWS) -> Tensor:
     """SwiGLU's gated product; on the kernel path ``small_glu`` (float weights), ``w8a8_packed_glu``
     / ``w4a8_packed_glu`` (packed int8 / 4-bit, any rows) or ``quant_glu`` (quantized, one format and group size) forms it from
     the fp32 values and rounds once."""
-    if _dense_kernel(x, (gate, up), kernels):
+    if _dense_kernel(x, (gate, up), kernels, fp32_rows):
         return small_glu(x, gate, up)
     if isinstance(gate, quant.Int8Packed) and isinstance(up, quant.Int8Packed) and _packed_kernel(x, kernels):
         return cpu_kernels.w8a8_packed_glu(x, gate, up)
@@ -221,7 +222,7 @@ def cpu_glu(x: Tensor, gate: Tensor, up: Tensor, *, kernels: bool, widen: bool, 
         return cpu_kernels.w4a8_packed_glu(x, gate, up)
     if _one_kernel_call(x, (gate, up), kernels, int8):
         return cpu_kernels.quant_glu(x, gate, up, int8.uses(gate, _rows(x)))
-    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8=int8)
+    linear = functools.partial(cpu_linear, kernels=kernels, widen=widen, int8=int8, fp32_rows=fp32_rows)
     return F.silu(linear(x, gate)) * linear(x, up)
 
 
@@ -280,9 +281,10 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     widen = dtype != "float32" and widen_16bit_prefill(dtype)
     if not kernels:
         int8 = int8.without("4bit")
-    flags = {"kernels": kernels, "widen": widen, "int8": int8}
+    fp32_rows = cpu_kernels.fp32_kernel_rows() if kernels else SMALL_GEMM_MAX_ROWS
+    flags = {"kernels": kernels, "widen": widen, "int8": int8, "fp32_rows": fp32_rows}
     return Ops(
-        name=f"cpu-kernels(small_gemm={kernels}, widen_16bit={widen}, int8_activations={int8.describe()})",
+        name=f"cpu-kernels(small_gemm={kernels}, fp32_rows={fp32_rows}, widen_16bit={widen}, int8_activations={int8.describe()})",
         linear=functools.partial(cpu_linear, **flags),
         head_linear=functools.partial(cpu_linear, **(flags | {"int8": int8.without("int8")})),
         projections=functools.partial(cpu_projections, **flags),

@@ -4,7 +4,8 @@
 :data:`SMALL_GEMM_MAX_ROWS` rows of x (fp32 weights: :data:`FP32_KERNEL_MAX_ROWS`), weights fp32, bf16 or fp16 of shape (N, K), fp32
 accumulation, output in x's dtype. ``small_gemm_multi`` runs several weights against the same x in
 one call (Q/K/V), ``small_glu`` forms SwiGLU's ``silu(x @ gate.T) * (x @ up.T)`` in one call. Decode at small batch is bound by reading the weights once per
-step, and torch's GEMM paths stream them slowly at M <= 8 (see docs/performance.md);
+step, and torch's GEMM paths stream them slowly at M <= 8 (see docs/performance.md; fp32 weights
+also beat torch's GEMM up to 64 rows in the kernel's 4 x 3 tiles);
 this kernel reads each weight row once against all rows of x (``csrc/small_gemm.cpp``).
 ``neuronfx::quant_gemm`` does the same for quantized weights (int8, int4, GGUF Q4_0 / Q4_1 /
 Q8_0; ``graphs/models/quant.py``) with the SIMD path :func:`quant_isa` names (``csrc/quant_gemm.cpp``),
@@ -39,8 +40,8 @@ from neuronfx.graphs.kernels.fakes import register_fakes
 from neuronfx.graphs.models.quant import FORMAT_NAMES, QUANTIZED_TYPES, Int4Packed, Int4Weight, Int8Packed, Int8Weight, QuantizedWeight
 
 SMALL_GEMM_MAX_ROWS = 8
-"""Largest number of rows of x (batch x tokens) the kernel serves; above it, GEMM is compute
-bound and torch's blocked GEMM wins."""
+"""Largest number of rows of x (batch x tokens) the kernel serves for 16-bit weights (fp32
+weights: :func:`fp32_kernel_rows`); above it torch's GEMM serves them."""
 
 FP32_KERNEL_MAX_ROWS = 64
 """Largest number of rows for which fp32 weights' products run ``small_gemm`` (its 4 x 3 tiles
@@ -49,6 +50,14 @@ against 131.5 for torch's GEMM and 149 against 190 at 64 (three alternating roun
 2026-12-06); prefill chunks of 128 rows and more stay on torch's GEMM (152 GFLOPS at 256 rows
 against the kernel's ~116). Batch buckets and speculation rows up to here also sum each row in
 one order, the single row's."""
+
+def fp32_kernel_rows() -> int:
+    """Rows up to which fp32 products run ``small_gemm`` on this machine: FP32_KERNEL_MAX_ROWS
+    where the library has its SIMD tiles (:func:`quant_isa` is not ``"scalar"``: built with AVX2
+    and FMA; the 4 x 3 tiles were measured there), else SMALL_GEMM_MAX_ROWS (scalar loops are no
+    match for torch's GEMM). Builds the library on first use; RuntimeError where it cannot."""
+    return FP32_KERNEL_MAX_ROWS if quant_isa() != "scalar" else SMALL_GEMM_MAX_ROWS
+
 
 PACKED_KERNEL_MAX_ROWS = 64
 """Rows up to which packed int8 weights multiply in ``library.w8a8_packed``; above, torch's

@@ -193,7 +193,7 @@ void rows(const float* x, const W* w, int64_t K, int64_t N, int64_t n0, int64_t 
 // accumulators cover the FMA latency, 7 loads feed 12 FMAs (an 8 x 1 tile: 9 for 8), and the
 // three weight rows stay in L1 while every group of four rows passes them. Each output sums in
 // the same order as in any other tile, so a row's bits do not depend on the rows beside it.
-// SmolLM2's products, 2 threads, AVX2: 5 rows 23.3 ms vs 25.4, 8 rows 26.5 vs 28.7, 32 rows
+// SmolLM2's products, 2 threads, AVX2: 5 rows 23.3 ms vs 25.4, 8 rows 28.4 vs 30.9, 32 rows
 // 75.5 vs 97.0 (torch's GEMM 131.5), 64 rows 149 vs 196 (torch 190).
 constexpr int64_t kWideTileRows = 5;
 
@@ -225,7 +225,8 @@ void rows_m(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t
 #endif
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) rows<W, 8>(x + m * K, w, K, N, n0, n1, out + m * N);
-  // The rest in one pass over the weights (5 rows: once, not as 4 and 1: twice from memory).
+  // 16-bit weights (and fp32 without AVX2): the rest in one pass over the weights (5 rows: once,
+  // not as 4 and 1: twice from memory).
   x += m * K, out += m * N;
   switch (M - m) {
     case 1: rows<W, 1>(x, w, K, N, n0, n1, out); break;
@@ -656,7 +657,7 @@ inline float softmax_weights(float* w, int64_t S) {
   return sum;
 }
 
-constexpr int64_t kAhead = 32;  // positions; a multiple of 4, so 4 keys there share a block
+constexpr int64_t kAhead = 32;  // positions; a multiple of 4, so 4 keys there share a block (values: when S % 4 == 0)
 
 // Prefetches the 4 cache rows (stride ld elements) at p into L1, one cache line at a time.
 template <typename C>
@@ -698,7 +699,7 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
   // Blocks (not one window: the slots layout) are prefetched kAhead positions ahead: the hardware
   // prefetcher does not follow a jump to another block, and each block met its first reads cold
   // (SmolLM2's fp32 cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12
-  // GB/s; with the prefetch 82 ms, as the slots layout's 69-80).
+  // GB/s; with the prefetch 79 ms, as the slots layout's 69-80).
   const bool ahead = bs < S;
   auto upcoming = [&](int64_t j) -> const C* {  // the rows of 4 keys kAhead positions after j, then the values
     const int64_t a = j + kAhead;
