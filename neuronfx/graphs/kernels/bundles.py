@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from neuronfx.graphs.kernels import library as cpu_kernels
 from neuronfx.graphs.kernels.activation_choice import FLOAT_PATHS, Int8Paths
@@ -114,12 +115,14 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def _dense_kernel(x: Tensor, weights: Sequence[Weight], kernels: bool, fp32_rows: int) -> bool:
     """Whether ``small_gemm`` serves these float weights: up to SMALL_GEMM_MAX_ROWS rows, fp32
     weights up to ``fp32_rows`` (``library.fp32_kernel_rows``: where its 4 x 3 tiles measured
-    faster than torch's GEMM)."""
+    faster than torch's GEMM) where the row count is static: a prefill graph that the buckets
+    share (its rows a symbol) gets no new guard, so explicit buckets on both sides of the limit
+    still compile one version."""
     if not kernels or _any_quantized(weights):
         return False
     rows = _rows(x)
     fp32 = all(w.dtype == torch.float32 for w in weights)
-    return rows <= SMALL_GEMM_MAX_ROWS or (fp32 and rows <= fp32_rows)
+    return rows <= SMALL_GEMM_MAX_ROWS or (fp32 and statically_known_true(rows <= fp32_rows))
 
 
 def cpu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, kernels: bool, widen: bool,

@@ -47,9 +47,10 @@ FP32_KERNEL_MAX_ROWS = 64
 """Largest number of rows for which fp32 weights' products run ``small_gemm`` (its 4 x 3 tiles
 from 5 rows): SmolLM2's products on a 2-core AVX2 EPYC, 2 threads, took 75.5 ms at 32 rows
 against 131.5 for torch's GEMM and 149 against 190 at 64 (three alternating rounds,
-2026-12-06); prefill chunks of 128 rows and more stay on torch's GEMM (152 GFLOPS at 256 rows
-against the kernel's ~116). Batch buckets and speculation rows up to here also sum each row in
-one order, the single row's."""
+2026-12-06); prefill chunks of 128 rows and more stay on torch's GEMM (152 GFLOPS at 256 rows,
+the kernel 116 at 64). Batch buckets and speculation rows up to here also sum each row in one
+order, the single row's."""
+
 
 def fp32_kernel_rows() -> int:
     """Rows up to which fp32 products run ``small_gemm`` on this machine: FP32_KERNEL_MAX_ROWS
