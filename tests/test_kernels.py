@@ -253,25 +253,48 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def int16_queries(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernel multiplies it with int8 keys, in float64: each row (last dim) rounded to
+    int16 with one scale, its largest |q| / 32767 (half to even, as ``std::nearbyint``)."""
+    q = q.float()
+    top = q.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, 0.0)  # not 32767 / top: torch takes 1 / top first
+    return torch.round(q * inv).double() * (top.double() / 32767.0)
+
+
+def kernel_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, bucket: int,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """:func:`naive_attention` of what the kernel computes: over an int8 cache its queries are
+    rounded to int16 first (:func:`int16_queries`), so that q . k sums in integers."""
+    q = int16_queries(q) if k_cache.dtype == torch.int8 else q
+    return naive_attention(q, k_cache, v_cache, block_table, bucket, mask)
+
+
+INT16_QUERY_ATOL = 1e-4
+"""How far the kernel's int8-cache outputs may be from the unrounded queries' (the values here are
+O(1); rounding q moves a score by at most 2^-16 of its row's largest |q| times sum |k| / sqrt(D))."""
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dtype) -> None:
-    """Head dim 20 and 37 positions leave tails after the 8-lane and 4-key loops; a random mask
-    (not a prefix) mixes attended and hidden keys inside each 4-key block; a token that attends
-    nothing gets zeros. Hidden positions hold NaN."""
+    """Head dim 20 and 37 positions leave tails after the 8-lane (int8: 16-lane) and 4-key loops;
+    a random mask (not a prefix) mixes attended and hidden keys inside each 4-key block; a token
+    that attends nothing gets zeros. Hidden positions hold NaN."""
     g = torch.Generator().manual_seed(7)
-    k_cache, v_cache = (torch.randn(3, 2, 45, 20, generator=g).to(cache_dtype) for _ in range(2))
+    k_cache, v_cache = (store_rows(torch.randn(3, 2, 45, 20, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
     seq_ids = torch.tensor([2, 0], dtype=torch.int64)
     mask = torch.rand(2, 1, 3, 37, generator=g) < 0.6
     mask[1, 0, 2] = False
     hidden = ~mask.any(dim=2)[:, 0]  # (B, S)
     for i, s in enumerate(seq_ids.tolist()):
-        k_cache[s, :, :37][:, hidden[i]] = float("nan")
-        v_cache[s, :, :37][:, hidden[i]] = float("nan")
+        for cache in (k_cache, v_cache):
+            cache[s, :, :37][:, hidden[i]] = store_rows(torch.full((20,), float("nan")), torch.empty(0, dtype=cache_dtype))
     q = torch.randn(2, 4, 3, 20, generator=g)
     out = kernel_cached_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask)
-    ref = naive_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask)
-    ref[1, :, 2] = 0.0  # the naive softmax over no positions is NaN; the kernel's answer is zeros
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    for ref, atol in ((kernel_reference(q, k_cache, v_cache, seq_ids[:, None], 37, mask), 1e-5),
+                      (naive_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask), INT16_QUERY_ATOL)):
+        ref[1, :, 2] = 0.0  # the naive softmax over no positions is NaN; the kernel's answer is zeros
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
 def test_cached_attention_kernel_rejects_bad_inputs() -> None:
@@ -334,8 +357,10 @@ def test_cached_attention_blocks_match_naive(cache_dtype: torch.dtype, block_siz
     outs = {fn.__name__: fn(q, k, v, table, s, mask) for fn in (kernel_cached_attention, fused_cached_attention, gathered_attention)}
     for name, out in outs.items():
         assert out.shape == q.shape and out.dtype == q.dtype, name
-        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        atol = INT16_QUERY_ATOL if name == "kernel_cached_attention" and cache_dtype == torch.int8 else 1e-5
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
     kernel = outs["kernel_cached_attention"]
+    torch.testing.assert_close(kernel.double(), kernel_reference(q, k, v, table, s, mask), rtol=0, atol=1e-5)
     slots = torch.arange(3, dtype=torch.int32)[:, None]
     assert torch.equal(kernel_cached_attention(q, naive_rows(k, table, s), naive_rows(v, table, s), slots, s, mask), kernel)
     assert torch.equal(kernel_cached_attention(q, k, v, table.long(), s, mask), kernel)

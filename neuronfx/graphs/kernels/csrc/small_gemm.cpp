@@ -632,12 +632,21 @@ inline void axpy_4values(int64_t n, const float* p, const C* v, int64_t ld, int6
 // score is -inf: the row attends nothing).
 inline float softmax_weights(float* w, int64_t S) {
   float mx = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) mx = std::max(mx, w[j]);
+  int64_t j = 0;
+#ifdef NFX_AVX2
+  // the max is exact in any order; a NaN score is skipped here as by std::max below
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (; j + 8 <= S; j += 8) top = _mm256_max_ps(_mm256_loadu_ps(w + j), top);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  for (const float x : lanes) mx = std::max(mx, x);
+#endif
+  for (; j < S; ++j) mx = std::max(mx, w[j]);
   if (mx == -INFINITY) {
     std::fill(w, w + S, 0.f);
     return 0.f;
   }
-  int64_t j = 0;
+  j = 0;
   float sum = 0.f;
 #ifdef NFX_AVX2
   __m256 sv = _mm256_setzero_ps();
@@ -679,41 +688,42 @@ inline bool all4(const bool* m, int64_t T, int64_t S, int64_t j) {
   return all;
 }
 
-// The R = group x T query rows that share one KV head of one batch row (grouped-query
-// attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
-// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32.
-// Position j's key and value rows are kb[j / bs] + (j % bs) * ld and vb[j / bs] + (j % bs) * ld
-// (kb, vb: the row's ceil(S / bs) blocks, already at this KV head). Positions are walked block by
-// block, so no key costs a division, and inside a block the loops are those of one contiguous
-// window: a single block holding all S positions (the slots layout) runs exactly as a window
-// does. A group of four keys never spans two blocks (bs % 4 == 0 wherever there are several).
-// Keys go four at a time, each loaded and widened once for up to four query rows (dots_4keys); a
-// group of four with a hidden key computes its products anyway and then selects -inf over it, so
-// a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
-// keys no row attends are not read. An int8 row's scale multiplies its score and its weight.
+// p[i] = w[i] * vs[i] for 4 positions.
+inline void scale4(const float* w, const float* vs, float* p) {
+#ifdef NFX_AVX2
+  _mm_storeu_ps(p, _mm_mul_ps(_mm_loadu_ps(w), _mm_loadu_ps(vs)));
+#else
+  for (int i = 0; i < 4; ++i) p[i] = w[i] * vs[i];
+#endif
+}
+
+// The rows of 4 keys kAhead positions after j, then (past the keys) the values; null past both.
 template <typename C>
-void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
-                  int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
-  const int64_t R = group * T;
-  float dots[16], p[16];
+inline const C* upcoming(const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t j) {
+  const int64_t a = j + kAhead;
+  if (a + 4 <= S) return kb[a / bs] + (a % bs) * ld;
+  if (a >= S && a - S + 4 <= S) return vb[(a - S) / bs] + ((a - S) % bs) * ld;
+  return nullptr;
+}
+
+// Scores w[r * S + j] = q_r . k_j * scale (times an int8 row's scale), -inf where row r's mask
+// hides j, for the R rows q (R, D) of one KV head (see attend_group for the layout).
+template <typename C>
+void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+                int64_t R, int64_t T, const bool* masks, float scale, float* w) {
+  float dots[16];
   // Blocks (not one window: the slots layout) are prefetched kAhead positions ahead: the hardware
   // prefetcher does not follow a jump to another block, and each block met its first reads cold
   // (SmolLM2's fp32 cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12
   // GB/s; with the prefetch 79 ms, as the slots layout's 69-80).
   const bool ahead = bs < S;
-  auto upcoming = [&](int64_t j) -> const C* {  // the rows of 4 keys kAhead positions after j, then the values
-    const int64_t a = j + kAhead;
-    if (a + 4 <= S) return kb[a / bs] + (a % bs) * ld;
-    if (a >= S && a - S + 4 <= S) return vb[(a - S) / bs] + ((a - S) % bs) * ld;
-    return nullptr;
-  };
   for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
     const int64_t end = std::min(S, j0 + bs);
     const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       if (ahead) {
-        if (const C* f = upcoming(j)) prefetch4(f, ld);
+        if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
       }
       if (!any4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
@@ -737,6 +747,158 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
         w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, kj, D) * scale * row_scale(kj, D) : -INFINITY;
     }
   }
+}
+
+// ---- int8 keys: q . k in integers ---------------------------------------------------------------
+// Each query row is rounded to int16 with one scale per row (its largest |q| / 32767: an error of
+// at most 2^-16 of that |q|, against the int8 key's 2^-8 of its own), and its products with an
+// int8 key row sum exactly in int32 (|sum| <= 256 x 32767 x 128 < 2^31 for D <= kInt8MaxHeadDim):
+// vpmaddwd does 16 of them in one instruction where the float form widens 8 keys in two and
+// multiplies them in a third. The sums are exact, so every path (SIMD, tails, scalar) gives the
+// same bits; the score is then (sum * q_scale * scale) * k_scale in fp32, in that order.
+constexpr int64_t kInt8MaxHeadDim = 256;
+
+// q (R, D) float -> q16 (R, D) and qscale[r] = (max |q_r| / 32767) * scale; a row that is not
+// finite gets a NaN scale (its scores are NaN, as float products would make them).
+inline void round_queries(const float* q, int64_t R, int64_t D, float scale, int16_t* q16, float* qscale) {
+  for (int64_t r = 0; r < R; ++r) {
+    float mx = 0.f;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(q[r * D + d]));
+    const bool finite = std::isfinite(mx);
+    const float inv = finite && mx > 0.f ? 32767.f / mx : 0.f;
+    for (int64_t d = 0; d < D; ++d) q16[r * D + d] = static_cast<int16_t>(std::nearbyint(q[r * D + d] * inv));
+    qscale[r] = finite ? mx / 32767.f * scale : NAN;
+  }
+}
+
+inline int32_t dot_i16(const int16_t* q, const int8_t* k, int64_t D) {
+  int32_t s = 0;
+  for (int64_t d = 0; d < D; ++d) s += static_cast<int32_t>(q[d]) * static_cast<int32_t>(k[d]);
+  return s;
+}
+
+// sums[4 r + i] = q_r . k_i for n rows of q16 (stride D) and the 4 keys k + i * ld.
+inline void dots_i16_4keys(int64_t n, const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums);
+
+#ifdef NFX_AVX2
+template <int NR>
+inline void dots_i16_rows(const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
+  __m256i acc[NR][4];
+#pragma GCC unroll 3
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
+  for (int64_t d = 0; d < D; d += 16) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i * ld + d)));
+#pragma GCC unroll 3
+      for (int r = 0; r < NR; ++r)
+        acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * D + d)), kv));
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < NR; ++r) {
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]), _mm256_hadd_epi32(acc[r][2], acc[r][3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 4 * r), _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+  }
+}
+#endif
+
+inline void dots_i16_4keys(int64_t n, const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
+#ifdef NFX_AVX2
+  if (D % 16 == 0) {
+    switch (n) {
+      case 4: dots_i16_rows<2>(q, k, ld, D, sums); return dots_i16_rows<2>(q + 2 * D, k, ld, D, sums + 8);
+      case 3: return dots_i16_rows<3>(q, k, ld, D, sums);
+      case 2: return dots_i16_rows<2>(q, k, ld, D, sums);
+      default: return dots_i16_rows<1>(q, k, ld, D, sums);
+    }
+  }
+#endif
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < 4; ++i) sums[4 * r + i] = dot_i16(q + r * D, k + i * ld, D);
+}
+
+// out rows r (R, D) /= sums[r]; a row whose sum is 0 attends nothing and keeps its zeros.
+inline void normalise(float* out, const float* sums, int64_t R, int64_t D) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (sums[r] == 0.f) continue;
+    const float inv = 1.f / sums[r];
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inv;
+  }
+}
+
+// w[i] = (sums[i] * qs) * ks[i] where m[i], else -inf, for the 4 keys i.
+inline void scores4(const int32_t* sums, float qs, const float* ks, const bool* m, float* w) {
+#ifdef NFX_AVX2
+  int32_t bits;
+  std::memcpy(&bits, m, 4);
+  const __m128 keep = _mm_castsi128_ps(_mm_cmpgt_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(bits)), _mm_setzero_si128()));
+  const __m128 f = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sums))), _mm_set1_ps(qs)),
+                              _mm_loadu_ps(ks));
+  _mm_storeu_ps(w, _mm_blendv_ps(_mm_set1_ps(-INFINITY), f, keep));
+#else
+  for (int i = 0; i < 4; ++i) w[i] = m[i] ? static_cast<float>(sums[i]) * qs * ks[i] : -INFINITY;
+#endif
+}
+
+// key_scores for int8 rows (same contract), with the integer products above.
+void key_scores(const float* q, const int8_t* const* kb, const int8_t* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+                int64_t R, int64_t T, const bool* masks, float scale, float* w) {
+  std::vector<int16_t> q16(R * D);
+  std::vector<float> qscale(R);
+  round_queries(q, R, D, scale, q16.data(), qscale.data());
+  int32_t sums[16];
+  const bool ahead = bs < S;
+  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {
+    const int64_t end = std::min(S, j0 + bs);
+    int64_t j = j0;
+    for (; j + 4 <= end; j += 4) {
+      if (ahead) {
+        if (const int8_t* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
+      }
+      if (!any4(masks, T, S, j)) {
+        for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
+        continue;
+      }
+      const int8_t* kj = kb[c] + (j - j0) * ld;
+      float ks[4];
+      for (int i = 0; i < 4; ++i) ks[i] = row_scale(kj + i * ld, D);
+      for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        const int64_t n = std::min<int64_t>(4, R - r0);
+        dots_i16_4keys(n, q16.data() + r0 * D, kj, ld, D, sums);
+        for (int64_t rr = 0; rr < n; ++rr)
+          scores4(sums + 4 * rr, qscale[r0 + rr], ks, masks + ((r0 + rr) % T) * S + j, w + (r0 + rr) * S + j);
+      }
+    }
+    for (; j < end; ++j) {
+      const int8_t* kj = kb[c] + (j - j0) * ld;
+      for (int64_t r = 0; r < R; ++r)
+        w[r * S + j] = masks[(r % T) * S + j] ? static_cast<float>(dot_i16(q16.data() + r * D, kj, D)) * qscale[r] * row_scale(kj, D) : -INFINITY;
+    }
+  }
+}
+
+// The R = group x T query rows that share one KV head of one batch row (grouped-query
+// attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
+// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32.
+// Position j's key and value rows are kb[j / bs] + (j % bs) * ld and vb[j / bs] + (j % bs) * ld
+// (kb, vb: the row's ceil(S / bs) blocks, already at this KV head). Positions are walked block by
+// block, so no key costs a division, and inside a block the loops are those of one contiguous
+// window: a single block holding all S positions (the slots layout) runs exactly as a window
+// does. A group of four keys never spans two blocks (bs % 4 == 0 wherever there are several).
+// Keys go four at a time, each loaded and widened once for up to four query rows (dots_4keys); a
+// group of four with a hidden key computes its products anyway and then selects -inf over it, so
+// a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
+// keys no row attends are not read. An int8 row's scale multiplies its score and its weight; int8
+// keys take key_scores' integer form.
+template <typename C>
+void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+                  int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
+  const int64_t R = group * T;
+  float p[16];
+  const bool ahead = bs < S;
+  key_scores(q, kb, vb, bs, ld, S, D, R, T, masks, scale, w);
   for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, S);
   std::fill(out, out + R * D, 0.f);
   auto one = [&](int64_t r, int64_t jj, const C* vj) {  // value row vj of position jj for one row, if its mask lets it through
@@ -760,19 +922,14 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
       for (int i = 0; i < 4; ++i) vs[i] = row_scale(vj + i * ld, D);
       for (int64_t r0 = 0; r0 < R; r0 += 4) {
         const int64_t n = std::min<int64_t>(4, R - r0);
-        for (int64_t rr = 0; rr < n; ++rr)
-          for (int i = 0; i < 4; ++i) p[4 * rr + i] = w[(r0 + rr) * S + j + i] * vs[i];
+        for (int64_t rr = 0; rr < n; ++rr) scale4(w + (r0 + rr) * S + j, vs, p + 4 * rr);
         axpy_4values(n, p, vj, ld, D, out + r0 * D);
       }
     }
     for (; j < end; ++j)
       for (int64_t r = 0; r < R; ++r) one(r, j, v + (j - j0) * ld);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    if (sums[r] == 0.f) continue;  // attends nothing: zeros
-    const float inv = 1.f / sums[r];
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] *= inv;
-  }
+  normalise(out, sums, R, D);
 }
 
 // blocks (B, count): the blocks holding each row's first S positions (count = ceil(S / bs)).
