@@ -305,6 +305,9 @@ def test_cached_attention_kernel_rejects_bad_inputs() -> None:
         kernel_cached_attention(q, cache, cache, torch.tensor([[0]]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
         kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([[0]]), 8, mask)
+    wide = torch.zeros(2, 2, 8, 264, dtype=torch.int8)  # head dim 260 + its scale: past int32's exact q . k sums
+    with pytest.raises(RuntimeError, match="int8 rows of head dim 260 exceed 256"):
+        kernel_cached_attention(torch.randn(1, 4, 1, 260), wide, wide, torch.tensor([[0]]), 8, mask)
 
 
 BLOCK_CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]

@@ -102,6 +102,9 @@ def test_layout_bytes_and_named_errors() -> None:
         InferenceConfig(kv_cache_dtype="fp4")
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' needs head_dim divisible by 4 \(got 30\)"):
         kv_storage_dtype("int8", "float32", 30)
+    assert kv_storage_dtype("int8", "float32", 256) == "int8"
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' supports head_dim up to 256 \(got 260\).*'bf16'"):
+        kv_storage_dtype("int8", "float32", 260)
     with pytest.raises(ConfigError, match="neuron backend keeps the KV cache"):
         InferenceConfig(kv_cache_dtype="int8", backend="neuron")
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):

@@ -16,6 +16,9 @@ at +-448 (vLLM's fp8 cache with its default scale of 1)."""
 INT8_SCALE_BYTES = 4
 """An int8 KV row ends in its fp32 scale's 4 bytes: a (token, head) row is head_dim int8 values
 then the scale, so every copy of cache rows (prefix blocks, forks) moves the scales with them."""
+INT8_MAX_HEAD_DIM = 256
+"""The largest head_dim of an int8 KV cache: the attention kernel sums q . k over a head in int32
+(q rounded to int16), exact while head_dim x 32767 x 128 < 2^31 (``csrc/small_gemm.cpp``)."""
 _STORAGE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 _ALIASES = {"bfloat16": "bf16", "fp8": "fp8_e4m3"}
 
@@ -31,12 +34,15 @@ def kv_storage_dtype(kv_cache_dtype: str, dtype: str, head_dim: int) -> str:
     """The dtype name the KV cache stores (a key of ``config.dtypes.DTYPES``) for
     ``kv_cache_dtype`` (one of :data:`KV_CACHE_DTYPES`, as ``InferenceConfig`` validated it) in a
     plan of ``dtype``. Raises ConfigError for int8 with a head_dim not a multiple of 4 (its fp32
-    scale must sit 4-byte aligned after the values)."""
+    scale must sit 4-byte aligned after the values) or above :data:`INT8_MAX_HEAD_DIM`."""
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype == "int8" and head_dim % INT8_SCALE_BYTES:
         raise ConfigError(f"kv_cache_dtype='int8' needs head_dim divisible by {INT8_SCALE_BYTES} (got {head_dim}): each "
                           "row's fp32 scale follows its values; use kv_cache_dtype='bf16' or 'fp8_e4m3' for this model.")
+    if kv_cache_dtype == "int8" and head_dim > INT8_MAX_HEAD_DIM:
+        raise ConfigError(f"kv_cache_dtype='int8' supports head_dim up to {INT8_MAX_HEAD_DIM} (got {head_dim}): the attention "
+                          "kernel sums q . k in int32; use kv_cache_dtype='bf16' or 'fp8_e4m3' for this model.")
     return _STORAGE[kv_cache_dtype]
 
 

@@ -756,7 +756,7 @@ void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t 
 // vpmaddwd does 16 of them in one instruction where the float form widens 8 keys in two and
 // multiplies them in a third. The sums are exact, so every path (SIMD, tails, scalar) gives the
 // same bits; the score is then (sum * q_scale * scale) * k_scale in fp32, in that order.
-constexpr int64_t kInt8MaxHeadDim = 256;
+constexpr int64_t kInt8MaxHeadDim = 256;  // config/kv.py INT8_MAX_HEAD_DIM
 
 // q (R, D) float -> q16 (R, D) and qscale[r] = (max |q_r| / 32767) * scale; a row that is not
 // finite gets a NaN scale (its scores are NaN, as float products would make them).
@@ -1000,6 +1000,8 @@ at::Tensor cached_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t width = D + (k_cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
   TORCH_CHECK(k_cache.size(3) == width && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "cached_attention: cache rows must be ", width, " wide and contiguous");
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar || D <= kInt8MaxHeadDim, "cached_attention: int8 rows of head dim ", D,
+              " exceed ", kInt8MaxHeadDim, " (q . k sums in int32)");
   TORCH_CHECK(H % k_cache.size(1) == 0, "cached_attention: ", H, " query heads over ", k_cache.size(1), " KV heads");
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T,
               "cached_attention: mask must be bool (B, 1, T, S)");
