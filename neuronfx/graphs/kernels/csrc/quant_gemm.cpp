@@ -511,10 +511,23 @@ inline void int8_tile(const Int8Layout<S>& lay, const Xs& xs, int64_t n, int64_t
   for (int64_t k = 0; k < KW; k += W) {
     if (k % 64 == 0)
       for (int j = 0; j < NT; ++j) Isa::prefetch(r[j] + k + pf_rows * K);
+#if defined(NFX_Q_AVX2)
+    // x pinned to registers: GCC otherwise folds its load into each of the NT FMAs that use it
+    V xv[MT];
+    for (int m = 0; m < MT; ++m) {
+      xv[m] = Isa::load(xs.x + m * xs.kp + k);
+      asm("" : "+x"(xv[m]));
+    }
+    for (int j = 0; j < NT; ++j) {
+      const V q = Isa::s8(r[j] + k);
+      for (int m = 0; m < MT; ++m) acc[m][j] = Isa::fma(xv[m], q, acc[m][j]);
+    }
+#else
     for (int j = 0; j < NT; ++j) {
       const V q = Isa::s8(r[j] + k);
       for (int m = 0; m < MT; ++m) acc[m][j] = Isa::fma(Isa::load(xs.x + m * xs.kp + k), q, acc[m][j]);
     }
+#endif
   }
   reduce<MT * NT>(&acc[0][0], res);
   for (int m = 0; m < MT; ++m)
@@ -584,8 +597,7 @@ struct IsInt8<Int8Layout<S>> : std::true_type {};
 // Accumulators a tile of layout L keeps in registers (MT * NT): the 4-bit paths of AVX-512
 // (lookup table, int8 x) and int8 per channel (no groups: no partial sums) keep only their
 // sums, 16 of the 32 zmm (8 rows of x meet 2 weight rows, so each x load serves two FMAs);
-// int8 per channel on AVX2 12 of the 16 ymm (5 rows of x meet 2 weight rows: with 4, a verify
-// pass's 5 rows ran as 4 + 1 single-row tiles, each on one FMA chain per row, 1.37x slower);
+// int8 per channel on AVX2 12 of the 16 ymm (3 rows of x meet 4 weight rows, max_mt);
 // the others Isa::kRegs.
 template <typename L>
 constexpr int regs() {
@@ -595,6 +607,20 @@ constexpr int regs() {
   if constexpr (IsInt8<L>::value) return 12;
 #endif
   return Isa::kRegs;
+}
+
+// The most rows of x one tile takes: 8, but 3 for int8 weights on AVX2, where 3 rows of x
+// (pinned in registers) meet 4 weight rows: 12 FMAs for 3 loads of x, 4 of weights and 8 widening
+// instructions, where 8 x 1 tiles took 9 loads for 8 FMAs. SmolLM2's 210 layer products, 2
+// threads of a 2-core AMD EPYC (AVX2), 2026-12-06: 8 rows 16.1 ms against 20.65 for 8 x 1, 6
+// rows 13.2 against 16.1, 5 rows 11.2 against 14.7, 4 rows 10.5 against 14.0; the pinned x
+// alone (the same 2 x 4 and 1 x 4 tiles as before): 2 rows 6.9 against 8.4, 1 row 7.2 against 7.6.
+template <typename L>
+constexpr int max_mt() {
+#if defined(NFX_Q_AVX2)
+  if constexpr (IsInt8<L>::value) return 3;
+#endif
+  return 8;
 }
 
 // The most weight rows one tile takes: 8, but 4 for int8 weights on AVX2, where their 12
@@ -621,7 +647,7 @@ inline void rest_rows(const L& lay, const Xs& xs, int64_t m, int64_t r, int64_t 
 // weight is unpacked once); chunks after the first read the tile's rows from L1.
 template <int NT, typename L>
 inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out& out) {
-  constexpr int MT = std::min(8, regs<L>() / NT);
+  constexpr int MT = std::min(max_mt<L>(), regs<L>() / NT);
   int64_t m = 0;
   for (; m + MT <= M; m += MT) tile_rows<MT, NT>(lay, xs, m, n, out);
   if (m < M) rest_rows<NT>(lay, xs, m, M - m, n, out);
@@ -633,7 +659,7 @@ inline void all_rows(const L& lay, const Xs& xs, int64_t M, int64_t n, const Out
 template <typename L>
 void run_rows(const L& lay, const Xs& xs, int64_t M, int64_t n0, int64_t n1, const Out& out) {
   constexpr int kRegs = regs<L>(), kMaxNt = max_nt<L>();
-  const int64_t mt = std::min<int64_t>({M, 8, kRegs});
+  const int64_t mt = std::min<int64_t>({M, max_mt<L>(), kRegs});
   const int64_t per = kRegs / mt;
   const int64_t nt = per >= 8 && kMaxNt >= 8 ? 8 : per >= 4 ? 4 : per >= 2 ? 2 : 1;
   int64_t n = n0;
