@@ -255,11 +255,14 @@ def test_cached_attention_matches_naive(dtype: torch.dtype, batch: int, tokens: 
 
 def int16_queries(q: torch.Tensor) -> torch.Tensor:
     """q as the kernel multiplies it with int8 keys, in float64: each row (last dim) rounded to
-    int16 with one scale, its largest |q| / 32767 (half to even, as ``std::nearbyint``)."""
+    int16 with one scale, its largest |q| / 32767 (half to even, as ``std::nearbyint``); a row
+    whose largest |q| is below 1e-30 (or not finite: not used here) is zeros."""
     q = q.float()
     top = q.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.full_like(top, 32767.0) / top, 0.0)  # not 32767 / top: torch takes 1 / top first
-    return torch.round(q * inv).double() * (top.double() / 32767.0)
+    usable = top >= 1e-30
+    inv = torch.where(usable, torch.full_like(top, 32767.0) / top, 0.0)  # not 32767 / top: torch takes 1 / top first
+    rounded = torch.where(usable, torch.round(q * inv), 0.0)
+    return rounded.double() * torch.where(usable, top.double() / 32767.0, 0.0)
 
 
 def kernel_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, bucket: int,
@@ -276,25 +279,67 @@ O(1); rounding q moves a score by at most 2^-16 of its row's largest |q| times s
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
-def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dtype) -> None:
-    """Head dim 20 and 37 positions leave tails after the 8-lane (int8: 16-lane) and 4-key loops;
-    a random mask (not a prefix) mixes attended and hidden keys inside each 4-key block; a token
-    that attends nothing gets zeros. Hidden positions hold NaN."""
+@pytest.mark.parametrize("head_dim", [20, 24])
+def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dtype, head_dim: int) -> None:
+    """Head dims 20 and 24 and 37 positions leave tails after the 8-lane and 4-key loops (int8
+    keys: 16 lanes, then 8, then scalar); a random mask (not a prefix) mixes attended and hidden
+    keys inside each 4-key block; a token that attends nothing gets zeros. Hidden positions hold
+    NaN."""
     g = torch.Generator().manual_seed(7)
-    k_cache, v_cache = (store_rows(torch.randn(3, 2, 45, 20, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
+    d = head_dim
+    k_cache, v_cache = (store_rows(torch.randn(3, 2, 45, d, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
     seq_ids = torch.tensor([2, 0], dtype=torch.int64)
     mask = torch.rand(2, 1, 3, 37, generator=g) < 0.6
     mask[1, 0, 2] = False
     hidden = ~mask.any(dim=2)[:, 0]  # (B, S)
     for i, s in enumerate(seq_ids.tolist()):
         for cache in (k_cache, v_cache):
-            cache[s, :, :37][:, hidden[i]] = store_rows(torch.full((20,), float("nan")), torch.empty(0, dtype=cache_dtype))
-    q = torch.randn(2, 4, 3, 20, generator=g)
+            cache[s, :, :37][:, hidden[i]] = store_rows(torch.full((d,), float("nan")), torch.empty(0, dtype=cache_dtype))
+    q = torch.randn(2, 4, 3, d, generator=g)
     out = kernel_cached_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask)
     for ref, atol in ((kernel_reference(q, k_cache, v_cache, seq_ids[:, None], 37, mask), 1e-5),
                       (naive_attention(q, k_cache, v_cache, seq_ids[:, None], 37, mask), INT16_QUERY_ATOL)):
         ref[1, :, 2] = 0.0  # the naive softmax over no positions is NaN; the kernel's answer is zeros
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
+
+
+def int8_rows(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """int8 cache rows (..., D + 4) of raw int8 ``values`` (-128 allowed, which quantize_rows never
+    writes) and one fp32 ``scale`` per row, as ``kv_rows.quantize_rows`` lays them out."""
+    scale_bytes = torch.tensor([scale], dtype=torch.float32).view(torch.int8).expand(*values.shape[:-1], 4)
+    return torch.cat([values.to(torch.int8), scale_bytes], dim=-1)
+
+
+def test_cached_attention_int8_keys_at_the_head_dim_limit() -> None:
+    """Head dim 512, every q entry its row's largest (int16 32767) and keys of -128 or +127: the
+    integer sums reach -512 x 32767 x 128, the most int32 holds exactly; a wrapped sum would flip
+    their sign and the softmax with it."""
+    d, s = 512, 4
+    keys = torch.stack([torch.full((d,), -128), torch.full((d,), 127), torch.full((d,), -128), torch.full((d,), 127)])
+    k = int8_rows(keys, 1e-3)[None, None]  # (1 block, 1 KV head, 4 positions, d + 4)
+    v = store_rows(torch.randn(1, 1, s, d, generator=torch.Generator().manual_seed(3)), torch.empty(0, dtype=torch.int8))
+    q = torch.full((1, 2, 1, d), 0.5)
+    q[0, 1] = -0.5
+    table, mask = torch.tensor([[0]]), torch.ones(1, 1, 1, s, dtype=torch.bool)
+    out = kernel_cached_attention(q, k, v, table, s, mask)
+    torch.testing.assert_close(out.double(), kernel_reference(q, k, v, table, s, mask), rtol=0, atol=1e-5)
+
+
+def test_cached_attention_int8_keys_with_nan_or_tiny_queries() -> None:
+    """Over int8 keys a query row holding NaN attends nothing (zeros), as over the same values in
+    an fp32 cache (every score NaN); a row whose largest |q| is below 1e-30 rounds to zeros, so its
+    weights are uniform, as the fp32 cache's scores of about 1e-30 make them."""
+    g = torch.Generator().manual_seed(5)
+    k, v = (store_rows(torch.randn(1, 2, 12, 32, generator=g), torch.empty(0, dtype=torch.int8)) for _ in range(2))
+    q = torch.randn(1, 4, 1, 32, generator=g)
+    q[0, 1, 0, 3] = float("nan")
+    q[0, 2] *= 1e-32
+    table, mask = torch.tensor([[0]]), torch.ones(1, 1, 1, 12, dtype=torch.bool)
+    out = kernel_cached_attention(q, k, v, table, 12, mask)
+    as_fp32 = kernel_cached_attention(q, load_rows(k, torch.float32), load_rows(v, torch.float32), table, 12, mask)
+    assert torch.equal(out[0, 1], torch.zeros(1, 32)) and torch.equal(as_fp32[0, 1], torch.zeros(1, 32))
+    torch.testing.assert_close(out[0, 2], load_rows(v, torch.float32)[0, 1].mean(0, keepdim=True), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out, as_fp32, rtol=0, atol=INT16_QUERY_ATOL, equal_nan=True)
 
 
 def test_cached_attention_kernel_rejects_bad_inputs() -> None:
@@ -305,9 +350,9 @@ def test_cached_attention_kernel_rejects_bad_inputs() -> None:
         kernel_cached_attention(q, cache, cache, torch.tensor([[0]]), 9, torch.ones(1, 1, 1, 9, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
         kernel_cached_attention(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), torch.tensor([[0]]), 8, mask)
-    wide = torch.zeros(2, 2, 8, 264, dtype=torch.int8)  # head dim 260 + its scale: past int32's exact q . k sums
-    with pytest.raises(RuntimeError, match="int8 rows of head dim 260 exceed 256"):
-        kernel_cached_attention(torch.randn(1, 4, 1, 260), wide, wide, torch.tensor([[0]]), 8, mask)
+    wide = torch.zeros(2, 2, 8, 520, dtype=torch.int8)  # head dim 516 + its scale: past int32's exact q . k sums
+    with pytest.raises(RuntimeError, match="int8 rows of head dim 516 exceed 512"):
+        kernel_cached_attention(torch.randn(1, 4, 1, 516), wide, wide, torch.tensor([[0]]), 8, mask)
 
 
 BLOCK_CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]

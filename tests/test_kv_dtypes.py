@@ -62,7 +62,8 @@ def test_int8_zero_row_and_fp8_saturation() -> None:
 def test_cached_attention_kernel_reads_each_stored_dtype(cache_dtype: torch.dtype, t: int, d: int) -> None:
     """The kernel, inductor's fused form and the reference on the same stored rows: within fp32
     reordering (they dequantize the same values); a NaN at hidden positions never leaks. Head
-    dim 64 takes the kernel's 16-lane path (where AVX-512 is), 20 the 8-lane one with tails."""
+    dim 64 takes the kernel's 16-lane path (where AVX-512 is), 20 the 8-lane one with tails;
+    over int8 rows q . k sums in integers, 16 lanes then a scalar tail."""
     if not small_gemm_available():
         pytest.fail("the kernel library did not build on this machine")
     g = torch.Generator().manual_seed(t)
@@ -102,9 +103,9 @@ def test_layout_bytes_and_named_errors() -> None:
         InferenceConfig(kv_cache_dtype="fp4")
     with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' needs head_dim divisible by 4 \(got 30\)"):
         kv_storage_dtype("int8", "float32", 30)
-    assert kv_storage_dtype("int8", "float32", 256) == "int8"
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' supports head_dim up to 256 \(got 260\).*'bf16'"):
-        kv_storage_dtype("int8", "float32", 260)
+    assert kv_storage_dtype("int8", "float32", 512) == "int8"
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype='int8' supports head_dim up to 512 \(got 516\).*'bf16'"):
+        kv_storage_dtype("int8", "float32", 516)
     with pytest.raises(ConfigError, match="neuron backend keeps the KV cache"):
         InferenceConfig(kv_cache_dtype="int8", backend="neuron")
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):

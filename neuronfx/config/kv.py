@@ -16,7 +16,7 @@ at +-448 (vLLM's fp8 cache with its default scale of 1)."""
 INT8_SCALE_BYTES = 4
 """An int8 KV row ends in its fp32 scale's 4 bytes: a (token, head) row is head_dim int8 values
 then the scale, so every copy of cache rows (prefix blocks, forks) moves the scales with them."""
-INT8_MAX_HEAD_DIM = 256
+INT8_MAX_HEAD_DIM = 512
 """The largest head_dim of an int8 KV cache: the attention kernel sums q . k over a head in int32
 (q rounded to int16), exact while head_dim x 32767 x 128 < 2^31 (``csrc/small_gemm.cpp``)."""
 _STORAGE = {"bf16": "bfloat16", "bfloat16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}

@@ -706,8 +706,8 @@ inline const C* upcoming(const C* const* kb, const C* const* vb, int64_t bs, int
   return nullptr;
 }
 
-// Scores w[r * S + j] = q_r . k_j * scale (times an int8 row's scale), -inf where row r's mask
-// hides j, for the R rows q (R, D) of one KV head (see attend_group for the layout).
+// Scores w[r * S + j] = q_r . k_j * scale, -inf where row r's mask hides j, for the R rows q (R, D)
+// of one KV head (see attend_group for the layout). Float keys; int8 keys take the overload below.
 template <typename C>
 void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
                 int64_t R, int64_t T, const bool* masks, float scale, float* w) {
@@ -751,22 +751,32 @@ void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t 
 // ---- int8 keys: q . k in integers ---------------------------------------------------------------
 // Each query row is rounded to int16 with one scale per row (its largest |q| / 32767: an error of
 // at most 2^-16 of that |q|, against the int8 key's 2^-8 of its own), and its products with an
-// int8 key row sum exactly in int32 (|sum| <= 256 x 32767 x 128 < 2^31 for D <= kInt8MaxHeadDim):
+// int8 key row sum exactly in int32 (|sum| <= 512 x 32767 x 128 < 2^31 for D <= kInt8MaxHeadDim):
 // vpmaddwd does 16 of them in one instruction where the float form widens 8 keys in two and
 // multiplies them in a third. The sums are exact, so every path (SIMD, tails, scalar) gives the
-// same bits; the score is then (sum * q_scale * scale) * k_scale in fp32, in that order.
-constexpr int64_t kInt8MaxHeadDim = 256;  // config/kv.py INT8_MAX_HEAD_DIM
+// same bits; a score is then (float(sum) * qscale) * k_scale in fp32, qscale = (max / 32767) * scale.
+constexpr int64_t kInt8MaxHeadDim = 512;  // config/kv.py INT8_MAX_HEAD_DIM
+// A row whose largest |q| is below this multiplies as zeros (32767 / max would overflow fp32).
+constexpr float kMinQueryMax = 1e-30f;
+// q16 is read 16 values at a time: a row's last 8 values read 8 past it (times zero keys).
+constexpr int64_t kQueryPad = 16;
 
-// q (R, D) float -> q16 (R, D) and qscale[r] = (max |q_r| / 32767) * scale; a row that is not
-// finite gets a NaN scale (its scores are NaN, as float products would make them).
+// q (R, D) float -> q16 (R, D) and qscale[r] = (max |q_r| / 32767) * scale. A row holding a NaN
+// or an infinity gets a NaN scale (every score NaN: the row attends nothing, as a float cache's
+// NaN products make it); a row below kMinQueryMax gets zeros and scale 0 (uniform weights).
 inline void round_queries(const float* q, int64_t R, int64_t D, float scale, int16_t* q16, float* qscale) {
   for (int64_t r = 0; r < R; ++r) {
+    const float* row = q + r * D;
     float mx = 0.f;
-    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(q[r * D + d]));
-    const bool finite = std::isfinite(mx);
-    const float inv = finite && mx > 0.f ? 32767.f / mx : 0.f;
-    for (int64_t d = 0; d < D; ++d) q16[r * D + d] = static_cast<int16_t>(std::nearbyint(q[r * D + d] * inv));
-    qscale[r] = finite ? mx / 32767.f * scale : NAN;
+    bool finite = true;
+    for (int64_t d = 0; d < D; ++d) {
+      finite &= std::isfinite(row[d]);
+      mx = std::max(mx, std::fabs(row[d]));
+    }
+    const bool usable = finite && mx >= kMinQueryMax;
+    const float inv = usable ? 32767.f / mx : 0.f;
+    for (int64_t d = 0; d < D; ++d) q16[r * D + d] = usable ? static_cast<int16_t>(std::nearbyint(row[d] * inv)) : 0;
+    qscale[r] = !finite ? NAN : usable ? mx / 32767.f * scale : 0.f;
   }
 }
 
@@ -776,20 +786,22 @@ inline int32_t dot_i16(const int16_t* q, const int8_t* k, int64_t D) {
   return s;
 }
 
-// sums[4 r + i] = q_r . k_i for n rows of q16 (stride D) and the 4 keys k + i * ld.
-inline void dots_i16_4keys(int64_t n, const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums);
-
 #ifdef NFX_AVX2
+// sums[4 r + i] = q_r . k_i for NR rows of q16 (stride D, kQueryPad readable past the last) and
+// the 4 keys k + i * ld: 16 values at a time, then 8 (the keys' upper 8 lanes zero), then scalar.
 template <int NR>
 inline void dots_i16_rows(const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
   __m256i acc[NR][4];
 #pragma GCC unroll 3
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_si256();
-  for (int64_t d = 0; d < D; d += 16) {
+  const int64_t D8 = D / 8 * 8;
+  for (int64_t d = 0; d < D8; d += 16) {
+    const bool whole = d + 16 <= D8;
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i * ld + d)));
+      const __m128i* kp = reinterpret_cast<const __m128i*>(k + i * ld + d);
+      const __m256i kv = _mm256_cvtepi8_epi16(whole ? _mm_loadu_si128(kp) : _mm_loadl_epi64(kp));
 #pragma GCC unroll 3
       for (int r = 0; r < NR; ++r)
         acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * D + d)), kv));
@@ -799,23 +811,24 @@ inline void dots_i16_rows(const int16_t* q, const int8_t* k, int64_t ld, int64_t
   for (int r = 0; r < NR; ++r) {
     const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]), _mm256_hadd_epi32(acc[r][2], acc[r][3]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + 4 * r), _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+    for (int i = 0; D8 < D && i < 4; ++i) sums[4 * r + i] += dot_i16(q + r * D + D8, k + i * ld + D8, D - D8);
   }
 }
 #endif
 
+// sums[4 r + i] = q_r . k_i for n <= 4 rows of q16 (stride D) and the 4 keys k + i * ld.
 inline void dots_i16_4keys(int64_t n, const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
 #ifdef NFX_AVX2
-  if (D % 16 == 0) {
-    switch (n) {
-      case 4: dots_i16_rows<2>(q, k, ld, D, sums); return dots_i16_rows<2>(q + 2 * D, k, ld, D, sums + 8);
-      case 3: return dots_i16_rows<3>(q, k, ld, D, sums);
-      case 2: return dots_i16_rows<2>(q, k, ld, D, sums);
-      default: return dots_i16_rows<1>(q, k, ld, D, sums);
-    }
+  switch (n) {
+    case 4: dots_i16_rows<2>(q, k, ld, D, sums); return dots_i16_rows<2>(q + 2 * D, k, ld, D, sums + 8);
+    case 3: return dots_i16_rows<3>(q, k, ld, D, sums);
+    case 2: return dots_i16_rows<2>(q, k, ld, D, sums);
+    default: return dots_i16_rows<1>(q, k, ld, D, sums);
   }
-#endif
+#else
   for (int64_t r = 0; r < n; ++r)
     for (int i = 0; i < 4; ++i) sums[4 * r + i] = dot_i16(q + r * D, k + i * ld, D);
+#endif
 }
 
 // out rows r (R, D) /= sums[r]; a row whose sum is 0 attends nothing and keeps its zeros.
@@ -844,7 +857,7 @@ inline void scores4(const int32_t* sums, float qs, const float* ks, const bool* 
 // key_scores for int8 rows (same contract), with the integer products above.
 void key_scores(const float* q, const int8_t* const* kb, const int8_t* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
                 int64_t R, int64_t T, const bool* masks, float scale, float* w) {
-  std::vector<int16_t> q16(R * D);
+  std::vector<int16_t> q16(R * D + kQueryPad);  // per task: two small allocations against ~50 us of keys
   std::vector<float> qscale(R);
   round_queries(q, R, D, scale, q16.data(), qscale.data());
   int32_t sums[16];
