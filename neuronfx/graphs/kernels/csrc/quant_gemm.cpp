@@ -615,6 +615,7 @@ constexpr int regs() {
 // threads of a 2-core AMD EPYC (AVX2), 2026-12-06: 8 rows 16.1 ms against 20.65 for 8 x 1, 6
 // rows 13.2 against 16.1, 5 rows 11.2 against 14.7, 4 rows 10.5 against 14.0; the pinned x
 // alone (the same 2 x 4 and 1 x 4 tiles as before): 2 rows 6.9 against 8.4, 1 row 7.2 against 7.6.
+// A microbenchmark: whole batch-8 steps did not move measurably (docs/performance.md, CPU kernels).
 template <typename L>
 constexpr int max_mt() {
 #if defined(NFX_Q_AVX2)
