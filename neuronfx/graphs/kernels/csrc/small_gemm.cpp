@@ -706,48 +706,6 @@ inline const C* upcoming(const C* const* kb, const C* const* vb, int64_t bs, int
   return nullptr;
 }
 
-// Scores w[r * S + j] = q_r . k_j * scale, -inf where row r's mask hides j, for the R rows q (R, D)
-// of one KV head (see attend_group for the layout). Float keys; int8 keys take the overload below.
-template <typename C>
-void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
-                int64_t R, int64_t T, const bool* masks, float scale, float* w) {
-  float dots[16];
-  // Rows are prefetched kAhead positions ahead. Over blocks the hardware prefetcher does not
-  // follow a jump to another block, and each block met its first reads cold (SmolLM2's fp32
-  // cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12 GB/s; with the
-  // prefetch 79 ms). Over one slot's contiguous rows it still left the float caches waiting:
-  // batch 8 x 2,000 positions, fp32 30.6 -> 27.2 ms, bf16 18.5 -> 16.5 (int8 unchanged: bound by
-  // its instructions), 10-15% at 512 and 1,024 too.
-  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
-    const int64_t end = std::min(S, j0 + bs);
-    const C* k = kb[c];
-    int64_t j = j0;
-    for (; j + 4 <= end; j += 4) {
-      if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
-      if (!any4(masks, T, S, j)) {
-        for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
-        continue;
-      }
-      const C* kj = k + (j - j0) * ld;
-      float ks[4];
-      for (int i = 0; i < 4; ++i) ks[i] = scale * row_scale(kj + i * ld, D);
-      for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int64_t n = std::min<int64_t>(4, R - r0);
-        dots_4keys(n, q + r0 * D, kj, ld, D, dots);
-        for (int64_t rr = 0; rr < n; ++rr) {
-          const bool* m = masks + ((r0 + rr) % T) * S + j;
-          for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + j + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
-        }
-      }
-    }
-    for (; j < end; ++j) {
-      const C* kj = k + (j - j0) * ld;
-      for (int64_t r = 0; r < R; ++r)
-        w[r * S + j] = masks[(r % T) * S + j] ? dot(q + r * D, kj, D) * scale * row_scale(kj, D) : -INFINITY;
-    }
-  }
-}
-
 // ---- int8 keys: q . k in integers ---------------------------------------------------------------
 // Each query row is rounded to int16 with one scale per row (its largest |q| / 32767: an error of
 // at most 2^-16 of that |q|, against the int8 key's 2^-8 of its own), and its products with an
@@ -854,37 +812,87 @@ inline void scores4(const int32_t* sums, float qs, const float* ks, const bool* 
 #endif
 }
 
-// key_scores for int8 rows (same contract), with the integer products above.
-void key_scores(const float* q, const int8_t* const* kb, const int8_t* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
-                int64_t R, int64_t T, const bool* masks, float scale, float* w) {
-  std::vector<int16_t> q16(R * D + kQueryPad);  // per task: two small allocations against ~50 us of keys
-  std::vector<float> qscale(R);
-  round_queries(q, R, D, scale, q16.data(), qscale.data());
+// The queries as the key pass multiplies them: float keys take q as it is (FloatQueries), int8
+// keys q rounded to int16 (Int16Queries, round_queries). queries_for picks by the key type.
+struct FloatQueries {
+  const float* q;
+  float scale;
+};
+struct Int16Queries {
+  std::vector<int16_t> q16;  // (R, D) and kQueryPad; per task: two small allocations against ~50 us of keys
+  std::vector<float> qscale;
+};
+template <typename C>
+inline FloatQueries queries_for(const float* q, int64_t, int64_t, float scale, const C*) { return {q, scale}; }
+inline Int16Queries queries_for(const float* q, int64_t R, int64_t D, float scale, const int8_t*) {
+  Int16Queries qs{std::vector<int16_t>(R * D + kQueryPad), std::vector<float>(R)};
+  round_queries(q, R, D, scale, qs.q16.data(), qs.qscale.data());
+  return qs;
+}
+
+// w[r * S + i] for the R rows and the 4 keys kj + i * ld (masks, w: at the first of them; row r's
+// mask row is r % T): the product times the key's scale, -inf where the mask hides the key.
+template <typename C>
+inline void scores_4keys(const FloatQueries& qs, const C* kj, int64_t ld, int64_t D, int64_t R, int64_t T, int64_t S,
+                         const bool* masks, float* w) {
+  float ks[4], dots[16];
+  for (int i = 0; i < 4; ++i) ks[i] = qs.scale * row_scale(kj + i * ld, D);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t n = std::min<int64_t>(4, R - r0);
+    dots_4keys(n, qs.q + r0 * D, kj, ld, D, dots);
+    for (int64_t rr = 0; rr < n; ++rr) {
+      const bool* m = masks + ((r0 + rr) % T) * S;
+      for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
+    }
+  }
+}
+inline void scores_4keys(const Int16Queries& qs, const int8_t* kj, int64_t ld, int64_t D, int64_t R, int64_t T, int64_t S,
+                         const bool* masks, float* w) {
+  float ks[4];
   int32_t sums[16];
-  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {
+  for (int i = 0; i < 4; ++i) ks[i] = row_scale(kj + i * ld, D);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t n = std::min<int64_t>(4, R - r0);
+    dots_i16_4keys(n, qs.q16.data() + r0 * D, kj, ld, D, sums);
+    for (int64_t rr = 0; rr < n; ++rr) scores4(sums + 4 * rr, qs.qscale[r0 + rr], ks, masks + ((r0 + rr) % T) * S, w + (r0 + rr) * S);
+  }
+}
+
+// Row r's score of the one key kj (the tails after the groups of four), in the same order.
+template <typename C>
+inline float score_1key(const FloatQueries& qs, int64_t r, const C* kj, int64_t D) {
+  return dot(qs.q + r * D, kj, D) * qs.scale * row_scale(kj, D);
+}
+inline float score_1key(const Int16Queries& qs, int64_t r, const int8_t* kj, int64_t D) {
+  return static_cast<float>(dot_i16(qs.q16.data() + r * D, kj, D)) * qs.qscale[r] * row_scale(kj, D);
+}
+
+// Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
+// hides j, for the R rows q (R, D) of one KV head (see attend_group for the layout).
+template <typename C>
+void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+                int64_t R, int64_t T, const bool* masks, float scale, float* w) {
+  const auto qs = queries_for(q, R, D, scale, static_cast<const C*>(nullptr));
+  // Rows are prefetched kAhead positions ahead. Over blocks the hardware prefetcher does not
+  // follow a jump to another block, and each block met its first reads cold (SmolLM2's fp32
+  // cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12 GB/s; with the
+  // prefetch 79 ms). Over one slot's contiguous rows it still left the float caches waiting:
+  // batch 8 x 2,000 positions, fp32 30.6 -> 27.2 ms, bf16 18.5 -> 16.5 (int8 unchanged: bound by
+  // its instructions), 10-15% at 512 and 1,024 too.
+  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
     const int64_t end = std::min(S, j0 + bs);
+    const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
-      if (const int8_t* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);  // as key_scores above
-      if (!any4(masks, T, S, j)) {
-        for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
+      if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
+      if (any4(masks, T, S, j)) {
+        scores_4keys(qs, k + (j - j0) * ld, ld, D, R, T, S, masks + j, w + j);
         continue;
       }
-      const int8_t* kj = kb[c] + (j - j0) * ld;
-      float ks[4];
-      for (int i = 0; i < 4; ++i) ks[i] = row_scale(kj + i * ld, D);
-      for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int64_t n = std::min<int64_t>(4, R - r0);
-        dots_i16_4keys(n, q16.data() + r0 * D, kj, ld, D, sums);
-        for (int64_t rr = 0; rr < n; ++rr)
-          scores4(sums + 4 * rr, qscale[r0 + rr], ks, masks + ((r0 + rr) % T) * S + j, w + (r0 + rr) * S + j);
-      }
+      for (int64_t r = 0; r < R; ++r) std::fill(w + r * S + j, w + r * S + j + 4, -INFINITY);
     }
-    for (; j < end; ++j) {
-      const int8_t* kj = kb[c] + (j - j0) * ld;
-      for (int64_t r = 0; r < R; ++r)
-        w[r * S + j] = masks[(r % T) * S + j] ? static_cast<float>(dot_i16(q16.data() + r * D, kj, D)) * qscale[r] * row_scale(kj, D) : -INFINITY;
-    }
+    for (; j < end; ++j)
+      for (int64_t r = 0; r < R; ++r) w[r * S + j] = masks[(r % T) * S + j] ? score_1key(qs, r, k + (j - j0) * ld, D) : -INFINITY;
   }
 }
 
