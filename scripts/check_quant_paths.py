@@ -1,7 +1,7 @@
 """Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do;
-and csrc/w8a8_gemm.cpp without AVX512-VNNI (its scalar integer code) against the references.
+and csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references.
 
-Usage: .venv/bin/python scripts/check_quant_paths.py   (about 3 min: three extra builds)
+Usage: .venv/bin/python scripts/check_quant_paths.py   (about 4 min: four extra builds)
 
 The kernel picks its path at compile time (AVX-512, AVX2 + FMA + F16C, scalar), so a machine
 only ever runs one of them; this builds the AVX2 and scalar paths here (``-DNFX_QUANT_AVX2`` /
@@ -61,36 +61,58 @@ def check(ns: str) -> tuple[dict[torch.dtype, float], list[str]]:
     return worst, variant
 
 
-def check_w8a8_scalar(build: Path) -> bool:
-    """w8a8_gemm.cpp built with -mno-avx512vnni (its scalar integer code): the packed int8 and
-    packed 4-bit products against ``int8_x``'s references bit for bit (int4, Q4_0, Q4_1; rows
-    1 to 70, with a bias)."""
-    ns = "nfx_check_w8a8_scalar"
-    load(name=ns, sources=[str(W8A8_SOURCE)], extra_cflags=[*kernels.CFLAGS, "-mno-avx512vnni", f"-Dneuronfx={ns}"],
+W8A8_PATHS = {"avx2": "-mno-avx512f", "scalar": "-mno-avx2"}
+"""w8a8_gemm.cpp's narrower paths and the flag that builds each on an AVX-512 CPU."""
+
+
+def check_w8a8(build: Path, path: str) -> bool:
+    """w8a8_gemm.cpp built for ``path`` (:data:`W8A8_PATHS`): the row-major and packed int8
+    products and the packed 4-bit ones against ``int8_x``'s references bit for bit (int4, Q4_0,
+    Q4_1; rows 1 to 70, with a bias; K of 96 and 100 for the row-major kernel's tail), the fused
+    Q/K/V call equal to the products alone, the gated products within the tests' tolerance."""
+    ns = f"nfx_check_w8a8_{path}"
+    load(name=ns, sources=[str(W8A8_SOURCE)], extra_cflags=[*kernels.CFLAGS, W8A8_PATHS[path], f"-Dneuronfx={ns}"],
          extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build), verbose=False)
     op = getattr(torch.ops, ns)
     g = torch.Generator().manual_seed(3)
-    equal = not op.w8a8_vnni()
+    isa = op.w8a8_isa()
+    equal = isa == path
     for fmt in ("int4", "q4_0", "q4_1"):
         p = Q.pack_int4(four_bit(fmt, torch.randn(80, 160, generator=g)))
         bias = torch.randn(80, generator=g)
-        for rows in (1, 3, 8, 70):
+        for rows in (1, 3, 5, 8, 70):
             x = torch.randn(rows, 160, generator=g)
-            equal &= torch.equal(op.w4a8_packed(x, p.data, bias), int8_x.w4a8_linear(x, p, bias))
-    q = Q.quantize_int8(torch.randn(48, 96, generator=g))
-    packed = Q.pack_int8(q)
-    for rows in (1, 5, 12):
-        x = torch.randn(rows, 96, generator=g)
-        equal &= torch.equal(op.w8a8_packed(x, packed.data, packed.scale, None), int8_x.w8a8_linear(x, q))
-    print(f"w8a8_gemm.cpp without VNNI: packed int8 and 4-bit products equal to the references: {'ok' if equal else 'FAIL'}")
+            want = int8_x.w4a8_linear(x, p, bias)
+            equal &= torch.equal(op.w4a8_packed(x, p.data, bias), want)
+            equal &= torch.equal(op.w4a8_packed_multi(x, p.data, bias, p.data, None, None, None)[:, :80], want)
+            glu = torch.nn.functional.silu(int8_x.w4a8_linear(x, p)) * int8_x.w4a8_linear(x, p)
+            equal &= torch.allclose(op.w4a8_packed_glu(x, p.data, p.data), glu, rtol=1e-5, atol=1e-6)
+    for k in (96, 100):
+        q = Q.quantize_int8(torch.randn(48, k, generator=g))
+        bias = torch.randn(48, generator=g)
+        for rows in (1, 2, 3, 4, 5, 7, 8):
+            x = torch.randn(rows, k, generator=g)
+            equal &= torch.equal(op.w8a8_gemm(x, q.data, q.scale, bias), int8_x.w8a8_linear(x, q, bias))
+        packed = Q.pack_int8(q)
+        for rows in (1, 3, 4, 5, 8, 12, 70):
+            x = torch.randn(rows, k, generator=g)
+            want = int8_x.w8a8_linear(x, q, bias)
+            equal &= torch.equal(op.w8a8_packed(x, packed.data, packed.scale, bias), want)
+            equal &= torch.equal(op.w8a8_packed_multi(x, packed.data, packed.scale, bias, packed.data, packed.scale, None, None, None,
+                                                      None)[:, :48], want)
+            glu = torch.nn.functional.silu(int8_x.w8a8_linear(x, q)) * int8_x.w8a8_linear(x, q)
+            equal &= torch.allclose(op.w8a8_packed_glu(x, packed.data, packed.scale, packed.data, packed.scale), glu, rtol=1e-5, atol=1e-6)
+    print(f"w8a8_gemm.cpp built for {path}: compiled path {isa}; int8 and 4-bit products equal to the references: "
+          f"{'ok' if equal else 'FAIL'}")
     return equal
 
 
 def main() -> None:
     failed = False
     with tempfile.TemporaryDirectory() as build:
-        (Path(build) / "w8a8").mkdir()
-        failed |= not check_w8a8_scalar(Path(build) / "w8a8")
+        for path in W8A8_PATHS:
+            (Path(build) / f"w8a8_{path}").mkdir()
+            failed |= not check_w8a8(Path(build) / f"w8a8_{path}", path)
         for path, flag in PATHS.items():
             ns = f"nfx_check_{path}"
             (Path(build) / path).mkdir()

@@ -242,7 +242,7 @@ def quant_prefill(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None
 def w8a8_gemm(x: torch.Tensor, q: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``int8_x.w8a8_linear`` for decode rows (<= :data:`SMALL_GEMM_MAX_ROWS`): x (..., K) float32
     or bfloat16 rounded per row exactly as ``int8_x.int8_rows``, the int8 x int8 products summed
-    exactly in int32 (AVX512-VNNI ``vpdpbusd`` where the CPU has it, :func:`w8a8_vnni`; each
+    exactly in int32 (AVX512-VNNI ``vpdpbusd`` or AVX2 ``vpmaddwd``, :func:`w8a8_isa`; each
     weight row read once against every row), scaled by x's and the weight's scales in fp32
     (+ bias (N,)) -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``). torch's ``_int_mm`` reads
     such small-M products slowly and rounds and scales in separate ops. RuntimeError for data
@@ -254,8 +254,8 @@ def w8a8_packed(x: torch.Tensor, q: Int8Packed, bias: torch.Tensor | None = None
     """``int8_x.w8a8_linear`` on a packed int8 weight (``quant.Int8Packed``), any number of rows:
     x (..., K) float32 or bfloat16 rounded per row as ``int8_x.int8_rows`` (rows in parallel past
     16), the int8 x int8 products of 16 output channels per ``vpdpbusd`` summed exactly in int32
-    (scalar integer code without AVX512-VNNI), scaled by x's and the weight's scales in fp32
-    (+ bias (N,)) -> (..., N) in x.dtype, the bits of :func:`w8a8_gemm` (``csrc/w8a8_gemm.cpp``).
+    (AVX2: ``vpmaddwd`` on the weight's bytes split into int16; :func:`w8a8_isa`), scaled by
+    x's and the weight's scales in fp32 (+ bias (N,)) -> (..., N) in x.dtype, the bits of :func:`w8a8_gemm` (``csrc/w8a8_gemm.cpp``).
     Measured on SmolLM2's gate (1,536 x 576), 8 rows, one thread, weights in cache: about 4x
     :func:`w8a8_gemm`, whose row-major weight needs a horizontal sum per output. RuntimeError
     for data that is not a contiguous uint8 (N / 16, K / 4, 64), or x, scale or bias of the
@@ -287,8 +287,8 @@ def w4a8_packed(x: torch.Tensor, q: Int4Packed, bias: torch.Tensor | None = None
     32, Q4_0 or Q4_1), any number of rows, the same bits: x (..., K) float32 or bfloat16
     rounded per group of 32 values as ``int8_x.int8_groups`` (a group holding NaN gives NaN),
     per group the nibble x int8 products of 16 output channels summed exactly in int32 by
-    ``vpdpbusd`` (scalar integer code without AVX512-VNNI), then scaled in fp32 (+ bias (N,))
-    -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``), as OpenVINO's int4 weights with dynamic
+    ``vpdpbusd`` (AVX2: ``vpmaddubsw``, summed in int16 per group, exact; :func:`w8a8_isa`), then
+    scaled in fp32 (+ bias (N,)) -> (..., N) in x.dtype (``csrc/w8a8_gemm.cpp``), as OpenVINO's int4 weights with dynamic
     int8 activations in groups of 32. RuntimeError for data that is not a contiguous uint8
     (N / 16, K / 32, 320 or 384), or x or bias of the wrong shape."""
     return torch.ops.neuronfx.w4a8_packed(x, q.data, bias)
@@ -312,10 +312,12 @@ def w4a8_packed_glu(x: torch.Tensor, gate: Int4Packed, up: Int4Packed) -> torch.
     return torch.ops.neuronfx.w4a8_packed_glu(x, gate.data, up.data)
 
 
-def w8a8_vnni() -> bool:
-    """Whether :func:`w8a8_gemm` was built with AVX512-VNNI (else scalar integer code)."""
+def w8a8_isa() -> str:
+    """The SIMD path ``csrc/w8a8_gemm.cpp`` was built with: "vnni" (AVX512-VNNI ``vpdpbusd``),
+    "avx2" (``vpmaddwd`` for int8 weights, ``vpmaddubsw`` for 4-bit ones) or "scalar"; every
+    path sums the same integers exactly, so they give the same bits."""
     _loaded()
-    return bool(torch.ops.neuronfx.w8a8_vnni())
+    return str(torch.ops.neuronfx.w8a8_isa())
 
 
 def same_quant_layout(weights: list) -> bool:

@@ -6,8 +6,8 @@
 //
 // AVX512-VNNI: ``vpdpbusd`` multiplies unsigned by signed bytes, so each weight byte is read as
 // w + 128 (xor 0x80) and 128 * sum_k xq[m, k] is taken off each sum; 64 products per
-// instruction, each weight row read once against every row of x. Without VNNI the same
-// integers in scalar code.
+// instruction, each weight row read once against every row of x. AVX2 without VNNI: the same
+// exact integers through vpmaddwd (int8) and vpmaddubsw (4-bit) below; else scalar code.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,11 +19,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define NFX_W8A8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NFX_W8A8_AVX2 1
 #endif
 
 namespace {
@@ -34,6 +38,9 @@ struct XRows {
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t kp;
+  // AVX2 only (else empty): per row kp / 2 int32, for each quad q of x the int16 pairs
+  // (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]), vpmaddwd's broadcast operands.
+  std::vector<int32_t> pairs;
 };
 
 // One row of x (fp32, K values) rounded into q: torch.round(x / safe).clamp(-127, 127), an
@@ -51,6 +58,20 @@ inline int32_t round_row(const float* x, int64_t K, float safe, int8_t* q) {
     acc = _mm512_add_epi32(acc, i);
   }
   sum = _mm512_reduce_add_epi32(acc);
+#elif defined(NFX_W8A8_AVX2)
+  const __m256 d = _mm256_set1_ps(safe), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i acc = _mm256_setzero_si256();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // max(v, lo) first: a NaN lane gives -127, as the scalar tail's std::max(-127, NaN)
+    const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w, w));
+    acc = _mm256_add_epi32(acc, i);
+  }
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
 #endif
   for (; k < K; ++k) {
     const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / safe)));
@@ -65,7 +86,11 @@ constexpr int64_t ROUND_GRAIN = 16;
 
 template <typename X>
 XRows round_rows(const X* x, int64_t M, int64_t K) {
-  XRows r{std::vector<int8_t>(M * ((K + 63) / 64 * 64), 0), std::vector<float>(M), std::vector<int32_t>(M, 0), (K + 63) / 64 * 64};
+  const int64_t kp = (K + 63) / 64 * 64;
+  XRows r{std::vector<int8_t>(M * kp, 0), std::vector<float>(M), std::vector<int32_t>(M, 0), kp, {}};
+#if defined(NFX_W8A8_AVX2)
+  r.pairs.resize(M * kp / 2);
+#endif
   at::parallel_for(0, M, ROUND_GRAIN, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
@@ -79,6 +104,14 @@ XRows round_rows(const X* x, int64_t M, int64_t K) {
       const float s = amax / 127.f;
       r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
       r.scale[m] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
+#if defined(NFX_W8A8_AVX2)
+      const int8_t* q = r.q.data() + m * r.kp;
+      int32_t* pairs = r.pairs.data() + m * (r.kp / 2);
+      for (int64_t k = 0; k < r.kp; k += 4) {
+        pairs[k / 2] = static_cast<int32_t>(static_cast<uint16_t>(q[k]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
+        pairs[k / 2 + 1] = static_cast<int32_t>(static_cast<uint16_t>(q[k + 1]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 3])) << 16));
+      }
+#endif
     }
   });
   return r;
@@ -130,6 +163,28 @@ inline void tile(const XRows& xr, int64_t m0, const int8_t* w, int64_t K, int64_
   sums<MT * NT>(&acc[0][0], tot);
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) tot[m * NT + j] -= 128 * xr.sum[m0 + m];
+#elif defined(NFX_W8A8_AVX2)
+  // x and w widened to int16, vpmaddwd: 16 exact products a register, sums of pairs in int32
+  __m256i acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_si256();
+  const int64_t k16 = K / 16 * 16;
+  for (int64_t k = 0; k < k16; k += 16) {
+    __m256i wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + j) * K + k)));
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr.q.data() + (m0 + m) * xr.kp + k)));
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(xv, wv[j]));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc[m][j]), _mm256_extracti128_si256(acc[m][j], 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      int32_t t = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+      for (int64_t k = k16; k < K; ++k) t += static_cast<int32_t>(xr.q[(m0 + m) * xr.kp + k]) * w[(n + j) * K + k];
+      tot[m * NT + j] = t;
+    }
 #else
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) {
@@ -230,6 +285,40 @@ inline void packed_tile(const XRows& xr, int64_t m0, const uint8_t* data, int64_
     const __m512i off = _mm512_set1_epi32(128 * xr.sum[m0 + m]);
     for (int j = 0; j < NT; ++j) _mm512_storeu_si512(tot + (m * NT + j) * 16, _mm512_sub_epi32(acc[m][j], off));
   }
+#elif defined(NFX_W8A8_AVX2)
+  // Each half of a quad's line (8 channels x 4 features, w + 128 in [0, 255]) split into its
+  // even and odd bytes as int16, against x's pairs (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]):
+  // vpmaddwd sums two products exactly in int32, so the sums are the VNNI path's.
+  __m256i acc[MT][NT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_si256();
+  const uint8_t* wb = data + b * K4 * 64;
+  const int64_t xs = xr.kp / 2;
+  const int32_t* xp = xr.pairs.data() + m0 * xs;
+  const __m256i low = _mm256_set1_epi16(0x00FF);
+  for (int64_t q = 0; q < K4; ++q) {
+    __m256i e[NT][2], o[NT][2];
+    for (int j = 0; j < NT; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + ((NT + j) * K4 + q) * 64), _MM_HINT_T0);  // the next block's line
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (j * K4 + q) * 64 + 32 * h));
+        e[j][h] = _mm256_and_si256(v, low);
+        o[j][h] = _mm256_srli_epi16(v, 8);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xe = _mm256_set1_epi32(xp[m * xs + 2 * q]), xo = _mm256_set1_epi32(xp[m * xs + 2 * q + 1]);
+      for (int j = 0; j < NT; ++j)
+        for (int h = 0; h < 2; ++h)
+          acc[m][j][h] = _mm256_add_epi32(acc[m][j][h], _mm256_add_epi32(_mm256_madd_epi16(e[j][h], xe), _mm256_madd_epi16(o[j][h], xo)));
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m256i off = _mm256_set1_epi32(128 * xr.sum[m0 + m]);
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot + (m * NT + j) * 16 + 8 * h), _mm256_sub_epi32(acc[m][j][h], off));
+  }
 #else
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j)
@@ -280,6 +369,39 @@ __attribute__((noinline)) void packed_tile<8, 2>(const XRows& xr, int64_t m0, co
 }
 #endif
 
+#if defined(NFX_W8A8_AVX2)
+// packed_tile<4, 1> (every full AVX2 tile) with its 8 accumulators as named variables: GCC 12
+// kept the array's on the stack, a store and a copy after each sum.
+template <>
+__attribute__((noinline)) void packed_tile<4, 1>(const XRows& xr, int64_t m0, const uint8_t* data, int64_t K4, int64_t b, int32_t* tot) {
+  const __m256i z = _mm256_setzero_si256(), low = _mm256_set1_epi16(0x00FF);
+  __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
+  const uint8_t* w = data + b * K4 * 64;
+  const int64_t xs = xr.kp / 2;
+  const int32_t* xp = xr.pairs.data() + m0 * xs;
+  for (int64_t q = 0; q < K4; ++q) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (K4 + q) * 64), _MM_HINT_T0);  // the next block's line, as packed_tile
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64)),
+                  v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
+    const __m256i e0 = _mm256_and_si256(v0, low), o0 = _mm256_srli_epi16(v0, 8), e1 = _mm256_and_si256(v1, low),
+                  o1 = _mm256_srli_epi16(v1, 8);
+#define NFX_PACKED_ROW_AVX2(M, A0, A1)                                                                                 \
+  {                                                                                                                    \
+    const __m256i xe = _mm256_set1_epi32(xp[(M) * xs + 2 * q]), xo = _mm256_set1_epi32(xp[(M) * xs + 2 * q + 1]);     \
+    A0 = _mm256_add_epi32(A0, _mm256_add_epi32(_mm256_madd_epi16(e0, xe), _mm256_madd_epi16(o0, xo)));               \
+    A1 = _mm256_add_epi32(A1, _mm256_add_epi32(_mm256_madd_epi16(e1, xe), _mm256_madd_epi16(o1, xo)));               \
+  }
+    NFX_PACKED_ROW_AVX2(0, a00, a01) NFX_PACKED_ROW_AVX2(1, a10, a11) NFX_PACKED_ROW_AVX2(2, a20, a21) NFX_PACKED_ROW_AVX2(3, a30, a31)
+#undef NFX_PACKED_ROW_AVX2
+  }
+  const __m256i acc[8] = {a00, a01, a10, a11, a20, a21, a30, a31};
+  for (int m = 0; m < 4; ++m) {
+    const __m256i off = _mm256_set1_epi32(128 * xr.sum[m0 + m]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot + m * 16 + 8 * h), _mm256_sub_epi32(acc[2 * m + h], off));
+  }
+}
+#endif
+
 #if defined(NFX_W8A8_VNNI)
 // packed_tile<4, 4> the same way (a prefill's tiles).
 template <>
@@ -318,6 +440,21 @@ __attribute__((noinline)) void packed_tile<4, 4>(const XRows& xr, int64_t m0, co
 // mc (<= 8) rows against nt blocks: nt is 4 for up to 4 rows and 2 above (16 accumulators), or
 // 1 at the end of a task's range.
 void packed_tile_any(const XRows& xr, int64_t m0, int64_t mc, const uint8_t* data, int64_t K4, int64_t b, int nt, int32_t* tot) {
+#if defined(NFX_W8A8_AVX2)
+  // tiles of up to 4 rows x 1 block: 8 accumulators, 4 weight halves and 2 broadcasts fill
+  // AVX2's 16 registers; the block's lines stay in L1 for the next 4 rows
+  for (int j = 0; j < nt; ++j)
+    for (int64_t r = 0; r < mc; r += 4) {
+      int32_t part[4 * 16];
+      const int64_t rc = std::min<int64_t>(4, mc - r);
+      if (rc == 4) packed_tile<4, 1>(xr, m0 + r, data, K4, b + j, part);
+      else if (rc == 3) packed_tile<3, 1>(xr, m0 + r, data, K4, b + j, part);
+      else if (rc == 2) packed_tile<2, 1>(xr, m0 + r, data, K4, b + j, part);
+      else packed_tile<1, 1>(xr, m0 + r, data, K4, b + j, part);
+      for (int64_t i = 0; i < rc; ++i) std::memcpy(tot + ((r + i) * nt + j) * 16, part + i * 16, 16 * sizeof(int32_t));
+    }
+  return;
+#endif
 #define NFX_PACKED_CASE(MT, NT) \
   if (mc == MT && nt == NT) return packed_tile<MT, NT>(xr, m0, data, K4, b, tot);
   NFX_PACKED_CASE(1, 4) NFX_PACKED_CASE(2, 4) NFX_PACKED_CASE(3, 4) NFX_PACKED_CASE(4, 4)
@@ -341,6 +478,17 @@ void packed_store(const XRows& xr, int64_t m0, int64_t mc, int nt, const int32_t
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(tot + (m * nt + j) * 16)), xs);
       const __m512 v = _mm512_fmadd_ps(t, _mm512_loadu_ps(ws + 16 * j), zero);  // rounded before the bias, as below
       _mm512_storeu_ps(out + (m0 + m) * ld + 16 * j, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j)) : v);
+    }
+  }
+  return;
+#elif defined(NFX_W8A8_AVX2)
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t m = 0; m < mc; ++m) {
+    const __m256 xs = _mm256_set1_ps(xr.scale[m0 + m]);
+    for (int64_t c = 0; c < nt * 16; c += 8) {
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tot + m * nt * 16 + c))), xs);
+      const __m256 v = _mm256_fmadd_ps(t, _mm256_loadu_ps(ws + c), zero);  // rounded before the bias, as below
+      _mm256_storeu_ps(out + (m0 + m) * ld + c, bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + c)) : v);
     }
   }
   return;
@@ -600,6 +748,61 @@ inline __m512 load16(const uint8_t* p) {
   if constexpr (sizeof(S) == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   else return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
 }
+#elif defined(NFX_W8A8_AVX2)
+template <typename S>
+inline __m256 load8(const uint8_t* p) {
+  if constexpr (sizeof(S) == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+#endif
+
+#if defined(NFX_W8A8_AVX2)
+// Rows [m0, m0 + 4) against block b of w: acc (4 rows x 16 channels) as packed4_tile's, its 8
+// int16 sums as named variables (GCC 12 kept an array's on the stack, as in packed_tile<4, 1>).
+template <typename S>
+__attribute__((noinline)) void packed4_tile4(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, float* acc) {
+  const int64_t G = xr.G;
+  constexpr int64_t R = NIBBLE_BYTES + 32 * sizeof(S), SCALES = NIBBLE_BYTES, OFFSETS = NIBBLE_BYTES + 16 * sizeof(S);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+  const __m256 zero = _mm256_setzero_ps();
+  for (int i = 0; i < 64; i += 8) _mm256_storeu_ps(acc + i, zero);
+  const int8_t* x = xr.q.data() + m0 * xr.kp;
+  const int64_t kp = xr.kp;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = w.data + (b * G + g) * R;
+    __m256i s00 = z, s01 = z, s10 = z, s11 = z, s20 = z, s21 = z, s30 = z, s31 = z;
+    for (int l = 0; l < 4; ++l) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * l)),
+                    v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * l + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
+                    lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      int32_t t0, t1;
+#define NFX_PACKED4_ROW_AVX2(M, S0, S1)                                                                             \
+  {                                                                                                               \
+    std::memcpy(&t0, x + (M) * kp + 32 * g + 8 * l, 4);                                                           \
+    std::memcpy(&t1, x + (M) * kp + 32 * g + 8 * l + 4, 4);                                                       \
+    const __m256i x0 = _mm256_set1_epi32(t0), x1 = _mm256_set1_epi32(t1);                                         \
+    S0 = _mm256_add_epi16(S0, _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));    \
+    S1 = _mm256_add_epi16(S1, _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));    \
+  }
+      NFX_PACKED4_ROW_AVX2(0, s00, s01) NFX_PACKED4_ROW_AVX2(1, s10, s11) NFX_PACKED4_ROW_AVX2(2, s20, s21)
+      NFX_PACKED4_ROW_AVX2(3, s30, s31)
+#undef NFX_PACKED4_ROW_AVX2
+    }
+    const __m256i sums[8] = {s00, s01, s10, s11, s20, s21, s30, s31};
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = load8<S>(rec + SCALES + 8 * h * sizeof(S)), o = load8<S>(rec + OFFSETS + 8 * h * sizeof(S));
+      for (int m = 0; m < 4; ++m) {
+        // packed4_tile's order and roundings
+        const int64_t at = (m0 + m) * G + g;
+        const __m256 sd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[2 * m + h], ones)), d, zero);
+        const __m256 xo = _mm256_fmadd_ps(_mm256_set1_ps(xr.sum[at]), o, zero);
+        float* a = acc + 16 * m + 8 * h;
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_fmadd_ps(_mm256_add_ps(sd, xo), _mm256_set1_ps(xr.scale[at]), zero)));
+      }
+    }
+  }
+}
 #endif
 
 // Rows [m0, m0 + MT) against blocks [b, b + NT) of w (scales of type S), into out (rows ld apart).
@@ -652,6 +855,59 @@ void packed4_tile(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, fl
   }
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) _mm512_storeu_ps(acc[m][j], av[m][j]);
+#elif defined(NFX_W8A8_AVX2)
+  // vpmaddubsw: nibble (unsigned, at most 15) x int8 x (at most 127 in size), two products a
+  // word; each word sums its 16 products of a group over the 4 lines (at most 16 * 15 * 127 =
+  // 30,480: exact in int16), then vpmaddwd by ones gives the channel's exact int32 sum S.
+  if constexpr (MT == 4 && NT == 1) {
+    packed4_tile4<S>(xr, m0, w, b, &acc[0][0][0]);
+  } else {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 av[MT][NT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) av[m][j][0] = av[m][j][1] = zero;
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i s[MT][NT][2];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < NT; ++j) s[m][j][0] = s[m][j][1] = _mm256_setzero_si256();
+    for (int l = 0; l < 4; ++l) {
+      __m256i lo[NT][2], hi[NT][2];
+      for (int j = 0; j < NT; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.data + ((b + j) * G + g) * R + 64 * l + 32 * h));
+          lo[j][h] = _mm256_and_si256(v, low4);
+          hi[j][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xr.q.data() + (m0 + m) * xr.kp + 32 * g + 8 * l;
+        int32_t t0, t1;
+        std::memcpy(&t0, x, 4);
+        std::memcpy(&t1, x + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(t0), x1 = _mm256_set1_epi32(t1);
+        for (int j = 0; j < NT; ++j)
+          for (int h = 0; h < 2; ++h)
+            s[m][j][h] = _mm256_add_epi16(s[m][j][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j][h], x0), _mm256_maddubs_epi16(hi[j][h], x1)));
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const uint8_t* rec = w.data + ((b + j) * G + g) * R;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = load8<S>(rec + SCALES + 8 * h * sizeof(S)), o = load8<S>(rec + OFFSETS + 8 * h * sizeof(S));
+        for (int m = 0; m < MT; ++m) {
+          // the VNNI path's order and roundings (fma with 0: a product never contracted into a sum)
+          const int64_t at = (m0 + m) * G + g;
+          const __m256 sd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][j][h], ones)), d, zero);
+          const __m256 xo = _mm256_fmadd_ps(_mm256_set1_ps(xr.sum[at]), o, zero);
+          av[m][j][h] = _mm256_add_ps(av[m][j][h], _mm256_fmadd_ps(_mm256_add_ps(sd, xo), _mm256_set1_ps(xr.scale[at]), zero));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc[m][j] + 8 * h, av[m][j][h]);
+  }
 #else
   for (int64_t g = 0; g < G; ++g)
     for (int j = 0; j < NT; ++j) {
@@ -684,6 +940,19 @@ void packed4_tile(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, fl
 // mc rows against nt blocks from b: decode tiles of up to 8 rows x 1 block, prefill tiles of 4 x 2.
 template <typename S>
 void packed4_tile_any(const XGroups& xr, int64_t m0, int64_t mc, const Packed4& w, int64_t b, int nt, float* out, int64_t ld) {
+#if defined(NFX_W8A8_AVX2)
+  // tiles of up to 4 rows x 1 block: 8 int16 sums, 4 nibble halves and 2 broadcasts fill AVX2's
+  // 16 registers; the block's record stays in L1 for the next 4 rows
+  for (int j = 0; j < nt; ++j)
+    for (int64_t r = 0; r < mc; r += 4) {
+      const int64_t rc = std::min<int64_t>(4, mc - r);
+      if (rc == 4) packed4_tile<S, 4, 1>(xr, m0 + r, w, b + j, out, ld);
+      else if (rc == 3) packed4_tile<S, 3, 1>(xr, m0 + r, w, b + j, out, ld);
+      else if (rc == 2) packed4_tile<S, 2, 1>(xr, m0 + r, w, b + j, out, ld);
+      else packed4_tile<S, 1, 1>(xr, m0 + r, w, b + j, out, ld);
+    }
+  return;
+#endif
 #define NFX_PACKED4_CASE(MT, NT) \
   if (mc == MT && nt == NT) return packed4_tile<S, MT, NT>(xr, m0, w, b, out, ld);
   NFX_PACKED4_CASE(1, 1) NFX_PACKED4_CASE(2, 1) NFX_PACKED4_CASE(3, 1) NFX_PACKED4_CASE(4, 1)
@@ -773,11 +1042,13 @@ at::Tensor w4a8_packed_glu(const at::Tensor& x, const at::Tensor& gate, const at
   return shaped(gv, x);
 }
 
-bool w8a8_vnni() {
+std::string w8a8_isa() {
 #if defined(NFX_W8A8_VNNI)
-  return true;
+  return "vnni";
+#elif defined(NFX_W8A8_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "scalar";
 #endif
 }
 
@@ -792,7 +1063,7 @@ TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
   m.def("w4a8_packed(Tensor x, Tensor data, Tensor? bias) -> Tensor");
   m.def("w4a8_packed_multi(Tensor x, Tensor d0, Tensor? b0, Tensor? d1, Tensor? b1, Tensor? d2, Tensor? b2) -> Tensor");
   m.def("w4a8_packed_glu(Tensor x, Tensor gate, Tensor up) -> Tensor");
-  m.def("w8a8_vnni() -> bool", &w8a8_vnni);
+  m.def("w8a8_isa() -> str", &w8a8_isa);
 }
 TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("w8a8_gemm", &w8a8_gemm);
