@@ -774,8 +774,61 @@ inline void dots_i16_rows(const int16_t* q, const int8_t* k, int64_t ld, int64_t
 }
 #endif
 
+#if defined(NFX_ATTN_AVX512) && defined(__AVX512BW__)
+#define NFX_ATTN_I16_512 1
+// acc + the sums of pairs of q's and k's int16 products: one vpdpwssd where AVX512-VNNI is.
+inline __m512i mac_i16(__m512i acc, __m512i q, __m512i k) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, q, k);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(q, k));
+#endif
+}
+
+// The 4 sums of a0..a3's 16 lanes each, into out[0..3] (in any order of addition: integers).
+inline void sums4_512(__m512i a0, __m512i a1, __m512i a2, __m512i a3, int32_t* out) {
+  const __m512i a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));  // each 128-bit lane: a0 a1 a2 a3
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+// dots_i16_rows in 32 lanes for D a multiple of 32: each key chunk widened once for the NR rows,
+// one vpdpwssd per row where the 256-bit form took a vpmaddwd and an add per 16 values. Batch 8
+// x 2,000 positions, 30 SmolLM2 layers, 2 threads of an AMD EPYC with AVX-512 VNNI: 10.5 -> 10.1
+// ms with the prefetches' divisions gone too (alternating rounds, 2026-12-06; the same bits).
+template <int NR>
+inline void dots_i16_rows512(const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
+  __m512i acc[NR][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_si512();
+  for (int64_t d = 0; d < D; d += 32) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i * ld + d)));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[r][i] = mac_i16(acc[r][i], _mm512_loadu_si512(q + r * D + d), kv);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) sums4_512(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums + 4 * r);
+}
+#endif
+
 // sums[4 r + i] = q_r . k_i for n <= 4 rows of q16 (stride D) and the 4 keys k + i * ld.
 inline void dots_i16_4keys(int64_t n, const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
+#ifdef NFX_ATTN_I16_512
+  if (D % 32 == 0) {
+    switch (n) {
+      case 4: return dots_i16_rows512<4>(q, k, ld, D, sums);
+      case 3: return dots_i16_rows512<3>(q, k, ld, D, sums);
+      case 2: return dots_i16_rows512<2>(q, k, ld, D, sums);
+      default: return dots_i16_rows512<1>(q, k, ld, D, sums);
+    }
+  }
+#endif
 #ifdef NFX_AVX2
   switch (n) {
     case 4: dots_i16_rows<2>(q, k, ld, D, sums); return dots_i16_rows<2>(q + 2 * D, k, ld, D, sums + 8);
@@ -884,7 +937,9 @@ void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t 
     const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
-      if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
+      // the keys kAhead on: in this block (nearly always) without upcoming's two divisions
+      if (j + kAhead + 4 <= end) prefetch4(k + (j + kAhead - j0) * ld, ld);
+      else if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
       if (any4(masks, T, S, j)) {
         scores_4keys(qs, k + (j - j0) * ld, ld, D, R, T, S, masks + j, w + j);
         continue;
@@ -928,7 +983,8 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       const C* vj = v + (j - j0) * ld;
-      if (j + kAhead + 4 <= S) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
+      if (j + kAhead + 4 <= end) prefetch4(vj + kAhead * ld, ld);  // as key_scores: no division in a block
+      else if (j + kAhead + 4 <= S) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
       if (!all4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t i = 0; i < 4; ++i) one(r, j + i, vj + i * ld);
