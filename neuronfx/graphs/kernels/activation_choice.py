@@ -206,7 +206,8 @@ def cache_file(hidden: int, intermediate: int, batch_rows: int, root: Path | Non
     """Where the verdict for these shapes on this CPU, torch, thread count and oneDNN ISA cap is
     kept (``root``: default ``gemm_choice.verdict_root``, which honours ``$TORCH_EXTENSIONS_DIR``)."""
     root = verdict_root() if root is None else root
-    key = "\n".join(map(str, [f"w4a8_packed x{PROBE_LAYERS}", hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
+    # "avx2": the kernels' AVX2 paths; an AVX2 CPU's older verdicts timed their scalar code
+    key = "\n".join(map(str, [f"w4a8_packed x{PROBE_LAYERS} avx2", hidden, intermediate, batch_rows, library.cpu_flags(), torch.__version__,
                               torch.get_num_threads(), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]))
     return root / f"neuronfx_int8x_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
