@@ -925,10 +925,26 @@ inline float score_1key(const Int16Queries& qs, int64_t r, const int8_t* kj, int
   return static_cast<float>(dot_i16(qs.q16.data() + r * D, kj, D)) * qs.qscale[r] * row_scale(kj, D);
 }
 
+// One past the last position any of the T mask rows (stride S) attends, rounded up to a multiple
+// of 8 and at most S: no row sees a position past it, so the passes stop there (a decode row in a
+// bucket longer than its context read its rows' prefetch up to 32 positions past them); the
+// rounding keeps the softmax's 8-lane chunks, and so its sums' bits, those of all S positions.
+inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
+  int64_t last = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = S; j > last; --j)
+      if (masks[t * S + j - 1]) {
+        last = j;
+        break;
+      }
+  return std::min(S, (last + 7) / 8 * 8);
+}
+
 // Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
-// hides j, for the R rows q (R, D) of one KV head (see attend_group for the layout).
+// hides j, for the R rows q (R, D) of one KV head and positions j < L (live_positions; see
+// attend_group for the layout).
 template <typename C>
-void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
+void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L, int64_t D,
                 int64_t R, int64_t T, const bool* masks, float scale, float* w) {
   const auto qs = queries_for(q, R, D, scale, static_cast<const C*>(nullptr));
   // Rows are prefetched kAhead positions ahead. Over blocks the hardware prefetcher does not
@@ -937,14 +953,14 @@ void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t 
   // prefetch 79 ms). Over one slot's contiguous rows it still left the float caches waiting:
   // batch 8 x 2,000 positions, fp32 30.6 -> 27.2 ms, bf16 18.5 -> 16.5 (int8 unchanged: bound by
   // its instructions), 10-15% at 512 and 1,024 too.
-  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
-    const int64_t end = std::min(S, j0 + bs);
+  for (int64_t c = 0, j0 = 0; j0 < L; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
+    const int64_t end = std::min(L, j0 + bs);
     const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       // the keys kAhead on: in this block (nearly always) without upcoming's two divisions
       if (j + kAhead + 4 <= end) prefetch4(k + (j + kAhead - j0) * ld, ld);
-      else if (const C* f = upcoming(kb, vb, bs, ld, S, j)) prefetch4(f, ld);
+      else if (const C* f = upcoming(kb, vb, bs, ld, L, j)) prefetch4(f, ld);
       if (any4(masks, T, S, j)) {
         scores_4keys(qs, k + (j - j0) * ld, ld, D, R, T, S, masks + j, w + j);
         continue;
@@ -972,24 +988,24 @@ void key_scores(const float* q, const C* const* kb, const C* const* vb, int64_t 
 template <typename C>
 void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
                   int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
-  const int64_t R = group * T;
+  const int64_t R = group * T, L = live_positions(masks, T, S);
   float p[16];
-  key_scores(q, kb, vb, bs, ld, S, D, R, T, masks, scale, w);
-  for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, S);
+  key_scores(q, kb, vb, bs, ld, S, L, D, R, T, masks, scale, w);
+  for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, L);
   std::fill(out, out + R * D, 0.f);
   auto one = [&](int64_t r, int64_t jj, const C* vj) {  // value row vj of position jj for one row, if its mask lets it through
     if (!masks[(r % T) * S + jj]) return;
     const float pj = w[r * S + jj] * row_scale(vj, D);
     axpy<1>(&pj, vj, ld, D, out + r * D);
   };
-  for (int64_t c = 0, j0 = 0; j0 < S; ++c, j0 += bs) {
-    const int64_t end = std::min(S, j0 + bs);
+  for (int64_t c = 0, j0 = 0; j0 < L; ++c, j0 += bs) {
+    const int64_t end = std::min(L, j0 + bs);
     const C* v = vb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       const C* vj = v + (j - j0) * ld;
       if (j + kAhead + 4 <= end) prefetch4(vj + kAhead * ld, ld);  // as key_scores: no division in a block
-      else if (j + kAhead + 4 <= S) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
+      else if (j + kAhead + 4 <= L) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
       if (!all4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t i = 0; i < 4; ++i) one(r, j + i, vj + i * ld);
