@@ -1,7 +1,7 @@
 """Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do;
 and csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references.
 
-Usage: .venv/bin/python scripts/check_quant_paths.py   (about 4 min: four extra builds)
+Usage: .venv/bin/python scripts/check_quant_paths.py   (about 3 min: four extra builds)
 
 The kernel picks its path at compile time (AVX-512, AVX2 + FMA + F16C, scalar), so a machine
 only ever runs one of them; this builds the AVX2 and scalar paths here (``-DNFX_QUANT_AVX2`` /

@@ -303,6 +303,45 @@ def test_cached_attention_kernel_odd_sizes_and_empty_rows(cache_dtype: torch.dty
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_cached_attention_bucket_past_the_live_positions_changes_no_bit(cache_dtype: torch.dtype, tokens: int) -> None:
+    """The kernel stops after the last position any row attends: a 61-position bucket whose rows
+    attend 21 and 30 positions gives the bits of the same cache read through a 32-position bucket,
+    whatever the hidden positions hold (NaN here), and matches the naive reference."""
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (store_rows(torch.randn(2, 3, 61, 32, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        cache[0, :, 21:] = store_rows(torch.full((32,), float("nan")), torch.empty(0, dtype=cache_dtype))
+        cache[1, :, 30:] = store_rows(torch.full((32,), float("nan")), torch.empty(0, dtype=cache_dtype))
+    position_ids = torch.tensor([[20], [29]]) - torch.arange(tokens - 1, -1, -1)  # (B, T), each row's newest tokens
+    long, short = decode_mask(position_ids, 61), decode_mask(position_ids, 32)
+    assert torch.equal(long[..., :32], short) and not long[..., 32:].any()
+    q = torch.randn(2, 6, tokens, 32, generator=g)
+    table = torch.tensor([[0], [1]])
+    out = kernel_cached_attention(q, k_cache, v_cache, table, 61, long)
+    assert torch.equal(out, kernel_cached_attention(q, k_cache, v_cache, table, 32, short))
+    torch.testing.assert_close(out.double(), kernel_reference(q, k_cache, v_cache, table, 61, long), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_cached_attention_softmax_chunks_do_not_depend_on_the_other_rows(cache_dtype: torch.dtype) -> None:
+    """A token's softmax sums its weights in the same 8-lane chunks whether the other token of
+    its KV head attends 61 positions or, as it does, 21: the passes stop at the last live
+    position rounded up to 8 (stopping at 21 would sum positions 16-20 in the scalar tail)."""
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache = (store_rows(torch.randn(1, 1, 61, 32, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
+    q = torch.randn(1, 2, 2, 32, generator=g)
+    wide, narrow = torch.zeros(1, 1, 2, 61, dtype=torch.bool), torch.zeros(1, 1, 2, 61, dtype=torch.bool)
+    wide[0, 0, 0, :21] = narrow[0, 0, 0, :21] = narrow[0, 0, 1, :21] = True
+    wide[0, 0, 1, :] = True
+    table = torch.tensor([[0]])
+    a = kernel_cached_attention(q, k_cache, v_cache, table, 61, wide)
+    b = kernel_cached_attention(q, k_cache, v_cache, table, 61, narrow)
+    assert torch.equal(a[:, :, 0], b[:, :, 0])
+    assert not torch.equal(a[:, :, 1], b[:, :, 1])
+
+
 def int8_rows(values: torch.Tensor, scale: float) -> torch.Tensor:
     """int8 cache rows (..., D + 4) of raw int8 ``values`` (-128 allowed, which quantize_rows never
     writes) and one fp32 ``scale`` per row, as ``kv_rows.quantize_rows`` lays them out."""

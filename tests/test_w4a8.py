@@ -4,6 +4,8 @@ for bit at every row count, the fused Q/K/V and gate/up calls, the ops bundle's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
@@ -123,6 +125,14 @@ def test_w4a8_fused_calls_and_the_ops_bundle() -> None:
         library.w4a8_packed(torch.tensor(1.0), ws[0])
     with pytest.raises(RuntimeError, match="gate has 48 rows, up has 64"):
         library.w4a8_packed_glu(torch.randn(1, 96), gate, ws[0])
+
+
+def test_w8a8_isa_matches_this_cpu(kernel: None) -> None:
+    """The int8-activation kernels' compiled path is the widest this CPU has (``-march=native``)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((line.split() for line in text.splitlines() if line.startswith("flags")), []))
+    want = ("vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
+    assert library.w8a8_isa() == want
 
 
 def test_w4a8_fakes_give_the_ops_shapes() -> None:

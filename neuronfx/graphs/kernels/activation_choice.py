@@ -7,7 +7,7 @@ or "4bit" (int4, Q4_0, Q4_1); rows are "one" (a decode of batch 1), "batch" (2 t
 activations:
 
 - int8 weights, any rows: x rounded per row and an integer GEMM, as torchao's and OpenVINO's
-  dynamic quantization: decode rows through the kernel ``library.w8a8_gemm`` (VNNI), more rows
+  dynamic quantization: decode rows through the kernel ``library.w8a8_gemm`` (VNNI or AVX2), more rows
   through ``int8_x.w8a8_linear`` (``torch._int_mm``: oneDNN's VNNI / AMX), the same bits;
 - 4-bit weights: where both the plan's decode rows and prefill rows take int8 x, the layers'
   weights in groups of 32 are packed for ``vpdpbusd`` (:func:`pack_weights`) and every product

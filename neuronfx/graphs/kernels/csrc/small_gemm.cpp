@@ -70,12 +70,9 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {
 }
 // The same position one tile ahead: a tile's rows are short (1-3 KB), too short for the hardware
 // stream prefetcher to ramp up; this measured 10-20% faster at 1 and 8 rows (AMD EPYC, AVX2).
-// Into L2 for tiles of up to 4 rows of x (fp32's taller products run as such tiles), into L1
-// for taller 16-bit tiles: SmolLM2's 210 layer products from memory, 2 threads of an AMD EPYC
-// with AVX-512, L1 -> L2: fp32 1 row 17.6 -> 14.8 ms, 2 rows 18.2 -> 13.3, 4 rows 21 -> 16, 8
-// rows 21.6 -> 16; bf16 1 row 11.6 -> 8.5, 4 rows 13.6 -> 11.5, but 8 rows 20.0 -> 22.4 (bound
-// by its instructions, it then waits on L2). Prefetches never fault, so running past the last
-// row is harmless.
+// Into L2 for tiles of up to 4 rows of x (into L1 they evicted lines the tile still read), into
+// L1 for taller 16-bit tiles, bound by their instructions (docs/performance.md, CPU kernels).
+// Prefetches never fault, so running past the last row is harmless.
 template <int MT, typename W>
 inline void prefetch(const W* p) { _mm_prefetch(reinterpret_cast<const char*>(p), MT <= 4 ? _MM_HINT_T1 : _MM_HINT_T0); }
 inline float hsum(__m256 v) {
@@ -800,9 +797,7 @@ inline void sums4_512(__m512i a0, __m512i a1, __m512i a2, __m512i a3, int32_t* o
 }
 
 // dots_i16_rows in 32 lanes for D a multiple of 32: each key chunk widened once for the NR rows,
-// one vpdpwssd per row where the 256-bit form took a vpmaddwd and an add per 16 values. Batch 8
-// x 2,000 positions, 30 SmolLM2 layers, 2 threads of an AMD EPYC with AVX-512 VNNI: 10.5 -> 10.1
-// ms with the prefetches' divisions gone too (alternating rounds, 2026-12-06; the same bits).
+// one vpdpwssd per row where the 256-bit form took a vpmaddwd and an add per 16 values.
 template <int NR>
 inline void dots_i16_rows512(const int16_t* q, const int8_t* k, int64_t ld, int64_t D, int32_t* sums) {
   __m512i acc[NR][4];

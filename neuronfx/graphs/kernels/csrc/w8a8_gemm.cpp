@@ -53,7 +53,8 @@ inline int32_t round_row(const float* x, int64_t K, float safe, int8_t* q) {
   __m512i acc = _mm512_setzero_si512();
   for (; k + 16 <= K; k += 16) {
     const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    // max(v, lo) first: a NaN lane gives -127, as the scalar tail's std::max(-127, NaN)
+    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
     acc = _mm512_add_epi32(acc, i);
   }
@@ -300,7 +301,8 @@ inline void packed_tile(const XRows& xr, int64_t m0, const uint8_t* data, int64_
   for (int64_t q = 0; q < K4; ++q) {
     __m256i e[NT][2], o[NT][2];
     for (int j = 0; j < NT; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + ((NT + j) * K4 + q) * 64), _MM_HINT_T0);  // the next block's line
+      // the next block's line; into L1 (the AVX2 paths were timed so; L2 not tried for them)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + ((NT + j) * K4 + q) * 64), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (j * K4 + q) * 64 + 32 * h));
         e[j][h] = _mm256_and_si256(v, low);
@@ -347,9 +349,7 @@ __attribute__((noinline)) void packed_tile<8, 2>(const XRows& xr, int64_t m0, co
   const int8_t* x = xr.q.data() + m0 * xr.kp;
   const int64_t kp = xr.kp;
   for (int64_t q = 0; q < K4; ++q) {
-    // the next tile's lines into L2, as packed_tile: into L1 (2 x 9 KB ahead of this tile's 2 x 9
-    // KB, SmolLM2's K = 576) SmolLM2's 210 layer products at 8 rows from memory took 7.2-7.7 ms,
-    // 6.1-6.6 into L2 (2 threads of an AMD EPYC with AVX-512 VNNI, alternating rounds; 1 row 5.7 -> 5.3, 2026-12-06)
+    // the next tile's lines into L2: into L1 they evicted this tile's (docs/performance.md, CPU kernels)
     _mm_prefetch(reinterpret_cast<const char*>(w0 + (2 * K4 + q) * 64), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(w0 + (3 * K4 + q) * 64), _MM_HINT_T1);
     const __m512i v0 = _mm512_loadu_si512(w0 + q * 64), v1 = _mm512_loadu_si512(w1 + q * 64);
@@ -384,7 +384,7 @@ __attribute__((noinline)) void packed_tile<4, 1>(const XRows& xr, int64_t m0, co
   const int64_t xs = xr.kp / 2;
   const int32_t* xp = xr.pairs.data() + m0 * xs;
   for (int64_t q = 0; q < K4; ++q) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (K4 + q) * 64), _MM_HINT_T0);  // the next block's line, as packed_tile
+    _mm_prefetch(reinterpret_cast<const char*>(w + (K4 + q) * 64), _MM_HINT_T0);  // the next block's line, as AVX2's packed_tile
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64)),
                   v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
     const __m256i e0 = _mm256_and_si256(v0, low), o0 = _mm256_srli_epi16(v0, 8), e1 = _mm256_and_si256(v1, low),
