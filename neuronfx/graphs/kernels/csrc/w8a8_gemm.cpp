@@ -287,41 +287,6 @@ inline void packed_tile(const XRows& xr, int64_t m0, const uint8_t* data, int64_
     const __m512i off = _mm512_set1_epi32(128 * xr.sum[m0 + m]);
     for (int j = 0; j < NT; ++j) _mm512_storeu_si512(tot + (m * NT + j) * 16, _mm512_sub_epi32(acc[m][j], off));
   }
-#elif defined(NFX_W8A8_AVX2)
-  // Each half of a quad's line (8 channels x 4 features, w + 128 in [0, 255]) split into its
-  // even and odd bytes as int16, against x's pairs (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]):
-  // vpmaddwd sums two products exactly in int32, so the sums are the VNNI path's.
-  __m256i acc[MT][NT][2];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_si256();
-  const uint8_t* wb = data + b * K4 * 64;
-  const int64_t xs = xr.kp / 2;
-  const int32_t* xp = xr.pairs.data() + m0 * xs;
-  const __m256i low = _mm256_set1_epi16(0x00FF);
-  for (int64_t q = 0; q < K4; ++q) {
-    __m256i e[NT][2], o[NT][2];
-    for (int j = 0; j < NT; ++j) {
-      // the next block's line; into L1 (the AVX2 paths were timed so; L2 not tried for them)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + ((NT + j) * K4 + q) * 64), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (j * K4 + q) * 64 + 32 * h));
-        e[j][h] = _mm256_and_si256(v, low);
-        o[j][h] = _mm256_srli_epi16(v, 8);
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m256i xe = _mm256_set1_epi32(xp[m * xs + 2 * q]), xo = _mm256_set1_epi32(xp[m * xs + 2 * q + 1]);
-      for (int j = 0; j < NT; ++j)
-        for (int h = 0; h < 2; ++h)
-          acc[m][j][h] = _mm256_add_epi32(acc[m][j][h], _mm256_add_epi32(_mm256_madd_epi16(e[j][h], xe), _mm256_madd_epi16(o[j][h], xo)));
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    const __m256i off = _mm256_set1_epi32(128 * xr.sum[m0 + m]);
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot + (m * NT + j) * 16 + 8 * h), _mm256_sub_epi32(acc[m][j][h], off));
-  }
 #else
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j)
@@ -374,23 +339,27 @@ __attribute__((noinline)) void packed_tile<8, 2>(const XRows& xr, int64_t m0, co
 #endif
 
 #if defined(NFX_W8A8_AVX2)
-// packed_tile<4, 1> (every full AVX2 tile) with its 8 accumulators as named variables: GCC 12
-// kept the array's on the stack, a store and a copy after each sum.
-template <>
-__attribute__((noinline)) void packed_tile<4, 1>(const XRows& xr, int64_t m0, const uint8_t* data, int64_t K4, int64_t b, int32_t* tot) {
+// packed_tile for AVX2 (no vpdpbusd), rows [m0, m0 + MT) (MT <= 4) against block b: each half of
+// a quad's line (8 channels x 4 features, w + 128 in [0, 255]) split into its even and odd bytes
+// as int16, against x's pairs (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]): vpmaddwd sums two
+// products exactly in int32, so the sums are the VNNI path's. The 8 accumulators are named
+// variables: GCC kept an array's on the stack, a store and a copy after each sum.
+template <int MT>
+__attribute__((noinline)) void packed_tile_avx2(const XRows& xr, int64_t m0, const uint8_t* data, int64_t K4, int64_t b, int32_t* tot) {
   const __m256i z = _mm256_setzero_si256(), low = _mm256_set1_epi16(0x00FF);
   __m256i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
   const uint8_t* w = data + b * K4 * 64;
   const int64_t xs = xr.kp / 2;
   const int32_t* xp = xr.pairs.data() + m0 * xs;
   for (int64_t q = 0; q < K4; ++q) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (K4 + q) * 64), _MM_HINT_T0);  // the next block's line, as AVX2's packed_tile
+    // the next block's line; into L1 (the AVX2 paths were timed so; L2 not tried for them)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (K4 + q) * 64), _MM_HINT_T0);
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64)),
                   v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
     const __m256i e0 = _mm256_and_si256(v0, low), o0 = _mm256_srli_epi16(v0, 8), e1 = _mm256_and_si256(v1, low),
                   o1 = _mm256_srli_epi16(v1, 8);
 #define NFX_PACKED_ROW_AVX2(M, A0, A1)                                                                                 \
-  {                                                                                                                    \
+  if constexpr (MT > (M)) {                                                                                            \
     const __m256i xe = _mm256_set1_epi32(xp[(M) * xs + 2 * q]), xo = _mm256_set1_epi32(xp[(M) * xs + 2 * q + 1]);     \
     A0 = _mm256_add_epi32(A0, _mm256_add_epi32(_mm256_madd_epi16(e0, xe), _mm256_madd_epi16(o0, xo)));               \
     A1 = _mm256_add_epi32(A1, _mm256_add_epi32(_mm256_madd_epi16(e1, xe), _mm256_madd_epi16(o1, xo)));               \
@@ -399,7 +368,7 @@ __attribute__((noinline)) void packed_tile<4, 1>(const XRows& xr, int64_t m0, co
 #undef NFX_PACKED_ROW_AVX2
   }
   const __m256i acc[8] = {a00, a01, a10, a11, a20, a21, a30, a31};
-  for (int m = 0; m < 4; ++m) {
+  for (int m = 0; m < MT; ++m) {
     const __m256i off = _mm256_set1_epi32(128 * xr.sum[m0 + m]);
     for (int h = 0; h < 2; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tot + m * 16 + 8 * h), _mm256_sub_epi32(acc[2 * m + h], off));
   }
@@ -451,10 +420,10 @@ void packed_tile_any(const XRows& xr, int64_t m0, int64_t mc, const uint8_t* dat
     for (int64_t r = 0; r < mc; r += 4) {
       int32_t part[4 * 16];
       const int64_t rc = std::min<int64_t>(4, mc - r);
-      if (rc == 4) packed_tile<4, 1>(xr, m0 + r, data, K4, b + j, part);
-      else if (rc == 3) packed_tile<3, 1>(xr, m0 + r, data, K4, b + j, part);
-      else if (rc == 2) packed_tile<2, 1>(xr, m0 + r, data, K4, b + j, part);
-      else packed_tile<1, 1>(xr, m0 + r, data, K4, b + j, part);
+      if (rc == 4) packed_tile_avx2<4>(xr, m0 + r, data, K4, b + j, part);
+      else if (rc == 3) packed_tile_avx2<3>(xr, m0 + r, data, K4, b + j, part);
+      else if (rc == 2) packed_tile_avx2<2>(xr, m0 + r, data, K4, b + j, part);
+      else packed_tile_avx2<1>(xr, m0 + r, data, K4, b + j, part);
       for (int64_t i = 0; i < rc; ++i) std::memcpy(tot + ((r + i) * nt + j) * 16, part + i * 16, 16 * sizeof(int32_t));
     }
   return;
@@ -761,15 +730,19 @@ inline __m256 load8(const uint8_t* p) {
 #endif
 
 #if defined(NFX_W8A8_AVX2)
-// Rows [m0, m0 + 4) against block b of w: acc (4 rows x 16 channels) as packed4_tile's, its 8
-// int16 sums as named variables (GCC 12 kept an array's on the stack, as in packed_tile<4, 1>).
-template <typename S>
-__attribute__((noinline)) void packed4_tile4(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, float* acc) {
+// packed4_tile for AVX2 (no vpdpbusd), rows [m0, m0 + MT) (MT <= 4) against block b. vpmaddubsw:
+// nibble (unsigned, at most 15) x int8 x (at most 127 in size), two products a word; each word
+// sums its 16 products of a group over the 4 lines (at most 16 * 15 * 127 = 30,480: exact in
+// int16), then vpmaddwd by ones gives the channel's exact int32 sum S, scaled in packed4_tile's
+// order and roundings. The 8 int16 sums are named variables, as in packed_tile_avx2.
+template <typename S, int MT>
+__attribute__((noinline)) void packed4_tile_avx2(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, float* out, int64_t ld) {
   const int64_t G = xr.G;
   constexpr int64_t R = NIBBLE_BYTES + 32 * sizeof(S), SCALES = NIBBLE_BYTES, OFFSETS = NIBBLE_BYTES + 16 * sizeof(S);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
   const __m256 zero = _mm256_setzero_ps();
-  for (int i = 0; i < 64; i += 8) _mm256_storeu_ps(acc + i, zero);
+  __m256 acc[2 * MT];
+  for (int i = 0; i < 2 * MT; ++i) acc[i] = zero;
   const int8_t* x = xr.q.data() + m0 * xr.kp;
   const int64_t kp = xr.kp;
   for (int64_t g = 0; g < G; ++g) {
@@ -782,7 +755,7 @@ __attribute__((noinline)) void packed4_tile4(const XGroups& xr, int64_t m0, cons
                     lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
       int32_t t0, t1;
 #define NFX_PACKED4_ROW_AVX2(M, S0, S1)                                                                             \
-  {                                                                                                               \
+  if constexpr (MT > (M)) {                                                                                       \
     std::memcpy(&t0, x + (M) * kp + 32 * g + 8 * l, 4);                                                           \
     std::memcpy(&t1, x + (M) * kp + 32 * g + 8 * l + 4, 4);                                                       \
     const __m256i x0 = _mm256_set1_epi32(t0), x1 = _mm256_set1_epi32(t1);                                         \
@@ -796,16 +769,21 @@ __attribute__((noinline)) void packed4_tile4(const XGroups& xr, int64_t m0, cons
     const __m256i sums[8] = {s00, s01, s10, s11, s20, s21, s30, s31};
     for (int h = 0; h < 2; ++h) {
       const __m256 d = load8<S>(rec + SCALES + 8 * h * sizeof(S)), o = load8<S>(rec + OFFSETS + 8 * h * sizeof(S));
-      for (int m = 0; m < 4; ++m) {
-        // packed4_tile's order and roundings
+      for (int m = 0; m < MT; ++m) {
+        // fma with 0: a product never contracted into a sum, as in the VNNI path
         const int64_t at = (m0 + m) * G + g;
         const __m256 sd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[2 * m + h], ones)), d, zero);
         const __m256 xo = _mm256_fmadd_ps(_mm256_set1_ps(xr.sum[at]), o, zero);
-        float* a = acc + 16 * m + 8 * h;
-        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_fmadd_ps(_mm256_add_ps(sd, xo), _mm256_set1_ps(xr.scale[at]), zero)));
+        acc[2 * m + h] = _mm256_add_ps(acc[2 * m + h], _mm256_fmadd_ps(_mm256_add_ps(sd, xo), _mm256_set1_ps(xr.scale[at]), zero));
       }
     }
   }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = 16 * b + 8 * h;
+      float* o = out + (m0 + m) * ld + w.col + n;
+      _mm256_storeu_ps(o, w.bias ? _mm256_add_ps(acc[2 * m + h], _mm256_loadu_ps(w.bias + n)) : acc[2 * m + h]);
+    }
 }
 #endif
 
@@ -859,59 +837,6 @@ void packed4_tile(const XGroups& xr, int64_t m0, const Packed4& w, int64_t b, fl
   }
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) _mm512_storeu_ps(acc[m][j], av[m][j]);
-#elif defined(NFX_W8A8_AVX2)
-  // vpmaddubsw: nibble (unsigned, at most 15) x int8 x (at most 127 in size), two products a
-  // word; each word sums its 16 products of a group over the 4 lines (at most 16 * 15 * 127 =
-  // 30,480: exact in int16), then vpmaddwd by ones gives the channel's exact int32 sum S.
-  if constexpr (MT == 4 && NT == 1) {
-    packed4_tile4<S>(xr, m0, w, b, &acc[0][0][0]);
-  } else {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 av[MT][NT][2];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) av[m][j][0] = av[m][j][1] = zero;
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i s[MT][NT][2];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NT; ++j) s[m][j][0] = s[m][j][1] = _mm256_setzero_si256();
-    for (int l = 0; l < 4; ++l) {
-      __m256i lo[NT][2], hi[NT][2];
-      for (int j = 0; j < NT; ++j)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.data + ((b + j) * G + g) * R + 64 * l + 32 * h));
-          lo[j][h] = _mm256_and_si256(v, low4);
-          hi[j][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* x = xr.q.data() + (m0 + m) * xr.kp + 32 * g + 8 * l;
-        int32_t t0, t1;
-        std::memcpy(&t0, x, 4);
-        std::memcpy(&t1, x + 4, 4);
-        const __m256i x0 = _mm256_set1_epi32(t0), x1 = _mm256_set1_epi32(t1);
-        for (int j = 0; j < NT; ++j)
-          for (int h = 0; h < 2; ++h)
-            s[m][j][h] = _mm256_add_epi16(s[m][j][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j][h], x0), _mm256_maddubs_epi16(hi[j][h], x1)));
-      }
-    }
-    for (int j = 0; j < NT; ++j) {
-      const uint8_t* rec = w.data + ((b + j) * G + g) * R;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = load8<S>(rec + SCALES + 8 * h * sizeof(S)), o = load8<S>(rec + OFFSETS + 8 * h * sizeof(S));
-        for (int m = 0; m < MT; ++m) {
-          // the VNNI path's order and roundings (fma with 0: a product never contracted into a sum)
-          const int64_t at = (m0 + m) * G + g;
-          const __m256 sd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][j][h], ones)), d, zero);
-          const __m256 xo = _mm256_fmadd_ps(_mm256_set1_ps(xr.sum[at]), o, zero);
-          av[m][j][h] = _mm256_add_ps(av[m][j][h], _mm256_fmadd_ps(_mm256_add_ps(sd, xo), _mm256_set1_ps(xr.scale[at]), zero));
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc[m][j] + 8 * h, av[m][j][h]);
-  }
 #else
   for (int64_t g = 0; g < G; ++g)
     for (int j = 0; j < NT; ++j) {
@@ -950,10 +875,10 @@ void packed4_tile_any(const XGroups& xr, int64_t m0, int64_t mc, const Packed4& 
   for (int j = 0; j < nt; ++j)
     for (int64_t r = 0; r < mc; r += 4) {
       const int64_t rc = std::min<int64_t>(4, mc - r);
-      if (rc == 4) packed4_tile<S, 4, 1>(xr, m0 + r, w, b + j, out, ld);
-      else if (rc == 3) packed4_tile<S, 3, 1>(xr, m0 + r, w, b + j, out, ld);
-      else if (rc == 2) packed4_tile<S, 2, 1>(xr, m0 + r, w, b + j, out, ld);
-      else packed4_tile<S, 1, 1>(xr, m0 + r, w, b + j, out, ld);
+      if (rc == 4) packed4_tile_avx2<S, 4>(xr, m0 + r, w, b + j, out, ld);
+      else if (rc == 3) packed4_tile_avx2<S, 3>(xr, m0 + r, w, b + j, out, ld);
+      else if (rc == 2) packed4_tile_avx2<S, 2>(xr, m0 + r, w, b + j, out, ld);
+      else packed4_tile_avx2<S, 1>(xr, m0 + r, w, b + j, out, ld);
     }
   return;
 #endif
