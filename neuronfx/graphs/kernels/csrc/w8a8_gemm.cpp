@@ -38,8 +38,8 @@ struct XRows {
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t kp;
-  // AVX2 only (else empty): per row kp / 2 int32, for each quad q of x the int16 pairs
-  // (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]), vpmaddwd's broadcast operands.
+  // The packed kernels on AVX2 only (else empty; with_pairs): per row kp / 2 int32, for each
+  // quad q of x the int16 pairs (x[4q], x[4q + 2]) and (x[4q + 1], x[4q + 3]), vpmaddwd's operands.
   std::vector<int32_t> pairs;
 };
 
@@ -89,9 +89,6 @@ template <typename X>
 XRows round_rows(const X* x, int64_t M, int64_t K) {
   const int64_t kp = (K + 63) / 64 * 64;
   XRows r{std::vector<int8_t>(M * kp, 0), std::vector<float>(M), std::vector<int32_t>(M, 0), kp, {}};
-#if defined(NFX_W8A8_AVX2)
-  r.pairs.resize(M * kp / 2);
-#endif
   at::parallel_for(0, M, ROUND_GRAIN, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
@@ -105,16 +102,22 @@ XRows round_rows(const X* x, int64_t M, int64_t K) {
       const float s = amax / 127.f;
       r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
       r.scale[m] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
-#if defined(NFX_W8A8_AVX2)
-      const int8_t* q = r.q.data() + m * r.kp;
-      int32_t* pairs = r.pairs.data() + m * (r.kp / 2);
-      for (int64_t k = 0; k < r.kp; k += 4) {
-        pairs[k / 2] = static_cast<int32_t>(static_cast<uint16_t>(q[k]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
-        pairs[k / 2 + 1] = static_cast<int32_t>(static_cast<uint16_t>(q[k + 1]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 3])) << 16));
-      }
-#endif
     }
   });
+  return r;
+}
+
+// r with its int16 pairs (the packed kernels' operands on AVX2; nothing elsewhere).
+XRows with_pairs(XRows r) {
+#if defined(NFX_W8A8_AVX2)
+  const int64_t M = static_cast<int64_t>(r.scale.size());
+  r.pairs.resize(M * r.kp / 2);
+  for (int64_t i = 0; i < M * r.kp; i += 4) {
+    const int8_t* q = r.q.data() + i;
+    r.pairs[i / 2] = static_cast<int32_t>(static_cast<uint16_t>(q[0]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[2])) << 16));
+    r.pairs[i / 2 + 1] = static_cast<int32_t>(static_cast<uint16_t>(q[1]) | (static_cast<uint32_t>(static_cast<uint16_t>(q[3])) << 16));
+  }
+#endif
   return r;
 }
 
@@ -539,7 +542,7 @@ XRows rounded_x(const at::Tensor& x) {
               x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, "w8a8_packed: x must have a feature dimension");
   const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous();
-  return x.scalar_type() == at::kFloat ? round_any<float>(xc) : round_any<c10::BFloat16>(xc);
+  return with_pairs(x.scalar_type() == at::kFloat ? round_any<float>(xc) : round_any<c10::BFloat16>(xc));
 }
 
 at::Tensor shaped(const at::Tensor& out, const at::Tensor& x) {
