@@ -5,10 +5,12 @@ bundle inside compiled graphs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from neuronfx.config.masks import decode_mask
 from neuronfx.graphs.kernels.bundles import (
@@ -17,10 +19,13 @@ from neuronfx.graphs.kernels.bundles import (
     fused_cached_attention,
     gathered_attention,
     kernel_cached_attention,
+    kernel_causal_attention,
 )
 from neuronfx.graphs.kernels.library import (
     FP32_KERNEL_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
+    causal_attention,
+    causal_attention_isa,
     small_gemm,
     small_gemm_available,
     small_gemm_multi,
@@ -392,6 +397,79 @@ def test_cached_attention_kernel_rejects_bad_inputs() -> None:
     wide = torch.zeros(2, 2, 8, 520, dtype=torch.int8)  # head dim 516 + its scale: past int32's exact q . k sums
     with pytest.raises(RuntimeError, match="int8 rows of head dim 516 exceed 512"):
         kernel_cached_attention(torch.randn(1, 4, 1, 516), wide, wide, torch.tensor([[0]]), 8, mask)
+
+
+def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 reference: softmax(q k^T / sqrt(D)) over keys j <= i, KV heads repeated as HF's
+    repeat_kv."""
+    t, d = q.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2) / math.sqrt(d)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(scores, dim=-1) @ values
+
+
+# (batch, heads, KV heads, tokens, head dim): tokens off the 8-row tiles and 32-key steps, head
+# dims off the 32 value columns of a step (16, 40), one token, KV heads shared by 1-3 heads
+CAUSAL_SHAPES = [(1, 9, 3, 128, 64), (2, 4, 2, 37, 64), (1, 3, 1, 1, 64), (2, 6, 3, 130, 128), (1, 4, 4, 33, 16),
+                 (1, 2, 1, 70, 40)]
+
+
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES)
+def test_causal_attention_matches_float64_and_sdpa(shape: tuple[int, int, int, int, int]) -> None:
+    """Prefill's causal attention kernel against the float64 reference and torch's SDPA (fp32
+    sums in another order: within 1e-5 for O(1) values), on the graph's layouts: q and k as
+    (B, T, heads, D) memory seen (B, heads, T, D), v contiguous. The output is a (B, H, T, D)
+    view of (B, T, H, D) memory, as its fake says."""
+    batch, heads, kv_heads, tokens, d = shape
+    g = torch.Generator().manual_seed(tokens * d)
+    q = torch.randn(batch, tokens, heads, d, generator=g).transpose(1, 2)
+    k = torch.randn(batch, tokens, kv_heads, d, generator=g).transpose(1, 2)
+    v = torch.randn(batch, kv_heads, tokens, d, generator=g)
+    out = causal_attention(q, k, v)
+    assert out.shape == (batch, heads, tokens, d) and out.dtype == torch.float32 and out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out.double(), naive_causal_attention(q, k, v), rtol=0, atol=1e-5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out, sdpa, rtol=0, atol=1e-5)
+
+
+def test_causal_attention_tokens_never_read_later_ones() -> None:
+    """Token i's output keeps its bits whatever the later tokens' queries, keys and values are
+    (pad tokens after a short prompt), including within a tile of 8 rows and a step of 32 keys
+    (the change starts at token 50, inside both)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 77, 64, generator=g) for h in (6, 2, 2))
+    changed = [x.clone() for x in (q, k, v)]
+    for x in changed:
+        x[:, :, 50:] = 1e3 * torch.randn(x[:, :, 50:].shape, generator=g)
+    before, after = causal_attention(q, k, v), causal_attention(*changed)
+    assert torch.equal(before[:, :, :50], after[:, :, :50])
+    assert not torch.equal(before[:, :, 50:], after[:, :, 50:])
+
+
+def test_causal_attention_rejects_bad_inputs() -> None:
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        causal_attention(q.double(), kv.double(), kv.double())
+    with pytest.raises(RuntimeError, match="4 query heads over 3 KV heads"):
+        causal_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(RuntimeError, match=r"k and v must be \(B, H_kv, T, D\)"):
+        causal_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    with pytest.raises(RuntimeError, match="must be 4-D"):
+        causal_attention(q[0], kv, kv)
+
+
+def test_causal_attention_op_choice_follows_the_isa() -> None:
+    """fp32 plans (and 16-bit plans that widen) take the kernel where it has its AVX-512 tiles,
+    SDPA elsewhere (the scalar loops are slower); a bf16 input is computed in fp32 and cast back."""
+    isa = causal_attention_isa()
+    assert isa == ("avx512" if "avx512f" in Path("/proc/cpuinfo").read_text() else "scalar")
+    op = cpu_kernel_ops("float32").causal_attention
+    assert (op is kernel_causal_attention) == (isa == "avx512")
+    q, k, v = (torch.randn(1, h, 20, 32).bfloat16() for h in (4, 2, 2))
+    out = kernel_causal_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, causal_attention(q.float(), k.float(), v.float()).bfloat16(), rtol=0, atol=0)
 
 
 BLOCK_CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn]

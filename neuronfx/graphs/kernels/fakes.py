@@ -26,6 +26,7 @@ def register_fakes() -> None:
     torch.library.register_fake("neuronfx::w4a8_packed_multi")(_w4a8_packed_multi_fake)
     torch.library.register_fake("neuronfx::w4a8_packed_glu")(_w4a8_packed_glu_fake)
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
+    torch.library.register_fake("neuronfx::causal_attention")(_causal_attention_fake)
     torch.library.register_fake("neuronfx::topk_rows")(_topk_rows_fake)
 
 
@@ -93,6 +94,11 @@ def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tenso
                     up: torch.Tensor, up_scale: torch.Tensor | None, up_offset: torch.Tensor | None, fmt: int,
                     int8_x: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], gate.shape[0]))
+
+
+def _causal_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    b, h, t, d = q.shape
+    return q.new_empty((b, t, h, d)).transpose(1, 2)  # the kernel's (B, T, H, D) memory
 
 
 def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

@@ -13,6 +13,7 @@ with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
 ``neuronfx::w8a8_*`` and ``neuronfx::w4a8_*`` multiply int8 activations by int8 and 4-bit weights
 in integers (``csrc/w8a8_gemm.cpp``; the packed layouts ``quant.Int8Packed`` / ``quant.Int4Packed``).
 ``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``),
+``neuronfx::causal_attention`` prefill's attention under the causal mask (``csrc/causal_attention.cpp``),
 ``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``).
 
 The C++ sources are built once per machine (and torch install) with torch's extension builder (about 25 s on 2 cores; cached
@@ -67,8 +68,8 @@ into the graph's passes): at 128 and 1,024 rows ``_int_mm`` ran 400-440 GMAC/s a
 packed kernel's 330-380 (SmolLM2's MLP shapes, 2 threads of the EPYC, 2026-12-05), at 8 rows
 the packed kernel 2.2-2.8x the row-major one."""
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "quant_gemm.cpp", "quant_prefill.cpp", "w8a8_gemm.cpp",
-                                                                        "topk.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "causal_attention.cpp", "quant_gemm.cpp",
+                                                                        "quant_prefill.cpp", "w8a8_gemm.cpp", "topk.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
 BUILD_UNITS = tuple(Path(__file__).parent / "csrc" / name for name in ("unit_dense.cpp", "unit_quant.cpp"))
 """What the compiler is given: two translation units that include :data:`SOURCES` (each parses
@@ -196,6 +197,26 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     that is not a multiple of 4 when N > 1, S above N * block_size, a read entry outside [0,
     num_blocks), or int8 rows of a head dim above 512. Needs :func:`small_gemm_available`."""
     return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, block_table, mask)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Prefill attention under the causal mask (``csrc/causal_attention.cpp``): q (B, H, T, D), k
+    and v (B, H_kv, T, D), float32, any strides with a contiguous last dim -> (B, H, T, D) float32,
+    a view of a (B, T, H, D) tensor (the layout the output projection reads). Token i attends
+    tokens 0..i, query head h reads KV head h // (H / H_kv) (HF's ``repeat_kv``), scale 1 /
+    sqrt(D): ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` up to
+    the summation order. Only the causal triangle is computed: tiles of 8 query rows against the
+    keys up to their last row, the scores in a buffer that stays in cache; token i's output
+    never reads a later token's query, key or value. RuntimeError for inputs that are not 4-D
+    float32 of those shapes, or H not a multiple of H_kv."""
+    return torch.ops.neuronfx.causal_attention(q, k, v)
+
+
+def causal_attention_isa() -> str:
+    """The SIMD path ``csrc/causal_attention.cpp`` was built with: "avx512", or "scalar" loops
+    elsewhere (correct and slow: the CPU ops bundle keeps torch's SDPA on such CPUs)."""
+    _loaded()
+    return str(torch.ops.neuronfx.causal_attention_isa())
 
 
 QUANT_FORMAT_IDS = {"int8": 0, "int4": 1, "q4_0": 2, "q4_1": 3, "q8_0": 4}
