@@ -1,7 +1,8 @@
 """Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do;
-and csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references.
+csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references; and
+csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention.
 
-Usage: .venv/bin/python scripts/check_quant_paths.py   (about 3 min: four extra builds)
+Usage: .venv/bin/python scripts/check_quant_paths.py   (about 4 min: six extra builds)
 
 The kernel picks its path at compile time (AVX-512, AVX2 + FMA + F16C, scalar), so a machine
 only ever runs one of them; this builds the AVX2 and scalar paths here (``-DNFX_QUANT_AVX2`` /
@@ -22,6 +23,7 @@ from torch.utils.cpp_extension import load
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from test_kernels import CAUSAL_SHAPES, naive_causal_attention  # noqa: E402
 from test_quant import FORMATS, _tolerance  # noqa: E402
 from test_w4a8 import four_bit  # noqa: E402
 
@@ -107,9 +109,36 @@ def check_w8a8(build: Path, path: str) -> bool:
     return equal
 
 
+def check_causal_attention(build: Path, path: str) -> bool:
+    """causal_attention.cpp (with small_gemm.cpp, whose ISA macros it reads) built for ``path``
+    (the flags of :data:`W8A8_PATHS`): tests/test_kernels.py's shapes against the float64
+    reference within its 1e-5."""
+    ns = f"nfx_check_attention_{path}"
+    unit = build / "unit.cpp"
+    csrc = W8A8_SOURCE.parent
+    unit.write_text(f'#include "{csrc / "small_gemm.cpp"}"\n#include "{csrc / "causal_attention.cpp"}"\n')
+    load(name=ns, sources=[str(unit)], extra_cflags=[*kernels.CFLAGS, W8A8_PATHS[path], f"-Dneuronfx={ns}"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build), verbose=False)
+    op = getattr(torch.ops, ns)
+    isa, worst = op.causal_attention_isa(), 0.0
+    for batch, heads, kv_heads, tokens, d in CAUSAL_SHAPES:
+        g = torch.Generator().manual_seed(tokens * d)
+        q = torch.randn(batch, tokens, heads, d, generator=g).transpose(1, 2)
+        k = torch.randn(batch, tokens, kv_heads, d, generator=g).transpose(1, 2)
+        v = torch.randn(batch, kv_heads, tokens, d, generator=g)
+        worst = max(worst, (op.causal_attention(q, k, v).double() - naive_causal_attention(q, k, v)).abs().max().item())
+    ok = isa == path and worst <= 1e-5
+    print(f"causal_attention.cpp built for {path}: compiled path {isa}; worst difference from float64 {worst:.2e} "
+          f"-> {'ok' if ok else 'FAIL'}")
+    return ok
+
+
 def main() -> None:
     failed = False
     with tempfile.TemporaryDirectory() as build:
+        for path in W8A8_PATHS:
+            (Path(build) / f"attention_{path}").mkdir()
+            failed |= not check_causal_attention(Path(build) / f"attention_{path}", path)
         for path in W8A8_PATHS:
             (Path(build) / f"w8a8_{path}").mkdir()
             failed |= not check_w8a8(Path(build) / f"w8a8_{path}", path)

@@ -266,7 +266,8 @@ def kernel_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     queries against the keys up to their last row. Against torch's flash attention (SDPA with
     ``is_causal``), one layer of SmolLM2 (9 heads over 3 KV heads of 64), 2 threads of an AVX-512
     EPYC: 0.16 against 0.30 ms at 128 tokens, 1.20 against 2.41 at 8 rows of 128, 7.1 against
-    12.4 at 1,024 (docs/performance.md, prefill attention)."""
+    12.4 at 1,024; its AVX2 build 1.06-1.45x SDPA on the same machine (docs/performance.md, CPU
+    kernels)."""
     return cpu_kernels.causal_attention(q.float(), k.float(), v.float()).to(q.dtype)
 
 
@@ -287,7 +288,7 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
     products and attention for 16-bit plans where a 16-bit GEMM measured slower than a widened
     one (:func:`neuronfx.graphs.kernels.gemm_choice.widen_16bit_prefill`), the cached attention kernel
     (:func:`fused_cached_attention` without the kernels), prefill's causal attention kernel where
-    it has AVX-512 tiles and the plan computes attention in fp32 (else SDPA), and the quantized products that take
+    it has AVX-512 or AVX2 tiles and the plan computes attention in fp32 (else SDPA), and the quantized products that take
     int8 activations (``int8``, from the plan's ``activation_format``:
     ``kernels.activation_choice.int8_paths``; the 4-bit ones need the kernels, without them
     float x serves)."""
@@ -297,8 +298,8 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
         int8 = int8.without("4bit")
     fp32_rows = cpu_kernels.fp32_kernel_rows() if kernels else SMALL_GEMM_MAX_ROWS
     flags = {"kernels": kernels, "widen": widen, "int8": int8, "fp32_rows": fp32_rows}
-    # the kernel where it computes in fp32 and has its AVX-512 tiles; its scalar loops are slower than SDPA
-    causal_kernel = kernels and (dtype == "float32" or widen) and cpu_kernels.causal_attention_isa() == "avx512"
+    # the kernel where it computes in fp32 and has vector tiles; its scalar loops are slower than SDPA
+    causal_kernel = kernels and (dtype == "float32" or widen) and cpu_kernels.causal_attention_isa() != "scalar"
     return Ops(
         name=(f"cpu-kernels(small_gemm={kernels}, fp32_rows={fp32_rows}, widen_16bit={widen}, int8_activations={int8.describe()}, "
               f"causal_attention={'kernel' if causal_kernel else 'sdpa'})"),

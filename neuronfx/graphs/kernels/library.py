@@ -213,8 +213,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def causal_attention_isa() -> str:
-    """The SIMD path ``csrc/causal_attention.cpp`` was built with: "avx512", or "scalar" loops
-    elsewhere (correct and slow: the CPU ops bundle keeps torch's SDPA on such CPUs)."""
+    """The SIMD path ``csrc/causal_attention.cpp`` was built with: "avx512" (tiles of 8 rows x 32
+    keys), "avx2" (4 x 16), or "scalar" loops (correct and slow: the CPU ops bundle keeps torch's
+    SDPA on such CPUs)."""
     _loaded()
     return str(torch.ops.neuronfx.causal_attention_isa())
 

@@ -9,7 +9,7 @@
 // against 32 value columns per step. torch's CPU flash attention (SDPA with is_causal) runs its
 // score and value products as BLAS calls on blocks of 32 queries x 512 keys and computes whole
 // blocks past the diagonal (docs/performance.md, prefill attention).
-// Included after small_gemm.cpp (unit_dense.cpp): exp16 and the ISA macros come from there.
+// Included after small_gemm.cpp (unit_dense.cpp): the ISA macros, exp8 and hsum come from there.
 
 namespace {
 
@@ -70,6 +70,31 @@ void tile_scores(const float* qs, const float* kt, int64_t D, int64_t n, float* 
       _mm512_storeu_ps(s + r * ld + j0 + 16, acc[r][1]);
     }
   }
+#elif defined(NFX_AVX2)
+  // 4 rows x 16 keys per pass: 8 accumulators of AVX2's 16 registers
+  for (int64_t j0 = 0; j0 < n; j0 += kCausalKeys) {
+    const float* block = kt + j0 * D;
+    for (int64_t half = 0; half < kCausalKeys; half += 16)
+      for (int64_t r0 = 0; r0 < kCausalRows; r0 += 4) {
+        __m256 acc[4][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+          const __m256 k0 = _mm256_loadu_ps(block + d * kCausalKeys + half), k1 = _mm256_loadu_ps(block + d * kCausalKeys + half + 8);
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            const __m256 qb = _mm256_set1_ps(qs[(r0 + r) * D + d]);
+            acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          _mm256_storeu_ps(s + (r0 + r) * ld + j0 + half, acc[r][0]);
+          _mm256_storeu_ps(s + (r0 + r) * ld + j0 + half + 8, acc[r][1]);
+        }
+      }
+  }
 #else
   for (int64_t r = 0; r < kCausalRows; ++r)
     for (int64_t j = 0; j < n; ++j) {
@@ -107,6 +132,25 @@ float causal_weights(float* s, int64_t i, int64_t n) {
     j += 16;
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(NFX_AVX2)
+  // lanes at or past len: -inf for the max, weight 0 (exp8 of -inf is a tiny positive, not 0)
+  const __m256 lanes = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f), minus_inf = _mm256_set1_ps(-INFINITY);
+  __m256 vmax = minus_inf;
+  for (; j < len; j += 8) {
+    const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(len - j)), _CMP_LT_OQ);
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + j), valid));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1))));
+  __m256 acc = _mm256_setzero_ps();
+  for (j = 0; j < len; j += 8) {
+    const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(len - j)), _CMP_LT_OQ);
+    const __m256 p = _mm256_and_ps(valid, exp8(_mm256_sub_ps(_mm256_blendv_ps(m, _mm256_loadu_ps(s + j), valid), m)));
+    _mm256_storeu_ps(s + j, p);  // zeros past i within these 8
+    acc = _mm256_add_ps(acc, p);
+  }
+  sum = hsum(acc);
 #else
   float mx = -INFINITY;
   for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
@@ -120,6 +164,17 @@ float causal_weights(float* s, int64_t i, int64_t n) {
 }
 
 // out[r * os + :D] = inv[r] * sum_{j < n} p[r * ld + j] v_j for r < rows (v_j at v + j * vs).
+void tile_values_scalar(const float* p, int64_t ld, const float* v, int64_t vs, int64_t n, int64_t D, const float* inv,
+                        float* out, int64_t os, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) {
+      float a = 0.f;
+      for (int64_t j = 0; j < n; ++j) a += p[r * ld + j] * v[j * vs + d];
+      out[r * os + d] = a * inv[r];
+    }
+}
+
+// tile_values_scalar's result, in vector tiles where the ISA has them.
 void tile_values(const float* p, int64_t ld, const float* v, int64_t vs, int64_t n, int64_t D, const float* inv,
                  float* out, int64_t os, int64_t rows) {
 #ifdef NFX_ATTN_AVX512
@@ -154,13 +209,34 @@ void tile_values(const float* p, int64_t ld, const float* v, int64_t vs, int64_t
       _mm512_mask_storeu_ps(out + r * os + d0 + 16, m1, _mm512_load_ps(res[r] + 16));
     }
   }
-#else
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < D; ++d) {
-      float a = 0.f;
-      for (int64_t j = 0; j < n; ++j) a += p[r * ld + j] * v[j * vs + d];
-      out[r * os + d] = a * inv[r];
+#elif defined(NFX_AVX2)
+  if (D % 16 != 0) return tile_values_scalar(p, ld, v, vs, n, D, inv, out, os, rows);
+  // 4 rows x 16 columns per pass, results through a fixed-size buffer as above
+  for (int64_t d0 = 0; d0 < D; d0 += 16)
+    for (int64_t r0 = 0; r0 < kCausalRows; r0 += 4) {
+      __m256 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(v + j * vs + d0), v1 = _mm256_loadu_ps(v + j * vs + d0 + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 pb = _mm256_set1_ps(p[(r0 + r) * ld + j]);
+          acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+        }
+      }
+      alignas(32) float res[4][16];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 scale = _mm256_set1_ps(inv[r0 + r]);
+        _mm256_store_ps(res[r], _mm256_mul_ps(acc[r][0], scale));
+        _mm256_store_ps(res[r] + 8, _mm256_mul_ps(acc[r][1], scale));
+      }
+      for (int64_t r = 0; r < 4 && r0 + r < rows; ++r) std::memcpy(out + (r0 + r) * os + d0, res[r], sizeof(res[r]));
     }
+#else
+  tile_values_scalar(p, ld, v, vs, n, D, inv, out, os, rows);
 #endif
 }
 
@@ -224,6 +300,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 std::string causal_attention_isa() {
 #ifdef NFX_ATTN_AVX512
   return "avx512";
+#elif defined(NFX_AVX2)
+  return "avx2";
 #else
   return "scalar";
 #endif
