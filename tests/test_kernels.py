@@ -447,6 +447,21 @@ def test_causal_attention_tokens_never_read_later_ones() -> None:
     assert not torch.equal(before[:, :, 50:], after[:, :, 50:])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_causal_attention_skips_the_tokens_past_each_rows_length(dtype: torch.dtype) -> None:
+    """With ``lengths``, row b's first lengths[b] tokens keep the bits of the call without it
+    (whole tiles and tiles cut inside), its later tokens (a shorter prompt's pads) are zeros;
+    lengths past T or below 0 are clamped."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(4, h, 45, 64, generator=g) for h in (6, 2, 2))
+    full = causal_attention(q, k, v)
+    out = causal_attention(q, k, v, torch.tensor([45, 20, 0, 99], dtype=dtype))
+    for b, n in enumerate([45, 20, 0, 45]):
+        assert torch.equal(out[b, :, :n], full[b, :, :n])
+        assert torch.equal(out[b, :, n:], torch.zeros_like(out[b, :, n:]))
+    assert torch.equal(causal_attention(q, k, v, torch.tensor([-3, 45, 45, 45])), torch.cat([torch.zeros_like(full[:1]), full[1:]]))
+
+
 def test_causal_attention_rejects_bad_inputs() -> None:
     q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(RuntimeError, match="must be float32"):
@@ -457,6 +472,10 @@ def test_causal_attention_rejects_bad_inputs() -> None:
         causal_attention(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
     with pytest.raises(RuntimeError, match="must be 4-D"):
         causal_attention(q[0], kv, kv)
+    with pytest.raises(RuntimeError, match=r"lengths must be int32 or int64 of shape \(1\)"):
+        causal_attention(q, kv, kv, torch.tensor([8, 8]))
+    with pytest.raises(RuntimeError, match="lengths must be int32 or int64"):
+        causal_attention(q, kv, kv, torch.tensor([8.0]))
 
 
 def test_causal_attention_op_choice_follows_the_isa() -> None:

@@ -96,7 +96,7 @@ def _quant_glu_fake(x: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tenso
     return x.new_empty((*x.shape[:-1], gate.shape[0]))
 
 
-def _causal_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _causal_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
     b, h, t, d = q.shape
     return q.new_empty((b, t, h, d)).transpose(1, 2)  # the kernel's (B, T, H, D) memory
 

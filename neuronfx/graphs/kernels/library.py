@@ -199,17 +199,20 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, block_table, mask)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill attention under the causal mask (``csrc/causal_attention.cpp``): q (B, H, T, D), k
-    and v (B, H_kv, T, D), float32, any strides with a contiguous last dim -> (B, H, T, D) float32,
-    a view of a (B, T, H, D) tensor (the layout the output projection reads). Token i attends
+    and v (B, H_kv, T, D), float32, any strides with a contiguous last dim; ``lengths`` (B,) int32
+    or int64, or None for T: row b's tokens from ``lengths[b]`` on (a shorter prompt's pads) are
+    not computed and come out as zeros -> (B, H, T, D) float32, a view of a (B, T, H, D) tensor
+    (the layout the output projection reads). Token i attends
     tokens 0..i, query head h reads KV head h // (H / H_kv) (HF's ``repeat_kv``), scale 1 /
     sqrt(D): ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` up to
     the summation order. Only the causal triangle is computed: tiles of 8 query rows against the
     keys up to their last row, the scores in a buffer that stays in cache; token i's output
     never reads a later token's query, key or value. RuntimeError for inputs that are not 4-D
-    float32 of those shapes, or H not a multiple of H_kv."""
-    return torch.ops.neuronfx.causal_attention(q, k, v)
+    float32 of those shapes, H not a multiple of H_kv, or lengths not (B,) int32 / int64 (values
+    outside [0, T] are clamped to it)."""
+    return torch.ops.neuronfx.causal_attention(q, k, v, lengths)
 
 
 def causal_attention_isa() -> str:

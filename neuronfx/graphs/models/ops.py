@@ -49,8 +49,10 @@ class Ops:
     - ``glu(x, gate, up)``: ``silu(x @ gate.T) * (x @ up.T)`` -> (..., intermediate).
     - ``attention(q, k, v, mask)``: q (B, H, Tq, D), k/v (B, H_kv, Tk, D), mask (B, 1, Tq, Tk)
       bool (True = attend) -> (B, H, Tq, D); grouped-query, scale 1/sqrt(D).
-    - ``causal_attention(q, k, v)``: ``attention`` with the causal mask of Tq = Tk new tokens
-      starting at position 0 (a fresh prompt): kernels that skip the masked half may serve it.
+    - ``causal_attention(q, k, v, lengths)``: ``attention`` with the causal mask of Tq = Tk new
+      tokens starting at position 0 (a fresh prompt): kernels that skip the masked half may
+      serve it. lengths (B,) int: row b's real tokens; the outputs of its later (pad) tokens
+      are unspecified (nothing reads them), so a kernel may skip them.
     - ``cached_attention(q, k_cache, v_cache, block_table, bucket, mask)``: T new tokens over
       their first ``bucket`` cache positions; k/v_cache (num_blocks, H_kv, block_size, W),
       block_table (B, N) int32 (row b's position j in block ``block_table[b, j // block_size]``
@@ -74,7 +76,7 @@ class Ops:
     projections: Callable[[Tensor, Sequence[Weight], Sequence[Tensor | None]], list[Tensor]]
     glu: Callable[[Tensor, Weight, Weight], Tensor]
     attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-    causal_attention: Callable[[Tensor, Tensor, Tensor], Tensor]
+    causal_attention: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
     cached_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor], Tensor]
     parallel_in: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)

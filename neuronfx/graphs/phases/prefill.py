@@ -74,6 +74,7 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
     # Every layer full-attention: real tokens see only earlier ones, so SDPA's causal flag gives
     # them the mask's result (pad rows differ; nothing reads them) with half the work.
     causal = plan.layout.masks == ("full",) and not plan.inference.sequence_parallel
+    lengths = x.last + 1  # each row's prompt tokens: the attention kernel skips the pads after them
     for lw, (k_cache, v_cache) in zip(lws, kv):
         layer_cos, layer_sin, layer_mask = layer_tables(plan, lw, x.cos, x.sin, x.mask)
 
@@ -83,7 +84,7 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
             blocks, offsets = written[:, :n], x.offsets[:, :n]  # (B, n)
             k_cache[blocks, :, offsets] = store_rows(k[:, :, :n].transpose(1, 2), k_cache)  # (B, n, n_kv, D)
             v_cache[blocks, :, offsets] = store_rows(v[:, :, :n].transpose(1, 2), v_cache)
-            return ops.causal_attention(q, k, v) if causal else ops.attention(q, k, v, mask)
+            return ops.causal_attention(q, k, v, lengths) if causal else ops.attention(q, k, v, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)
     return h
