@@ -112,7 +112,7 @@ def check_w8a8(build: Path, path: str) -> bool:
 def check_causal_attention(build: Path, path: str) -> bool:
     """causal_attention.cpp (with small_gemm.cpp, whose ISA macros it reads) built for ``path``
     (the flags of :data:`W8A8_PATHS`): tests/test_kernels.py's shapes against the float64
-    reference within its 1e-5."""
+    reference within its 1e-5, and NaN in the rows where SDPA has it."""
     ns = f"nfx_check_attention_{path}"
     unit = build / "unit.cpp"
     csrc = W8A8_SOURCE.parent
@@ -127,9 +127,16 @@ def check_causal_attention(build: Path, path: str) -> bool:
         k = torch.randn(batch, tokens, kv_heads, d, generator=g).transpose(1, 2)
         v = torch.randn(batch, kv_heads, tokens, d, generator=g)
         worst = max(worst, (op.causal_attention(q, k, v).double() - naive_causal_attention(q, k, v)).abs().max().item())
-    ok = isa == path and worst <= 1e-5
-    print(f"causal_attention.cpp built for {path}: compiled path {isa}; worst difference from float64 {worst:.2e} "
-          f"-> {'ok' if ok else 'FAIL'}")
+    # NaN and infinities where SDPA has them (tests/test_kernels.py's NaN test)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 45, 64, generator=g) for h in (4, 2, 2))
+    q[0, 1, 30, 7], k[0, 0, 40, 3] = float("nan"), float("inf")
+    nan_rows = op.causal_attention(q, k, v).isnan().any(-1)
+    same_nan = torch.equal(nan_rows, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                           .isnan().any(-1))
+    ok = isa == path and worst <= 1e-5 and same_nan
+    print(f"causal_attention.cpp built for {path}: compiled path {isa}; worst difference from float64 {worst:.2e}; "
+          f"NaN rows as SDPA's: {same_nan} -> {'ok' if ok else 'FAIL'}")
     return ok
 
 

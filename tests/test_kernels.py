@@ -434,9 +434,10 @@ def test_causal_attention_matches_float64_and_sdpa(shape: tuple[int, int, int, i
 
 
 def test_causal_attention_tokens_never_read_later_ones() -> None:
-    """Token i's output keeps its bits whatever the later tokens' queries, keys and values are
-    (pad tokens after a short prompt), including within a tile of 8 rows and a step of 32 keys
-    (the change starts at token 50, inside both)."""
+    """Token i's output keeps its bits whatever finite values the later tokens' queries, keys and
+    values hold (pad tokens after a short prompt), including within a tile of 8 rows and a step
+    of 32 keys (the change starts at token 50, inside both): their scores are masked and their
+    values weighted 0. (An inf or NaN there would reach 0 x inf, as in torch's flash attention.)"""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, 77, 64, generator=g) for h in (6, 2, 2))
     changed = [x.clone() for x in (q, k, v)]
@@ -450,16 +451,50 @@ def test_causal_attention_tokens_never_read_later_ones() -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_causal_attention_skips_the_tokens_past_each_rows_length(dtype: torch.dtype) -> None:
     """With ``lengths``, row b's first lengths[b] tokens keep the bits of the call without it
-    (whole tiles and tiles cut inside), its later tokens (a shorter prompt's pads) are zeros;
-    lengths past T or below 0 are clamped."""
+    (whole tiles and tiles cut inside), its later tokens (a shorter prompt's pads) are zeros
+    written by the kernel (the output is not zeroed memory: a call of the same size on NaN ran
+    just before); lengths past T or below 0 are clamped."""
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(4, h, 45, 64, generator=g) for h in (6, 2, 2))
     full = causal_attention(q, k, v)
+    nan = causal_attention(torch.full_like(q, float("nan")), k, v)
+    assert nan.isnan().all()
+    del nan
     out = causal_attention(q, k, v, torch.tensor([45, 20, 0, 99], dtype=dtype))
     for b, n in enumerate([45, 20, 0, 45]):
         assert torch.equal(out[b, :, :n], full[b, :, :n])
         assert torch.equal(out[b, :, n:], torch.zeros_like(out[b, :, n:]))
     assert torch.equal(causal_attention(q, k, v, torch.tensor([-3, 45, 45, 45])), torch.cat([torch.zeros_like(full[:1]), full[1:]]))
+
+
+def test_causal_attention_nan_reaches_its_own_token_only() -> None:
+    """A NaN in token 30's query makes token 30's output NaN (as SDPA's), and no other token's;
+    an infinite key 40 makes NaN exactly the rows SDPA makes NaN (those whose score is +inf:
+    inf - inf in the softmax; a -inf score only weighs nothing)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 45, 64, generator=g) for h in (4, 2, 2))
+    q[0, 1, 30, 7] = float("nan")
+    out = causal_attention(q, k, v)
+    nan_rows = out.isnan().any(-1)[0]  # (heads, T)
+    assert nan_rows[1, 30] and nan_rows.sum() == 1
+    q[0, 1, 30, 7] = 0.0
+    k[0, 0, 40, 3] = float("inf")
+    nan_rows = causal_attention(q, k, v).isnan().any(-1)[0]
+    sdpa_nan = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).isnan().any(-1)[0]
+    assert torch.equal(nan_rows, sdpa_nan) and nan_rows[:2, 40:].any() and not nan_rows[:, :40].any()
+
+
+def test_causal_attention_fake_has_the_ops_strides() -> None:
+    """Inductor trusts the fake's layout (no stride asserts): the op returns a (B, H, T, D) view
+    of (B, T, H, D) memory, and so must the fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = torch.randn(2, 20, 6, 32).transpose(1, 2), torch.randn(2, 3, 20, 32), torch.randn(2, 3, 20, 32)
+    lengths = torch.tensor([20, 5])
+    real = causal_attention(q, k, v, lengths)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = causal_attention(*(mode.from_tensor(t) for t in (q, k, v, lengths)))
+    assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
 
 
 def test_causal_attention_rejects_bad_inputs() -> None:
@@ -698,18 +733,19 @@ def test_library_name_differs_per_torch_install(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_attention_matches_the_prefill_mask_on_real_tokens(dtype: torch.dtype) -> None:
-    """``causal_attention`` (SDPA's causal flag) gives every real token of right-padded prompts
-    what ``attention`` with ``prefill_mask`` gives it (pad rows may differ: nothing reads them),
-    in the reference bundle and the CPU kernel bundle of each dtype."""
+    """``causal_attention`` with the prompts' lengths (SDPA's causal flag, or the kernel, which
+    skips the pads) gives every real token of right-padded prompts what ``attention`` with
+    ``prefill_mask`` gives it (pad rows may differ: nothing reads them), in the reference bundle
+    and the CPU kernel bundle of each dtype, v a view of a (B, T, heads, D) tensor as prefill's."""
     from neuronfx.config.masks import prefill_mask
     from neuronfx.graphs.kernels.bundles import REFERENCE_OPS
 
     g = torch.Generator().manual_seed(4)
     lens = torch.tensor([37, 64, 1])
-    q, k, v = (torch.randn(3, h, 64, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    q, k, v = (torch.randn(3, 64, h, 16, generator=g).to(dtype).transpose(1, 2) for h in (6, 2, 2))
     mask = prefill_mask(lens, 64)
     for ops in (REFERENCE_OPS, cpu_kernel_ops(str(dtype).removeprefix("torch."))):
-        got, want = ops.causal_attention(q, k, v), ops.attention(q, k, v, mask)
+        got, want = ops.causal_attention(q, k, v, lens), ops.attention(q, k, v, mask)
         for row, n in enumerate(lens.tolist()):
             tol = 1e-6 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got[row, :, :n].float(), want[row, :, :n].float(), rtol=tol, atol=tol)

@@ -208,8 +208,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     tokens 0..i, query head h reads KV head h // (H / H_kv) (HF's ``repeat_kv``), scale 1 /
     sqrt(D): ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` up to
     the summation order. Only the causal triangle is computed: tiles of 8 query rows against the
-    keys up to their last row, the scores in a buffer that stays in cache; token i's output
-    never reads a later token's query, key or value. RuntimeError for inputs that are not 4-D
+    keys up to their last row, the scores in a buffer that stays in cache; later tokens' finite
+    keys and values in a tile's last 32-key step are masked or weighted 0, so they never change
+    token i's bits (an inf or NaN there would, as in torch's flash attention). RuntimeError for inputs that are not 4-D
     float32 of those shapes, H not a multiple of H_kv, or lengths not (B,) int32 / int64 (values
     outside [0, T] are clamped to it)."""
     return torch.ops.neuronfx.causal_attention(q, k, v, lengths)

@@ -71,8 +71,9 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
     parallelism the bucket is read from k's shape (T), not from ``bucket``, so one compiled group
     with a dynamic T serves every prefill bucket (``backends/inductor_parts.py``)."""
     h = x.h
-    # Every layer full-attention: real tokens see only earlier ones, so SDPA's causal flag gives
-    # them the mask's result (pad rows differ; nothing reads them) with half the work.
+    # Every layer full-attention: real tokens see only earlier ones, so causal attention (SDPA's
+    # flag, or the kernel) gives them the mask's result (pad rows differ; nothing reads them)
+    # with half the work.
     causal = plan.layout.masks == ("full",) and not plan.inference.sequence_parallel
     lengths = x.last + 1  # each row's prompt tokens: the attention kernel skips the pads after them
     for lw, (k_cache, v_cache) in zip(lws, kv):

@@ -12,8 +12,6 @@
 // blocks past the diagonal (docs/performance.md, prefill attention).
 // Included after small_gemm.cpp (unit_dense.cpp): the ISA macros, exp8 and hsum come from there.
 
-#include <atomic>
-
 namespace {
 
 constexpr int64_t kCausalRows = 8;   // query rows per tile
@@ -109,7 +107,9 @@ void tile_scores(const float* qs, const float* kt, int64_t D, int64_t n, float* 
 }
 
 // Row i's scores s[0..i] (of n in the buffer) -> their softmax weights before normalising,
-// zeros for the keys after i; returns 1 / their sum.
+// zeros for the keys after i; returns 1 / their sum. A NaN score, or +inf (inf - inf), makes the
+// row NaN as SDPA's softmax does: exp's clamp at -87 would turn a NaN into a tiny weight, so NaN
+// differences are kept as they are (-inf scores get exp(-87), about 1e-38, where SDPA has 0).
 float causal_weights(float* s, int64_t i, int64_t n) {
   const int64_t len = i + 1;
   float sum = 0.f;
@@ -123,13 +123,15 @@ float causal_weights(float* s, int64_t i, int64_t n) {
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 acc = _mm512_setzero_ps();
   for (; j + 16 <= len; j += 16) {
-    const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(s + j), m);
+    const __m512 p = _mm512_mask_mov_ps(exp16(d), _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), d);
     _mm512_storeu_ps(s + j, p);
     acc = _mm512_add_ps(acc, p);
   }
   if (j < len) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), m)));
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), m);
+    const __m512 p = _mm512_maskz_mov_ps(tail, _mm512_mask_mov_ps(exp16(d), _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), d));
     _mm512_storeu_ps(s + j, p);  // zeros past i within these 16
     acc = _mm512_add_ps(acc, p);
     j += 16;
@@ -149,7 +151,8 @@ float causal_weights(float* s, int64_t i, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   for (j = 0; j < len; j += 8) {
     const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps(static_cast<float>(len - j)), _CMP_LT_OQ);
-    const __m256 p = _mm256_and_ps(valid, exp8(_mm256_sub_ps(_mm256_blendv_ps(m, _mm256_loadu_ps(s + j), valid), m)));
+    const __m256 d = _mm256_sub_ps(_mm256_blendv_ps(m, _mm256_loadu_ps(s + j), valid), m);
+    const __m256 p = _mm256_and_ps(valid, _mm256_blendv_ps(exp8(d), d, _mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
     _mm256_storeu_ps(s + j, p);  // zeros past i within these 8
     acc = _mm256_add_ps(acc, p);
   }
@@ -279,22 +282,36 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t i = i0; i < i1; ++i)
       transpose_keys(kp + (i / Hkv) * kc.stride(0) + (i % Hkv) * kc.stride(1), kc.stride(2), T, D, Tp, ktp + i * D * Tp);
   });
-  // A tile's work grows with its position and rows differ in length: each thread takes the next
-  // task from a shared counter, one head's tiles after another (its keys and values stay in
-  // cache: with every head's costliest tiles first, 8 rows of 128 ran 1.7x SDPA's speed against
-  // 2.0x), in the order 0, last, 1, last - 1, ...
+  // Tasks in (row, head) order, each head's tiles in the order 0, last, 1, last - 1, ...; each
+  // thread runs one contiguous range of equal estimated work (a tile's keys; rows differ in
+  // length), so a head's keys and values stay in one core's cache (every head's costliest tiles
+  // first, taken from a shared counter, lost that and ran slower at 8 rows of 128).
   const int64_t tiles = (T + kCausalRows - 1) / kCausalRows, total = B * H * tiles;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  auto tile_start = [&](int64_t i) {
+    const int64_t nth = i % tiles;
+    return (nth % 2 == 0 ? nth / 2 : tiles - 1 - nth / 2) * kCausalRows;
+  };
+  auto live_rows = [&](int64_t i) {  // the tile's rows before its row's length
+    return std::max<int64_t>(0, std::min(kCausalRows, len[i / tiles / H] - tile_start(i)));
+  };
+  std::vector<double> work(total + 1, 0.0);  // work[i]: the estimated work of tasks before i
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t live = live_rows(i);
+    work[i + 1] = work[i] + (live > 0 ? static_cast<double>(tile_start(i) + live + 16) : 1.0);
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  auto range_start = [&](int64_t c) {
+    if (c >= threads) return total;
+    return static_cast<int64_t>(std::lower_bound(work.begin(), work.end() - 1, work[total] * c / threads) - work.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t c0, int64_t c1) {
     // score rows 16 floats longer than Tp: rows a multiple of 4 KB apart share one L1 set
     const int64_t ld = Tp + 16;
     std::vector<float> qs(kCausalRows * D), s(kCausalRows * ld), inv(kCausalRows);
-    for (int64_t i = next++; i < total; i = next++) {
-      const int64_t bh = i / tiles, nth = i % tiles, b = bh / H, h = bh % H, kvh = h / group;
-      const int64_t t0 = (nth % 2 == 0 ? nth / 2 : tiles - 1 - nth / 2) * kCausalRows;
+    for (int64_t i = range_start(c0); i < range_start(c1); ++i) {
+      const int64_t bh = i / tiles, b = bh / H, h = bh % H, kvh = h / group, t0 = tile_start(i), live = live_rows(i);
       float* o = op + (b * T + t0) * H * D + h * D;
-      const int64_t live = std::max<int64_t>(0, std::min(kCausalRows, len[b] - t0));  // rows before the row's length
       for (int64_t r = live; r < std::min(kCausalRows, T - t0); ++r) std::fill(o + r * H * D, o + r * H * D + D, 0.f);
       if (live == 0) continue;
       const int64_t rows = live, keys = t0 + rows;  // keys 0..t0 + rows - 1
