@@ -71,6 +71,8 @@ the packed kernel 2.2-2.8x the row-major one."""
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "causal_attention.cpp", "quant_gemm.cpp",
                                                                         "quant_prefill.cpp", "w8a8_gemm.cpp", "topk.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
+HEADERS = (Path(__file__).parent / "csrc" / "exp16.h",)
+"""What several sources include (hashed into the library's name with them)."""
 BUILD_UNITS = tuple(Path(__file__).parent / "csrc" / name for name in ("unit_dense.cpp", "unit_quant.cpp"))
 """What the compiler is given: two translation units that include :data:`SOURCES` (each parses
 torch's headers once; five units took 1.56x the CPU time, see ``csrc/unit_dense.cpp``)."""
@@ -99,7 +101,7 @@ def library_name() -> str:
     virtualenvs sharing one build directory rebuilt the library, 30-40 CPU s, each time the
     other had run)."""
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + BUILD_UNITS) + " ".join(CFLAGS).encode() + cpu_flags().encode()
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS + BUILD_UNITS) + " ".join(CFLAGS).encode() + cpu_flags().encode()
                        + torch.__version__.encode() + torch_dir.encode())
     return f"neuronfx_kernels_{h.hexdigest()[:12]}"
 

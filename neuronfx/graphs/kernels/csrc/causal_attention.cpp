@@ -12,29 +12,13 @@
 // blocks past the diagonal (docs/performance.md, prefill attention).
 // Included after small_gemm.cpp (unit_dense.cpp): the ISA macros, exp8 and hsum come from there.
 
+#include "exp16.h"
+
 namespace {
 
 constexpr int64_t kCausalRows = 8;   // query rows per tile
 constexpr int64_t kCausalKeys = 32;  // keys per step of the score pass
 
-#ifdef NFX_ATTN_AVX512
-// e^x for x <= 0, the 16-lane form of exp8 (Cephes expf's polynomial, about 1 ulp).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
 
 // The keys (T, D) of one (row, KV head), position stride ks, transposed in blocks of 32 keys:
 // kt[(j / 32) * D * 32 + d * 32 + j % 32] = k_j[d], zero past T (Tp a multiple of 32). A block
