@@ -590,6 +590,28 @@ def test_cached_attention_blocks_match_naive(cache_dtype: torch.dtype, block_siz
     assert torch.equal(kernel_cached_attention(q, k, v, unused, s, mask), kernel)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_cached_attention_blocks_per_row_tasks_match_per_head_tasks(cache_dtype: torch.dtype) -> None:
+    """Over several blocks the kernel takes one task per batch row, walking each block's KV heads
+    in turn, when the rows are at least as many as the threads (3 rows, 1 thread here), and one
+    task per (row, KV head) otherwise (3 rows, 4 threads): the same products in the same order,
+    so the same bits, and the bits of the slots layout."""
+    s = BLOCK_POSITIONS
+    q, k, v, table, mask = paged_case(cache_dtype, 4, 2, seed=21)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        per_row = kernel_cached_attention(q, k, v, table, s, mask)
+        torch.set_num_threads(4)
+        per_head = kernel_cached_attention(q, k, v, table, s, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(per_row, per_head)
+    slots = torch.arange(3, dtype=torch.int32)[:, None]
+    assert torch.equal(kernel_cached_attention(q, naive_rows(k, table, s), naive_rows(v, table, s), slots, s, mask), per_row)
+    torch.testing.assert_close(per_row.double(), kernel_reference(q, k, v, table, s, mask), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(("cache_dtype", "block_size", "tokens"), [(torch.bfloat16, 4, 4), (torch.int8, 16, 1)])
 def test_compiled_fused_cached_attention_reads_blocks(cache_dtype: torch.dtype, block_size: int, tokens: int) -> None:
     """Inductor's fusion of the block-table gather against the naive loop. Each graph costs
