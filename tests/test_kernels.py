@@ -591,13 +591,15 @@ def test_cached_attention_blocks_match_naive(cache_dtype: torch.dtype, block_siz
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
-def test_cached_attention_blocks_per_row_tasks_match_per_head_tasks(cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("block_size", "tokens"), [(4, 2), (16, 1)])
+def test_cached_attention_blocks_per_row_tasks_match_per_head_tasks(cache_dtype: torch.dtype, block_size: int, tokens: int) -> None:
     """Over several blocks the kernel takes one task per batch row, walking each block's KV heads
-    in turn, when the rows are at least as many as the threads (3 rows, 1 thread here), and one
-    task per (row, KV head) otherwise (3 rows, 4 threads): the same products in the same order,
-    so the same bits, and the bits of the slots layout."""
+    in turn, where the rows split evenly over the threads (3 rows, 1 thread here) or are at least
+    4 per thread, and one task per (row, KV head) otherwise (3 rows, 4 threads): the same products
+    in the same order, so the same bits, and the bits of the slots layout (T = 2: a wrong query or
+    output offset per KV head would mix the tokens' rows)."""
     s = BLOCK_POSITIONS
-    q, k, v, table, mask = paged_case(cache_dtype, 4, 2, seed=21)
+    q, k, v, table, mask = paged_case(cache_dtype, block_size, tokens, seed=21 + block_size)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -936,15 +936,16 @@ inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
 }
 
 // Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
-// hides j, for the R rows q (R, D) of one KV head and positions j < L (live_positions; see
-// attend_group for the layout).
+// hides j, for the R rows of one KV head (qs: queries_for's form of q (R, D)) and the positions j <
+// L (live_positions) of blocks [c_begin, c_end); see attend_group for the layout.
 template <typename C, typename Q>
 void key_scores(const Q& qs, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L, int64_t D,
                 int64_t R, int64_t T, const bool* masks, float* w, int64_t c_begin, int64_t c_end) {
   // Rows are prefetched kAhead positions ahead. Over blocks the hardware prefetcher does not
   // follow a jump to another block, and each block met its first reads cold (SmolLM2's fp32
-  // cache, batch 32 x 1,024 positions in blocks of 16, 30 layers: 125 ms, 12 GB/s; with the
-  // prefetch 79 ms). Over one slot's contiguous rows it still left the float caches waiting:
+  // cache, batch 32 x 1,024 positions in blocks of 16, 30 layers, one task per (row, KV head):
+  // 125 ms, 12 GB/s; with the prefetch 79 ms; attend_row reaches the prefetched rows later, after
+  // the other KV heads' rows of the blocks between). Over one slot's contiguous rows it still left the float caches waiting:
   // batch 8 x 2,000 positions, fp32 30.6 -> 27.2 ms, bf16 18.5 -> 16.5 (int8 unchanged: bound by
   // its instructions), 10-15% at 512 and 1,024 too.
   for (int64_t c = c_begin, j0 = c_begin * bs; c < c_end && j0 < L; ++c, j0 += bs) {  // block c: positions [j0, end), key j at k + (j - j0) * ld
@@ -952,7 +953,8 @@ void key_scores(const Q& qs, const C* const* kb, const C* const* vb, int64_t bs,
     const C* k = kb[c];
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
-      // the keys kAhead on: in this block (nearly always) without upcoming's two divisions
+      // the keys kAhead on: in this block without upcoming's two divisions where the block is
+      // longer than kAhead + 4 (the slots layout's one block per row; blocks of 16 never are)
       if (j + kAhead + 4 <= end) prefetch4(k + (j + kAhead - j0) * ld, ld);
       else if (const C* f = upcoming(kb, vb, bs, ld, L, j)) prefetch4(f, ld);
       if (any4(masks, T, S, j)) {
@@ -966,19 +968,10 @@ void key_scores(const Q& qs, const C* const* kb, const C* const* vb, int64_t bs,
   }
 }
 
-// The R = group x T query rows that share one KV head of one batch row (grouped-query
-// attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
-// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32.
-// Position j's key and value rows are kb[j / bs] + (j % bs) * ld and vb[j / bs] + (j % bs) * ld
-// (kb, vb: the row's ceil(S / bs) blocks, already at this KV head). Positions are walked block by
-// block, so no key costs a division, and inside a block the loops are those of one contiguous
-// window: a single block holding all S positions (the slots layout) runs exactly as a window
-// does. A group of four keys never spans two blocks (bs % 4 == 0 wherever there are several).
-// Keys go four at a time, each loaded and widened once for up to four query rows (dots_4keys); a
-// group of four with a hidden key computes its products anyway and then selects -inf over it, so
-// a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
-// keys no row attends are not read. An int8 row's scale multiplies its score and its weight; int8
-// keys take key_scores' integer form.
+// out rows r (R, D) += sum_j w[r * S + j] * v_j (times an int8 row's scale) over the positions j
+// < L of blocks [c_begin, c_end) that row r's mask lets through (a hidden value, NaN included, is
+// never added); out is neither zeroed nor normalised here. Consecutive block ranges add in
+// position order, as one range over them does (the same bits).
 template <typename C>
 void value_sums(const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L, int64_t D, int64_t R, int64_t T, const bool* masks,
                 const float* w, float* out, int64_t c_begin, int64_t c_end) {
@@ -994,7 +987,7 @@ void value_sums(const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L
     int64_t j = j0;
     for (; j + 4 <= end; j += 4) {
       const C* vj = v + (j - j0) * ld;
-      if (j + kAhead + 4 <= end) prefetch4(vj + kAhead * ld, ld);  // as key_scores: no division in a block
+      if (j + kAhead + 4 <= end) prefetch4(vj + kAhead * ld, ld);  // as key_scores: no division inside a long block
       else if (j + kAhead + 4 <= L) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
       if (!all4(masks, T, S, j)) {
         for (int64_t r = 0; r < R; ++r)
@@ -1014,6 +1007,19 @@ void value_sums(const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L
   }
 }
 
+// The R = group x T query rows that share one KV head of one batch row (grouped-query
+// attention: head h reads KV head h / group): q rows (R, D) contiguous, row r = (g, t) masked by
+// masks + t * S; w and sums are scratch for R x S weights and R sums; writes out (R, D) fp32.
+// Position j's key and value rows are kb[j / bs] + (j % bs) * ld and vb[j / bs] + (j % bs) * ld
+// (kb, vb: the row's ceil(S / bs) blocks, already at this KV head). Positions are walked block by
+// block, so no key costs a division, and inside a block the loops are those of one contiguous
+// window: a single block holding all S positions (the slots layout) runs exactly as a window
+// does. A group of four keys never spans two blocks (bs % 4 == 0 wherever there are several).
+// Keys go four at a time, each loaded and widened once for up to four query rows (dots_4keys); a
+// group of four with a hidden key computes its products anyway and then selects -inf over it, so
+// a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
+// keys no row attends are not read. An int8 row's scale multiplies its score and its weight; int8
+// keys take key_scores' integer form.
 template <typename C>
 void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
                   int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
@@ -1026,11 +1032,13 @@ void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_
 }
 
 // attend_group for all n_kv KV heads of one batch row at once, block by block: each block's
-// rows of every head are read in turn (a block is (n_kv, bs, W), one contiguous run), where one
-// head at a time read bs rows of every block and skipped the rest (batch 8 x 320 positions in
-// blocks of 16, 30 layers, fp32: 1.4x the slots layout's time; the one-KV-head case, contiguous,
-// 1.02x). q rows (n_kv, group x T, D); kb[h * count + c], vb[h * count + c]: head h's rows of
-// block c; w (n_kv, R, S) and sums (n_kv, R) scratch.
+// rows of every head are read in turn (in the engine's contiguous cache a block is (n_kv, bs, W),
+// one run of memory), where a task per (row, KV head) read bs rows of every block and skipped the
+// rest, which the hardware prefetcher does not follow (batch 8, 9 query heads over 3 KV heads,
+// 320 positions in blocks of 16 taken in order, 30 layers, fp32: 1.46-1.49x the slots layout's
+// time per task and head, 1.02-1.04x per row; docs/performance.md). The same products in the
+// same order as attend_group per head. q rows (n_kv, group x T, D); kb[h * count + c],
+// vb[h * count + c]: head h's rows of block c; w (n_kv, R, S) and sums (n_kv, R) scratch.
 template <typename C>
 void attend_row(const float* q, const C* const* kb, const C* const* vb, int64_t count, int64_t n_kv, int64_t bs, int64_t ld,
                 int64_t S, int64_t D, int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
@@ -1062,7 +1070,10 @@ void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   // Tasks of at least ~32K multiply-adds: a fork/join (a few us) costs more than a smaller one.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, group * T * S * D));
-  if (count > 1 && n_kv > 1 && B >= at::get_num_threads()) {  // blocks: one task per batch row (attend_row), rows enough for the threads
+  // Over several blocks, one task per batch row (attend_row) where the rows split evenly over the
+  // threads (or are many): 3 rows on 2 threads would give one thread twice the other's work.
+  const int64_t threads = at::get_num_threads();
+  if (count > 1 && n_kv > 1 && (B % threads == 0 || B >= 4 * threads)) {
     at::parallel_for(0, B, std::max<int64_t>(1, grain / n_kv), [&](int64_t b0, int64_t b1) {
       std::vector<float> w(n_kv * group * T * S), sums(n_kv * group * T);
       std::vector<const C*> bases(2 * n_kv * count);  // head h's key blocks at h * count, its value blocks after all keys
