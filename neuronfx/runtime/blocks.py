@@ -16,6 +16,7 @@ block) is the model.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -69,6 +70,28 @@ def free_count(plan: Plan, blocks: BlockTables) -> int:
     return int((blocks.refs[: plan.kv.scratch_block] == 0).sum())
 
 
+def _held(plan: Plan, blocks: BlockTables, slots: Sequence[int]) -> list[int]:
+    """:func:`owned` of each of ``slots``, in one tensor op (a decode step asks for every row)."""
+    if not slots:
+        return []
+    return (blocks.tables[list(slots)] != plan.kv.scratch_block).sum(1).tolist()
+
+
+def _written_held(plan: Plan, blocks: BlockTables, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int],
+                  held: Sequence[int]) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The (slot, column) of each held block that rows writing positions [starts[b], ends[b]) of
+    ``slots[b]`` write into, in row then column order, and whether another slot shares it now
+    (its reference count above 1), gathered in one op for all rows."""
+    bs = plan.kv.block_size
+    pairs = [(s, col) for s, start, end, h in zip(slots, starts, ends, held)
+             for col in range(start // bs, min(h, blocks_covering(end, bs)))]
+    if not pairs:
+        return [], []
+    rows, cols = zip(*pairs)
+    ids = blocks.tables[list(rows), list(cols)].long()
+    return pairs, (blocks.refs[ids] > 1).tolist()
+
+
 def blocks_needed(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int],
                   ends: Sequence[int]) -> int:
     """Fresh blocks :func:`reserve` takes for rows writing positions [starts[b], ends[b]) of
@@ -76,20 +99,27 @@ def blocks_needed(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], 
     range that another slot shares. 0 for the slots layout."""
     if blocks is None:
         return 0
-    bs, need = plan.kv.block_size, 0
-    for s, start, end in zip(slots, starts, ends):
-        held = owned(plan, blocks, s)
-        need += max(0, blocks_covering(end, bs) - held)
-        ids = blocks.tables[s, start // bs:min(held, blocks_covering(end, bs))].long()
-        need += int((blocks.refs[ids] > 1).sum())
-    return need
+    held = _held(plan, blocks, slots)
+    return _need(plan, ends, held, _written_held(plan, blocks, slots, starts, ends, held)[1])
+
+
+def _need(plan: Plan, ends: Sequence[int], held: Sequence[int], shared: Sequence[bool]) -> int:
+    """Fresh blocks for rows ending at ``ends`` that hold ``held`` blocks: those past the held
+    ones, plus one per shared block they write (:func:`_written_held`)."""
+    bs = plan.kv.block_size
+    return sum(max(0, blocks_covering(end, bs) - h) for end, h in zip(ends, held)) + sum(shared)
 
 
 def check_blocks(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> None:
     """Raise KVCacheFullError when the rows' writes need more blocks than are free (nothing changes)."""
     if blocks is None:
         return
-    need, free = blocks_needed(plan, blocks, slots, starts, ends), free_count(plan, blocks)
+    _check_free(plan, blocks, blocks_needed(plan, blocks, slots, starts, ends))
+
+
+def _check_free(plan: Plan, blocks: BlockTables, need: int) -> None:
+    """KVCacheFullError when ``need`` fresh blocks are more than are free."""
+    free = free_count(plan, blocks)
     if need > free:
         raise KVCacheFullError(
             f"this step needs {need} free KV blocks of {plan.kv.block_size} positions and {free} are free "
@@ -111,13 +141,18 @@ def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence
     KVCacheFullError first when too few are free. Nothing to do for the slots layout."""
     if blocks is None:
         return
-    check_blocks(plan, blocks, slots, starts, ends)
-    bs = plan.kv.block_size
-    for s, start, end in zip(slots, starts, ends):
-        held, want = owned(plan, blocks, s), blocks_covering(end, bs)
-        for col in range(start // bs, min(held, want)):
-            old = int(blocks.tables[s, col])
-            if int(blocks.refs[old]) > 1:
+    bs, held = plan.kv.block_size, _held(plan, blocks, slots)
+    pairs, shared = _written_held(plan, blocks, slots, starts, ends, held)
+    _check_free(plan, blocks, _need(plan, ends, held, shared))
+    # Row by row: its shared blocks copied (copy-on-write), then its fresh ones. Counts only fall
+    # here, so a block shared at the start may be this row's own by its turn (checked again), and
+    # no block can have become shared.
+    todo = iter(zip(pairs, shared))
+    for s, start, end, h in zip(slots, starts, ends, held):
+        want = blocks_covering(end, bs)
+        for (_, col), was_shared in itertools.islice(todo, max(0, min(h, want) - start // bs)):
+            old = int(blocks.tables[s, col]) if was_shared else -1
+            if was_shared and int(blocks.refs[old]) > 1:
                 (new,) = _take(plan, blocks, 1)
                 for i, layer in enumerate(kv):
                     if not plan.kv.in_ring(i):  # a ring layer's blocks are its slot's own
@@ -125,8 +160,8 @@ def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence
                         layer.v[new].copy_(layer.v[old])
                 blocks.refs[old] -= 1
                 blocks.tables[s, col] = new
-        if want > held:
-            blocks.tables[s, held:want] = torch.tensor(_take(plan, blocks, want - held), dtype=torch.int32)
+        if want > h:
+            blocks.tables[s, h:want] = torch.tensor(_take(plan, blocks, want - h), dtype=torch.int32)
 
 
 def share(plan: Plan, blocks: BlockTables | None, source: int, slot: int, positions: int) -> None:
