@@ -61,8 +61,7 @@ def empty_blocks(plan: Plan, prefix_blocks: int = 0) -> BlockTables | None:
 
 def owned(plan: Plan, blocks: BlockTables, slot: int) -> int:
     """Blocks ``slot`` holds (its table's columns before the first scratch entry)."""
-    row = blocks.tables[slot]
-    return int((row != plan.kv.scratch_block).sum())
+    return _held(plan, blocks, [slot])[0]
 
 
 def free_count(plan: Plan, blocks: BlockTables) -> int:
@@ -151,8 +150,10 @@ def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence
     for s, start, end, h in zip(slots, starts, ends, held):
         want = blocks_covering(end, bs)
         for (_, col), was_shared in itertools.islice(todo, max(0, min(h, want) - start // bs)):
-            old = int(blocks.tables[s, col]) if was_shared else -1
-            if was_shared and int(blocks.refs[old]) > 1:
+            if not was_shared:
+                continue
+            old = int(blocks.tables[s, col])
+            if int(blocks.refs[old]) > 1:
                 (new,) = _take(plan, blocks, 1)
                 for i, layer in enumerate(kv):
                     if not plan.kv.in_ring(i):  # a ring layer's blocks are its slot's own

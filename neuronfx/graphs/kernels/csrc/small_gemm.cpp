@@ -395,7 +395,7 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // block_table[b, j / block_size] at offset j % block_size (the slots layout is one block per row).
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
 // their values are never added (groups of four hidden keys are not even read); a token that
-// attends nothing gets zeros. One task per (row, KV head) (attend_group); scores in two passes
+// attends nothing gets zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
 // (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
 #ifdef NFX_AVX2
@@ -937,7 +937,7 @@ inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
 
 // Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
 // hides j, for the R rows of one KV head (qs: queries_for's form of q (R, D)) and the positions j <
-// L (live_positions) of blocks [c_begin, c_end); see attend_group for the layout.
+// L (live_positions) of blocks [c_begin, c_end); see attend_row for the layout.
 template <typename C, typename Q>
 void key_scores(const Q& qs, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L, int64_t D,
                 int64_t R, int64_t T, const bool* masks, float* w, int64_t c_begin, int64_t c_end) {
@@ -1020,24 +1020,13 @@ void value_sums(const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t L
 // a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
 // keys no row attends are not read. An int8 row's scale multiplies its score and its weight; int8
 // keys take key_scores' integer form.
-template <typename C>
-void attend_group(const float* q, const C* const* kb, const C* const* vb, int64_t bs, int64_t ld, int64_t S, int64_t D,
-                  int64_t group, int64_t T, const bool* masks, float scale, float* w, float* sums, float* out) {
-  const int64_t R = group * T, L = live_positions(masks, T, S), blocks = (L + bs - 1) / bs;
-  key_scores(queries_for(q, R, D, scale, static_cast<const C*>(nullptr)), kb, vb, bs, ld, S, L, D, R, T, masks, w, 0, blocks);
-  for (int64_t r = 0; r < R; ++r) sums[r] = softmax_weights(w + r * S, L);
-  std::fill(out, out + R * D, 0.f);
-  value_sums(vb, bs, ld, S, L, D, R, T, masks, w, out, 0, blocks);
-  normalise(out, sums, R, D);
-}
-
-// attend_group for all n_kv KV heads of one batch row at once, block by block: each block's
-// rows of every head are read in turn (in the engine's contiguous cache a block is (n_kv, bs, W),
-// one run of memory), where a task per (row, KV head) read bs rows of every block and skipped the
-// rest, which the hardware prefetcher does not follow (batch 8, 9 query heads over 3 KV heads,
+// attend_row does this for n_kv KV heads of one batch row at once (n_kv = 1: one KV head's task),
+// block by block: each block's rows of every head are read in turn (in the engine's contiguous
+// cache a block is (n_kv, bs, W), one run of memory), where a task per (row, KV head) read bs rows
+// of every block and skipped the rest, which the hardware prefetcher does not follow (batch 8, 9 query heads over 3 KV heads,
 // 320 positions in blocks of 16 taken in order, 30 layers, fp32: 1.46-1.49x the slots layout's
 // time per task and head, 1.02-1.04x per row; docs/performance.md). The same products in the
-// same order as attend_group per head. q rows (n_kv, group x T, D); kb[h * count + c],
+// same order as one head at a time. q rows (n_kv, group x T, D); kb[h * count + c],
 // vb[h * count + c]: head h's rows of block c; w (n_kv, R, S) and sums (n_kv, R) scratch.
 template <typename C>
 void attend_row(const float* q, const C* const* kb, const C* const* vb, int64_t count, int64_t n_kv, int64_t bs, int64_t ld,
@@ -1101,7 +1090,7 @@ void attention_tasks(const float* q, const at::Tensor& k_cache, const at::Tensor
         bases[c] = kc + blk * ks0 + kvh * ks1;
         bases[count + c] = vc + blk * vs0 + kvh * vs1;
       }
-      attend_group(q + first, bases.data(), bases.data() + count, bs, ld, S, D, group, T, mask + b * T * S, scale, w.data(),
+      attend_row(q + first, bases.data(), bases.data() + count, count, 1, bs, ld, S, D, group, T, mask + b * T * S, scale, w.data(),
                    sums.data(), out + first);
     }
   });
