@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
+from helpers import VOCAB, hf_last_logits, random_prompt, run_steps, tiny_hf_model, tiny_plan, tiny_runtime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
+from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.kv_blocks import admissible, blocks_covering, request_blocks
+from neuronfx.config.sampling import pack_sampling
 from neuronfx.errors import ConfigError, KVCacheFullError
 from neuronfx.graphs.models.kv_rows import window_rows
+from neuronfx.graphs.phases.sampling import penalized_logits, sample
 from neuronfx.runtime import blocks as manager
+from neuronfx.runtime.batch import seeded_uniform
 from neuronfx.runtime.fork import ForkBatch, fork
 from neuronfx.runtime.requests import Queue, submit
 from neuronfx.runtime.scheduler import abort
@@ -277,6 +281,50 @@ def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:
 # --- continuous batching under a small block budget: a state machine ---------------------------------
 
 
+TIE = 1e-4  # a draw this close to a tie may go either way on the eager backend (see near_tie)
+
+
+def near_tie(hf, request: neuronfx.Request, got: list[int], want: list[int]) -> bool:
+    """Whether ``got`` first leaves ``want`` (the request's lone run) at a near tie: the eager
+    backend's plain torch products differ in their last bits between batch shapes (about 1e-7 in
+    a logit), so a draw within that of a tie goes either way. True when, on transformers' logits
+    for the shared history, the two tokens are the top two within TIE of each other (greedy), or
+    the two the draw picks at its uniform -TIE and +TIE (sampled). Any other divergence is a
+    real one. (The inductor backend's kernels are batch-invariant: no ties are excused there.)"""
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    sp, history = request.sampling, want[:i]
+    counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=VOCAB).int()[None]
+    mask = torch.zeros(1, VOCAB, dtype=torch.bool)
+    mask[0, list(request.prompt)] = True
+    logits = hf_last_logits(hf, list(request.prompt) + history)[None]
+
+    def inputs(u: float) -> SamplerInputs:
+        return SamplerInputs(torch.tensor(pack_sampling([sp], VOCAB)), counts, mask, torch.zeros(1, VOCAB), torch.tensor([u]),
+                             torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32))
+
+    if sp.seed is None:
+        top = penalized_logits(logits, inputs(0.0))[0].topk(2)
+        return {got[i], want[i]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < TIE
+    u = seeded_uniform(sp.seed, i)
+    picks = {int(sample(logits, inputs(u + d), VOCAB, 0)["tokens"][0]) for d in (-TIE, TIE)}
+    return {got[i], want[i]} == picks
+
+
+def test_a_seeded_draw_at_a_near_tie_is_told_from_a_divergence(hf) -> None:
+    """A state-machine example found on the eager backend: request 8's 9th draw (seeded, uniform
+    3e-7 from the boundary between tokens 4 and 184) went the other way beside a longer request
+    than alone, the logits differing by about 1e-7. ``near_tie`` excuses exactly that, not a
+    token picked away from the tie."""
+    rt = tiny_runtime(hf, "eager", prefill_chunk_size=8, prefill_buckets=(8,))
+    request = neuronfx.Request(prompt=tuple(random_prompt(9, 359)),
+                               sampling=SamplingParams(max_tokens=9, temperature=0.9, seed=359, repetition_penalty=1.2))
+    alone = scheduled(rt, [request.prompt], [request.sampling])[0]
+    beside = scheduled(rt, [random_prompt(1, 0), request.prompt], [SamplingParams(max_tokens=8), request.sampling])[0]
+    got, want = list(beside[1]), list(alone[0])
+    assert got[:8] == want[:8] and got != want and near_tie(hf, request, got, want)
+    assert not near_tie(hf, request, got[:8] + [(want[8] + 50) % VOCAB], want)
+
+
 SOLO: dict = {}  # (prompt, sampling) -> its tokens alone: the machine's examples repeat requests
 SHARED = random_prompt(17, 99)
 SEEN = {"preemptions": 0, "hits": 0}  # over every example: the machine did preempt and hit
@@ -291,6 +339,7 @@ class BlocksMachine(RuleBasedStateMachine):
 
     runtime = None
     solo_runtime = None
+    hf = None
 
     @initialize()
     def start(self):
@@ -348,7 +397,8 @@ class BlocksMachine(RuleBasedStateMachine):
     @invariant()
     def finished_requests_match_their_lone_runs(self):
         for i in self.finished - self.aborted:
-            assert self.tokens[i] == self.alone(self.requests[i]), f"request {i}"
+            got, want = self.tokens[i], self.alone(self.requests[i])
+            assert got == want or near_tie(self.hf, self.requests[i], got, want), f"request {i}: {got} against {want} alone"
 
     def alone(self, request) -> list[int]:
         key = (request.prompt, request.sampling)
@@ -373,6 +423,7 @@ def test_blocks_state_machine(hf) -> None:
     BlocksMachine.runtime = tiny_runtime(hf, "eager", num_kv_blocks=8, prefill_chunk_size=8, prefill_buckets=(8,),
                                          enable_prefix_caching=True, prefix_block_size=8, **BLOCKS)
     BlocksMachine.solo_runtime = tiny_runtime(hf, "eager", batch_size=1)
+    BlocksMachine.hf = hf
     run = BlocksMachine.TestCase
     run.settings = settings(max_examples=12, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     run().runTest()
