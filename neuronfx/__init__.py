@@ -11,6 +11,7 @@ Typical use::
 from neuronfx import errors
 from neuronfx.api import compile, launch, load, push_to_hub, save
 from neuronfx.config import InferenceConfig, ModelConfig, Plan, SamplingParams, StructuredOutputs, make_plan
+from neuronfx.memory import frozen_heap
 from neuronfx.runtime import (
     ChunkBatch,
     DecodeBatch,
@@ -46,6 +47,6 @@ __all__ = [
     "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
     "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "StructuredOutputs",
     "TokenEvent",
-    "__version__", "chunk_step", "compile", "decode_step", "embed", "errors", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
+    "__version__", "chunk_step", "compile", "decode_step", "embed", "errors", "frozen_heap", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
     "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
 ]

@@ -12,6 +12,7 @@ behave as with a real model; eager backend, 4 slots, prompts up to 64 tokens, 12
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import signal
@@ -891,7 +892,8 @@ def test_signals_drain_then_a_second_sigint_stops_at_once(reference):
 
 def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
     """The engine in this process: a full engine refuses at once (nothing queued); stop()
-    aborts the running request (finish_reason "abort") and refuses later submits."""
+    aborts the running request (finish_reason "abort") and refuses later submits. While it
+    serves, the heap is frozen (``memory.frozen_heap``); once it stops, no longer."""
 
     async def scenario() -> None:
         metrics = make_metrics()
@@ -903,6 +905,7 @@ def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         engine.submit([long], sink)
         assert (await sink.queue.get())[1].finish_reason is None  # running
+        assert gc.get_freeze_count() > 0
         with pytest.raises(EngineOverloaded):
             engine.submit([long] * 4, Sink(asyncio.get_running_loop(), asyncio.Queue()))  # 1 + 4 > 4 slots + 0 waiting
         engine.stop(timeout=10)
@@ -910,6 +913,7 @@ def test_engine_stop_aborts_what_runs_and_refuses_new_requests(reference):
             pass
         assert event.finish_reason == "abort" and event.token_id is None
         assert metrics.requests.labels("abort")._value.get() == 1 and metrics.rejected._value.get() == 1
+        assert gc.get_freeze_count() == 0  # the engine thread has left its frozen block (stop joined it)
         with pytest.raises(EngineStopping):
             engine.submit([long], sink)
 

@@ -12,16 +12,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from neuronfx.bench.timing import BenchResult, percentile, time_neuronfx
+from neuronfx.memory import frozen_heap
 from neuronfx.runtime.runtime import Runtime
 
 
 def alternate(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
     """Call every run ``rounds`` times, round i in the order of ``runs`` (reversed on odd i, so
-    no runner always goes first); returns each run's results in round order."""
+    no runner always goes first); returns each run's results in round order. The rounds run with
+    the heap frozen (``memory.frozen_heap``), as the CLI and the server decode: a full garbage
+    collection (about 0.2 s after a compile) would otherwise land in one round."""
     out: dict[str, list[Any]] = {name: [] for name in runs}
-    for i in range(rounds):
-        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
-            out[name].append(runs[name]())
+    with frozen_heap():
+        for i in range(rounds):
+            for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
+                out[name].append(runs[name]())
     return out
 
 

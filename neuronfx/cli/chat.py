@@ -39,6 +39,7 @@ from neuronfx.cli.types import Subcommand
 from neuronfx.config.inference import InferenceConfig
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, NeuronfxError
+from neuronfx.memory import frozen_heap
 from neuronfx.runtime.generate import check_stop_strings
 from neuronfx.runtime.runtime import Runtime
 from neuronfx.runtime.state import State
@@ -282,8 +283,9 @@ def run(args: argparse.Namespace) -> int:
               f"{inference.max_context_length} tokens, replies up to {args.max_new_tokens}). /help lists the commands, "
               "/exit or Ctrl-D leaves.", file=sys.stderr)
     try:
-        chat_loop(runtime, loaded.tokenizer, options, line_reader(sys.stdin, sys.stdout, interactive), sys.stdout, sys.stderr,
-                  seed=args.seed)
+        with frozen_heap():  # no full garbage collection stalls a reply (memory.py)
+            chat_loop(runtime, loaded.tokenizer, options, line_reader(sys.stdin, sys.stdout, interactive), sys.stdout, sys.stderr,
+                      seed=args.seed)
     except KeyboardInterrupt:  # Ctrl-C at the prompt (during a reply it only stops the reply)
         print(file=sys.stderr)
         return 130
