@@ -47,6 +47,7 @@ __all__ = [
     "ChunkBatch", "DecodeBatch", "Finished", "GenerateResult", "InferenceConfig", "Logprobs", "ModelConfig", "Plan", "PrefillBatch",
     "PrefixStats", "Request", "Runtime", "SamplingParams", "SpeculateBatch", "SpeculationStats", "State", "StepOutput", "StructuredOutputs",
     "TokenEvent",
-    "__version__", "chunk_step", "compile", "decode_step", "embed", "errors", "frozen_heap", "generate", "init_state", "launch", "load", "make_plan", "prefill_cached",
-    "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step", "stream_generate", "with_draft",
+    "__version__", "chunk_step", "compile", "decode_step", "embed", "errors", "frozen_heap", "generate", "init_state", "launch", "load",
+    "make_plan", "prefill_cached", "prefill_step", "prefix_stats", "push_to_hub", "release", "save", "schedule", "speculate_step",
+    "stream_generate", "with_draft",
 ]

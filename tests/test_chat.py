@@ -4,6 +4,7 @@ model receives each turn, /reset, the over-length message, piped stdin and a pse
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import sys
@@ -139,12 +140,27 @@ def test_interrupted_reply_and_failing_turn_leave_the_session_usable(chat_model,
                                                 f"its token budget {NEW}") == 2
 
 
+class FreezeRecordingInput(io.StringIO):
+    """Piped stdin that notes the collector's frozen-object count at each line read."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.frozen: list[int] = []
+
+    def readline(self, *args: object) -> str:
+        self.frozen.append(gc.get_freeze_count())
+        return super().readline(*args)
+
+
 def test_cli_piped_stdin(chat_model, runtime, monkeypatch, capsys):
     """``neuronfx chat DIR`` with piped stdin: only "> " prompts and the streamed replies on
-    stdout, /help, unknown commands, end of input exits 0."""
+    stdout, /help, unknown commands, end of input exits 0. The conversation runs with the heap
+    frozen (``neuronfx.frozen_heap``), which is unfrozen again when chat returns."""
     path, _, tok = chat_model
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/help\n/nope\n"))
+    stdin = FreezeRecordingInput("hi\n/help\n/nope\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
     assert main(["chat", str(path), *PLAN_ARGS, "--max-new-tokens", str(NEW), "--system", "Be brief."]) == 0
+    assert len(stdin.frozen) == 4 and min(stdin.frozen) > 0 and gc.get_freeze_count() == 0
     out, err = capsys.readouterr()
     ids = conversation_ids(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     reply = tok.decode(list(greedy(runtime, ids)), skip_special_tokens=True)

@@ -4,6 +4,7 @@ block, nests, and lets go after it; the benchmarks' alternating rounds run insid
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import neuronfx
@@ -18,8 +19,8 @@ class Node:
 
 
 def cycle() -> weakref.ref:
-    """A two-node reference cycle alive only through the returned weak reference's target's
-    partner (the caller drops it): only a garbage collection reclaims it."""
+    """An unreachable two-node reference cycle; the caller gets only a weak reference to one
+    node: only a garbage collection reclaims it."""
     a, b = Node(), Node()
     a.other, b.other = b, a
     return weakref.ref(a)
@@ -38,6 +39,7 @@ def test_frozen_heap_freezes_for_its_block_and_nests() -> None:
 def test_cyclic_garbage_frozen_in_the_block_is_reclaimed_after_it() -> None:
     """A cycle alive when the block starts is frozen: dropped inside, no collection reclaims it
     there; after the block the next one does. A cycle made inside is collected as usual."""
+    assert gc.get_freeze_count() == 0
     held = [Node()]
     held[0].other = Node()
     held[0].other.other = held[0]
@@ -54,4 +56,25 @@ def test_cyclic_garbage_frozen_in_the_block_is_reclaimed_after_it() -> None:
 def test_alternating_rounds_run_with_the_heap_frozen() -> None:
     seen = alternate({"a": gc.get_freeze_count, "b": gc.get_freeze_count}, rounds=3)
     assert all(n > 0 for runs in seen.values() for n in runs) and len(seen["a"]) == len(seen["b"]) == 3
+    assert gc.get_freeze_count() == 0
+
+
+def test_blocks_of_two_threads_unfreeze_when_the_last_leaves() -> None:
+    """One thread's block opens, another's opens and leaves first: the heap stays frozen until
+    the first one leaves too."""
+    opened, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with neuronfx.frozen_heap():
+            opened.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert opened.wait(10)
+    with neuronfx.frozen_heap():
+        pass
+    assert gc.get_freeze_count() > 0  # the other thread's block is still open
+    release.set()
+    thread.join(10)
     assert gc.get_freeze_count() == 0

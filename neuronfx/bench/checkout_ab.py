@@ -4,8 +4,9 @@
 Each side runs in a worker process (``python -c`` :data:`WORKER`, with ``PYTHONPATH`` and the
 working directory set to that checkout's root) that loads the checkpoint, compiles one plan per
 batch size (the first round fills the compile cache; later rounds load from it) and warms each
-up before it reports ready, so neither compile time nor a first call is measured; then it times
-one greedy case per request on stdin. Every round starts a fresh pair of workers: one process
+up before it reports ready, so neither compile time nor a first call is measured (then it
+freezes its heap, as ``neuronfx.frozen_heap`` does, so no full garbage collection lands in a
+timed case); then it times one greedy case per request on stdin. Every round starts a fresh pair of workers: one process
 per side for the whole run measured where its memory landed as much as its code. The worker uses only the
 public API every checkout has (``neuronfx.make_plan``, ``compile``, ``init_state``,
 ``generate``), so the other side may be any checkout, whatever its command layout. A git ref is

@@ -19,8 +19,8 @@ from neuronfx.runtime.runtime import Runtime
 def alternate(runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[Any]]:
     """Call every run ``rounds`` times, round i in the order of ``runs`` (reversed on odd i, so
     no runner always goes first); returns each run's results in round order. The rounds run with
-    the heap frozen (``memory.frozen_heap``), as the CLI and the server decode: a full garbage
-    collection (about 0.2 s after a compile) would otherwise land in one round."""
+    the heap frozen (``memory.frozen_heap``), as ``neuronfx chat`` and ``serve`` decode: a full
+    garbage collection (about 0.2 s after a compile) could otherwise land in one round."""
     out: dict[str, list[Any]] = {name: [] for name in runs}
     with frozen_heap():
         for i in range(rounds):

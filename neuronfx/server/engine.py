@@ -236,9 +236,8 @@ class Engine:
         if is_embedding(runtime):  # no state, no scheduler: the handlers embed (server/embeddings.py)
             self._wait_for_stop(served)
             return
-        state: Flight = init_state(runtime)
         with frozen_heap():  # what startup left alive is out of the collector's full walks: no step stalls 0.2 s (memory.py)
-            self._serve(served, state, Queue(grammars=served.grammars))
+            self._serve(served, init_state(runtime), Queue(grammars=served.grammars))
 
     def _serve(self, served: Served, state: Flight, queue: Queue) -> None:
         """The serving loop: commands in, scheduler iterations while there is work, events out,
