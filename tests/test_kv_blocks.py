@@ -17,14 +17,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import neuronfx
 from neuronfx import DecodeBatch, InferenceConfig, PrefillBatch, SamplingParams
-from neuronfx.config.inputs import SamplerInputs
 from neuronfx.config.kv_blocks import admissible, blocks_covering, request_blocks
-from neuronfx.config.sampling import pack_sampling
 from neuronfx.errors import ConfigError, KVCacheFullError
 from neuronfx.graphs.models.kv_rows import window_rows
 from neuronfx.graphs.phases.sampling import penalized_logits, sample
 from neuronfx.runtime import blocks as manager
-from neuronfx.runtime.batch import seeded_uniform
+from neuronfx.runtime.batch import sampler_inputs, seeded_uniform
 from neuronfx.runtime.fork import ForkBatch, fork
 from neuronfx.runtime.requests import Queue, submit
 from neuronfx.runtime.scheduler import abort
@@ -287,14 +285,14 @@ def test_scheduler_preempts_the_newest_and_recomputes_it(hf) -> None:
 TIE = 1e-5
 
 
-def near_tie(hf, request: neuronfx.Request, got: list[int], want: list[int], topk_width: int) -> bool:
+def near_tie(hf, rt, request: neuronfx.Request, got: list[int], want: list[int]) -> bool:
     """Whether ``got`` first leaves ``want`` (the request's lone run) at a near tie: the eager
     backend's plain torch products differ in their last bits between batch shapes (about 1e-7 in
     a logit), so a draw within that of a tie goes either way. True when the two lists are as long
     and, on transformers' logits for the shared history, the two tokens where they first differ
     are the top two within TIE of each other (greedy), or the two the draw picks at its uniform
-    -TIE and +TIE (seeded sampling; ``topk_width``: the plan's). Any other divergence is a real
-    one. (The inductor backend's kernels are batch-invariant: no ties are excused there.) The
+    -TIE and +TIE (seeded sampling, through runtime ``rt``'s sampler record and top-k width).
+    Any other divergence is a real one. (The inductor backend's kernels are batch-invariant: no ties are excused there.) The
     sampler's inputs are rebuilt for what the state machine sends: no logit_bias, min_tokens or
     structured outputs (asserted)."""
     sp = request.sampling
@@ -308,16 +306,15 @@ def near_tie(hf, request: neuronfx.Request, got: list[int], want: list[int], top
     mask[0, list(request.prompt)] = True
     logits = hf_last_logits(hf, list(request.prompt) + history)[None]
 
-    def inputs(u: float) -> SamplerInputs:
-        return SamplerInputs(torch.tensor(pack_sampling([sp], topk_width)), counts, mask, torch.zeros(1, VOCAB), torch.tensor([u]),
-                             torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32))
+    def inputs(u: float):  # the record a step builds (batch.sampler_inputs): no bias, every token allowed
+        return sampler_inputs(rt, [sp], counts, mask, torch.zeros(1, VOCAB), torch.tensor([u]), 1)
 
     if sp.greedy:
         top = penalized_logits(logits, inputs(0.0))[0].topk(2)
         return {got[i], want[i]} == set(top.indices.tolist()) and float(top.values[0] - top.values[1]) < TIE
     assert sp.seed is not None, "an unseeded sampled request has no lone run to match"
     u = seeded_uniform(sp.seed, i)
-    picks = {int(sample(logits, inputs(u + d), topk_width, 0)["tokens"][0]) for d in (-TIE, TIE)}
+    picks = {int(sample(logits, inputs(u + d), rt.plan.topk_width, 0)["tokens"][0]) for d in (-TIE, TIE)}
     return {got[i], want[i]} == picks
 
 
@@ -333,12 +330,11 @@ def test_a_seeded_draw_at_a_near_tie_is_told_from_a_divergence(hf) -> None:
                                sampling=SamplingParams(max_tokens=9, temperature=0.9, seed=359, repetition_penalty=1.2))
     want = list(scheduled(rt, [request.prompt], [request.sampling])[0][0])
     beside = list(scheduled(rt, [random_prompt(1, 0), request.prompt], [SamplingParams(max_tokens=8), request.sampling])[0][1])
-    width = rt.plan.topk_width
-    assert want[8] in (4, 184) and (beside == want or near_tie(hf, request, beside, want, width))
+    assert want[8] in (4, 184) and (beside == want or near_tie(hf, rt, request, beside, want))
     other = ({4, 184} - {want[8]}).pop()
-    assert near_tie(hf, request, want[:8] + [other], want, width)
-    assert not near_tie(hf, request, want[:8] + [(want[8] + 50) % VOCAB], want, width)
-    assert not near_tie(hf, request, want[:8], want, width)
+    assert near_tie(hf, rt, request, want[:8] + [other], want)
+    assert not near_tie(hf, rt, request, want[:8] + [(want[8] + 50) % VOCAB], want)
+    assert not near_tie(hf, rt, request, want[:8], want)
 
 
 SOLO: dict = {}  # (prompt, sampling) -> its tokens alone: the machine's examples repeat requests
@@ -414,7 +410,7 @@ class BlocksMachine(RuleBasedStateMachine):
     def finished_requests_match_their_lone_runs(self):
         for i in self.finished - self.aborted:
             got, want = self.tokens[i], self.alone(self.requests[i])
-            assert got == want or near_tie(self.hf, self.requests[i], got, want, self.runtime.plan.topk_width), \
+            assert got == want or near_tie(self.hf, self.runtime, self.requests[i], got, want), \
                 f"request {i}: {got} against {want} alone"
 
     def alone(self, request) -> list[int]:
