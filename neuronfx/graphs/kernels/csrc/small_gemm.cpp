@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 #include <unistd.h>
+#include "exp16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NFX_AVX2 1
@@ -636,7 +637,13 @@ inline void axpy_4values(int64_t n, const float* p, const C* v, int64_t ld, int6
 inline float softmax_weights(float* w, int64_t S) {
   float mx = -INFINITY;
   int64_t j = 0;
-#ifdef NFX_AVX2
+#ifdef NFX_ATTN_AVX512
+  // 16 lanes (exp16): half the instructions of 8, the same weights (one polynomial), the sum
+  // in 16-lane chunks (live_positions rounds to them)
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= S; j += 16) top16 = _mm512_max_ps(_mm512_loadu_ps(w + j), top16);
+  mx = _mm512_reduce_max_ps(top16);
+#elif defined(NFX_AVX2)
   // the max is exact in any order; a NaN score is skipped here as by std::max below
   __m256 top = _mm256_set1_ps(-INFINITY);
   for (; j + 8 <= S; j += 8) top = _mm256_max_ps(_mm256_loadu_ps(w + j), top);
@@ -651,7 +658,17 @@ inline float softmax_weights(float* w, int64_t S) {
   }
   j = 0;
   float sum = 0.f;
-#ifdef NFX_AVX2
+#ifdef NFX_ATTN_AVX512
+  __m512 sv16 = _mm512_setzero_ps();
+  const __m512 m16 = _mm512_set1_ps(mx), ninf16 = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= S; j += 16) {
+    const __m512 s = _mm512_loadu_ps(w + j);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, ninf16, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, m16)));
+    _mm512_storeu_ps(w + j, e);
+    sv16 = _mm512_add_ps(sv16, e);
+  }
+  sum = _mm512_reduce_add_ps(sv16);
+#elif defined(NFX_AVX2)
   __m256 sv = _mm256_setzero_ps();
   const __m256 m8 = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
   for (; j + 8 <= S; j += 8) {
@@ -931,9 +948,10 @@ inline float score_1key(const Int16Queries& qs, int64_t r, const int8_t* kj, int
 }
 
 // One past the last position any of the T mask rows (stride S) attends, rounded up to a multiple
-// of 8 and at most S: no row sees a position past it, so the passes stop there (a decode row in a
-// bucket longer than its context read its rows' prefetch up to 32 positions past them); the
-// rounding keeps the softmax's 8-lane chunks, and so its sums' bits, those of all S positions.
+// of the softmax's lanes (16 with AVX-512, else 8) and at most S: no row sees a position past it,
+// so the passes stop there (a decode row in a bucket longer than its context read its rows'
+// prefetch up to 32 positions past them); the rounding keeps the softmax's chunks, and so its
+// sums' bits, those of all S positions.
 inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
   int64_t last = 0;
   for (int64_t t = 0; t < T; ++t)
@@ -942,7 +960,12 @@ inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
         last = j;
         break;
       }
-  return std::min(S, (last + 7) / 8 * 8);
+#ifdef NFX_ATTN_AVX512
+  constexpr int64_t lanes = 16;
+#else
+  constexpr int64_t lanes = 8;
+#endif
+  return std::min(S, (last + lanes - 1) / lanes * lanes);
 }
 
 // Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
