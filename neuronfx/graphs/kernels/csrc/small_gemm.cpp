@@ -920,8 +920,8 @@ inline void scores_4keys(const FloatQueries& qs, const C* kj, int64_t ld, int64_
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t n = std::min<int64_t>(4, R - r0);
     dots_4keys(n, qs.q + r0 * D, kj, ld, D, dots);
-    for (int64_t rr = 0; rr < n; ++rr) {
-      const bool* m = masks + ((r0 + rr) % T) * S;
+    for (int64_t rr = 0, t = T == 1 ? 0 : r0 % T; rr < n; ++rr, t = t + 1 == T ? 0 : t + 1) {  // t = (r0 + rr) % T without a division
+      const bool* m = masks + t * S;
       for (int i = 0; i < 4; ++i) w[(r0 + rr) * S + i] = m[i] ? dots[4 * rr + i] * ks[i] : -INFINITY;
     }
   }
@@ -934,7 +934,8 @@ inline void scores_4keys(const Int16Queries& qs, const int8_t* kj, int64_t ld, i
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t n = std::min<int64_t>(4, R - r0);
     dots_i16_4keys(n, qs.q16.data() + r0 * D, kj, ld, D, sums);
-    for (int64_t rr = 0; rr < n; ++rr) scores4(sums + 4 * rr, qs.qscale[r0 + rr], ks, masks + ((r0 + rr) % T) * S, w + (r0 + rr) * S);
+    for (int64_t rr = 0, t = T == 1 ? 0 : r0 % T; rr < n; ++rr, t = t + 1 == T ? 0 : t + 1)  // t = (r0 + rr) % T without a division
+      scores4(sums + 4 * rr, qs.qscale[r0 + rr], ks, masks + t * S, w + (r0 + rr) * S);
   }
 }
 
