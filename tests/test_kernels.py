@@ -230,7 +230,7 @@ def int16_value_weights(weights: torch.Tensor, scales: torch.Tensor, positions: 
         top = p[sel].abs().max()
         if top > 0:
             rounded[sel] = torch.round(p[sel] / top * 32767) * top / 32767
-    return rounded / scales
+    return torch.where(scales != 0, rounded / scales, 0.0)  # a zero row's scale is 0 (its values too)
 
 
 def naive_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -307,10 +307,11 @@ def kernel_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 INT16_WEIGHT_ATOL = 5e-5
 """How far the kernel's int8-cache outputs may be from :func:`kernel_reference`'s: both round the
-value weights to int16, the kernel from its fp32 softmax, the reference from float64, and where a
-weight lands within about 1e-3 of a half unit they round apart; each such position moves the
-output by its span's largest weight / 32767 times its int8 value (about 1e-5 for these O(1)
-values), beside the float paths' 1e-5."""
+value weights to int16, the kernel from its fp32 softmax (relative error about 4e-7, 0.013 of a
+unit at the top), the reference from float64, so a weight within that of a half unit rounds
+apart; each such position moves the output by its span's largest weight / 32767 times its value
+(at most 3e-5 x max |v|; the tests' weights are well below the top and their values O(1)),
+beside the float paths' 1e-5."""
 
 
 def reference_atol(cache_dtype: torch.dtype) -> float:
@@ -371,9 +372,10 @@ def test_cached_attention_bucket_past_the_live_positions_changes_no_bit(cache_dt
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_cached_attention_softmax_chunks_do_not_depend_on_the_other_rows(cache_dtype: torch.dtype) -> None:
-    """A token's softmax sums its weights in the same 8-lane chunks whether the other token of
-    its KV head attends 61 positions or, as it does, 21: the passes stop at the last live
-    position rounded up to 8 (stopping at 21 would sum positions 16-20 in the scalar tail)."""
+    """A token's softmax sums its weights in the same chunks whether the other token of its KV
+    head attends 61 positions or, as it does, 21: the passes stop at the last live position
+    rounded up to 8 (AVX2's 8-lane chunks: stopping at 21 would sum positions 16-20 in the scalar
+    tail; AVX-512's 16-lane ones mask their last chunk)."""
     g = torch.Generator().manual_seed(12)
     k_cache, v_cache = (store_rows(torch.randn(1, 1, 61, 32, generator=g), torch.empty(0, dtype=cache_dtype)) for _ in range(2))
     q = torch.randn(1, 2, 2, 32, generator=g)
@@ -655,6 +657,40 @@ def test_cached_attention_blocks_per_row_tasks_match_per_head_tasks(cache_dtype:
     slots = torch.arange(3, dtype=torch.int32)[:, None]
     assert torch.equal(kernel_cached_attention(q, naive_rows(k, table, s), naive_rows(v, table, s), slots, s, mask), per_row)
     torch.testing.assert_close(per_row.double(), kernel_reference(q, k, v, table, s, mask), rtol=0, atol=reference_atol(cache_dtype))
+
+
+@pytest.mark.parametrize("block_size", [12, 16, 20])
+def test_cached_attention_int8_value_spans_over_blocks(block_size: int) -> None:
+    """Over an int8 cache the kernel rounds the value weights per span of 256 positions: 600
+    positions (three spans, the last partial) through shuffled blocks of 12, 16 and 20 (12 and 20
+    do not divide a span: a block holds positions of two) give the bits of the slots layout and
+    the rounded reference; head dim 64 (the 32-lane path), 2 rows x 2 KV heads x 3 query heads."""
+    g = torch.Generator().manual_seed(block_size)
+    s, d = 600, 64
+    count = -(-s // block_size)
+    table = torch.randperm(2 * count, generator=g).reshape(2, count).to(torch.int32)
+    empty = torch.empty(0, dtype=torch.int8)
+    k, v = (store_rows(torch.randn(2 * count, 2, block_size, d, generator=g), empty) for _ in range(2))
+    mask = decode_mask(torch.tensor([[s - 1], [s - 40]]), s)
+    q = torch.randn(2, 6, 1, d, generator=g) * 2  # a sharper softmax: weights far apart within a span
+    out = kernel_cached_attention(q, k, v, table, s, mask)
+    slots = torch.arange(2, dtype=torch.int32)[:, None]
+    assert torch.equal(out, kernel_cached_attention(q, naive_rows(k, table, s), naive_rows(v, table, s), slots, s, mask))
+    torch.testing.assert_close(out.double(), kernel_reference(q, k, v, table, s, mask), rtol=0, atol=INT16_WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 20])
+def test_cached_attention_int8_value_sums_at_their_bound(head_dim: int) -> None:
+    """A span's int32 sums at their largest: 300 positions of equal weight (zero keys) and scale
+    whose values are all -128 (int8's extreme, which quantize_rows never writes) round every weight
+    to 32767 and sum 256 x 32767 x -128 in the first span's lanes, within int32: the output is
+    -128 x the scale. Head dims 32, 48 and 20 take the 32-lane, 16-lane and scalar paths."""
+    s, scale = 300, 0.01
+    k = int8_rows(torch.zeros(1, 1, s, head_dim), scale)
+    v = int8_rows(torch.full((1, 1, s, head_dim), -128.0), scale)
+    q = torch.randn(1, 3, 1, head_dim, generator=torch.Generator().manual_seed(0))
+    out = kernel_cached_attention(q, k, v, torch.tensor([[0]]), s, torch.ones(1, 1, 1, s, dtype=torch.bool))
+    torch.testing.assert_close(out, torch.full_like(out, -128 * scale), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(("cache_dtype", "block_size", "tokens"), [(torch.bfloat16, 4, 4), (torch.int8, 16, 1)])

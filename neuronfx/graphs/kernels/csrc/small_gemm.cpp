@@ -396,8 +396,8 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // cache is paged: (num_blocks, H_kv, block_size, W), and row b's position j lies in block
 // block_table[b, j / block_size] at offset j % block_size (the slots layout is one block per row).
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
-// their values are never added (groups of four hidden keys are not even read); a token that
-// attends nothing gets zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
+// their values are never added (groups of four hidden keys are not even read; an int8 value
+// row's weight there is 0, never its scale times anything); a token that attends nothing gets zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
 // (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
 #ifdef NFX_AVX2
@@ -639,9 +639,12 @@ inline float softmax_weights(float* w, int64_t S) {
   int64_t j = 0;
 #ifdef NFX_ATTN_AVX512
   // 16 lanes (exp16): half the instructions of 8, the same weights (one polynomial), the sum
-  // in 16-lane chunks (live_positions rounds to them)
+  // in 16-lane chunks from position 0 whatever S is
   __m512 top16 = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= S; j += 16) top16 = _mm512_max_ps(_mm512_loadu_ps(w + j), top16);
+  for (; j < S; j += 16) {  // the last chunk masked (its other lanes -inf): no scalar tail
+    const __mmask16 live = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+    top16 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, w + j), top16);
+  }
   mx = _mm512_reduce_max_ps(top16);
 #elif defined(NFX_AVX2)
   // the max is exact in any order; a NaN score is skipped here as by std::max below
@@ -661,10 +664,11 @@ inline float softmax_weights(float* w, int64_t S) {
 #ifdef NFX_ATTN_AVX512
   __m512 sv16 = _mm512_setzero_ps();
   const __m512 m16 = _mm512_set1_ps(mx), ninf16 = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= S; j += 16) {
-    const __m512 s = _mm512_loadu_ps(w + j);
+  for (; j < S; j += 16) {  // the last chunk's lanes past S add 0, as -inf positions of a longer bucket do
+    const __mmask16 live = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+    const __m512 s = _mm512_mask_loadu_ps(ninf16, live, w + j);
     const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, ninf16, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s, m16)));
-    _mm512_storeu_ps(w + j, e);
+    _mm512_mask_storeu_ps(w + j, live, e);
     sv16 = _mm512_add_ps(sv16, e);
   }
   sum = _mm512_reduce_add_ps(sv16);
@@ -689,7 +693,11 @@ inline float softmax_weights(float* w, int64_t S) {
 // This core's L2 bytes (sysconf; 1 MiB where it does not say).
 inline int64_t l2_bytes() {
   static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE  // glibc's; musl and macOS do not have it
     const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long b = 0;
+#endif
     return b > 0 ? static_cast<int64_t>(b) : int64_t{1} << 20;
   }();
   return bytes;
@@ -949,10 +957,10 @@ inline float score_1key(const Int16Queries& qs, int64_t r, const int8_t* kj, int
 }
 
 // One past the last position any of the T mask rows (stride S) attends, rounded up to a multiple
-// of the softmax's lanes (16 with AVX-512, else 8) and at most S: no row sees a position past it,
-// so the passes stop there (a decode row in a bucket longer than its context read its rows'
-// prefetch up to 32 positions past them); the rounding keeps the softmax's chunks, and so its
-// sums' bits, those of all S positions.
+// of 8 and at most S: no row sees a position past it, so the passes stop there (a decode row in a
+// bucket longer than its context read its rows' prefetch up to 32 positions past them); the
+// rounding keeps the AVX2 softmax's 8-lane chunks, and so its sums' bits, those of all S
+// positions (the AVX-512 one masks its last chunk: the same sums for any stop).
 inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
   int64_t last = 0;
   for (int64_t t = 0; t < T; ++t)
@@ -961,12 +969,7 @@ inline int64_t live_positions(const bool* masks, int64_t T, int64_t S) {
         last = j;
         break;
       }
-#ifdef NFX_ATTN_AVX512
-  constexpr int64_t lanes = 16;
-#else
-  constexpr int64_t lanes = 8;
-#endif
-  return std::min(S, (last + lanes - 1) / lanes * lanes);
+  return std::min(S, (last + 7) / 8 * 8);
 }
 
 // Scores w[r * S + j] = q_r . k_j * scale (times an int8 key's scale), -inf where row r's mask
@@ -994,7 +997,10 @@ void key_scores(const Q& qs, const C* const* kb, const C* const* vb, int64_t bs,
         if (values_too) prefetch4(vb[c] + (j + kAhead - j0) * ld, ld);
       } else if (const C* f = upcoming(kb, vb, bs, ld, L, j)) {
         prefetch4(f, ld);
-        if (values_too && j + kAhead + 4 <= L) prefetch4(vb[(j + kAhead) / bs] + ((j + kAhead) % bs) * ld, ld);
+        if (values_too && j + kAhead + 4 <= L) {  // one division (a % bs as a - ca bs)
+          const int64_t a = j + kAhead, ca = a / bs;
+          prefetch4(vb[ca] + (a - ca * bs) * ld, ld);
+        }
       }
       if (any4(masks, T, S, j)) {
         scores_4keys(qs, k + (j - j0) * ld, ld, D, R, T, S, masks + j, w + j);
@@ -1061,13 +1067,13 @@ void value_pass(const C* const* vb, int64_t count, int64_t n_kv, int64_t bs, int
 // Over an int8 cache the value pass folds each position's scale into its weight (p_j = w_j x
 // scale_j, 0 where the mask hides j) and, per span of kValueSpan positions (spans start at
 // multiples of it, so every layout and block size cuts the same spans), rounds a row's p to int16
-// against the span's largest (an error of at most 2^-16 of that p, against the int8 value's 2^-8
-// of its row's largest): the span's products then sum exactly in int32 (|sum| <= 256 x 32767 x
+// against the span's largest (an error of at most 2^-16 of the span's largest p, against the int8
+// value's 2^-8 of its row's largest): the span's products then sum exactly in int32 (|sum| <= 256 x 32767 x
 // 128 < 2^31), two positions per vpdpwssd / vpmaddwd lane, where the float form widens 16 values
 // in two instructions and multiplies them per row in a third (12 FMAs a position for SmolLM2's 3
-// rows of head dim 64). A span's sums join out in fp32, out + float(sum) * (largest / 32767), span
-// after span in position order: the sums are exact, so every SIMD path, tail and the scalar path
-// give the same bits, for every layout and block size.
+// rows of head dim 64). A span's sums join out in fp32, out + float(sum) * (largest / 32767) in one
+// fused multiply-add, span after span in position order: the sums are exact, so the value pass's
+// SIMD paths, tails and scalar path give the same bits, for every layout and block size.
 constexpr int64_t kValueSpan = 256;
 
 // How a head dim's sums are laid out and added: 2, 32 lanes (AVX-512); 1, 16 (AVX2); 0, scalar.
@@ -1108,7 +1114,8 @@ inline void value_pairs512(const int16_t* p, int64_t ldp, const int8_t* v, int64
       hi[r] = _mm512_loadu_si512(acc + r * D + d + 16);
     }
     for (int64_t i = 0; i < pairs; ++i) {
-      for (int64_t o = first_line; o < 2 * ld + 63; o += line_step) _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * i * ld + o), _MM_HINT_T1);
+      for (int64_t o = first_line; o < 2 * ld + 63; o += line_step)  // the last line: at the pair's last byte
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * i * ld + std::min(o, 2 * ld - 1)), _MM_HINT_T1);
       const int8_t* v0 = v + 2 * i * ld + d;
       const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0)));
       const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + ld)));
@@ -1145,7 +1152,8 @@ inline void value_pairs256(const int16_t* p, int64_t ldp, const int8_t* v, int64
       hi[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * D + d + 8));
     }
     for (int64_t i = 0; i < pairs; ++i) {
-      for (int64_t o = first_line; o < 2 * ld + 63; o += line_step) _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * i * ld + o), _MM_HINT_T1);
+      for (int64_t o = first_line; o < 2 * ld + 63; o += line_step)  // the last line: at the pair's last byte
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 2 * i * ld + std::min(o, 2 * ld - 1)), _MM_HINT_T1);
       const int8_t* v0 = v + 2 * i * ld + d;
       const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v0)));
       const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v0 + ld)));
@@ -1255,7 +1263,7 @@ inline void round_span_weights(const float* w, int64_t S, const bool* masks, int
   }
 }
 
-// out rows (R, D) += float(acc) * pscale[r], acc in the path's lane order.
+// out rows (R, D) += float(acc) * pscale[r] in one fused multiply-add, acc in the path's lane order.
 inline void add_span_sums(const int32_t* acc, const float* pscale, int64_t R, int64_t D, int path, float* out) {
   for (int64_t r = 0; r < R; ++r) {
     const int32_t* a = acc + r * D;
@@ -1270,12 +1278,12 @@ inline void add_span_sums(const int32_t* acc, const float* pscale, int64_t R, in
         const __m512i lo = _mm512_loadu_si512(a + d), hi = _mm512_loadu_si512(a + d + 16);
         const __m512 f0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, first, hi));
         const __m512 f1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo, second, hi));
-        _mm512_storeu_ps(o + d, _mm512_add_ps(_mm512_loadu_ps(o + d), _mm512_mul_ps(f0, ps)));
-        _mm512_storeu_ps(o + d + 16, _mm512_add_ps(_mm512_loadu_ps(o + d + 16), _mm512_mul_ps(f1, ps)));
+        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(f0, ps, _mm512_loadu_ps(o + d)));
+        _mm512_storeu_ps(o + d + 16, _mm512_fmadd_ps(f1, ps, _mm512_loadu_ps(o + d + 16)));
       }
     }
 #endif
-    for (; d < D; ++d) o[d] += static_cast<float>(a[value_lane(d, path)]) * pscale[r];
+    for (; d < D; ++d) o[d] = std::fma(static_cast<float>(a[value_lane(d, path)]), pscale[r], o[d]);  // one rounding, as the vector path
   }
 }
 
@@ -1335,7 +1343,7 @@ inline void value_pass(const int8_t* const* vb, int64_t count, int64_t n_kv, int
 // group of four with a hidden key computes its products anyway and then selects -inf over it, so
 // a NaN there is never used, and its values are added one by one, skipping the hidden ones; four
 // keys no row attends are not read. An int8 row's scale multiplies its score and its weight; int8
-// keys take key_scores' integer form.
+// keys take key_scores' integer form, int8 values value_pass's (weights rounded per span).
 // attend_row does this for n_kv KV heads of one batch row at once (n_kv = 1: one KV head's task),
 // block by block: each block's rows of every head are read in turn (in the engine's contiguous
 // cache a block is (n_kv, bs, W), one run of memory), where a task per (row, KV head) read bs rows
@@ -1353,8 +1361,8 @@ void attend_row(const float* q, const C* const* kb, const C* const* vb, int64_t 
   qs.reserve(n_kv);
   for (int64_t h = 0; h < n_kv; ++h) qs.push_back(queries_for(q + h * R * D, R, D, scale, static_cast<const C*>(nullptr)));
   // int8 values are read a span at a time after the keys (value_pass): the key pass prefetches
-  // them beside the keys where both, and the weights, stay in L2 until then (SmolLM2, batch 8 x
-  // 2,000 positions, 30 layers: 9.7 -> 8.9 ms, docs/performance.md)
+  // them beside the keys (into L1, as the keys) where both, and the weights, stay in L2 until
+  // then (docs/performance.md, "int8 values summed in integers")
   const bool values_too = std::is_same_v<C, int8_t> && 2 * n_kv * L * ld + n_kv * R * L * static_cast<int64_t>(sizeof(float)) <= l2_bytes();
   for (int64_t c = 0; c < blocks; ++c)
     for (int64_t h = 0; h < n_kv; ++h)
