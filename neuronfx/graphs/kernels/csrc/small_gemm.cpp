@@ -397,7 +397,8 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // block_table[b, j / block_size] at offset j % block_size (the slots layout is one block per row).
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
 // their values are never added (groups of four hidden keys are not even read; an int8 value
-// row's weight there is 0, never its scale times anything); a token that attends nothing gets zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
+// row's weight there is 0, never its scale times anything); a token that attends nothing gets
+// zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
 // (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
 #ifdef NFX_AVX2
