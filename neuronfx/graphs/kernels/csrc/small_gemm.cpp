@@ -1241,6 +1241,21 @@ inline void round_span_weights(const float* w, int64_t S, const bool* masks, int
     }
     top = _mm512_reduce_max_ps(top16);  // exact in any order (NaN lanes: flagged in bad)
     finite = bad == 0;
+#elif defined(NFX_AVX2)
+    __m256 top8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (; k + 8 <= n; k += 8) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + k)));
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+      const __m256 pk = _mm256_and_ps(keep, _mm256_mul_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(vscale + k)));  // +0 where hidden
+      _mm256_storeu_ps(pf + k, pk);
+      bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(_mm256_sub_ps(pk, pk), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+      top8 = _mm256_max_ps(top8, _mm256_and_ps(pk, magnitude));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
+    for (const float x : lanes) top = std::max(top, x);  // exact in any order (NaN lanes: flagged in bad8)
+    finite = _mm256_movemask_ps(bad8) == 0;
 #endif
     for (; k < n; ++k) {
       pf[k] = m[k] ? wr[k] * vscale[k] : 0.f;
@@ -1256,6 +1271,12 @@ inline void round_span_weights(const float* w, int64_t S, const bool* masks, int
       const __m512 iv = _mm512_set1_ps(inv);
       for (; k + 16 <= n; k += 16)  // vcvtps2dq rounds half to even, as std::nearbyint
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + k), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pf + k), iv))));
+#elif defined(NFX_AVX2)
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (; k + 8 <= n; k += 8) {
+        const __m256i r32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pf + k), iv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + k), _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1)));
+      }
 #endif
       for (; k < n; ++k) pr[k] = static_cast<int16_t>(std::nearbyint(pf[k] * inv));
     }
@@ -1284,7 +1305,20 @@ inline void add_span_sums(const int32_t* acc, const float* pscale, int64_t R, in
       }
     }
 #endif
-    for (; d < D; ++d) o[d] = std::fma(static_cast<float>(a[value_lane(d, path)]), pscale[r], o[d]);  // one rounding, as the vector path
+#ifdef NFX_AVX2
+    if (path == 1) {  // 16 values: [0-3, 8-11] then [4-7, 12-15] -> two 128-bit permutes
+      const __m256 ps = _mm256_set1_ps(pscale[r]);
+      for (; d < D; d += 16) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d + 8));
+        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20));
+        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f0, ps, _mm256_loadu_ps(o + d)));
+        _mm256_storeu_ps(o + d + 8, _mm256_fmadd_ps(f1, ps, _mm256_loadu_ps(o + d + 8)));
+      }
+    }
+#endif
+    for (; d < D; ++d) o[d] = std::fma(static_cast<float>(a[value_lane(d, path)]), pscale[r], o[d]);  // one rounding, as the vector paths
   }
 }
 
