@@ -17,9 +17,10 @@ import neuronfx
 from neuronfx import InferenceConfig, Request, SamplingParams
 from neuronfx.config.kv import KV_CACHE_DTYPES, kv_storage_dtype
 from neuronfx.errors import ConfigError
-from neuronfx.graphs.kernels.bundles import fused_cached_attention, gathered_attention
-from neuronfx.graphs.kernels.library import cached_attention, small_gemm_available
+from neuronfx.graphs.kernels.bundles import fused_cached_attention, gathered_attention, kernel_store_kv
+from neuronfx.graphs.kernels.library import cached_attention, small_gemm_available, store_int8_kv
 from neuronfx.graphs.models.kv_rows import FP8_MAX, dequantize_rows, load_rows, quantize_rows, store_rows
+from neuronfx.graphs.models.ops import write_kv
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn]
 PROMPTS = [random_prompt(11, 1), random_prompt(5, 2), random_prompt(20, 3)]
@@ -86,6 +87,54 @@ def test_cached_attention_kernel_reads_each_stored_dtype(cache_dtype: torch.dtyp
     kernel_atol = 1e-4 if cache_dtype == torch.int8 else 1e-5
     torch.testing.assert_close(cached_attention(q, k, v, table, mask), want, atol=kernel_atol, rtol=1e-5)
     torch.testing.assert_close(fused_cached_attention(q, k, v, table, s, mask), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("b", "t", "d", "x_dtype"), [(2, 3, 64, torch.float32), (2, 3, 20, torch.bfloat16), (4, 200, 64, torch.float32)])
+def test_store_int8_kv_writes_the_reference_bits(b: int, t: int, d: int, x_dtype: torch.dtype) -> None:
+    """The CPU bundle's cache write (``neuronfx::store_int8_kv``) against the reference ops'
+    (``ops.write_kv``: index_put of ``quantize_rows``, eager) on the same caches: bit-equal,
+    zero, tiny, NaN and infinite rows included, K and V as the phases pass them (transposed
+    views), rows at any offsets of their blocks; 4 x 200 rows is a prefill's size (no prefetch,
+    several threads). A bf16 cache goes through the reference write."""
+    if not small_gemm_available():
+        pytest.fail("the kernel library did not build on this machine")
+    g = torch.Generator().manual_seed(d + t)
+    h_kv, blocks_n, bs = 2, 7, 256
+    caches = [torch.randint(-128, 128, (blocks_n, h_kv, bs, d + 4), dtype=torch.int8, generator=g) for _ in range(2)]
+    k, v = (torch.randn(b, h_kv, t, d, generator=g).to(x_dtype) for _ in range(2))  # as the phases hold them
+    k[0, 1, 0] = 0.0
+    k[1, 0, 1, 3] = float("nan")
+    v[1, 1, 2, 5] = float("inf")
+    v[0, 0, 1] *= 1e-30
+    blocks = torch.randperm(blocks_n, generator=g)[:b, None].expand(b, t).contiguous()  # a block per row
+    offsets = torch.stack([torch.randperm(bs, generator=g)[:t] for _ in range(b)])  # distinct: no two rows share a place
+    want = [c.clone() for c in caches]
+    write_kv(*want, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    got = [c.clone() for c in caches]
+    kernel_store_kv(*got, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], caches[0])  # it wrote
+    bf16 = [torch.zeros(blocks_n, h_kv, bs, d, dtype=torch.bfloat16) for _ in range(4)]
+    write_kv(bf16[0], bf16[1], blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    kernel_store_kv(bf16[2], bf16[3], blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    for got_bf16, want_bf16 in ((bf16[2], bf16[0]), (bf16[3], bf16[1])):
+        torch.testing.assert_close(got_bf16, want_bf16, rtol=0, atol=0, equal_nan=True)
+
+
+def test_store_int8_kv_named_errors() -> None:
+    """Bad places and shapes are errors naming the problem, and the caches stay as they were."""
+    if not small_gemm_available():
+        pytest.fail("the kernel library did not build on this machine")
+    cache = torch.zeros(3, 2, 8, 68, dtype=torch.int8)
+    other = cache.clone()
+    x = torch.randn(1, 2, 2, 64)
+    with pytest.raises(RuntimeError, match="block 3 offset 1 outside the caches' 3 blocks of 8"):
+        store_int8_kv(cache, other, x, x, torch.tensor([[0, 3]]), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="D = its row width - 4"):
+        store_int8_kv(cache, other, x[..., :32], x[..., :32], torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="blocks and offsets must be"):
+        store_int8_kv(cache, other, x, x, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([[0, 1]]))
+    assert not cache.any() and not other.any()
 
 
 def test_layout_bytes_and_named_errors() -> None:

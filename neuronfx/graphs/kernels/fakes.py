@@ -28,6 +28,12 @@ def register_fakes() -> None:
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     torch.library.register_fake("neuronfx::causal_attention")(_causal_attention_fake)
     torch.library.register_fake("neuronfx::topk_rows")(_topk_rows_fake)
+    torch.library.register_fake("neuronfx::store_int8_kv")(_store_int8_kv_fake)
+
+
+def _store_int8_kv_fake(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                        offsets: torch.Tensor) -> None:
+    return None  # writes the caches in place; returns nothing
 
 
 def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

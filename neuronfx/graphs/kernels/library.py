@@ -69,7 +69,8 @@ packed kernel's 330-380 (SmolLM2's MLP shapes, 2 threads of the EPYC, 2026-12-05
 the packed kernel 2.2-2.8x the row-major one."""
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "causal_attention.cpp", "quant_gemm.cpp",
-                                                                        "quant_prefill.cpp", "w8a8_gemm.cpp", "topk.cpp"))
+                                                                        "quant_prefill.cpp", "w8a8_gemm.cpp", "topk.cpp",
+                                                                        "kv_write.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
 HEADERS = (Path(__file__).parent / "csrc" / "exp16.h",)
 """What several sources include (hashed into the library's name with them)."""
@@ -199,6 +200,18 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     that is not a multiple of 4 when N > 1, S above N * block_size, a read entry outside [0,
     num_blocks), or int8 rows of a head dim above 512. Needs :func:`small_gemm_available`."""
     return torch.ops.neuronfx.cached_attention(q, k_cache, v_cache, block_table, mask)
+
+
+def store_int8_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                  offsets: torch.Tensor) -> None:
+    """Write K and V rows into int8 KV caches in place (``csrc/kv_write.cpp``): k and v (B, T,
+    H_kv, D) float32 / bfloat16 / float16, any strides, quantized as ``kv_rows.quantize_rows``
+    does in eager torch (the same bits: D int8 values, then the fp32 scale absmax / 127 as 4
+    bytes), row (b, t, h) into ``cache[blocks[b, t], h, offsets[b, t]]``; k_cache and v_cache
+    (num_blocks, H_kv, block_size, D + 4) int8 with a contiguous last dim, blocks and offsets
+    (B, T) int64. Raises RuntimeError for other shapes or dtypes, or a block or offset outside
+    the caches. Needs :func:`small_gemm_available`."""
+    torch.ops.neuronfx.store_int8_kv(k_cache, v_cache, k, v, blocks, offsets)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
+from neuronfx.graphs.models.kv_rows import store_rows
 from neuronfx.graphs.models.quant import QuantizedWeight
 
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -34,6 +35,15 @@ Weight = Tensor | QuantizedWeight
 def identity(x: Tensor) -> Tensor:
     """x unchanged: the collectives of a single process."""
     return x
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offsets: Tensor, k: Tensor, v: Tensor) -> None:
+    """``k_cache[blocks, :, offsets] = store_rows(k, k_cache)``, the same for v, in place
+    (``kv_rows.store_rows``: a cache's stored form of the rows): caches (num_blocks, H_kv,
+    block_size, W), blocks and offsets (B, T) int64 (``kv_rows.block_writes``), k and v (B, T,
+    H_kv, D) float."""
+    k_cache[blocks, :, offsets] = store_rows(k, k_cache)
+    v_cache[blocks, :, offsets] = store_rows(v, v_cache)
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +75,9 @@ class Ops:
       parallel embedding) out of the tensor-parallel region: identity at tp 1, all-reduce, or
       in sequence-parallel prefill reduce-scatter along T.
     - ``gather_vocab(x)``: vocabulary-parallel logits (..., V / tp) -> (..., padded V).
+    - ``store_kv(k_cache, v_cache, blocks, offsets, k, v)``: write K and V rows (B, T, H_kv, D)
+      into the KV caches in place, row (b, t, h) at ``cache[blocks[b, t], h, offsets[b, t]]``
+      in the cache's stored form (``kv_rows.store_rows``; default :func:`write_kv`).
     - ``topk(x, k)``: the sampler's top-k, x (B, V) float32 -> (values (B, k) sorted
       descending, indices (B, k) int64) (``phases/sampling.py``'s ``TopK``; default ``torch.topk``).
     Defaults are the identities of one process.
@@ -82,3 +95,4 @@ class Ops:
     parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     gather_vocab: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     topk: TopK = attrs.field(default=torch_topk)
+    store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], None] = attrs.field(default=write_kv)

@@ -10,7 +10,7 @@ from neuronfx.config.kv import pad_writes
 from neuronfx.config.masks import chunk_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import block_writes, load_rows, pool_scratch, pool_tables, store_rows, window_rows
+from neuronfx.graphs.models.kv_rows import block_writes, load_rows, pool_scratch, pool_tables, window_rows
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, layer_pool, layer_tables, mask_stack
@@ -54,8 +54,7 @@ def chunk_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list[
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask, blocks: Tensor = layer_pool(plan, lw, x.blocks),
                    table: Tensor = layer_pool(plan, lw, x.block_table)) -> Tensor:
-            k_cache[blocks, :, x.offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
-            v_cache[blocks, :, x.offsets] = store_rows(v.transpose(1, 2), v_cache)
+            ops.store_kv(k_cache, v_cache, blocks, x.offsets, k.transpose(1, 2), v.transpose(1, 2))  # (B, T, n_kv, D)
             hidden = ~mask.any(dim=2)[..., None]  # (B, 1, S, 1): attended by no token of the row
             keys = load_rows(window_rows(k_cache, table, n), q.dtype).masked_fill(hidden, 0.0)  # (B, n_kv, S, D)
             values = load_rows(window_rows(v_cache, table, n), q.dtype).masked_fill(hidden, 0.0)

@@ -10,7 +10,7 @@ from neuronfx.config.inputs import DecodeInputs, SamplerInputs, SpeculateInputs
 from neuronfx.config.masks import decode_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import block_writes, pool_tables, store_rows
+from neuronfx.graphs.models.kv_rows import block_writes, pool_tables
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, layer_pool, layer_tables, logits, mask_stack
@@ -51,8 +51,7 @@ def decode_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: list
         def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor = k_cache, v_cache: Tensor = v_cache,
                    mask: Tensor = layer_mask, blocks: Tensor = layer_pool(plan, lw, x.blocks),
                    table: Tensor = layer_pool(plan, lw, x.block_table)) -> Tensor:
-            k_cache[blocks, :, offsets] = store_rows(k.transpose(1, 2), k_cache)  # (B, T, n_kv, D)
-            v_cache[blocks, :, offsets] = store_rows(v.transpose(1, 2), v_cache)
+            ops.store_kv(k_cache, v_cache, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))  # (B, T, n_kv, D)
             return ops.cached_attention(q, k_cache, v_cache, table, mask.shape[-1], mask)  # mask (B, 1, T, S)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

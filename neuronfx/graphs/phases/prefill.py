@@ -9,7 +9,7 @@ from neuronfx.config.inputs import EmbedInputs, PrefillInputs, SamplerInputs
 from neuronfx.config.masks import prefill_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
-from neuronfx.graphs.models.kv_rows import block_writes, pool_tables, store_rows
+from neuronfx.graphs.models.kv_rows import block_writes, pool_tables
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.common import embed_tokens, head, last_rows, layer_pool, layer_tables, mask_stack
@@ -83,8 +83,7 @@ def prefill_layers(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, lws: lis
                    mask: Tensor = layer_mask, written: Tensor = layer_pool(plan, lw, x.blocks)) -> Tensor:
             n = bucket if plan.inference.sequence_parallel else k.shape[2]  # sequence parallel pads T past the bucket
             blocks, offsets = written[:, :n], x.offsets[:, :n]  # (B, n)
-            k_cache[blocks, :, offsets] = store_rows(k[:, :, :n].transpose(1, 2), k_cache)  # (B, n, n_kv, D)
-            v_cache[blocks, :, offsets] = store_rows(v[:, :, :n].transpose(1, 2), v_cache)
+            ops.store_kv(k_cache, v_cache, blocks, offsets, k[:, :, :n].transpose(1, 2), v[:, :, :n].transpose(1, 2))  # (B, n, n_kv, D)
             return ops.causal_attention(q, k, v, lengths) if causal else ops.attention(q, k, v, mask)
 
         h = math.decoder_layer(plan.local_model, ops, lw, h, layer_cos, layer_sin, attend)

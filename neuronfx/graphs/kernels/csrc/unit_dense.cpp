@@ -5,3 +5,4 @@
 #include "causal_attention.cpp"  // after small_gemm.cpp, whose ISA macros it reads
 #include "quant_prefill.cpp"
 #include "topk.cpp"
+#include "kv_write.cpp"
