@@ -94,8 +94,9 @@ def test_store_int8_kv_writes_the_reference_bits(b: int, t: int, d: int, x_dtype
     """The CPU bundle's cache write (``neuronfx::store_int8_kv``) against the reference ops'
     (``ops.write_kv``: index_put of ``quantize_rows``, eager) on the same caches: bit-equal,
     zero, tiny, NaN and infinite rows included, K and V as the phases pass them (transposed
-    views), rows at any offsets of their blocks; 4 x 200 rows is a prefill's size (no prefetch,
-    several threads). A bf16 cache goes through the reference write."""
+    views; and once with the head dim strided), rows at any offsets of their blocks; 4 x 200 rows
+    is a prefill's size (no prefetch, run on 2 threads). A bf16 cache only checks the dispatch:
+    the kernel bundle sends it to the reference write."""
     if not small_gemm_available():
         pytest.fail("the kernel library did not build on this machine")
     g = torch.Generator().manual_seed(d + t)
@@ -106,14 +107,25 @@ def test_store_int8_kv_writes_the_reference_bits(b: int, t: int, d: int, x_dtype
     k[1, 0, 1, 3] = float("nan")
     v[1, 1, 2, 5] = float("inf")
     v[0, 0, 1] *= 1e-30
+    v[1, 1, 0] *= 1e-40  # a subnormal largest |x|: 1 / it overflows to inf, every value 0
     blocks = torch.randperm(blocks_n, generator=g)[:b, None].expand(b, t).contiguous()  # a block per row
     offsets = torch.stack([torch.randperm(bs, generator=g)[:t] for _ in range(b)])  # distinct: no two rows share a place
     want = [c.clone() for c in caches]
     write_kv(*want, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
-    got = [c.clone() for c in caches]
-    kernel_store_kv(*got, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite's processes run on one: a prefill's rows split over two here
+    try:
+        got = [c.clone() for c in caches]
+        kernel_store_kv(*got, blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not torch.equal(got[0], caches[0])  # it wrote
+    strided = k.transpose(-1, -2).contiguous().transpose(-1, -2).transpose(1, 2)  # head dim stride != 1
+    assert strided.stride(-1) != 1
+    got_strided = [c.clone() for c in caches]
+    kernel_store_kv(*got_strided, blocks, offsets, strided, v.transpose(1, 2))
+    assert torch.equal(got_strided[0], want[0]) and torch.equal(got_strided[1], want[1])
     bf16 = [torch.zeros(blocks_n, h_kv, bs, d, dtype=torch.bfloat16) for _ in range(4)]
     write_kv(bf16[0], bf16[1], blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
     kernel_store_kv(bf16[2], bf16[3], blocks, offsets, k.transpose(1, 2), v.transpose(1, 2))
@@ -134,6 +146,16 @@ def test_store_int8_kv_named_errors() -> None:
         store_int8_kv(cache, other, x[..., :32], x[..., :32], torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
     with pytest.raises(RuntimeError, match="blocks and offsets must be"):
         store_int8_kv(cache, other, x, x, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="block 1 offset -1 outside"):
+        store_int8_kv(cache, other, x, x, torch.tensor([[0, 1]]), torch.tensor([[0, -1]]))
+    with pytest.raises(RuntimeError, match="block 0 offset 8 outside"):
+        store_int8_kv(cache, other, x, x, torch.tensor([[0, 0]]), torch.tensor([[8, 0]]))
+    with pytest.raises(RuntimeError, match="a cache must be an int8"):
+        store_int8_kv(cache.float(), other, x, x, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="one shape"):
+        store_int8_kv(cache, torch.zeros(4, 2, 8, 68, dtype=torch.int8), x, x, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        store_int8_kv(cache, other, x.double(), x, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]))
     assert not cache.any() and not other.any()
 
 
@@ -189,7 +211,7 @@ def test_eager_tokens_and_logits_against_the_float_cache(hf, float_cache, kv: st
 
 
 def test_inductor_int8_cache_equals_eager(hf) -> None:
-    """The default backend (the C++ kernel, the fused cache write) against the eager reference
+    """The default backend (the C++ kernel, the ``store_int8_kv`` cache write) against the eager reference
     ops on the same int8 cache: tokens equal, logits within fp32 reordering. One bucket per phase
     (2 graphs: the suite's time)."""
     one = dict(output_logits=True, kv_cache_dtype="int8", prefill_buckets=(32,), decode_buckets=(64,))

@@ -289,7 +289,9 @@ def kernel_store_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offsets: T
     one ``neuronfx::store_int8_kv`` call (``csrc/kv_write.cpp``, the same bits as eager
     ``kv_rows.quantize_rows``): inductor's code for that write built each 68-byte row in int64
     index vectors, 0.8 ms of a batch-8 SmolLM2 step against the bf16 cache's write. Other caches
-    as :func:`~neuronfx.graphs.models.ops.write_kv`."""
+    as :func:`~neuronfx.graphs.models.ops.write_kv`. Shapes and dtypes as ``write_kv``; raises
+    RuntimeError (int8, ``library.store_int8_kv``) or IndexError (others) for a block or offset
+    outside the caches."""
     if k_cache.dtype == torch.int8:
         cpu_kernels.store_int8_kv(k_cache, v_cache, k, v, blocks, offsets)
         return

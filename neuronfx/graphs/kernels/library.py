@@ -14,7 +14,8 @@ with ``quant_gemm_multi`` and ``quant_glu`` as the fused Q/K/V and SwiGLU calls.
 in integers (``csrc/w8a8_gemm.cpp``; the packed layouts ``quant.Int8Packed`` / ``quant.Int4Packed``).
 ``neuronfx::cached_attention`` is decode attention over the KV cache (``csrc/small_gemm.cpp``),
 ``neuronfx::causal_attention`` prefill's attention under the causal mask (``csrc/causal_attention.cpp``),
-``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``).
+``neuronfx::topk_rows`` the sampler's top-k over the vocabulary (``csrc/topk.cpp``),
+``neuronfx::store_int8_kv`` the write of new K and V rows into int8 KV caches (``csrc/kv_write.cpp``).
 
 The C++ sources are built once per machine (and torch install) with torch's extension builder (about 25 s on 2 cores; cached
 under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with ``-march=native``,

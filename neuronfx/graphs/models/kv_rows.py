@@ -1,6 +1,8 @@
 """How K and V rows are stored in the KV cache (``InferenceConfig.kv_cache_dtype``,
-``config.kv.KVLayout``): every graph writes through :func:`store_rows` and every torch-op reader
-reads through :func:`load_rows`; the C++ ``cached_attention`` reads the same layout directly.
+``config.kv.KVLayout``): every graph writes through its ops bundle's ``store_kv`` (the reference
+ops: :func:`store_rows`; the CPU kernels: ``neuronfx::store_int8_kv`` for int8, the same bits)
+and every torch-op reader reads through :func:`load_rows`; the C++ ``cached_attention`` reads the
+same layout directly.
 
 The stored dtype is the cache tensor's own, so which encoding runs is fixed when a graph is
 traced: a float cache holds the values cast to its dtype; an fp8 cache (float8_e4m3fn) holds them

@@ -41,7 +41,7 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offsets: Tensor, 
     """``k_cache[blocks, :, offsets] = store_rows(k, k_cache)``, the same for v, in place
     (``kv_rows.store_rows``: a cache's stored form of the rows): caches (num_blocks, H_kv,
     block_size, W), blocks and offsets (B, T) int64 (``kv_rows.block_writes``), k and v (B, T,
-    H_kv, D) float."""
+    H_kv, D) float. Raises IndexError for a block or offset outside the caches."""
     k_cache[blocks, :, offsets] = store_rows(k, k_cache)
     v_cache[blocks, :, offsets] = store_rows(v, v_cache)
 
@@ -77,7 +77,8 @@ class Ops:
     - ``gather_vocab(x)``: vocabulary-parallel logits (..., V / tp) -> (..., padded V).
     - ``store_kv(k_cache, v_cache, blocks, offsets, k, v)``: write K and V rows (B, T, H_kv, D)
       into the KV caches in place, row (b, t, h) at ``cache[blocks[b, t], h, offsets[b, t]]``
-      in the cache's stored form (``kv_rows.store_rows``; default :func:`write_kv`).
+      (blocks and offsets (B, T) int64) in the cache's stored form (``kv_rows.store_rows``;
+      default :func:`write_kv`).
     - ``topk(x, k)``: the sampler's top-k, x (B, V) float32 -> (values (B, k) sorted
       descending, indices (B, k) int64) (``phases/sampling.py``'s ``TopK``; default ``torch.topk``).
     Defaults are the identities of one process.

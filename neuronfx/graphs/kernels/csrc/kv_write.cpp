@@ -15,8 +15,8 @@ namespace {
 // same order as kv_rows.quantize_rows in eager torch (127 / absmax is torch's reciprocal times
 // 127). A row holding a NaN has absmax NaN: values 0 (torch's float-to-int8 conversion of a NaN
 // on x86) and scale NaN; an infinity: values 0 or NaN-converted 0, scale inf.
-// Unit: the values are contiguous (sx = 1, a K or V row's head dim always is): GCC vectorizes
-// that form; with a runtime stride it gathered every value.
+// Unit: the values are contiguous (sx = 1, as a K or V row's head dim is in every phase): with
+// a runtime stride GCC built each vector of values one insert at a time.
 template <bool Unit>
 inline void quantize_row(const float* x, int64_t sx, int64_t D, int8_t* dst) {
   if constexpr (Unit) sx = 1;
@@ -40,6 +40,8 @@ inline void quantize_row(const float* x, int64_t sx, int64_t D, int8_t* dst) {
 // The checks of one cache and its rows: cache (num_blocks, H_kv, block_size, D + 4) int8, last
 // dim contiguous; x (B, T, H_kv, D) float32 / bfloat16 / float16, any strides.
 void check_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "store_int8_kv: rows must be float32, bfloat16 or float16, not ", x.scalar_type());
   TORCH_CHECK(cache.scalar_type() == at::kChar && cache.dim() == 4 && cache.stride(3) == 1,
               "store_int8_kv: a cache must be an int8 (num_blocks, H_kv, block_size, D + 4) tensor with a contiguous last dim");
   TORCH_CHECK(x.dim() == 4 && x.size(2) == cache.size(1) && x.size(3) + 4 == cache.size(3) && x.size(0) == blocks.size(0) &&
