@@ -14,7 +14,8 @@ namespace {
 // [-127, 127] and then absmax / 127 as 4 little-endian fp32 bytes, the same operations in the
 // same order as kv_rows.quantize_rows in eager torch (127 / absmax is torch's reciprocal times
 // 127). A row holding a NaN has absmax NaN: values 0 (torch's float-to-int8 conversion of a NaN
-// on x86) and scale NaN; an infinity: values 0 or NaN-converted 0, scale inf.
+// on x86) and scale NaN; an infinity: values 0 (the finite ones times 0, the infinite NaN), scale
+// inf.
 // Unit: the values are contiguous (sx = 1, as a K or V row's head dim is in every phase): with
 // a runtime stride GCC built each vector of values one insert at a time.
 template <bool Unit>
