@@ -146,6 +146,31 @@ def test_packed_int8_weights_take_int8_x_at_every_row_count():
         assert torch.equal(ops.projections(x, [p, p], [None, torch.ones(48)])[1], int8_x.w8a8_linear(x, q, torch.ones(48)))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [36, 96, 1540])  # vector lanes then a tail of 4; whole vectors; 1540 = 96 x 16 + 4
+def test_packed_rows_round_as_torch_at_every_special_value(dtype, k):
+    """``w8a8_packed`` rounds each row with its vectorised absolute maximum (``csrc/w8a8_gemm.cpp``
+    ``abs_max``): NaN in the vector lanes or the scalar tail, -0, all-zero rows and a maximum in
+    the tail give the bits of ``int8_x.w8a8_linear`` (torch's amax and round) row for row. A row
+    holding +-inf has an infinite scale: no output of it is finite either way (the kernel's are
+    +-inf where torch's NaN casts to int8 give NaN), and the step reports the row not finite."""
+    g = torch.Generator().manual_seed(k)
+    q = quant.quantize_int8(torch.randn(32, k, generator=g))
+    x = torch.randn(8, k, generator=g) * 5
+    x[1, 3] = float("nan")  # a vector lane
+    x[2, k - 1] = float("nan")  # the tail (k = 96: the last vector)
+    x[3, 10], x[3, k - 2] = float("inf"), float("-inf")
+    x[4] = 0.0
+    x[5] = -0.0
+    x[6, k - 3] = 1e4  # the maximum in the tail
+    x = x.to(dtype)
+    ops = cpu_kernel_ops("float32", choice.FLOAT_PATHS)  # a packed weight takes w8a8_packed whatever the paths
+    got, want = ops.linear(x, quant.pack_int8(q)), int8_x.w8a8_linear(x, q)
+    rows = [0, 1, 2, 4, 5, 6, 7]
+    assert torch.equal(got[rows].isnan(), want[rows].isnan()) and torch.equal(got[rows].nan_to_num(), want[rows].nan_to_num())
+    assert got[[1, 2]].isnan().all() and (got[[4, 5]] == 0).all() and not got[3].isfinite().any() and not want[3].isfinite().any()
+
 def test_plans_pack_weights_only_where_every_product_takes_int8_x(monkeypatch):
     """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head is packed with
     the layers, the tied embedding's lookup keeps the row-major values (the packed head's rows are

@@ -83,6 +83,46 @@ inline int32_t round_row(const float* x, int64_t K, float safe, int8_t* q) {
   return sum;
 }
 
+// The largest |v[i]| over n values, NaN passed over (as std::max(amax, NaN) keeps amax), and in
+// *nan whether any was NaN; 16 (8 on AVX2) lanes at a time. max_ps returns its second operand
+// when either is NaN, so the running maximum goes second. The scalar loop took 2-3 us a batch-8
+// row set of 576 features, on the calling thread while the other waited (about 0.5 ms a step).
+inline float abs_max(const float* v, int64_t n, bool* nan) {
+  float amax = 0.f;
+  bool any = false;
+  int64_t i = 0;
+#if defined(NFX_W8A8_VNNI)
+  __m512 acc = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(v + i);
+    bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    acc = _mm512_max_ps(_mm512_abs_ps(x), acc);
+  }
+  amax = _mm512_reduce_max_ps(acc);
+  any = bad != 0;
+#elif defined(NFX_W8A8_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 acc = _mm256_setzero_ps();
+  int bad = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    acc = _mm256_max_ps(_mm256_andnot_ps(sign, x), acc);
+  }
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+  any = bad != 0;
+#endif
+  for (; i < n; ++i) {
+    amax = std::max(amax, std::fabs(v[i]));  // std::max passes NaN over: noted apart
+    any |= std::isnan(v[i]);
+  }
+  *nan = any;
+  return amax;
+}
+
 // Rows in parallel past ROUND_GRAIN of them (a prefill's x); decode rows on the calling thread.
 constexpr int64_t ROUND_GRAIN = 16;
 
@@ -93,13 +133,9 @@ XRows round_rows(const X* x, int64_t M, int64_t K) {
   at::parallel_for(0, M, ROUND_GRAIN, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(K);
     for (int64_t m = m0; m < m1; ++m) {
-      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) row[k] = static_cast<float>(x[m * K + k]);
       bool nan = false;
-      for (int64_t k = 0; k < K; ++k) {
-        row[k] = static_cast<float>(x[m * K + k]);
-        amax = std::max(amax, std::fabs(row[k]));  // std::max passes NaN over: noted apart
-        nan |= std::isnan(row[k]);
-      }
+      const float amax = abs_max(row.data(), K, &nan);
       const float s = amax / 127.f;
       r.sum[m] = round_row(row.data(), K, s > 0.f ? s : 1.f, r.q.data() + m * r.kp);
       r.scale[m] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
@@ -655,13 +691,9 @@ void round_group_rows(const X* x, int64_t M, int64_t K, XGroups& r) {
     float row[32];
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t g = 0; g < r.G; ++g) {
-        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) row[i] = static_cast<float>(x[m * K + 32 * g + i]);
         bool nan = false;
-        for (int i = 0; i < 32; ++i) {
-          row[i] = static_cast<float>(x[m * K + 32 * g + i]);
-          amax = std::max(amax, std::fabs(row[i]));  // std::max passes NaN over: noted apart
-          nan |= std::isnan(row[i]);
-        }
+        const float amax = abs_max(row, 32, &nan);
         const float s = amax / 127.f;
         r.sum[m * r.G + g] = static_cast<float>(round_row(row, 32, s > 0.f ? s : 1.f, r.q.data() + m * r.kp + 32 * g));
         r.scale[m * r.G + g] = nan ? std::numeric_limits<float>::quiet_NaN() : s;  // NaN reaches every output, as torch's amax
