@@ -1,8 +1,9 @@
 """Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do;
-csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references; and
-csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention.
+csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references;
+csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention; and
+csrc/topk.cpp's AVX2 and scalar paths against tests/test_kernels.py's naive order.
 
-Usage: .venv/bin/python scripts/check_quant_paths.py   (about 4 min: six extra builds)
+Usage: .venv/bin/python scripts/check_quant_paths.py   (about 5 min: eight extra builds)
 
 The kernel picks its path at compile time (AVX-512, AVX2 + FMA + F16C, scalar), so a machine
 only ever runs one of them; this builds the AVX2 and scalar paths here (``-DNFX_QUANT_AVX2`` /
@@ -23,7 +24,7 @@ from torch.utils.cpp_extension import load
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_kernels import CAUSAL_SHAPES, naive_causal_attention  # noqa: E402
+from test_kernels import CAUSAL_SHAPES, _naive_topk, naive_causal_attention  # noqa: E402
 from test_quant import FORMATS, _tolerance  # noqa: E402
 from test_w4a8 import four_bit  # noqa: E402
 
@@ -33,6 +34,7 @@ from neuronfx.graphs.models import quant as Q  # noqa: E402
 
 SOURCE = next(s for s in kernels.SOURCES if s.name == "quant_gemm.cpp")
 W8A8_SOURCE = next(s for s in kernels.SOURCES if s.name == "w8a8_gemm.cpp")
+TOPK_SOURCE = next(s for s in kernels.SOURCES if s.name == "topk.cpp")
 PATHS = {"avx2": "-DNFX_QUANT_AVX2", "scalar": "-DNFX_QUANT_SCALAR"}
 
 
@@ -140,9 +142,37 @@ def check_causal_attention(build: Path, path: str) -> bool:
     return ok
 
 
+def check_topk(build: Path, path: str) -> bool:
+    """topk.cpp built for ``path`` (the flags of :data:`W8A8_PATHS`): k = 256 (the chunk maxima's
+    bound) and k = 20 (the heap) over rows of ties, NaN, infinities and a masked half, a tail past
+    the last chunk, in the naive order (values and indices)."""
+    ns = f"nfx_check_topk_{path}"
+    load(name=ns, sources=[str(TOPK_SOURCE)], extra_cflags=[*kernels.CFLAGS, W8A8_PATHS[path], f"-Dneuronfx={ns}"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(build), verbose=False)
+    op = getattr(torch.ops, ns)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 49152 + 37, generator=g)
+    x[1] = torch.randint(0, 4, (x.shape[1],), generator=g).float()
+    x[2, torch.randint(0, x.shape[1], (40,), generator=g)] = float("nan")
+    x[2, -1], x[2, -5] = float("nan"), float("inf")
+    x[3, : x.shape[1] // 2] = float("-inf")
+    ok = True
+    for k in (256, 20):
+        values, indices = op.topk_rows(x, k)
+        for r in range(x.shape[0]):
+            want_values, want_ids = _naive_topk(x[r].tolist(), k)
+            want = torch.tensor(want_values)
+            ok &= indices[r].tolist() == want_ids and torch.equal(values[r].nan_to_num(), want.nan_to_num())
+    print(f"topk.cpp built for {path}: the naive order's values and indices at k = 256 and 20: {'ok' if ok else 'FAIL'}")
+    return ok
+
+
 def main() -> None:
     failed = False
     with tempfile.TemporaryDirectory() as build:
+        for path in W8A8_PATHS:
+            (Path(build) / f"topk_{path}").mkdir()
+            failed |= not check_topk(Path(build) / f"topk_{path}", path)
         for path in W8A8_PATHS:
             (Path(build) / f"attention_{path}").mkdir()
             failed |= not check_causal_attention(Path(build) / f"attention_{path}", path)

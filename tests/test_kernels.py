@@ -776,6 +776,34 @@ def test_topk_rows_orders_ties_by_index_and_nan_first() -> None:
         topk_rows(x, 50)
 
 
+def _naive_topk(row: list[float], k: int) -> tuple[list[float], list[int]]:
+    """The k first of ``row``'s (value, index) pairs in topk_rows' order: NaN first, then larger
+    values, equal ones by lower index."""
+    order = sorted(range(len(row)), key=lambda i: (not math.isnan(row[i]), -row[i] if not math.isnan(row[i]) else 0.0, i))
+    return [row[i] for i in order[:k]], order[:k]
+
+
+@pytest.mark.parametrize("vocab", [49152 + 37, 64 * 300])  # a tail past the last chunk of 64 and of 16 lanes; whole chunks
+def test_topk_rows_bound_by_chunk_maxima_keeps_torch_order(vocab: int) -> None:
+    """k = 256 takes the chunk maxima's bound (csrc/topk.cpp): rows of heavy ties (a few values
+    only, so the bound falls on a tie), NaNs and infinities in chunks and tails, an all-NaN row
+    and an all -inf row give the naive order's values and indices."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = torch.randint(0, 4, (vocab,), generator=g).float()  # ties everywhere, the bound among them
+    x[2, torch.randint(0, vocab, (40,), generator=g)] = float("nan")
+    x[2, vocab - 1], x[2, vocab - 5] = float("nan"), float("inf")
+    x[3] = float("nan")
+    x[4] = float("-inf")
+    x[5, : vocab // 2] = float("-inf")  # the bitmask or min_tokens bias: half the vocabulary masked
+    values, indices = topk_rows(x, 256)
+    for r in range(6):
+        want_values, want_ids = _naive_topk(x[r].tolist(), 256)
+        assert indices[r].tolist() == want_ids, r
+        want = torch.tensor(want_values)
+        assert torch.equal(values[r].isnan(), want.isnan()) and torch.equal(values[r].nan_to_num(), want.nan_to_num()), r
+
+
 @pytest.mark.parametrize("weights", ["float", "int4"])
 def test_compiled_decode_layer_uses_fused_kernels(weights: str) -> None:
     from transformers import LlamaConfig
