@@ -15,6 +15,7 @@ from neuronfx.config.inputs import SamplerInputs, from_leaves
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.config.sampling import SamplingParams, pack_sampling
 from neuronfx.graphs.phases.device import plan_device
+from neuronfx.memory import huge_page_zeros
 
 
 class LayerKV(NamedTuple):
@@ -32,9 +33,14 @@ KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def empty_kv(plan: Plan) -> KVCache:
-    """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device."""
+    """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device; on the CPU
+    each layer's K and V of a huge page or more on transparent huge pages
+    (``memory.huge_page_zeros``: read every step, and resident only as positions fill)."""
     def zeros(layer: int) -> torch.Tensor:
-        return torch.zeros(plan.kv.layer_shape(layer), dtype=torch_dtype(plan.kv.dtype), device=plan_device(plan))
+        shape, dtype = plan.kv.layer_shape(layer), torch_dtype(plan.kv.dtype)
+        if plan.inference.device == "cpu":
+            return huge_page_zeros(tuple(shape), dtype)
+        return torch.zeros(shape, dtype=dtype, device=plan_device(plan))
 
     return tuple(LayerKV(zeros(i), zeros(i)) for i in range(plan.kv.num_layers))
 
