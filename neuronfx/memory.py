@@ -1,5 +1,5 @@
 """The heap around the big one-off phases (checkpoint load, compile) and the serving loop after
-them, and the memory the big tensors live in (weights and the KV cache on transparent huge pages).
+them, and the KV cache's memory (transparent huge pages, :func:`huge_page_zeros`).
 
 Loading a GGUF checkpoint (dequantized through numpy) and compiling graphs (tracing, inductor's
 codegen) free hundreds of MB of small objects; glibc keeps those pages resident until
@@ -18,14 +18,11 @@ import functools
 import gc
 import math
 import mmap
+import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
-
-from neuronfx.config.inputs import dense_strides
 
 
 @functools.cache
@@ -94,73 +91,33 @@ HUGE_PAGE_BYTES = 2 << 20
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """(nbytes,) uint8 of fresh anonymous memory, zero, its start aligned to HUGE_PAGE_BYTES and
-    advised for transparent huge pages (``madvise(MADV_HUGEPAGE)``) before anything touches it,
-    so each 2 MiB is one page where the kernel has them (THP "madvise" or "always"); elsewhere,
-    or where the advice fails, ordinary pages. The mapping lives as long as a tensor viewing it.
+    """(nbytes,) uint8 of fresh anonymous memory, zero, starting on a HUGE_PAGE_BYTES boundary
+    (storage offset 0) and advised for transparent huge pages (``madvise(MADV_HUGEPAGE)``) before
+    anything touches it, so each 2 MiB written is one page where the kernel has them (THP
+    "madvise" or "always"); on other systems, or where the advice fails, ordinary pages. The
+    mapping lives as long as a tensor viewing it.
 
-    Why: the weights and the KV cache are streamed every step, and with 4 KiB pages each page of
-    them costs a TLB miss and restarts the hardware prefetcher. On a 2-core AMD EPYC (Zen 4,
-    THP "madvise", 2026-12-07), SmolLM2 int8 weights with int8 activations, batch 8 at 1,920
-    positions: 18.1-18.7 ms a step with the int8 KV cache, 16.5-17.3 on huge pages; with bf16
-    KV 23.1-23.8 against 21.8-22.3 (the best of 3 x 48 steps in alternating processes)."""
+    Why: a decode step streams the whole KV cache it attends, and with 4 KiB pages each page
+    costs a TLB miss and restarts the hardware prefetcher. On a 2-core AMD EPYC (Zen 4, THP
+    "madvise", 2026-12-07), SmolLM2 int8 weights with int8 activations, batch 8 at 1,920
+    positions, the cache and the weights moved onto huge pages by hand: 18.1-18.7 ms a step with
+    the int8 KV cache against 16.5-17.3, with bf16 KV 23.1-23.8 against 21.8-22.3 (best of 3 x
+    48 steps, processes alternating); batch 1 at 128 positions unchanged. The weights are left
+    where they are: a copy would double them while the caller's tensors live (a float32 plan
+    runs on the caller's state dict), and views of one storage would have to be rebuilt."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE (macOS), or THP not built in
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    return whole[start:start + nbytes]
+    if sys.platform == "linux":  # MADV_HUGEPAGE is Linux's; an error means no THP in this kernel
+        with contextlib.suppress(OSError):
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=-address % HUGE_PAGE_BYTES)  # holds the mapping
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on the CPU, in :func:`huge_page_buffer` memory when it
-    is at least one huge page (smaller: torch.zeros). Its pages are not touched until written:
-    resident memory grows with the positions a cache holds, not at allocation."""
+    is at least one huge page (smaller: torch.zeros). No page is touched until written, so
+    resident memory grows in 2 MiB pages as the cache is written, not all at allocation."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES:
         return torch.zeros(shape, dtype=dtype)
     return huge_page_buffer(nbytes).view(dtype).view(shape)
-
-
-_ALIGN = 64  # each tensor in a shared buffer starts on a cache line
-
-
-def on_huge_pages(tree: Any) -> Any:
-    """``tree`` (dicts, lists, tuples and NamedTuples of tensors: the runtime's weights) with its
-    contiguous CPU tensors copied into one :func:`huge_page_buffer`, each with its shape, dtype
-    and strides (a compiled graph's guards see no change), one copy per distinct tensor (tied
-    weights stay one tensor). Trees under one huge page, and other tensors, come back as they
-    are."""
-    distinct: dict[tuple, torch.Tensor] = {}
-    for t in _movable(tree):
-        distinct.setdefault(_identity(t), t)
-    total = sum(_padded(t.nbytes) for t in distinct.values())
-    if total < HUGE_PAGE_BYTES:
-        return tree
-    buffer, offset, copies = huge_page_buffer(total), 0, {}
-    for key, t in distinct.items():
-        copy = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        copies[key] = copy.copy_(t)
-        offset += _padded(t.nbytes)
-    return tree_map_only(torch.Tensor, lambda t: copies.get(_identity(t), t) if _is_movable(t) else t, tree)
-
-
-def _movable(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    tree_map_only(torch.Tensor, lambda t: found.append(t) if _is_movable(t) else None, tree)
-    return found
-
-
-def _is_movable(t: torch.Tensor) -> bool:
-    """A CPU tensor with dense row-major strides (a size-1 dimension's stride included: a copy
-    gets those, and a compiled part's guards compare strides)."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.numel() > 0 and not t.requires_grad
-            and t.stride() == dense_strides(t.shape))
-
-
-def _identity(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t.dtype, tuple(t.shape))
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN

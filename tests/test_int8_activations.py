@@ -146,7 +146,6 @@ def test_packed_int8_weights_take_int8_x_at_every_row_count():
         assert torch.equal(ops.projections(x, [p, p], [None, torch.ones(48)])[1], int8_x.w8a8_linear(x, q, torch.ones(48)))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [36, 96, 1540])  # vector lanes then a tail of 4; whole vectors; 1540 = 96 x 16 + 4
 def test_packed_rows_round_as_torch_at_every_special_value(dtype, k):
@@ -170,7 +169,6 @@ def test_packed_rows_round_as_torch_at_every_special_value(dtype, k):
     rows = [0, 1, 2, 4, 5, 6, 7]
     assert torch.equal(got[rows].isnan(), want[rows].isnan()) and torch.equal(got[rows].nan_to_num(), want[rows].nan_to_num())
     assert got[[1, 2]].isnan().all() and (got[[4, 5]] == 0).all() and not got[3].isfinite().any() and not want[3].isfinite().any()
-
 def test_plans_pack_weights_only_where_every_product_takes_int8_x(monkeypatch):
     """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head is packed with
     the layers, the tied embedding's lookup keeps the row-major values (the packed head's rows are

@@ -783,7 +783,9 @@ def _naive_topk(row: list[float], k: int) -> tuple[list[float], list[int]]:
     return [row[i] for i in order[:k]], order[:k]
 
 
-@pytest.mark.parametrize("vocab", [49152 + 37, 64 * 300])  # a tail past the last chunk of 64 and of 16 lanes; whole chunks
+# a tail past the last chunk of 64 and of 16 lanes; whole chunks; k = the full chunks (the bound
+# their smallest maximum, the tail's chunk one more)
+@pytest.mark.parametrize("vocab", [49152 + 37, 64 * 300, 64 * 256 + 37])
 def test_topk_rows_bound_by_chunk_maxima_keeps_torch_order(vocab: int) -> None:
     """k = 256 takes the chunk maxima's bound (csrc/topk.cpp): rows of heavy ties (a few values
     only, so the bound falls on a tie), NaNs and infinities in chunks and tails, an all-NaN row

@@ -1,7 +1,6 @@
 """The heap around decoding (``neuronfx.memory``): ``frozen_heap`` freezes what is alive for its
-block, nests, and lets go after it; the benchmarks' alternating rounds run inside it. The big
-tensors on transparent huge pages: ``huge_page_zeros`` (the KV cache) and ``on_huge_pages`` (the
-weights) keep values, shapes, strides and ties, and advise their memory."""
+block, nests, and lets go after it; the benchmarks' alternating rounds run inside it. The KV
+cache's memory (``huge_page_zeros``): zeros, aligned, advised for transparent huge pages."""
 
 from __future__ import annotations
 
@@ -15,7 +14,9 @@ import torch
 
 import neuronfx
 from neuronfx.bench.rounds import alternate
-from neuronfx.memory import HUGE_PAGE_BYTES, huge_page_zeros, on_huge_pages
+from neuronfx.memory import HUGE_PAGE_BYTES, huge_page_zeros
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()  # this kernel has transparent huge pages
 
 
 class Node:
@@ -103,32 +104,15 @@ def _vm_flags(address: int) -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_huge_page_zeros_are_aligned_advised_zeros(dtype: torch.dtype) -> None:
     """A KV cache layer of a huge page or more: zeros of its shape and dtype with dense strides,
-    starting on a 2 MiB boundary, its mapping advised for huge pages (smaps' ``hg`` flag, which
-    MADV_HUGEPAGE sets whether or not the kernel has pages free); smaller ones are plain zeros."""
+    starting on a 2 MiB boundary at storage offset 0, its mapping advised for huge pages where
+    the kernel has them (smaps' ``hg`` flag, which MADV_HUGEPAGE sets whether or not pages are
+    free); smaller ones are plain zeros."""
     t = huge_page_zeros((8, 3, 2048, 68), dtype)
     assert t.shape == (8, 3, 2048, 68) and t.dtype == dtype and t.is_contiguous() and not t.any()
-    assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and "hg" in _vm_flags(t.data_ptr())
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0 and t.storage_offset() == 0
+    assert ("hg" in _vm_flags(t.data_ptr())) == THP
     t[-1, -1, -1, -1] = 1  # the last byte is the tensor's: writable to its end
     assert int(t.sum()) == 1
     small = huge_page_zeros((4, 5), dtype)
     assert small.shape == (4, 5) and not small.any() and "hg" not in _vm_flags(small.data_ptr())
 
-
-def test_on_huge_pages_copies_dense_tensors_once_each() -> None:
-    """Weights: values, shapes, dtypes and strides kept; a tied tensor stays one tensor; a
-    transposed view and a tree under one huge page come back as they are; each copy 64-byte
-    aligned in one advised buffer."""
-    g = torch.Generator().manual_seed(0)
-    big = torch.randn(1024, 600, generator=g)
-    weights = {"embed": big, "lm_head": big, "layers": [{"q": torch.randn(64, 3, generator=g).to(torch.bfloat16),
-                                                         "t": torch.randn(8, 16, generator=g).t()}],
-               "packed": (torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g), torch.ones(1, 9)[:, :4])}
-    moved = on_huge_pages(weights)
-    assert moved["embed"] is moved["lm_head"] and moved["embed"] is not big and torch.equal(moved["embed"], big)
-    assert moved["embed"].stride() == big.stride() and "hg" in _vm_flags(moved["embed"].data_ptr())
-    q = moved["layers"][0]["q"]
-    assert q.dtype == torch.bfloat16 and torch.equal(q, weights["layers"][0]["q"]) and q.data_ptr() % 64 == 0
-    assert moved["layers"][0]["t"] is weights["layers"][0]["t"]  # not dense row-major: as it was
-    assert torch.equal(moved["packed"][0], weights["packed"][0]) and moved["packed"][1] is weights["packed"][1]
-    tiny = {"a": torch.ones(3)}
-    assert on_huge_pages(tiny)["a"] is tiny["a"]

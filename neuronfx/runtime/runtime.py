@@ -19,7 +19,6 @@ from neuronfx.config.plan import Plan, ring_options
 from neuronfx.errors import ConfigError, InputError
 from neuronfx.graphs.backends import Built, Graph, GraphKey, get_backend
 from neuronfx.graphs.models.layers import Weights
-from neuronfx.memory import on_huge_pages
 from neuronfx.runtime.prefix_pool import identity_key
 from neuronfx.runtime.state import State, check_usable, empty_state
 
@@ -69,8 +68,6 @@ class Runtime:
 def build_runtime(plan: Plan, weights: Weights, built: Built, cache_key: str | None = None, from_cache: bool = False) -> Runtime:
     """The runtime of ``plan`` over ``weights`` with the graphs of ``built``; it owns (and
     removes when collected) ``built.compiled_dir``. ``cache_key`` / ``from_cache``: see Runtime."""
-    if plan.inference.device == "cpu":
-        weights = on_huge_pages(weights)  # streamed every step: fewer TLB misses (memory.huge_page_buffer)
     owner = None
     if built.compiled_dir is not None:
         owner = _DirOwner()  # shared by every attrs.evolve copy of the runtime

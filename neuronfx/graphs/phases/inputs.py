@@ -35,7 +35,7 @@ KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 def empty_kv(plan: Plan) -> KVCache:
     """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device; on the CPU
     each layer's K and V of a huge page or more on transparent huge pages
-    (``memory.huge_page_zeros``: read every step, and resident only as positions fill)."""
+    (``memory.huge_page_zeros``: a step streams the cache; pages come in as they are written)."""
     def zeros(layer: int) -> torch.Tensor:
         shape, dtype = plan.kv.layer_shape(layer), torch_dtype(plan.kv.dtype)
         if plan.inference.device == "cpu":
