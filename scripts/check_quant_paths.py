@@ -106,6 +106,12 @@ def check_w8a8(build: Path, path: str) -> bool:
                                                       None)[:, :48], want)
             glu = torch.nn.functional.silu(int8_x.w8a8_linear(x, q)) * int8_x.w8a8_linear(x, q)
             equal &= torch.allclose(op.w8a8_packed_glu(x, packed.data, packed.scale, packed.data, packed.scale), glu, rtol=1e-5, atol=1e-6)
+    # x's rounding at special rows (abs_max's lanes and tail): NaN, -0, zeros, the maximum in the tail
+    q = Q.quantize_int8(torch.randn(32, 100, generator=g))
+    x = torch.randn(6, 100, generator=g) * 5
+    x[1, 3], x[2, 99], x[3], x[4], x[5, 98] = float("nan"), float("nan"), 0.0, -0.0, 1e4
+    got, want = op.w8a8_packed(x, Q.pack_int8(q).data, q.scale, None), int8_x.w8a8_linear(x, q)
+    equal &= torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     print(f"w8a8_gemm.cpp built for {path}: compiled path {isa}; int8 and 4-bit products equal to the references: "
           f"{'ok' if equal else 'FAIL'}")
     return equal
