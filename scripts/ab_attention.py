@@ -1,8 +1,8 @@
-"""A/B of the decode attention kernel (``neuronfx::cached_attention``, csrc/small_gemm.cpp) between
-this tree and a git revision, or between compile flags, in one process.
+"""A/B of the decode attention kernel (``neuronfx::cached_attention``, csrc/small_gemm.cpp): this
+tree's source against git revisions' and against other compile flags, in one process.
 
-Usage: .venv/bin/python scripts/ab_attention.py --against HEAD [--kv-dtype int8] [--batch-size 8]
-       [--positions 1950] [--rounds 40] [--flags="-DNAME=1 ..." ...]
+Usage: .venv/bin/python scripts/ab_attention.py [--against REV ...] [--flags="-DNAME=1 ..." ...]
+       [--kv-dtype int8|bf16|fp32] [--batch-size 8] [--positions 1950] [--rounds 40]
 
 Whole decode steps on the 2-core machines move by up to 40% between runs minutes apart, so a
 kernel change of a few percent cannot be read from two processes. Here each variant is built
@@ -10,17 +10,21 @@ under its own op namespace (``-Dneuronfx=...`` renames the ``TORCH_LIBRARY`` nam
 scripts/check_quant_paths.py does), every round calls each variant once over SmolLM2's 30
 layers (batch x 9 query heads over 3 KV heads of head dim 64, one slot per row, each layer its
 own cache so it comes from memory as in a step), the order rotating, and the script prints each
-variant's best and median round and the median over rounds of its time over the first variant's
-in the same round (paired). It also prints each variant's largest difference from the first's
-output on one layer. Variants: this tree's source, then ``--against`` revisions' (``git show``),
-then this tree's source with each ``--flags`` string's flags added to the compiler's.
-Each variant's first build takes about 40 s (the extension cache keeps it).
+variant's largest difference from the first variant's output on one layer, then its best and
+median round and the median over rounds of its time over the first variant's in the same round
+(paired). Variants: this tree's source, then each ``--against`` revision's (``git show``; the op
+takes a block table from a447def on, so older revisions cannot be called), then this tree's
+source with each ``--flags`` string's flags added. Every variant includes this tree's exp16.h.
+Builds go to torch's extension directory under ``nfxab_<hash of the source, flags, CPU and torch
+install>``; a variant identical to another shares its build, and a rerun loads it without
+building (two first builds and 20 rounds took 31 s here).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,21 +36,46 @@ import torch
 from torch.utils.cpp_extension import load
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from neuronfx.graphs.kernels import library as kernels  # noqa: E402
+
 CSRC = ROOT / "neuronfx" / "graphs" / "kernels" / "csrc"
 SOURCE = "neuronfx/graphs/kernels/csrc/small_gemm.cpp"
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M's attention
 
 
-def build(name: str, source: str, flags: list[str]):
-    """``source`` (small_gemm.cpp's text) built with ``flags`` under op namespace ``name`` (its
-    sources in a directory of that name under the temp dir, so a second run finds the build up
-    to date); its ``cached_attention`` op."""
+def write_if_changed(path: Path, text: str) -> None:
+    """``text`` into ``path`` unless it holds it already: a rewritten source is newer than its
+    object file, and ninja would rebuild it."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def build_name(source: str, flags: list[str]) -> str:
+    """The op namespace and extension name of a variant: a hash of its source, this tree's
+    exp16.h, the flags, the CPU's features and the torch install (a -march=native build is only
+    good on its own CPU, and torch's build files name the install's include paths)."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    key = "\0".join([source, (CSRC / "exp16.h").read_text(), " ".join(flags), kernels.cpu_flags(), torch.__version__, torch_dir])
+    return "nfxab_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build(label: str, source: str, flags: list[str]):
+    """``source`` (small_gemm.cpp's text) built with ``flags`` under op namespace
+    :func:`build_name`, its sources in a directory of that name under the temp dir; its
+    ``cached_attention`` op. SystemExit naming the variant when it does not build."""
+    name = build_name(source, flags)
     d = Path(tempfile.gettempdir()) / "neuronfx-ab" / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "small_gemm.cpp").write_text(source)
-    (d / "exp16.h").write_text((CSRC / "exp16.h").read_text())
-    load(name=name, sources=[str(d / "small_gemm.cpp")], extra_cflags=["-O3", "-march=native", "-fopenmp", f"-Dneuronfx={name}", *flags],
-         is_python_module=False, verbose=False)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_if_changed(d / "small_gemm.cpp", source)
+        write_if_changed(d / "exp16.h", (CSRC / "exp16.h").read_text())
+        with kernels.build_lock(name):
+            load(name=name, sources=[str(d / "small_gemm.cpp")], extra_cflags=[*kernels.CFLAGS, f"-Dneuronfx={name}", *flags],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except (RuntimeError, OSError) as exc:
+        raise SystemExit(f"ab_attention.py: {label}: the kernel did not build ({exc}); check the flags, or the revision's source") from None
     return getattr(torch.ops, name).cached_attention
 
 
@@ -55,11 +84,18 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     tree = (ROOT / SOURCE).read_text()
     out = [("this tree", tree, [])]
     for rev in args.against:
-        shown = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True)
+        try:
+            shown = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True)
+        except OSError as exc:
+            raise SystemExit(f"ab_attention.py: --against {rev!r} needs git ({exc})") from None
         if shown.returncode != 0:
             raise SystemExit(f"ab_attention.py: --against {rev!r}: git show found no {SOURCE} there ({shown.stderr.strip()})")
         out.append((f"--against {rev}", shown.stdout, []))
-    out += [(f"--flags {f!r}", tree, f.split()) for f in args.flags]
+    out += [(f"--flags {f!r}", tree, shlex.split(f)) for f in args.flags]
+    labels = [label for label, _, _ in out]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise SystemExit(f"ab_attention.py: {', '.join(repeated)} given twice; give each revision and each flags string once")
     return out
 
 
@@ -79,8 +115,8 @@ def caches(kv_dtype: str, batch: int, slots: int) -> tuple[torch.Tensor, torch.T
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", nargs="*", default=[], help="git revisions whose small_gemm.cpp to compare")
+    p = argparse.ArgumentParser(description="The decode attention kernel of this tree against git revisions and compile flags.")
+    p.add_argument("--against", action="extend", nargs="+", default=[], help="git revisions whose small_gemm.cpp to compare (repeatable)")
     p.add_argument("--flags", action="append", default=[],
                    help="extra compiler flags for one more variant of this tree, as --flags=\"-DNAME=1 ...\" (repeatable)")
     p.add_argument("--kv-dtype", choices=("int8", "bf16", "fp32"), default="int8")
@@ -100,13 +136,15 @@ def main() -> None:
     mask[..., : args.positions] = True
     table = torch.arange(args.batch_size, dtype=torch.int32)[:, None]
     layers = [caches(args.kv_dtype, args.batch_size, slots) for _ in range(LAYERS)]
-    ops = []
-    for label, text, flags in specs:
-        name = "nfxab_" + hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:10]
-        ops.append((label, build(name, text, flags)))
-    first = ops[0][1](q, *layers[0], table, mask)
+    ops = [(label, build(label, text, flags)) for label, text, flags in specs]
+    outputs = []
     for label, op in ops:
-        print(f"{label}: largest |difference| from the first's output {(op(q, *layers[0], table, mask) - first).abs().max().item():.3g}")
+        try:
+            outputs.append(op(q, *layers[0], table, mask))
+        except RuntimeError as exc:
+            raise SystemExit(f"ab_attention.py: {label}: the op did not run ({exc}); revisions before a447def take no block table") from None
+    for (label, _), out in zip(ops, outputs):
+        print(f"{label}: largest |difference| from the first's output {(out - outputs[0]).abs().max().item():.3g}")
     times: dict[str, list[float]] = {label: [] for label, _ in ops}
     for r in range(args.rounds):
         for label, op in ops[r % len(ops):] + ops[: r % len(ops)]:
@@ -119,7 +157,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     for label, ts in times.items():
         paired = statistics.median(a / b for a, b in zip(ts, base))
-        print(f"  {label:40s} best {min(ts) * 1e3:7.2f} ms  median {statistics.median(ts) * 1e3:7.2f} ms  x{paired:.3f} of the first (paired median)")
+        print(f"  {label:40s} best {min(ts) * 1e3:7.2f} ms  median {statistics.median(ts) * 1e3:7.2f} ms  "
+              f"x{paired:.3f} of the first (paired median)")
 
 
 if __name__ == "__main__":
