@@ -40,8 +40,9 @@ sys.path[:0] = [str(ROOT)]
 
 from neuronfx.graphs.kernels import library as kernels  # noqa: E402
 
-CSRC = ROOT / "neuronfx" / "graphs" / "kernels" / "csrc"
-SOURCE = "neuronfx/graphs/kernels/csrc/small_gemm.cpp"
+SMALL_GEMM = next(s for s in kernels.SOURCES if s.name == "small_gemm.cpp")
+CSRC = SMALL_GEMM.parent
+SOURCE = SMALL_GEMM.relative_to(ROOT).as_posix()  # as git show names it
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30  # SmolLM2-135M's attention
 
 
@@ -81,7 +82,7 @@ def build(label: str, source: str, flags: list[str]):
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     """(label, source text, extra flags) per variant, the working tree's first."""
-    tree = (ROOT / SOURCE).read_text()
+    tree = SMALL_GEMM.read_text()
     out = [("this tree", tree, [])]
     for rev in args.against:
         try:

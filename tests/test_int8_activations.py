@@ -169,6 +169,8 @@ def test_packed_rows_round_as_torch_at_every_special_value(dtype, k):
     rows = [0, 1, 2, 4, 5, 6, 7]
     assert torch.equal(got[rows].isnan(), want[rows].isnan()) and torch.equal(got[rows].nan_to_num(), want[rows].nan_to_num())
     assert got[[1, 2]].isnan().all() and (got[[4, 5]] == 0).all() and not got[3].isfinite().any() and not want[3].isfinite().any()
+
+
 def test_plans_pack_weights_only_where_every_product_takes_int8_x(monkeypatch):
     """Packing needs int8 x at the plan's decode rows and at prefill rows; the LM head is packed with
     the layers, the tied embedding's lookup keeps the row-major values (the packed head's rows are

@@ -115,4 +115,3 @@ def test_huge_page_zeros_are_aligned_advised_zeros(dtype: torch.dtype) -> None:
     assert int(t.sum()) == 1
     small = huge_page_zeros((4, 5), dtype)
     assert small.shape == (4, 5) and not small.any() and "hg" not in _vm_flags(small.data_ptr())
-
