@@ -87,7 +87,7 @@ def test_export_entry_holds_programs_not_weights(hf, filled):
     root, key, _ = filled
     weight_bytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
     graphs = sorted((root / key / "graphs").glob("*.pt2"))
-    assert len(graphs) == 2
+    assert len(graphs) == 3  # prefill, decode and greedy
     for graph in graphs:
         assert data_bytes(graph) < 16 * 1024 < weight_bytes / 10
         program = zipfile.ZipFile(graph).getinfo(f"{graph.stem}/models/model.json").file_size
@@ -253,13 +253,13 @@ def test_cli_compile_then_generate_from_dir_and_hub(hf, tmp_path, capsys, monkey
     want = json.loads(capsys.readouterr().out)["token_ids"]
     assert main(["compile", str(model), "--out", str(out), *PLAN_ARGS, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["graphs"] == 2 and summary["from_cache"] and (out / "tokenizer" / "tokenizer.json").is_file()
+    assert summary["graphs"] == 3 and summary["from_cache"] and (out / "tokenizer" / "tokenizer.json").is_file()
     assert all(data_bytes(f) < 16 * 1024 for f in (out / "graphs").iterdir())  # the weights once, in weights.safetensors
     assert main(["generate", "--model", str(out), *gen]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
     assert main(["generate", "--model", str(model), *PLAN_ARGS, *gen[:-1]]) == 0  # not --json: progress and timing lines
     err = capsys.readouterr().err
-    assert f"neuronfx: loaded 2 graphs from the compile cache (entry {tmp_path / 'cache' / summary['cache_key']}) in" in err
+    assert f"neuronfx: loaded 3 graphs from the compile cache (entry {tmp_path / 'cache' / summary['cache_key']}) in" in err
     assert re.search(r"; load \d+\.\d s, graphs from the compile cache \d+\.\d s\]", err), err
     assert main(["generate", "--model", str(out), "--batch-size", "2", *gen]) == 2
     assert "compiled with 1" in capsys.readouterr().err
@@ -288,12 +288,12 @@ def test_serve_log_says_where_the_graphs_came_from(hf, filled, caplog):
     root, key, _ = filled
     with caplog.at_level(logging.INFO, logger="neuronfx.cache"):
         hit = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=root)
-    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [f"loaded 2 graphs from the compile cache (entry {root / key})"]
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [f"loaded 3 graphs from the compile cache (entry {root / key})"]
     built = neuronfx.compile(tiny_plan(hf, "export", **SMALL), hf.state_dict(), progress=False, cache=False)
     summary = {rt.from_cache: LoadedRuntime(runtime=rt, tokenizer=None, model="m", load_s=2.0, compile_s=1.5).summary()
                for rt in (hit, built)}
-    assert summary[True] == f"checkpoint loaded in 2.0 s; 2 graphs loaded from the compile cache (entry {key[:16]}) in 1.5 s"
-    assert summary[False] == "checkpoint loaded in 2.0 s; 2 graphs compiled in 1.5 s"
+    assert summary[True] == f"checkpoint loaded in 2.0 s; 3 graphs loaded from the compile cache (entry {key[:16]}) in 1.5 s"
+    assert summary[False] == "checkpoint loaded in 2.0 s; 3 graphs compiled in 1.5 s"
 
 
 def test_compile_without_progress_logs_each_graph(hf, tmp_path, caplog):
@@ -303,10 +303,11 @@ def test_compile_without_progress_logs_each_graph(hf, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="neuronfx"):
         neuronfx.compile(plan, hf.state_dict(), progress=False, cache=tmp_path)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == f"compile cache: no entry for this plan in {tmp_path}; compiling 2 eager graphs"
-    assert re.fullmatch(r"compile \(eager\): 1 of 2 graphs done after \d+\.\d s; prefill 1x32", lines[1]), lines
-    assert re.fullmatch(r"compile \(eager\): 2 of 2 graphs done after \d+\.\d s; decode 1x64", lines[2]), lines
-    assert lines[3].startswith("compiled 2 graphs in ") and len(lines) == 4
+    assert lines[0] == f"compile cache: no entry for this plan in {tmp_path}; compiling 3 eager graphs"
+    assert re.fullmatch(r"compile \(eager\): 1 of 3 graphs done after \d+\.\d s; prefill 1x32", lines[1]), lines
+    assert re.fullmatch(r"compile \(eager\): 2 of 3 graphs done after \d+\.\d s; decode 1x64", lines[2]), lines
+    assert re.fullmatch(r"compile \(eager\): 3 of 3 graphs done after \d+\.\d s; greedy 1x64", lines[3]), lines
+    assert lines[4].startswith("compiled 3 graphs in ") and len(lines) == 5
 
 
 def test_push_to_hub_uploads_the_verified_folder(hf, tmp_path, monkeypatch):
@@ -385,7 +386,7 @@ def test_miss_names_the_entry_of_the_plan_built_otherwise(hf, tmp_path, capsys, 
     neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
     err = capsys.readouterr().err
     assert re.search(r"neuronfx: compile cache: no entry for this plan with torch 9\.9\.9; an entry exists for torch "
-                     r"\S+ \(entry [0-9a-f]{16}, compiled in \d+ s\); compiling 2 eager graphs", err), err
+                     r"\S+ \(entry [0-9a-f]{16}, compiled in \d+ s\); compiling 3 eager graphs", err), err
     monkeypatch.undo()
 
     inductor = tiny_plan(hf, "inductor", **SMALL)
@@ -419,7 +420,7 @@ def test_slow_cache_steps_say_what_they_do(hf, tmp_path, capsys, monkeypatch):
     neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
     assert f"neuronfx: writing the compile cache entry {entry} ...\n" in capsys.readouterr().err
     neuronfx.compile(plan, hf.state_dict(), progress=True, cache=tmp_path)
-    assert f"neuronfx: loading 2 graphs from the compile cache (entry {entry}) ...\n" in capsys.readouterr().err
+    assert f"neuronfx: loading 3 graphs from the compile cache (entry {entry}) ...\n" in capsys.readouterr().err
 
 
 def test_kernel_store_is_keyed_by_model_shape(hf):

@@ -212,7 +212,7 @@ def test_compile_defaults_to_the_embedded_model(tiny_model_dir, tmp_path, capsys
     assert main(["compile", "--out", str(out), "--backend", "eager", "--batch-size", "1", "--max-context-length", "32",
                  "--sequence-length", "64"]) == 0
     assert json.loads((out / "plan.json").read_text())["checkpoint"] == str(tiny_model_dir)
-    assert f"saved 2 eager graphs to {out}" in capsys.readouterr().out
+    assert f"saved 3 eager graphs to {out}" in capsys.readouterr().out
 
 
 def test_plan_lists_the_graphs_compile_builds(tiny_model_dir, tmp_path, capsys):
@@ -222,14 +222,15 @@ def test_plan_lists_the_graphs_compile_builds(tiny_model_dir, tmp_path, capsys):
     plan = ["--backend", "eager", "--batch-size", "2", "--max-context-length", "32", "--sequence-length", "64"]
     assert main(["plan", str(tiny_model_dir), *plan, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["graphs"] == [["prefill", 1, 32], ["prefill", 2, 32], ["decode", 1, 64], ["decode", 2, 64]]
+    assert data["graphs"] == [["prefill", 1, 32], ["prefill", 2, 32], ["decode", 1, 64], ["decode", 2, 64], ["greedy", 1, 64],
+                              ["greedy", 2, 64]]
     assert data["kv_bytes"] == 3 * 2 * 2 * 2 * 64 * 16 * 4 and (data["batch_buckets"], data["layers"]) == ([1, 2], 2)
     assert main(["compile", str(tiny_model_dir), "--out", str(tmp_path / "saved"), *plan, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["graphs"] == 4
+    assert json.loads(capsys.readouterr().out)["graphs"] == 6
     assert main(["plan", str(tmp_path / "saved"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == data
     assert main(["plan", str(tiny_model_dir), *plan]) == 0
-    assert "KV cache 0.1 MiB; 4 graphs: 2 prefill, 2 decode\n  prefill  batch 1   bucket 32\n" in capsys.readouterr().out
+    assert "KV cache 0.1 MiB; 6 graphs: 2 prefill, 2 decode, 2 greedy\n  prefill  batch 1   bucket 32\n" in capsys.readouterr().out
 
 
 def test_compile_into_a_checkpoint_directory_is_refused_before_loading(tiny_model_dir, capsys):

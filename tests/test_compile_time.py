@@ -84,11 +84,12 @@ def test_units_and_split():
     units = compile_workers.units(plan)
     assert [[s.key for s in u] for u in units] == [
         [("prefill", 1, 8), ("prefill", 1, 16), ("prefill", 1, 32)], [("prefill", 2, 8), ("prefill", 2, 16), ("prefill", 2, 32)],
-        [("decode", 1, 64)], [("decode", 2, 64)]]
+        [("decode", 1, 64), ("greedy", 1, 64)], [("decode", 2, 64), ("greedy", 2, 64)]]  # greedy: decode's prologue and layers
+    assert [compile_workers.unit_cost(u) for u in units] == [5, 5, 4, 4]  # buckets + layer group + epilogues
     shares = compile_workers.split(units, 1)
     assert sorted(s.key for share in shares for s in share) == sorted(s.key for s in plan.graphs)
-    assert [len(share) for share in shares] == [4, 4]  # costs 3 + 2 + 1 + 2 vs 3 + 2 + 1 + 2
-    assert compile_workers.split(units, 0) == [list(plan.graphs)]
+    assert [len(share) for share in shares] == [5, 5]  # costs 5 + 4 vs 5 + 4
+    assert compile_workers.split(units, 0) == [[s for u in units for s in u]]  # a greedy graph right after its decode graph
 
 
 def test_num_workers(monkeypatch):
@@ -166,10 +167,10 @@ def test_waiting_for_a_worker_says_for_what(monkeypatch, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", compile_workers.CompileWorkerWarning)  # it exits 3: its graph is built here
         compile_workers.build(plan, {"embed": torch.zeros(4)}, Path(tmp_path), lambda p, spec, w, kv: spec.key, lambda total: Bar())
-    waiting = [s for s in shown if s.startswith("waiting for compile worker 1 (decode 1x16)")]
+    waiting = [s for s in shown if s.startswith("waiting for compile worker 1 (decode 1x16; greedy 1x16)")]
     exiting = [int(s.rsplit(", ", 1)[1][:-2]) for s in waiting if "to save its graphs and exit, " in s]
     assert len(exiting) >= 2 and exiting == sorted(exiting) and exiting[-1] >= 2, shown  # counting while it waits
-    assert all(re.search(r", \d+ s$", s) for s in waiting) and any(s.startswith("loading the 1 graphs of compile worker 1") for s in shown)
+    assert all(re.search(r", \d+ s$", s) for s in waiting) and any(s.startswith("loading the 2 graphs of compile worker 1") for s in shown)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread nice values are Linux's")

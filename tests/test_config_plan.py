@@ -216,7 +216,7 @@ def test_make_plan_defaults():
     assert plan.batch_buckets == (1, 2, 3)
     assert [g.key for g in plan.graphs] == [
         ("prefill", b, k) for b in (1, 2, 3) for k in (128, 256)
-    ] + [("decode", b, k) for b in (1, 2, 3) for k in (128, 256, 512)]
+    ] + [(phase, b, k) for phase in ("decode", "greedy") for b in (1, 2, 3) for k in (128, 256, 512)]
     assert plan.kv == KVLayout(num_layers=3, num_slots=4, num_kv_heads=2, sequence_length=512, head_dim=16,
                                dtype="bfloat16")
     assert plan.kv.scratch_slot == 3
@@ -262,7 +262,7 @@ def test_make_plan_without_bucketing_has_one_bucket_per_phase():
     plan = make_plan(tiny_model(), InferenceConfig(enable_bucketing=False, max_context_length=300,
                                                    sequence_length=1000))
     assert (plan.prefill_buckets, plan.decode_buckets) == ((300,), (1000,))
-    assert [g.key for g in plan.graphs] == [("prefill", 1, 300), ("decode", 1, 1000)]
+    assert [g.key for g in plan.graphs] == [("prefill", 1, 300), ("decode", 1, 1000), ("greedy", 1, 1000)]
 
 
 def test_batch_buckets_derived_explicit_and_unbucketed():
@@ -343,6 +343,7 @@ def inference_configs(draw):
         on_device_sampling=on_device,
         max_topk=draw(st.integers(1, 1 << 17)),
         output_logits=True if not on_device else draw(st.booleans()),
+        greedy_graphs=draw(st.booleans()),
         backend=draw(st.sampled_from(["eager", "export", "neuron"])),
     )
 
@@ -378,7 +379,10 @@ def test_make_plan_invariants(inf):
             assert ladder[-1] == limit  # derived ladders cover the whole limit
             assert len(ladder) == 1 or inf.enable_bucketing
     assert plan.batch_buckets[-1] == inf.batch_size
-    assert len(plan.graphs) == len(plan.batch_buckets) * (len(plan.prefill_buckets) + len(plan.decode_buckets))
+    greedy = inf.on_device_sampling and inf.greedy_graphs  # greedy graphs over the decode buckets
+    assert len(plan.graphs) == len(plan.batch_buckets) * (len(plan.prefill_buckets) + (1 + greedy) * len(plan.decode_buckets))
+    assert {g.key[1:] for g in plan.graphs if g.phase == "greedy"} == ({g.key[1:] for g in plan.graphs if g.phase == "decode"}
+                                                                       if greedy else set())
     assert len({g.key for g in plan.graphs}) == len(plan.graphs)
     for g in plan.graphs:
         names = tuple(t.name for t in g.inputs)

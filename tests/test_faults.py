@@ -44,7 +44,8 @@ def rt(hf):
 
 def faulty(rt: neuronfx.Runtime, phase: str, exc: type[BaseException], after: bool) -> neuronfx.Runtime:
     """``rt`` whose ``phase`` graphs raise ``exc``: before running, or after the real graph ran
-    (its K/V writes done), the worst case of a fault part-way through."""
+    (its K/V writes done), the worst case of a fault part-way through. "decode" covers both
+    graphs a decode step may run (decode, and greedy for all-greedy rows)."""
 
     def wrap(graph: Callable) -> Callable:
         def run(*args):
@@ -54,7 +55,8 @@ def faulty(rt: neuronfx.Runtime, phase: str, exc: type[BaseException], after: bo
 
         return run
 
-    graphs = {k: wrap(g) if k[0] == phase else g for k, g in rt.graphs.items()}
+    phases = ("decode", "greedy") if phase == "decode" else (phase,)
+    graphs = {k: wrap(g) if k[0] in phases else g for k, g in rt.graphs.items()}
     return attrs.evolve(rt, graphs=graphs)
 
 

@@ -30,7 +30,7 @@ def test_every_graph_spec_is_its_phase_record():
         fields = leaf_fields(g.record)
         assert [t.name for t in g.inputs] == [f.name for f in fields]
         assert [t.dtype for t in g.inputs] == [f.dtype for f in fields]
-        tokens = {"prefill": g.bucket, "decode": 1, "draft": 1, "speculate": 3, "chunk": 8, "embed": g.bucket}[g.phase]
+        tokens = {"prefill": g.bucket, "decode": 1, "greedy": 1, "draft": 1, "speculate": 3, "chunk": 8, "embed": g.bucket}[g.phase]
         dims = {"B": g.batch_size, "T": tokens, "V": 300, "P": 7, "W": 10, "N": 1}  # N: the slots layout's one block
         assert [t.shape for t in g.inputs] == [tuple(dims[s] for s in f.shape) for f in fields]
 
@@ -119,8 +119,8 @@ def test_prologues_return_their_phase_record_with_the_annotated_shapes():
     from neuronfx.graphs.phases.records import ChunkHidden, DecodeHidden, PrefillHidden, field_shapes
 
     embed = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
-    want = {"prefill": PrefillHidden, "decode": DecodeHidden, "draft": DecodeHidden, "speculate": DecodeHidden, "chunk": ChunkHidden,
-            "embed": PrefillHidden}
+    want = {"prefill": PrefillHidden, "decode": DecodeHidden, "greedy": DecodeHidden, "draft": DecodeHidden, "speculate": DecodeHidden,
+            "chunk": ChunkHidden, "embed": PrefillHidden}
     for plan, g in [(p, g) for p in (PLAN, CHUNKED, EMBEDDING) for g in p.graphs]:
         x = phase_parts(plan, g, REFERENCE_OPS).prologue(embed, example_inputs(plan, g))
         assert type(x) is want[g.phase]

@@ -78,11 +78,15 @@ def timed(runtime: neuronfx.Runtime, spans: list[Span]) -> neuronfx.Runtime:
     return attrs.evolve(runtime, graphs={k: wrap(k[0], g) for k, g in runtime.graphs.items()})
 
 
+DECODE_GRAPHS = ("decode", "greedy")
+"""The phases of the graphs a decode step runs (greedy: all-greedy rows, ``runtime.steps.decode_phase``)."""
+
+
 def host_gaps(spans: list[Span]) -> tuple[list[float], list[float]]:
     """(graph seconds of each decode step, seconds between one decode graph's end and the next
     one's start when no prefill ran between: the host time async decode takes off the path)."""
-    graph = [end - start for phase, start, end in spans if phase == "decode"]
-    gaps = [b[1] - a[2] for a, b in zip(spans, spans[1:]) if a[0] == b[0] == "decode"]
+    graph = [end - start for phase, start, end in spans if phase in DECODE_GRAPHS]
+    gaps = [b[1] - a[2] for a, b in zip(spans, spans[1:]) if a[0] in DECODE_GRAPHS and b[0] in DECODE_GRAPHS]
     return graph, gaps
 
 

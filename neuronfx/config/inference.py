@@ -138,6 +138,12 @@ class InferenceConfig:
     - ``max_logprobs``: most top logprobs a request may ask for (vLLM's ``max_logprobs``, default
       20); 0 compiles no logprob outputs.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
+    - ``greedy_graphs``: with ``on_device_sampling``, also compile "greedy" graphs beside the
+      decode graphs (the same prologue and layers, sharing their compiled parts, and an
+      epilogue that only takes the argmax of the logits): a decode step whose rows are all
+      greedy with no penalty, ``logit_bias``, pending ``min_tokens``, logprobs or grammar runs
+      them instead (vLLM's all-greedy sampler path), the same tokens without the sampler's
+      passes over the vocabulary (about 1 ms of a 10 ms SmolLM2 step at batch 8). Default True.
     - ``enable_prompt_logprobs``: prefill and chunk graphs also return, at every prompt
       position, the raw logprob of the next prompt token and the top ``max_logprobs``
       alternatives (the LM head runs over the prompt in blocks: ``graphs/phases/prompt_logprobs.py``),
@@ -231,6 +237,7 @@ class InferenceConfig:
     max_topk: int = attrs.field(default=256, validator=positive_int)
     max_logprobs: int = attrs.field(default=20, validator=non_negative_int)
     output_logits: bool = attrs.field(default=False, validator=boolean)
+    greedy_graphs: bool = attrs.field(default=True, validator=boolean)
     enable_prompt_logprobs: bool = attrs.field(default=False, validator=boolean)
     backend: str = attrs.field(default=DEFAULT_BACKEND, validator=one_of(BACKENDS))
     speculation_length: int = attrs.field(default=0, validator=non_negative_int)

@@ -143,7 +143,7 @@ class FusedSpeculateInputs(NamedTuple):
 
 
 PHASE_INPUTS: dict[str, type] = {
-    "prefill": PrefillInputs, "decode": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
+    "prefill": PrefillInputs, "decode": DecodeInputs, "greedy": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
     "chunk": ChunkInputs, "embed": EmbedInputs,
 }
 """The step-input record of each phase."""

@@ -16,7 +16,11 @@ from neuronfx.config.sampling import NUM_PARAM_COLUMNS
 from neuronfx.config.sharding import RankShard, rank_shard
 from neuronfx.errors import ConfigError
 
-PHASES = ("prefill", "decode", "speculate", "draft", "chunk", "embed")
+PHASES = ("prefill", "decode", "greedy", "speculate", "draft", "chunk", "embed")
+
+SHARED_PARTS = {"greedy": "decode"}
+"""Phases whose graphs run another phase's prologue and layers (a "greedy" graph is a decode
+graph with an argmax epilogue): a compiler may build those parts once for both."""
 
 __all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
 
@@ -26,7 +30,7 @@ class GraphSpec:
     """One static-shape graph: its phase, batch size (rows), bucket (tokens) and exact step
     inputs, in call order (the tensors of its phase's record, ``config.inputs.PHASE_INPUTS``).
 
-    Prefill: ``bucket`` prompt tokens per row. Decode and draft: 1 token per row attending
+    Prefill: ``bucket`` prompt tokens per row. Decode, greedy and draft: 1 token per row attending
     ``bucket`` KV positions; speculate: k tokens per row; chunk: ``prefill_chunk_size`` tokens per
     row (prefill at an offset). Every graph also takes the shared
     weights and the KV cache (not listed here).
@@ -122,7 +126,7 @@ def batch_bucket_plan(inference: InferenceConfig) -> tuple[int, ...]:
     return (inference.batch_size,)
 
 
-PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "draft": 1, "speculate": "speculation_length", "chunk": "prefill_chunk_size",
+PHASE_TOKENS = {"prefill": "bucket", "decode": 1, "greedy": 1, "draft": 1, "speculate": "speculation_length", "chunk": "prefill_chunk_size",
                 "embed": "bucket"}
 """New tokens per row (the record's ``T``) of each phase."""
 
@@ -220,9 +224,12 @@ def ring_options(model: ModelConfig, inference: InferenceConfig) -> dict:
 def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],
                 decode: tuple[int, ...], chunks: tuple[int, ...], max_blocks: int = 1) -> tuple[GraphSpec, ...]:
     """One GraphSpec per (phase, batch bucket, length bucket), in that order: prefill and decode,
-    speculate with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets;
+    greedy over the decode buckets with ``on_device_sampling`` and ``greedy_graphs``, speculate
+    with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets;
     an embedding plan (``task="embed"``): embed graphs over the prefill buckets only."""
     phases = [("embed", prefill)] if inference.task == "embed" else [("prefill", prefill), ("decode", decode)]
+    if inference.task != "embed" and inference.on_device_sampling and inference.greedy_graphs:
+        phases.append(("greedy", decode))
     if inference.speculation_length:
         phases.append(("speculate", decode))
     if inference.draft_layers:

@@ -18,6 +18,7 @@ import torch
 
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, PromptTooLongError, SlotError
+from neuronfx.runtime.acceptance import raw_argmax
 from neuronfx.runtime.blocks import release as release_blocks
 from neuronfx.runtime.checks import (
     check_batch,
@@ -115,11 +116,28 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
                       prompt_logprobs=scored)
 
 
+def decode_phase(runtime: Runtime, state: State, batch: DecodeBatch) -> str:
+    """The phase of a decode step's graph: "greedy" (``InferenceConfig.greedy_graphs``) where
+    the plan has those graphs and every row takes the argmax of its raw logits
+    (``acceptance.raw_argmax``) with no logprobs and no grammar, else "decode". The sampler's
+    inputs are built and its draws taken either way, so the state's RNG key and every later
+    step are the same whichever graph ran."""
+    inference = runtime.plan.inference
+    if not (inference.on_device_sampling and inference.greedy_graphs):
+        return "decode"
+    if batch.constraints is not None and any(m is not None for m in batch.constraints):
+        return "decode"
+    plain = all(raw_argmax(sp, state.generated[s]) and sp.logprobs is None for sp, s in zip(batch.sampling, batch.seq_ids))
+    return "greedy" if plain else "decode"
+
+
 def decode_target(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
-    """Decode of the target alone: T = 1 token per row at its slot's cache_len."""
+    """Decode of the target alone: T = 1 token per row at its slot's cache_len, through the
+    decode or greedy graph (:func:`decode_phase`)."""
     slots = batch.seq_ids
     starts = [state.cache_lens[s] for s in slots]
-    rows = plan_rows(runtime, "decode", runtime.plan.decode_buckets, slots, [(t,) for t in batch.input_ids], starts, width=1)
+    rows = plan_rows(runtime, decode_phase(runtime, state, batch), runtime.plan.decode_buckets, slots,
+                     [(t,) for t in batch.input_ids], starts, width=1)
     sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
                                constraints=batch.constraints)
     out = run_rows(runtime, state, rows, sampler)

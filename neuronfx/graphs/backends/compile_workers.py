@@ -35,7 +35,7 @@ import attrs
 import torch
 from torch.utils._pytree import tree_map_only
 
-from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.config.plan import SHARED_PARTS, GraphSpec, Plan
 from neuronfx.errors import ConfigError
 from neuronfx.graphs.backends import inductor_parts, warm_up
 from neuronfx.graphs.backends.inductor_dir import in_dir
@@ -55,10 +55,11 @@ class CompileWorkerWarning(RuntimeWarning):
 
 def units(plan: Plan) -> list[list[GraphSpec]]:
     """The plan's graphs grouped by (phase, batch size), in plan order: the graphs of a unit
-    share compiled parts, so a unit is compiled by one process."""
+    share compiled parts, so a unit is compiled by one process (a phase of
+    ``config.plan.SHARED_PARTS`` with the phase it shares parts with: greedy with decode)."""
     groups: dict[tuple[str, int], list[GraphSpec]] = {}
     for spec in plan.graphs:
-        groups.setdefault((spec.phase, spec.batch_size), []).append(spec)
+        groups.setdefault((SHARED_PARTS.get(spec.phase, spec.phase), spec.batch_size), []).append(spec)
     return list(groups.values())
 
 
@@ -109,14 +110,19 @@ def idle_cores() -> int:
     return max(0, usable - max(busy, 1))
 
 
+def unit_cost(unit: list[GraphSpec]) -> int:
+    """A unit's compiles: one prologue per bucket, one layer group, one epilogue per phase (a
+    greedy graph adds only its epilogue: its prologue and layers are its decode graph's)."""
+    return len({spec.bucket for spec in unit}) + 1 + len({spec.phase for spec in unit})
+
+
 def split(unit_list: list[list[GraphSpec]], workers: int) -> list[list[GraphSpec]]:
-    """Assign units to ``workers + 1`` processes (index 0: this one), longest first to the
-    least loaded, a unit's cost taken as its number of graphs plus a fixed 2 (its layer group
-    and epilogue compile once, each bucket adds a prologue)."""
+    """Assign units to ``workers + 1`` processes (index 0: this one), costliest first to the
+    least loaded (:func:`unit_cost`)."""
     loads = [[0, i, []] for i in range(workers + 1)]
-    for unit in sorted(unit_list, key=len, reverse=True):
+    for unit in sorted(unit_list, key=unit_cost, reverse=True):
         target = min(loads, key=lambda x: (x[0], x[1]))
-        target[0] += len(unit) + 2
+        target[0] += unit_cost(unit)
         target[2].extend(unit)
     return [sorted(specs, key=plan_order(unit_list)) for _, _, specs in loads]
 

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from neuronfx.config.attention import layer_period
-from neuronfx.config.plan import GraphSpec, Plan
+from neuronfx.config.plan import SHARED_PARTS, GraphSpec, Plan
 from neuronfx.errors import ArtifactError
 from neuronfx.graphs.backends.cuda_graphs import unwrap
 from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
@@ -32,7 +32,7 @@ from neuronfx.graphs.kernels.library import small_gemm_available
 from neuronfx.graphs.models.layers import Weights
 from neuronfx.graphs.phases.chunk import chunk_layers
 from neuronfx.graphs.phases.compose import GraphModule, PhaseParts, build_module, phase_num_layers
-from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, draft_epilogue, speculate_epilogue
+from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, draft_epilogue, greedy_epilogue, speculate_epilogue
 from neuronfx.graphs.phases.device import device_scope
 from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers
 from neuronfx.graphs.phases.inputs import KVCache, example_inputs
@@ -87,6 +87,7 @@ BUCKET_DIMS: dict[Callable, BucketDims] = {
     decode_layers: BucketDims("S"),  # mask (M, B, 1, T, S)
     chunk_layers: BucketDims("S", backed=True),  # SDPA guards on its key length (Eq(S, 0)): unbacked cannot answer
     decode_epilogue: BucketDims(None),
+    greedy_epilogue: BucketDims(None),
     speculate_epilogue: BucketDims(None),
     draft_epilogue: BucketDims(None),
     embed_layers: BucketDims("T", backed=True),  # as prefill's
@@ -244,20 +245,24 @@ class PrecompiledPart:
 def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) -> Callable[[functools.partial], PrecompiledPart]:
     """The ``wrap`` of ``phases.compose.phase_parts`` for ``spec``: the parts of
     :data:`BUCKET_DIMS` go through the (phase, batch) entry of ``shared`` (on one
-    process), the others compile alone."""
+    process), the others through its (phase, batch, bucket) entry. A phase of
+    ``config.plan.SHARED_PARTS`` takes the entries of the phase it names (a greedy graph runs
+    its decode graph's compiled prologue and layers: compiled once, not twice)."""
 
     options = inductor_options(plan)
+    phase = SHARED_PARTS.get(spec.phase, spec.phase)
 
     def wrap(fn: functools.partial) -> PrecompiledPart:
         dims = BUCKET_DIMS.get(fn.func) if plan.tp_degree == 1 else None
         cache_dims = bool(plan.kv.ring_blocks) and fn.func in LAYER_PARTS
-        if dims is None:
-            return PrecompiledPart(fn, options=options, cache_dims=cache_dims)
+        if dims is None:  # compiled per bucket
+            key = (phase, spec.batch_size, spec.bucket, fn.func)
+            return PrecompiledPart(fn, shared=shared.setdefault(key, SharedCompile(BucketDims(None), options, cache_dims)))
         if plan.inference.device != "cpu":
             # CUDA's SDPA guards on the key length (Eq(S, 0)), which an unbacked S cannot answer
             # (torch 2.11 on an H200): backed, as chunk layers are everywhere.
             dims = attrs.evolve(dims, backed=True)
-        key = (spec.phase, spec.batch_size, fn.func)
+        key = (phase, spec.batch_size, fn.func)
         return PrecompiledPart(fn, shared=shared.setdefault(key, SharedCompile(dims, options, cache_dims)))
 
     return wrap

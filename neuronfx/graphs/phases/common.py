@@ -121,6 +121,17 @@ def head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, 
     return out
 
 
+def greedy_head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor, hidden: Tensor) -> dict[str, Tensor]:
+    """hidden (B, hidden) -> {"tokens": (B,) int32 argmax of the logits (the first index of the
+    largest value, as ``torch.argmax``), "finite": (B,) bool} and with ``output_logits``
+    "logits" (B, V) float32: :func:`head` for rows the sampler would give their raw argmax."""
+    out_logits = logits(plan, ops, math, norm, lm_head, hidden)  # (B, V)
+    out = {"finite": torch.isfinite(out_logits).all(-1), "tokens": out_logits.argmax(-1).to(torch.int32)}
+    if plan.inference.output_logits:
+        out["logits"] = out_logits
+    return out
+
+
 def last_rows(h: Tensor, last: Tensor) -> Tensor:
     """h (B, T, hidden) at each row's index ``last`` (B,) -> (B, hidden)."""
     return h[torch.arange(h.shape[0], device=h.device), last]

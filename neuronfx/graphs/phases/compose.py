@@ -28,7 +28,14 @@ from neuronfx.graphs.models.layers import LayerWeights, Weights
 from neuronfx.graphs.models.ops import Ops
 from neuronfx.graphs.phases.chunk import chunk_layers, chunk_prologue
 from neuronfx.graphs.phases.collectives import tensor_parallel_ops, world_group
-from neuronfx.graphs.phases.decode import decode_epilogue, decode_layers, decode_prologue, draft_epilogue, speculate_epilogue
+from neuronfx.graphs.phases.decode import (
+    decode_epilogue,
+    decode_layers,
+    decode_prologue,
+    draft_epilogue,
+    greedy_epilogue,
+    speculate_epilogue,
+)
 from neuronfx.graphs.phases.embed import embed_epilogue, embed_layers, embed_prologue
 from neuronfx.graphs.phases.inputs import KVCache, KVPairs
 from neuronfx.graphs.phases.prefill import prefill_epilogue, prefill_layers, prefill_prologue
@@ -53,6 +60,7 @@ class PhaseParts:
 PART_FUNCTIONS = {
     "prefill": (prefill_prologue, prefill_layers, prefill_epilogue),
     "decode": (decode_prologue, decode_layers, decode_epilogue),
+    "greedy": (decode_prologue, decode_layers, greedy_epilogue),  # decode with the argmax only (``config.plan.SHARED_PARTS``)
     "speculate": (decode_prologue, decode_layers, speculate_epilogue),
     "draft": (decode_prologue, decode_layers, draft_epilogue),
     "chunk": (chunk_prologue, chunk_layers, prefill_epilogue),  # output at each row's last real token, as prefill
@@ -108,7 +116,8 @@ def run_sampled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inp
 
 
 def run_logits(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: tuple) -> dict[str, Tensor]:
-    """A speculate graph: k tokens per row through every layer, logits (B, k, V) out."""
+    """A graph whose epilogue reads no sampler: speculate (k tokens per row through every
+    layer, logits (B, k, V) out) and greedy (the argmax of each row's logits)."""
     return parts.epilogue(w["norm"], w["lm_head"], _through_layers(parts, num_layers, w, kv, inputs))
 
 
@@ -118,7 +127,7 @@ def run_pooled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
     return parts.epilogue(w["norm"], _through_layers(parts, num_layers, w, kv, inputs))
 
 
-RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "speculate": run_logits, "draft": run_sampled, "chunk": run_sampled,
+RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "greedy": run_logits, "speculate": run_logits, "draft": run_sampled, "chunk": run_sampled,
            "embed": run_pooled}
 
 

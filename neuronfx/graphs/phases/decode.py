@@ -1,5 +1,5 @@
 """The decode-type phases: T new tokens per row at position_ids (B, T) against the slot's cache.
-Decode and draft run T = 1 and sample; speculate runs T = k and returns the logits at every
+Decode and draft run T = 1 and sample, greedy runs T = 1 and takes the argmax; speculate runs T = k and returns the logits at every
 position (acceptance runs on the host); the draft runs the first ``draft_layers`` layers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from neuronfx.graphs.models.family import FamilyMath
 from neuronfx.graphs.models.kv_rows import block_writes, pool_tables
 from neuronfx.graphs.models.layers import LayerWeights
 from neuronfx.graphs.models.ops import Ops
-from neuronfx.graphs.phases.common import embed_tokens, head, layer_pool, layer_tables, logits, mask_stack
+from neuronfx.graphs.phases.common import embed_tokens, greedy_head, head, layer_pool, layer_tables, logits, mask_stack
 from neuronfx.graphs.phases.inputs import KVPairs
 from neuronfx.graphs.phases.records import DecodeHidden
 from neuronfx.graphs.phases.sampling import sample
@@ -62,6 +62,16 @@ def decode_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: T
                     sampler: SamplerInputs) -> dict[str, Tensor]:
     """h (B, 1, hidden) -> the sampled token, logprobs, logits and finiteness of each row (``common.head``)."""
     return head(plan, ops, math, norm, lm_head, x.h[:, 0], sampler)
+
+
+def greedy_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor,
+                    x: DecodeHidden) -> dict[str, Tensor]:
+    """h (B, 1, hidden) -> {"tokens": (B,) int32 argmax of each row's logits, "finite": (B,)
+    bool} (and "logits" (B, V) float32 with ``output_logits``). For rows whose sampler would take
+    the argmax of logits it leaves unchanged (``runtime.acceptance.raw_argmax``: greedy, no
+    penalty, bias or grammar, no logprobs), the same token as ``decode_epilogue``'s without
+    its passes over the vocabulary (``common.greedy_head``)."""
+    return greedy_head(plan, ops, math, norm, lm_head, x.h[:, 0])
 
 
 def speculate_epilogue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: Tensor,
