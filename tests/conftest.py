@@ -100,7 +100,7 @@ def inductor_qwen2():
     """(transformers model, inductor runtime) of a tiny qwen2 (q/k/v biases: Llama's math plus
     the bias path; layer 1 of 2 slides over 6 tokens, so the compiled layer group picks its mask
     by index) with the tiny bucket ladders (prefill 8, 16, 32; decode 16, 32, 64), batch 4,
-    logits out: 6 graphs."""
+    logits out: 9 graphs (prefill, decode and greedy)."""
     hf = tiny_hf_model("qwen2", seed=7, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     return hf, tiny_runtime(hf, "inductor")
 
@@ -110,7 +110,7 @@ def inductor_speculative():
     """(transformers model, inductor runtime) of a tiny llama4 (a dense chunked-RoPE layer and a
     MoE NoPE layer, the 128E model's alternation: the compiled layer group picks RoPE table,
     mask, flag and MLP kind by index) with speculate graphs (k = 4) and self-draft graphs
-    (1 layer), one bucket per phase (prefill 32, decode 64), batch 4: 4 graphs. Llama's own math
+    (1 layer), one bucket per phase (prefill 32, decode 64), batch 4: 5 graphs (with greedy). Llama's own math
     runs on inductor in the SmolLM2 tests."""
     hf = tiny_hf_model("llama4_text", seed=6, interleave_moe_layer_step=2, intermediate_size_mlp=96)
     return hf, tiny_runtime(hf, "inductor", speculation_length=4, draft_layers=1, prefill_buckets=(32,), decode_buckets=(64,))

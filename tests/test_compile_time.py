@@ -89,7 +89,9 @@ def test_units_and_split():
     shares = compile_workers.split(units, 1)
     assert sorted(s.key for share in shares for s in share) == sorted(s.key for s in plan.graphs)
     assert [len(share) for share in shares] == [5, 5]  # costs 5 + 4 vs 5 + 4
-    assert compile_workers.split(units, 0) == [[s for u in units for s in u]]  # a greedy graph right after its decode graph
+    assert [s.key for s in compile_workers.split(units, 0)[0]] == [  # a greedy graph right after its decode graph
+        ("prefill", 1, 8), ("prefill", 1, 16), ("prefill", 1, 32), ("prefill", 2, 8), ("prefill", 2, 16), ("prefill", 2, 32),
+        ("decode", 1, 64), ("greedy", 1, 64), ("decode", 2, 64), ("greedy", 2, 64)]
 
 
 def test_num_workers(monkeypatch):

@@ -77,17 +77,19 @@ def both_graphs(rt, state, tokens):
     return run_rows(rt, state, rows, sampler), run_rows(rt, state, attrs.evolve(rows, phase="greedy"), sampler)
 
 
-def check_same_outputs(rt, decode, greedy):
-    n = 3
+def check_same_outputs(decode, greedy, n=3, logits=True):
+    """The first ``n`` rows' outputs of the two graphs, bit for bit (logits when returned)."""
     assert torch.equal(greedy["tokens"][:n], decode["tokens"][:n])
     assert torch.equal(greedy["finite"][:n], decode["finite"][:n])
-    assert torch.equal(greedy["logits"][:n], decode["logits"][:n])
-    assert torch.equal(greedy["tokens"][:n], decode["logits"][:n].argmax(-1).to(torch.int32))
+    assert ("logits" in greedy) == ("logits" in decode) == logits
+    if logits:
+        assert torch.equal(greedy["logits"][:n], decode["logits"][:n])
+        assert torch.equal(greedy["tokens"][:n], decode["logits"][:n].argmax(-1).to(torch.int32))
 
 
 def test_greedy_graph_equals_the_decode_graph_eager(rt):
     out, state = prefilled(rt)
-    check_same_outputs(rt, *both_graphs(rt, state, out.tokens))
+    check_same_outputs(*both_graphs(rt, state, out.tokens))
 
 
 def test_greedy_graph_equals_the_decode_graph_inductor(inductor_qwen2):
@@ -98,8 +100,22 @@ def test_greedy_graph_equals_the_decode_graph_inductor(inductor_qwen2):
     state = neuronfx.init_state(rt)
     prompts = [random_prompt(5, 4), random_prompt(20, 5), random_prompt(11, 6)]
     out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1, 2], prompts=prompts, sampling=[GREEDY] * 3))
-    decode, greedy = both_graphs(rt, state, out.tokens)
-    check_same_outputs(rt, decode, greedy)
+    check_same_outputs(*both_graphs(rt, state, out.tokens))
+
+
+def test_greedy_graph_equals_the_decode_graph_without_logits_out():
+    """The default plan returns no logits: inductor may then fuse the family's logits transform
+    (granite divides by ``logits_scaling``) into the argmax; the tokens stay the decode graph's."""
+    hf = tiny_hf_model("granite", seed=3)
+    rt = tiny_runtime(hf, "inductor", batch_size=3, output_logits=False, max_context_length=16, sequence_length=32,
+                      prefill_buckets=(16,), decode_buckets=(32,))
+    state = neuronfx.init_state(rt)
+    out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1, 2], prompts=PROMPTS, sampling=[GREEDY] * 3))
+    for _ in range(3):
+        decode, greedy = both_graphs(rt, state, out.tokens)
+        check_same_outputs(decode, greedy, logits=False)
+        out, state = neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[0, 1, 2], input_ids=list(out.tokens), sampling=[GREEDY] * 3))
+        assert list(out.tokens) == greedy["tokens"][:3].tolist()
 
 
 def test_greedy_graphs_compile_with_their_decode_graphs(rt):
@@ -111,14 +127,27 @@ def test_greedy_graphs_compile_with_their_decode_graphs(rt):
         assert {s.key[1:] for s in unit if s.phase == "greedy"} == ({s.key[1:] for s in unit if s.phase == "decode"})
 
 
+def recording(rt, phases):
+    """``rt`` whose graphs append their phase to ``phases`` on every call."""
+    def wrap(phase, graph):
+        def call(*args):
+            phases.append(phase)
+            return graph(*args)
+        return call
+    return attrs.evolve(rt, graphs={k: wrap(k[0], g) for k, g in rt.graphs.items()})
+
+
 def test_greedy_steps_equal_decode_steps_and_keep_the_state(hf):
     """Whole runs: greedy tokens and logits, and the state after them (RNG key, output counts),
-    equal with and without greedy graphs; a penalised run (decode graph throughout) too."""
+    equal with and without greedy graphs; a penalised run (decode graph throughout) too. The
+    decode steps run the greedy graphs only where every row is plain greedy."""
     on, off = tiny_runtime(hf), tiny_runtime(hf, greedy_graphs=False)
-    for sampling in (GREEDY, SamplingParams(repetition_penalty=1.5)):
+    for sampling, want in ((GREEDY, "greedy"), (SamplingParams(repetition_penalty=1.5), "decode")):
         runs = []
         for rt in (on, off):
-            tokens, logits, _, state = run_steps(rt, neuronfx.init_state(rt), [0, 1, 2], PROMPTS, 8, sampling)
+            phases = []
+            tokens, logits, _, state = run_steps(recording(rt, phases), neuronfx.init_state(rt), [0, 1, 2], PROMPTS, 8, sampling)
+            assert phases == ["prefill"] + [want if rt is on else "decode"] * 7
             runs.append((tokens, logits, state.rng_key, state.output_counts.clone()))
         assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
         assert all(torch.equal(a, b) for ra, rb in zip(runs[0][1], runs[1][1]) for a, b in zip(ra, rb))

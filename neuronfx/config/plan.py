@@ -22,7 +22,7 @@ SHARED_PARTS = {"greedy": "decode"}
 """Phases whose graphs run another phase's prologue and layers (a "greedy" graph is a decode
 graph with an argmax epilogue): a compiler may build those parts once for both."""
 
-__all__ = ["PHASES", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
+__all__ = ["PHASES", "SHARED_PARTS", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
 
 
 @attrs.frozen(kw_only=True)

@@ -70,7 +70,7 @@ class Rows:
     ``bucket``) graph, whose rows hold T = ``width`` tokens (right-padded; rows past n are
     padding in the scratch slot)."""
 
-    phase: str  # the graph's phase: "prefill", "decode", "draft", "speculate" or "chunk"
+    phase: str  # the graph's phase: "prefill", "decode", "greedy", "draft", "speculate" or "chunk"
     slots: Sequence[int]  # [n] slot of each row
     tokens: Sequence[Sequence[int]]  # [n][len_b] new tokens, 1 <= len_b <= width
     starts: Sequence[int]  # [n] position of each row's first new token

@@ -191,7 +191,8 @@ def prefill_step(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[S
 def decode_step(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """Decode one token for each live slot in ``batch.seq_ids``, feeding ``batch.input_ids``.
 
-    Runs the (decode, batch bucket >= n rows, KV bucket >= longest cache_len + 1) graph; padding
+    Runs the (decode, batch bucket >= n rows, KV bucket >= longest cache_len + 1) graph (its
+    greedy twin when every row is plain greedy: ``decode_phase``); padding
     rows write only the scratch slot; a row whose logits were NaN/inf (e.g. a poisoned cache) has
     ``finite[r] == False`` and no other row is affected. With a draft runtime the draft decodes
     the same tokens (its cache follows the target's). Raises (before any change) InputError

@@ -179,7 +179,8 @@ def mark_cache_blocks(args: tuple) -> None:
 
 
 class SharedCompile:
-    """The compiled versions of one part that the buckets of a (phase, batch) share: a bucket
+    """The compiled versions of one part that the buckets of a (phase, batch) share (a part
+    compiled per bucket: the graphs of that bucket, a decode graph and its greedy twin): a graph
     reuses the first version whose guards accept its arguments, else compiles one more (with
     the bucket dimensions of ``dims`` dynamic). One version is the rule; more appear where a shape
     guard splits the buckets, e.g. a product switching to ``small_gemm`` at its row limit (8 rows;
@@ -211,24 +212,19 @@ class SharedCompile:
 
 
 class PrecompiledPart:
-    """One graph part: compiled ahead of time on its first call (with that call's arguments as
-    the example; through ``shared`` when the part is one of several buckets'), or given an
-    already compiled (loaded) function."""
+    """One graph part: compiled ahead of time on its first call through ``shared`` (with that
+    call's arguments as the example, or a version another graph compiled whose guards accept
+    them), or given an already compiled (loaded) function."""
 
-    def __init__(self, fn: Callable | None, compiled: Callable | None = None, shared: SharedCompile | None = None,
-                 options: dict | None = None, cache_dims: bool = False):
+    def __init__(self, fn: Callable | None, compiled: Callable | None = None, shared: SharedCompile | None = None):
         self.fn = fn
         self.compiled = compiled
         self.shared = shared
-        self.options = INDUCTOR_OPTIONS if options is None else options
-        self.cache_dims = cache_dims  # (unshared parts) mark_cache_blocks before compiling
         self.guards_checked = False
 
     def __call__(self, *args: torch.Tensor) -> object:
-        if self.compiled is None and self.shared is None and self.cache_dims:
-            mark_cache_blocks(args)
         if self.compiled is None:
-            self.compiled = _aot_compile(self.fn, args, self.options) if self.shared is None else self.shared.compiled_for(self.fn, args)
+            self.compiled = self.shared.compiled_for(self.fn, args)
         if self.guards_checked:
             return self.compiled(*args)
         out = self.compiled(*args)  # dynamo's guards checked: RuntimeError if these are not the arguments it was built for

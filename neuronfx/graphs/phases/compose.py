@@ -127,8 +127,8 @@ def run_pooled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
     return parts.epilogue(w["norm"], _through_layers(parts, num_layers, w, kv, inputs))
 
 
-RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "greedy": run_logits, "speculate": run_logits, "draft": run_sampled, "chunk": run_sampled,
-           "embed": run_pooled}
+RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "greedy": run_logits, "speculate": run_logits, "draft": run_sampled,
+           "chunk": run_sampled, "embed": run_pooled}
 
 
 class GraphModule(torch.nn.Module):
