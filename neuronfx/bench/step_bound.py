@@ -14,9 +14,9 @@ runners alternate for --rounds rounds after one warm-up each:
   of --gen-len - 1 passes.
 
 Reported per format (median rounds): step ms, products ms, the rest (step - products: norms,
-RoPE, attention, the sampler (the greedy graphs' argmax for these greedy rows), host), the median same-round ratio step / products (the bound: at
-most 1.10), the weight bytes a step reads and the products' bytes, each over its time in GB/s,
-beside this machine's read bandwidth (a large ``torch.sum``). The products are called from
+RoPE, attention, the argmax of the greedy graphs these greedy rows run, host), the median
+same-round ratio step / products (the bound: at most 1.10), the weight bytes a step reads and
+the products' bytes, each over its time in GB/s, beside this machine's read bandwidth (a large ``torch.sum``). The products are called from
 Python, a couple of us of dispatch each (about 120 calls a SmolLM2 step), which a compiled
 graph does not pay: the products-alone time is slightly high, so the ratio slightly flatters the
 step. The products are those of the CPU kernel ops whatever --backend runs the step (eager and
