@@ -221,6 +221,12 @@ def ring_options(model: ModelConfig, inference: InferenceConfig) -> dict:
     return {"ring_layers": tuple(k != "full" for k in kinds), "reach": reach, "step_tokens": step}
 
 
+def has_greedy_graphs(inference: InferenceConfig) -> bool:
+    """Whether a plan of ``inference`` compiles greedy graphs over its decode buckets: a
+    generating plan with ``on_device_sampling`` and ``greedy_graphs``."""
+    return inference.task != "embed" and inference.on_device_sampling and inference.greedy_graphs
+
+
 def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[int, ...], prefill: tuple[int, ...],
                 decode: tuple[int, ...], chunks: tuple[int, ...], max_blocks: int = 1) -> tuple[GraphSpec, ...]:
     """One GraphSpec per (phase, batch bucket, length bucket), in that order: prefill and decode,
@@ -228,7 +234,7 @@ def graph_specs(model: ModelConfig, inference: InferenceConfig, batches: tuple[i
     with ``speculation_length``, draft with ``draft_layers``, chunk with chunk buckets;
     an embedding plan (``task="embed"``): embed graphs over the prefill buckets only."""
     phases = [("embed", prefill)] if inference.task == "embed" else [("prefill", prefill), ("decode", decode)]
-    if inference.task != "embed" and inference.on_device_sampling and inference.greedy_graphs:
+    if has_greedy_graphs(inference):
         phases.append(("greedy", decode))
     if inference.speculation_length:
         phases.append(("speculate", decode))

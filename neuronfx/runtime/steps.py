@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from neuronfx.config.plan import has_greedy_graphs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, PromptTooLongError, SlotError
 from neuronfx.runtime.acceptance import raw_argmax
@@ -122,8 +123,7 @@ def decode_phase(runtime: Runtime, state: State, batch: DecodeBatch) -> str:
     (``acceptance.raw_argmax``) with no logprobs and no grammar, else "decode". The sampler's
     inputs are built and its draws taken either way, so the state's RNG key and every later
     step are the same whichever graph ran."""
-    inference = runtime.plan.inference
-    if not (inference.on_device_sampling and inference.greedy_graphs):
+    if not has_greedy_graphs(runtime.plan.inference):
         return "decode"
     if batch.constraints is not None and any(m is not None for m in batch.constraints):
         return "decode"
