@@ -207,6 +207,7 @@ def test_inference_limits_inclusive():
 SAMPLER_INPUTS = ("sampling_params", "output_counts", "prompt_mask", "logits_bias", "rand", "token_bitmask")
 PREFILL_INPUTS = ("input_ids", "position_ids", "seq_ids", "block_table", "prompt_lens", *SAMPLER_INPUTS)
 DECODE_INPUTS = ("input_ids", "position_ids", "seq_ids", "block_table", *SAMPLER_INPUTS)
+GREEDY_INPUTS = DECODE_INPUTS[:4]  # the argmax twin reads no sampler
 
 
 def test_make_plan_defaults():
@@ -387,7 +388,7 @@ def test_make_plan_invariants(inf):
     for g in plan.graphs:
         names = tuple(t.name for t in g.inputs)
         n = g.bucket if g.phase == "prefill" else 1
-        assert names == (PREFILL_INPUTS if g.phase == "prefill" else DECODE_INPUTS)
+        assert names == {"prefill": PREFILL_INPUTS, "greedy": GREEDY_INPUTS}.get(g.phase, DECODE_INPUTS)
         assert g.inputs[0].shape == g.inputs[1].shape == (g.batch_size, n)
         assert g.batch_size in plan.batch_buckets
         assert plan.graph(g.phase, g.batch_size, g.bucket) is g

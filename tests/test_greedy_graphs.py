@@ -74,7 +74,7 @@ def both_graphs(rt, state, tokens):
     starts = [state.cache_lens[s] for s in slots]
     rows = plan_rows(rt, "decode", rt.plan.decode_buckets, slots, [(t,) for t in tokens], starts, width=1)
     sampler, _ = row_sampler(rt, state, rows, [GREEDY] * 3, [state.generated[s] for s in slots])
-    return run_rows(rt, state, rows, sampler), run_rows(rt, state, attrs.evolve(rows, phase="greedy"), sampler)
+    return run_rows(rt, state, rows, sampler), run_rows(rt, state, attrs.evolve(rows, phase="greedy"))
 
 
 def check_same_outputs(decode, greedy, n=3, logits=True):

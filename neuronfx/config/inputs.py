@@ -91,6 +91,17 @@ class SpeculateInputs(NamedTuple):
     block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
 
 
+class GreedyInputs(NamedTuple):
+    """Greedy (a decode graph's argmax twin, ``config.plan.SHARED_PARTS``): one new token per
+    row at its slot's cache_len; the output is the argmax of each row's logits, so no sampler
+    inputs (the step still takes its draws: the state's RNG key moves as a decode step's)."""
+
+    input_ids: Annotated[Tensor, "B T", "int32", "the row's last token (T = 1)"]  # (B, T)
+    position_ids: Annotated[Tensor, "B T", "int32", "its position: the slot's cache_len"]  # (B, T)
+    seq_ids: Annotated[Tensor, "B", "int32", "slot of each row; padding rows use the scratch slot"]  # (B,)
+    block_table: Annotated[Tensor, "B N", "int32", "the row's KV blocks in position order, then the scratch block (slots: [slot])"]  # (B, N)
+
+
 class ChunkInputs(NamedTuple):
     """Chunk (prefill at an offset): each row's next T prompt tokens written at positions
     [cache_len, cache_len + chunk_len) of its slot, attending the slot's cache plus causal
@@ -143,7 +154,7 @@ class FusedSpeculateInputs(NamedTuple):
 
 
 PHASE_INPUTS: dict[str, type] = {
-    "prefill": PrefillInputs, "decode": DecodeInputs, "greedy": DecodeInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
+    "prefill": PrefillInputs, "decode": DecodeInputs, "greedy": GreedyInputs, "draft": DecodeInputs, "speculate": SpeculateInputs,
     "chunk": ChunkInputs, "embed": EmbedInputs,
 }
 """The step-input record of each phase."""
@@ -243,7 +254,7 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
 def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
     row a tensor in call order: field, shape, dtype, what it holds (docs/design.md shows it)."""
-    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
+    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "GreedyInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
               "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket",
               "FusedSpeculateInputs": "T = speculation_length, D = T - 1"}
     out = []

@@ -210,11 +210,11 @@ def table_rows(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], row
     """The block tables (``rows``, N) int32 of a graph's rows: ``slots``' tables, then padding rows
     all scratch. The slots layout: each row's ``[slot]``, padding rows the scratch slot."""
     kv = plan.kv
+    if blocks is None:  # one tensor op: a step's host code runs cold after its graph, each op several us
+        rest = [kv.scratch_block] * (kv.max_blocks_per_seq - 1)
+        return torch.tensor([[s, *rest] for s in slots] + [[kv.scratch_block, *rest]] * (rows - len(slots)), dtype=torch.int32)
     out = torch.full((rows, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
-    if blocks is None:
-        out[: len(slots), 0] = torch.tensor(list(slots), dtype=torch.int32)
-    else:
-        out[: len(slots)] = blocks.tables[list(slots)]
+    out[: len(slots)] = blocks.tables[list(slots)]
     return out
 
 

@@ -102,17 +102,24 @@ def step_inputs(runtime: Runtime, rows: Rows, sampler: SamplerInputs | None, blo
     lengths; ``block_table`` (B, N) int32 as given (``blocks.table_rows``); ``sampler`` as given
     (None for phases without one)."""
     record, n, bsz, width = PHASE_INPUTS[rows.phase], len(rows.slots), rows.bsz, rows.width
-    lens = torch.tensor(pad([len(t) for t in rows.tokens], bsz, 1), dtype=torch.int32)
-    # One position rule for every phase: a pad's position feeds only its own RoPE and its write
-    # (chunk: to the scratch slot; prefill writes by index and masks by prompt_lens).
+    lens, starts = pad([len(t) for t in rows.tokens], bsz, 1), pad(rows.starts, bsz, 0)
+
+    def positions() -> Tensor:
+        # One position rule for every phase: a pad's position feeds only its own RoPE and its write
+        # (chunk: to the scratch slot; prefill writes by index and masks by prompt_lens). One token
+        # a row (decode): its start, chunk_positions' value without its five tensor ops.
+        if width == 1:
+            return torch.tensor([[s] for s in starts], dtype=torch.int32)
+        return chunk_positions(torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), width)
+
     # Built lazily: each record takes only some of these fields (decode four).
     make = {
         "input_ids": lambda: torch.tensor([[*t, *[0] * (width - len(t))] for t in rows.tokens] + [[0] * width] * (bsz - n),
                                           dtype=torch.int32),
-        "position_ids": lambda: chunk_positions(torch.tensor(pad(rows.starts, bsz, 0), dtype=torch.int32), lens, width),
+        "position_ids": positions,
         "seq_ids": lambda: torch.tensor(pad(rows.slots, bsz, runtime.plan.kv.scratch_slot), dtype=torch.int32),
-        "prompt_lens": lambda: lens,
-        "chunk_lens": lambda: lens,
+        "prompt_lens": lambda: torch.tensor(lens, dtype=torch.int32),
+        "chunk_lens": lambda: torch.tensor(lens, dtype=torch.int32),
         "seq_lens": lambda: torch.tensor(pad(rows.seq_lens or [s + len(t) for s, t in zip(rows.starts, rows.tokens)], bsz, 1),
                                          dtype=torch.int32),
         "block_table": lambda: block_table,
@@ -168,10 +175,11 @@ def row_logprobs(out: dict[str, Tensor], r: int, token: int, k: int) -> Logprobs
                     top_ids=tuple(out["top_ids"][r, :k].tolist()), top_logprobs=tuple(out["top_logprobs"][r, :k].tolist()))
 
 
-def sampled(runtime: Runtime, out: dict[str, Tensor], params: Sequence[SamplingParams], sampler: SamplerInputs,
+def sampled(runtime: Runtime, out: dict[str, Tensor], params: Sequence[SamplingParams], sampler: SamplerInputs | None,
             ) -> tuple[tuple[int, ...], Tensor | None, tuple[tuple[Logprobs, ...] | None, ...]]:
     """(token [n], logits (n, V) or None, logprobs [n]) the graph sampled for the n =
-    ``len(params)`` rows; without on-device sampling the same sampler runs here on its logits."""
+    ``len(params)`` rows; without on-device sampling the same sampler runs here on its logits
+    (``sampler`` is None only for a greedy graph, which plans with on-device sampling have)."""
     plan, n = runtime.plan, len(params)
     if not plan.inference.on_device_sampling:
         out = out | sample(out["logits"], sampler, plan.topk_width, plan.logprobs_width)
@@ -184,11 +192,11 @@ def sampled(runtime: Runtime, out: dict[str, Tensor], params: Sequence[SamplingP
 
 def count_tokens(state: State, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
     """Add each row's new tokens to its slot's output counts (in place; one scatter for all rows)."""
-    rows = [s for s, row in zip(slots, tokens) for _ in row]
-    if rows:
-        ids = [t for row in tokens for t in row]
-        state.output_counts.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.ones(len(ids), dtype=torch.int32),
-                                       accumulate=True)
+    vocab = state.output_counts.shape[1]
+    flat = [s * vocab + t for s, row in zip(slots, tokens) for t in row]  # (slot, token) in the counts' row-major order
+    if flat:
+        # view, never reshape: a copy would take the counts silently; index_add_ adds repeats
+        state.output_counts.view(-1).index_add_(0, torch.tensor(flat), torch.ones(len(flat), dtype=torch.int32))
 
 
 def commit(state: State, slots: Sequence[int], ends: Sequence[int], produced: Sequence[Sequence[int]], rng_key: int,
@@ -211,7 +219,7 @@ def commit(state: State, slots: Sequence[int], ends: Sequence[int], produced: Se
 
 
 def token_step(runtime: Runtime, state: State, rows: Rows, params: Sequence[SamplingParams], out: dict[str, Tensor],
-               sampler: SamplerInputs, rng_key: int, ends: Sequence[int], fresh_mask: Tensor | None = None,
+               sampler: SamplerInputs | None, rng_key: int, ends: Sequence[int], fresh_mask: Tensor | None = None,
                keep: Sequence[bool] | None = None, prompt_logprobs: tuple = ()) -> tuple[StepOutput, State]:
     """Commit a step whose graph sampled one token per row (prefill, refill, decode, chunk):
     (its StepOutput, the new state, :func:`commit`). ``keep[b]`` False: row b's token is not

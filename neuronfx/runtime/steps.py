@@ -20,6 +20,7 @@ from neuronfx.config.plan import has_greedy_graphs
 from neuronfx.config.sampling import SamplingParams
 from neuronfx.errors import InputError, PromptTooLongError, SlotError
 from neuronfx.runtime.acceptance import raw_argmax
+from neuronfx.runtime.batch import draws
 from neuronfx.runtime.blocks import release as release_blocks
 from neuronfx.runtime.checks import (
     check_batch,
@@ -133,13 +134,18 @@ def decode_phase(runtime: Runtime, state: State, batch: DecodeBatch) -> str:
 
 def decode_target(runtime: Runtime, state: State, batch: DecodeBatch) -> tuple[StepOutput, State]:
     """Decode of the target alone: T = 1 token per row at its slot's cache_len, through the
-    decode or greedy graph (:func:`decode_phase`)."""
+    decode or greedy graph (:func:`decode_phase`). A greedy graph reads no sampler inputs, so
+    none are built for it; its draws are still taken, so the state's RNG key moves as a decode
+    step's would."""
     slots = batch.seq_ids
     starts = [state.cache_lens[s] for s in slots]
+    generated = [state.generated[s] for s in slots]
     rows = plan_rows(runtime, decode_phase(runtime, state, batch), runtime.plan.decode_buckets, slots,
                      [(t,) for t in batch.input_ids], starts, width=1)
-    sampler, key = row_sampler(runtime, state, rows, batch.sampling, [state.generated[s] for s in slots],
-                               constraints=batch.constraints)
+    if rows.phase == "greedy":
+        sampler, key = None, draws(state.rng_key, batch.sampling, generated, rows.bsz)[1]
+    else:
+        sampler, key = row_sampler(runtime, state, rows, batch.sampling, generated, constraints=batch.constraints)
     out = run_rows(runtime, state, rows, sampler)
     return token_step(runtime, state, rows, batch.sampling, out, sampler, key, [p + 1 for p in starts])
 

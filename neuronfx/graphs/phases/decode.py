@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from neuronfx.config.inputs import DecodeInputs, SamplerInputs, SpeculateInputs
+from neuronfx.config.inputs import DecodeInputs, GreedyInputs, SamplerInputs, SpeculateInputs
 from neuronfx.config.masks import decode_mask
 from neuronfx.config.plan import Plan
 from neuronfx.graphs.models.family import FamilyMath
@@ -23,7 +23,7 @@ Tensor = torch.Tensor
 
 
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor,
-                    inputs: DecodeInputs | SpeculateInputs) -> DecodeHidden:
+                    inputs: DecodeInputs | GreedyInputs | SpeculateInputs) -> DecodeHidden:
     """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
     last position + 1 tokens -> the layers' record, masks (M, B, 1, T, S = bucket), and the
     block and offset each token writes through the row's block table."""
