@@ -213,6 +213,8 @@ def table_rows(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], row
     if blocks is None:  # one tensor op: a step's host code runs cold after its graph, each op several us
         rest = [kv.scratch_block] * (kv.max_blocks_per_seq - 1)
         return torch.tensor([[s, *rest] for s in slots] + [[kv.scratch_block, *rest]] * (rows - len(slots)), dtype=torch.int32)
+    if rows == len(slots):  # no padding rows: the gather is already a copy of its own
+        return blocks.tables[list(slots)]
     out = torch.full((rows, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
     out[: len(slots)] = blocks.tables[list(slots)]
     return out
