@@ -140,10 +140,11 @@ class InferenceConfig:
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
     - ``greedy_graphs``: with ``on_device_sampling``, also compile "greedy" graphs beside the
       decode graphs (the same prologue and layers, sharing their compiled layers, and an
-      epilogue that only takes the argmax of the logits; their record has no sampler inputs): a decode step whose rows are all
-      greedy with no penalty, ``logit_bias``, pending ``min_tokens``, logprobs or grammar runs
-      them instead (vLLM's all-greedy sampler path), the same tokens without the sampler's
-      passes over the vocabulary (about 1 ms of a 10 ms SmolLM2 step at batch 8). Default True.
+      epilogue that only takes the argmax of the logits; their record has no sampler inputs):
+      a decode step whose rows are all greedy with no penalty, ``logit_bias``, pending
+      ``min_tokens``, logprobs or grammar runs them instead (vLLM's all-greedy sampler path),
+      the same tokens without the sampler's passes over the vocabulary (about 1 ms of a 10 ms
+      SmolLM2 step at batch 8). Default True.
     - ``enable_prompt_logprobs``: prefill and chunk graphs also return, at every prompt
       position, the raw logprob of the next prompt token and the top ``max_logprobs``
       alternatives (the LM head runs over the prompt in blocks: ``graphs/phases/prompt_logprobs.py``),
