@@ -84,7 +84,7 @@ def test_units_and_split():
     units = compile_workers.units(plan)
     assert [[s.key for s in u] for u in units] == [
         [("prefill", 1, 8), ("prefill", 1, 16), ("prefill", 1, 32)], [("prefill", 2, 8), ("prefill", 2, 16), ("prefill", 2, 32)],
-        [("decode", 1, 64), ("greedy", 1, 64)], [("decode", 2, 64), ("greedy", 2, 64)]]  # greedy: decode's layers
+        [("decode", 1, 64), ("greedy", 1, 64)], [("decode", 2, 64), ("greedy", 2, 64)]]  # greedy: decode's prologue and layers
     assert [compile_workers.unit_cost(u) for u in units] == [5, 5, 4, 4]  # buckets + layer group + epilogues
     shares = compile_workers.split(units, 1)
     assert sorted(s.key for share in shares for s in share) == sorted(s.key for s in plan.graphs)

@@ -94,7 +94,7 @@ def test_greedy_graph_equals_the_decode_graph_eager(rt):
 
 def test_greedy_graph_equals_the_decode_graph_inductor(inductor_qwen2):
     """The default backend: a compiled argmax epilogue beside the compiled sampler, on the
-    same compiled layers (``inductor_parts`` shares them)."""
+    same compiled prologue and layers (``inductor_parts`` shares them)."""
     _, rt = inductor_qwen2
     assert {g.key[1:] for g in rt.plan.graphs if g.phase == "greedy"} == {g.key[1:] for g in rt.plan.graphs if g.phase == "decode"}
     state = neuronfx.init_state(rt)
@@ -120,7 +120,7 @@ def test_greedy_graph_equals_the_decode_graph_without_logits_out():
 
 def test_greedy_graphs_compile_with_their_decode_graphs(rt):
     """One compile unit per (decode, batch) holds its greedy graphs: they reuse its compiled
-    layers (``inductor_parts._wrapper``), which another process would compile again."""
+    prologue and layers (``inductor_parts._wrapper``), which another process would compile again."""
     for unit in units(rt.plan):
         phases = {spec.phase for spec in unit}
         assert phases in ({"prefill"}, {"decode", "greedy"})

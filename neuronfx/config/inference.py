@@ -139,7 +139,7 @@ class InferenceConfig:
       20); 0 compiles no logprob outputs.
     - ``output_logits``: graphs also return fp32 logits of the last position [B, vocab].
     - ``greedy_graphs``: with ``on_device_sampling``, also compile "greedy" graphs beside the
-      decode graphs (the same prologue and layers, sharing their compiled layers, and an
+      decode graphs (the same prologue and layers, sharing their compiled parts, and an
       epilogue that only takes the argmax of the logits; their record has no sampler inputs):
       a decode step whose rows are all greedy with no penalty, ``logit_bias``, pending
       ``min_tokens``, logprobs or grammar runs them instead (vLLM's all-greedy sampler path),

@@ -254,8 +254,8 @@ def check_inputs(specs: tuple[TensorSpec, ...], value: Any, what: str) -> None:
 def describe() -> str:
     """The docs' tables of the step inputs, one per record (the phases that take it, T), each
     row a tensor in call order: field, shape, dtype, what it holds (docs/design.md shows it)."""
-    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "GreedyInputs": "T = 1", "SpeculateInputs": "T = speculation_length",
-              "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket",
+    tokens = {"PrefillInputs": "T = the prompt bucket", "DecodeInputs": "T = 1", "GreedyInputs": "T = 1",
+              "SpeculateInputs": "T = speculation_length", "ChunkInputs": "T = prefill_chunk_size", "EmbedInputs": "T = the prompt bucket",
               "FusedSpeculateInputs": "T = speculation_length, D = T - 1"}
     out = []
     for cls in [*dict.fromkeys(PHASE_INPUTS.values()), FusedSpeculateInputs]:

@@ -20,8 +20,8 @@ PHASES = ("prefill", "decode", "greedy", "speculate", "draft", "chunk", "embed")
 
 SHARED_PARTS = {"greedy": "decode"}
 """Phases whose graphs run another phase's prologue and layers (a "greedy" graph is a decode
-graph with an argmax epilogue): a compiler may build those parts once for both (where their
-records differ, as greedy's takes no sampler inputs, a prologue per record)."""
+graph with an argmax epilogue): a compiler may build those parts once for both (a decode graph's prologue takes the
+token fields of its record as its greedy twin's ``GreedyInputs``: ``phases.compose.run_decode``)."""
 
 __all__ = ["PHASES", "SHARED_PARTS", "GraphSpec", "Plan", "TensorSpec", "bitmask_words", "make_plan", "plan_for_rank", "step_inputs"]
 

@@ -193,7 +193,8 @@ def sampled(runtime: Runtime, out: dict[str, Tensor], params: Sequence[SamplingP
 def count_tokens(state: State, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
     """Add each row's new tokens to its slot's output counts (in place; one scatter for all rows)."""
     vocab = state.output_counts.shape[1]
-    flat = [s * vocab + t for s, row in zip(slots, tokens) for t in row]  # (slot, token) in the counts' row-major order
+    # (slot, token) in the counts' row-major order; the tokens are the graphs' own, each < vocab
+    flat = [s * vocab + t for s, row in zip(slots, tokens) for t in row]
     if flat:
         # view, never reshape: a copy would take the counts silently; index_add_ adds repeats
         state.output_counts.view(-1).index_add_(0, torch.tensor(flat), torch.ones(len(flat), dtype=torch.int32))

@@ -121,9 +121,9 @@ def _prefill(runtime: Runtime, state: State, batch: PrefillBatch) -> tuple[StepO
 def decode_phase(runtime: Runtime, state: State, batch: DecodeBatch) -> str:
     """The phase of a decode step's graph: "greedy" (``InferenceConfig.greedy_graphs``) where
     the plan has those graphs and every row takes the argmax of its raw logits
-    (``acceptance.raw_argmax``) with no logprobs and no grammar, else "decode". The sampler's
-    inputs are built and its draws taken either way, so the state's RNG key and every later
-    step are the same whichever graph ran."""
+    (``acceptance.raw_argmax``) with no logprobs and no grammar, else "decode". The step's draws
+    are taken either way (a greedy step builds no other sampler input), so the state's RNG key
+    and every later step are the same whichever graph ran."""
     if not has_greedy_graphs(runtime.plan.inference):
         return "decode"
     if batch.constraints is not None and any(m is not None for m in batch.constraints):

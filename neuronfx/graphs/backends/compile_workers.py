@@ -112,8 +112,7 @@ def idle_cores() -> int:
 
 def unit_cost(unit: list[GraphSpec]) -> int:
     """A unit's compiles: one prologue per bucket, one layer group, one epilogue per phase (a
-    greedy graph adds its epilogue: its layers are its decode graph's, and its prologues, second
-    versions for a record without sampler inputs, are small graphs, not counted)."""
+    greedy graph adds only its epilogue: its prologue and layers are its decode graph's)."""
     return len({spec.bucket for spec in unit}) + 1 + len({spec.phase for spec in unit})
 
 

@@ -243,8 +243,7 @@ def _wrapper(plan: Plan, spec: GraphSpec, shared: dict[tuple, SharedCompile]) ->
     :data:`BUCKET_DIMS` go through the (phase, batch) entry of ``shared`` (on one
     process), the others through its (phase, batch, bucket) entry. A phase of
     ``config.plan.SHARED_PARTS`` takes the entries of the phase it names (a greedy graph runs
-    its decode graph's compiled layers: compiled once, not twice; its prologue, whose record
-    has no sampler inputs, is a second version in the same entry)."""
+    its decode graph's compiled prologue and layers: compiled once, not twice)."""
 
     options = inductor_options(plan)
     phase = SHARED_PARTS.get(spec.phase, spec.phase)

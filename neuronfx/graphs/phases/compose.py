@@ -22,6 +22,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from neuronfx.config.inputs import DecodeInputs, GreedyInputs
 from neuronfx.config.plan import GraphSpec, Plan
 from neuronfx.graphs.models import family_math
 from neuronfx.graphs.models.layers import LayerWeights, Weights
@@ -115,6 +116,14 @@ def run_sampled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inp
     return parts.epilogue(w["norm"], w["lm_head"], _through_layers(parts, num_layers, w, kv, inputs), inputs.sampler)
 
 
+def run_decode(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: DecodeInputs) -> dict[str, Tensor]:
+    """A decode graph: :func:`run_sampled` with the prologue given the record's four token
+    fields as a ``GreedyInputs``, the record its greedy twin takes, so the two prologues trace
+    alike and share one compiled version (``config.plan.SHARED_PARTS``)."""
+    tokens = GreedyInputs(inputs.input_ids, inputs.position_ids, inputs.seq_ids, inputs.block_table)
+    return parts.epilogue(w["norm"], w["lm_head"], _through_layers(parts, num_layers, w, kv, tokens), inputs.sampler)
+
+
 def run_logits(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: tuple) -> dict[str, Tensor]:
     """A graph whose epilogue reads no sampler: speculate (k tokens per row through every
     layer, logits (B, k, V) out) and greedy (the argmax of each row's logits)."""
@@ -127,7 +136,7 @@ def run_pooled(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
     return parts.epilogue(w["norm"], _through_layers(parts, num_layers, w, kv, inputs))
 
 
-RUNNERS = {"prefill": run_sampled, "decode": run_sampled, "greedy": run_logits, "speculate": run_logits, "draft": run_sampled,
+RUNNERS = {"prefill": run_sampled, "decode": run_decode, "greedy": run_logits, "speculate": run_logits, "draft": run_sampled,
            "chunk": run_sampled, "embed": run_pooled}
 
 

@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 
 def decode_prologue(plan: Plan, bucket: int, ops: Ops, math: FamilyMath, embed: Tensor,
                     inputs: DecodeInputs | GreedyInputs | SpeculateInputs) -> DecodeHidden:
-    """ids/positions (B, T): T = 1 for decode and draft, k for speculate; a row then holds its
+    """ids/positions (B, T): T = 1 for decode, greedy and draft, k for speculate; a row then holds its
     last position + 1 tokens -> the layers' record, masks (M, B, 1, T, S = bucket), and the
     block and offset each token writes through the row's block table."""
     position_ids = inputs.position_ids
