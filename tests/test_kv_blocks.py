@@ -130,10 +130,16 @@ def test_block_manager_counts_and_copy_on_write(hf, ops: list) -> None:
     lens = [0] * plan.kv.num_slots
     for op, slot, other, n in ops:
         if op == "grow" and lens[slot] + n <= 64:
+            # reserve's shortcut: a write inside one block the slot holds alone, which changes nothing
+            start, col = lens[slot], lens[slot] // 8
+            alone = start % 8 > 0 and (start + n - 1) // 8 == col and int(b.refs[b.tables[slot, col]]) == 1
+            assert manager.inside_own_blocks(plan, b, [slot], [start], [start + n]) == alone
+            before = b.tables.clone(), b.refs.clone()
             try:
                 manager.reserve(plan, kv, b, [slot], [lens[slot]], [lens[slot] + n])
             except KVCacheFullError:
                 continue
+            assert not alone or (torch.equal(b.tables, before[0]) and torch.equal(b.refs, before[1]))
             cols = range(lens[slot] // 8, blocks_covering(lens[slot] + n, 8))
             assert all(int(b.refs[b.tables[slot, c]]) == 1 for c in cols)
             for c in cols:  # write the slot's mark into its blocks: a shared block would show it elsewhere
@@ -167,6 +173,23 @@ def test_a_step_that_needs_more_blocks_than_are_free_changes_nothing(hf) -> None
     assert manager.free_count(rt.plan, state.blocks) == 4
     _, state = neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[1], input_ids=[out.tokens[1]], sampling=[GREEDY]))
     assert manager.owned(rt.plan, state.blocks, 1) == 5
+
+
+def test_a_draft_without_free_blocks_fails_the_step_before_the_target_takes_one(hf) -> None:
+    """With a draft model of its own blocks, the public decode step counts both caches' free
+    blocks first: the target would reserve before the draft finds none (without a draft, the
+    target's reserve is the check, test above)."""
+    target = tiny_runtime(hf, num_kv_blocks=16, speculation_length=3, **BLOCKS)
+    rt = neuronfx.with_draft(target, tiny_runtime(hf, num_kv_blocks=8, **BLOCKS))
+    state = neuronfx.init_state(rt)
+    out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1], prompts=[random_prompt(30, 1), random_prompt(32, 2)],
+                                                               sampling=[GREEDY] * 2))
+    assert (manager.free_count(rt.plan, state.blocks), manager.free_count(rt.draft.plan, state.draft.blocks)) == (8, 0)
+    before = state.blocks.tables.clone(), state.draft.blocks.tables.clone()
+    with pytest.raises(KVCacheFullError, match=r"needs 1 free KV blocks of 8 positions and 0 are free \(8 in all\)"):
+        neuronfx.decode_step(rt, state, DecodeBatch(seq_ids=[0, 1], input_ids=list(out.tokens), sampling=[GREEDY] * 2))
+    assert torch.equal(state.blocks.tables, before[0]) and torch.equal(state.draft.blocks.tables, before[1])
+    assert manager.free_count(rt.plan, state.blocks) == 8 and not state.consumed
 
 
 # --- tiny models: the blocks layout against the slots layout --------------------------------------

@@ -139,12 +139,26 @@ def _take(plan: Plan, blocks: BlockTables, count: int) -> list[int]:
     return free.tolist()
 
 
+def inside_own_blocks(plan: Plan, blocks: BlockTables, slots: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> bool:
+    """Whether every row writes positions [starts[b], ends[b]) inside one block ``slots[b]``
+    already holds and no other slot shares: then :func:`reserve` has nothing to do (a decode
+    step's rows but at each block's first position). One gather for all rows: a step's host code
+    runs cold after its graph, and reserve's full bookkeeping took about 190 us of a batch-8
+    decode step (SmolLM2, 2026-12-07)."""
+    bs = plan.kv.block_size
+    cols = [start // bs for start in starts]
+    if any(end > (col + 1) * bs for col, end in zip(cols, ends)):
+        return False
+    # A held block no other slot shares counts 1; the scratch block (a column not held) counts 0.
+    return bool((blocks.refs.numpy()[blocks.tables.numpy()[list(slots), cols]] == 1).all())
+
+
 def reserve(plan: Plan, kv: KVCache, blocks: BlockTables | None, slots: Sequence[int], starts: Sequence[int],
             ends: Sequence[int]) -> None:
     """Make rows' positions [starts[b], ends[b]) of ``slots[b]`` writable: shared blocks in the
     range copied to fresh ones (every layer's K and V), fresh blocks past the held ones. Raises
     KVCacheFullError first when too few are free. Nothing to do for the slots layout."""
-    if blocks is None:
+    if blocks is None or inside_own_blocks(plan, blocks, slots, starts, ends):
         return
     bs, held = plan.kv.block_size, _held(plan, blocks, slots)
     pairs, shared = _written_held(plan, blocks, slots, starts, ends, held)
@@ -213,8 +227,8 @@ def table_rows(plan: Plan, blocks: BlockTables | None, slots: Sequence[int], row
     if blocks is None:  # one tensor op: a step's host code runs cold after its graph, each op several us
         rest = [kv.scratch_block] * (kv.max_blocks_per_seq - 1)
         return torch.tensor([[s, *rest] for s in slots] + [[kv.scratch_block, *rest]] * (rows - len(slots)), dtype=torch.int32)
-    if rows == len(slots):  # no padding rows: the gather is already a copy of its own
-        return blocks.tables[list(slots)]
+    if rows == len(slots):  # no padding rows: the gather is already a copy of its own (numpy's: 1 us, torch's 5)
+        return torch.from_numpy(blocks.tables.numpy()[list(slots)])
     out = torch.full((rows, kv.max_blocks_per_seq), kv.scratch_block, dtype=torch.int32)
     out[: len(slots)] = blocks.tables[list(slots)]
     return out
