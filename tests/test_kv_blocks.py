@@ -118,6 +118,13 @@ def test_window_rows_gathers_positions_through_the_table() -> None:
 # --- the block manager -----------------------------------------------------------------------------
 
 
+def writes_alone(plan, b: manager.BlockTables, slot: int, start: int, end: int) -> bool:
+    """Naive rule: positions [start, end) of ``slot`` lie in one block (of 8) it holds with no other holder."""
+    col = start // 8
+    held = int(b.tables[slot, col]) != plan.kv.scratch_block
+    return end <= (col + 1) * 8 and held and int(b.refs[b.tables[slot, col]]) == 1
+
+
 @given(st.lists(st.tuples(st.sampled_from(["grow", "fork", "free"]), st.integers(0, 3), st.integers(0, 3), st.integers(1, 30)),
                 max_size=25))
 def test_block_manager_counts_and_copy_on_write(hf, ops: list) -> None:
@@ -130,16 +137,20 @@ def test_block_manager_counts_and_copy_on_write(hf, ops: list) -> None:
     lens = [0] * plan.kv.num_slots
     for op, slot, other, n in ops:
         if op == "grow" and lens[slot] + n <= 64:
-            # reserve's shortcut: a write inside one block the slot holds alone, which changes nothing
-            start, col = lens[slot], lens[slot] // 8
-            alone = start % 8 > 0 and (start + n - 1) // 8 == col and int(b.refs[b.tables[slot, col]]) == 1
-            assert manager.inside_own_blocks(plan, b, [slot], [start], [start + n]) == alone
+            # reserve's shortcut: a write inside one block the slot holds alone, which changes nothing;
+            # a batch takes it only when every row would
+            start = lens[slot]
+            shortcut = manager.inside_own_blocks(plan, b, [slot], [start], [start + n])
+            assert shortcut == writes_alone(plan, b, slot, start, start + n)
+            rows = [s for s in range(4) if lens[s] < 64]
+            assert manager.inside_own_blocks(plan, b, rows, [lens[s] for s in rows], [lens[s] + 1 for s in rows]) == all(
+                writes_alone(plan, b, s, lens[s], lens[s] + 1) for s in rows)
             before = b.tables.clone(), b.refs.clone()
             try:
                 manager.reserve(plan, kv, b, [slot], [lens[slot]], [lens[slot] + n])
             except KVCacheFullError:
                 continue
-            assert not alone or (torch.equal(b.tables, before[0]) and torch.equal(b.refs, before[1]))
+            assert not shortcut or (torch.equal(b.tables, before[0]) and torch.equal(b.refs, before[1]))
             cols = range(lens[slot] // 8, blocks_covering(lens[slot] + n, 8))
             assert all(int(b.refs[b.tables[slot, c]]) == 1 for c in cols)
             for c in cols:  # write the slot's mark into its blocks: a shared block would show it elsewhere
@@ -182,8 +193,8 @@ def test_a_draft_without_free_blocks_fails_the_step_before_the_target_takes_one(
     target = tiny_runtime(hf, num_kv_blocks=16, speculation_length=3, **BLOCKS)
     rt = neuronfx.with_draft(target, tiny_runtime(hf, num_kv_blocks=8, **BLOCKS))
     state = neuronfx.init_state(rt)
-    out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1], prompts=[random_prompt(30, 1), random_prompt(32, 2)],
-                                                               sampling=[GREEDY] * 2))
+    prompts = [random_prompt(30, 1), random_prompt(32, 2)]
+    out, state = neuronfx.prefill_step(rt, state, PrefillBatch(seq_ids=[0, 1], prompts=prompts, sampling=[GREEDY] * 2))
     assert (manager.free_count(rt.plan, state.blocks), manager.free_count(rt.draft.plan, state.draft.blocks)) == (8, 0)
     before = state.blocks.tables.clone(), state.draft.blocks.tables.clone()
     with pytest.raises(KVCacheFullError, match=r"needs 1 free KV blocks of 8 positions and 0 are free \(8 in all\)"):

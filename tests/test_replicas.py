@@ -36,7 +36,9 @@ from neuronfx.io.checkpoints import load_checkpoint, load_tokenizer
 NAME = "tiny"
 PLAN = ["--backend", "eager", "--batch-size", "4", "--max-context-length", "128", "--sequence-length", "160",
         "--enable-prefix-caching", "--prefix-block-size", "8"]
-REPLICAS = ["--data-parallel-size", "2", "--replica-threads", "1", "--served-model-name", NAME, "--shutdown-timeout", "5"]
+# The drain window outlasts the SIGTERM test's 140-token stream on a loaded machine: at 5 s a suite run
+# (2026-12-07) cut it at 5.9 s; a stop waits only for what is in flight, so a longer window costs nothing.
+REPLICAS = ["--data-parallel-size", "2", "--replica-threads", "1", "--served-model-name", NAME, "--shutdown-timeout", "30"]
 RAY_BIN = Path(sys.executable).with_name("ray")
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}  # a loopback test cluster: no tokens to hand around
 REQUEST_BOUND_S = 60  # the most a request may take before it completes or fails, a replica killed or not

@@ -5,7 +5,9 @@ Checked once: the public step functions (``prefill_step``, ``decode_step``, ``ch
 ``speculate_step``, ``release``) call these and then run the step's pipeline, which trusts its
 input; the scheduler's ``submit`` and the server's handler check a request once
 (``scheduler.check_request``) and the scheduler then calls the pipelines directly. The graph's
-input tensors are checked at the graph boundary (``batch.call_graph``), once per call.
+input tensors are checked at the graph boundary (``batch.call_graph``), once per call. One rule
+is left to the pipeline: free KV blocks of a decode step without a draft model, which
+``blocks.reserve`` checks before it changes anything.
 """
 
 from __future__ import annotations
