@@ -205,8 +205,10 @@ def test_kernel_warm_up_runs_at_lower_priority_in_its_own_thread():
 def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
     """inductor's C++ wrapper for CPU plans on one rank; the Python wrapper for CUDA plans (their
     CUDA-graph capture) and tensor-parallel ones (the C++ wrapper cannot call the functional
-    collectives); the assert-free options everywhere."""
+    collectives); the assert-free options everywhere; the C++ wrapper's decode ops through
+    their C shims."""
     from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS, inductor_options
+    from neuronfx.graphs.kernels.library import c_shims
 
     hf = tiny_hf_model("llama")
     cases = {(): True, (("tp_degree", 2),): False, (("device", "cuda"),): False}
@@ -215,3 +217,5 @@ def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
         options = inductor_options(plan)
         assert options["cpp_wrapper"] is cpp, overrides
         assert INDUCTOR_OPTIONS.items() <= options.items()
+        # the C++ wrapper calls the decode ops through their C shims (test_kernels checks them)
+        assert options.get("aot_inductor.custom_ops_to_c_shims", {}) == (c_shims() if cpp else {}) and c_shims()

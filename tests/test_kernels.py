@@ -895,3 +895,58 @@ def test_build_units_include_every_source_once() -> None:
 
     included = [m for unit in library.BUILD_UNITS for m in re.findall(r'^#include "([^"]+)"', unit.read_text(), re.M)]
     assert sorted(included) == sorted(p.name for p in library.SOURCES)
+
+
+def test_c_shim_declarations_follow_the_schemas_and_resolve() -> None:
+    """Each decode op's C shim declaration has one C argument per schema argument (Tensor a
+    handle, Tensor? a pointer to one, int int64_t, bool int32_t) and ``ret0``, and its symbol is
+    visible process-wide (the library reopened ``RTLD_GLOBAL``), as a compiled part needs."""
+    import ctypes
+
+    from neuronfx.graphs.kernels.library import C_SHIM_OPS, C_SHIM_TYPES, c_shims
+
+    shims = c_shims()
+    assert sorted(op.name().split("::")[1] for op in shims) == sorted(C_SHIM_OPS)
+    process = ctypes.CDLL(None)
+    for op, (declaration,) in shims.items():
+        name = op.name().split("::")[1]
+        args = [f"{C_SHIM_TYPES[str(a.type)]} {a.name}" for a in op._schema.arguments]
+        assert declaration == f"AOTITorchError aoti_torch_cpu_{name}({', '.join([*args, 'AtenTensorHandle* ret0'])})"
+        assert getattr(process, f"aoti_torch_cpu_{name}") is not None
+
+
+def test_compiled_calls_through_c_shims_equal_the_ops() -> None:
+    """inductor's C++ wrapper with the shims calls the kernels directly (no dispatcher lookup in
+    the generated code) and gets the ops' own outputs: optional tensors given and None, two and
+    three fused weights, the int8 format's scale, a block table and mask."""
+    from torch._inductor.utils import run_and_get_cpp_code
+
+    from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS
+    from neuronfx.graphs.kernels.library import c_shims
+    from neuronfx.graphs.models.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    wq, wk = quantize_int8(torch.randn(48, 64, generator=g)), quantize_int8(torch.randn(16, 64, generator=g))
+    w0, w1, bias = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(1, 2, 64, generator=g)
+    q, cache = torch.randn(1, 4, 2, 16, generator=g), torch.randn(3, 2, 8, 16, generator=g)
+    table, mask = torch.tensor([[1]], dtype=torch.int32), torch.rand(1, 1, 2, 8, generator=g) > 0.3
+    nfx = torch.ops.neuronfx
+
+    def calls(x):
+        return (nfx.quant_gemm(x, wq.data, wq.scale, None, 0, bias, False),
+                nfx.quant_gemm_multi(x, 0, False, wq.data, wq.scale, None, None, wk.data, wk.scale, None, None,
+                                     None, None, None, None),
+                nfx.small_gemm_multi(x, w0, w1, None, None, None, None),
+                nfx.small_glu(x, w0, w0),
+                nfx.cached_attention(q, cache, cache, table, mask))
+
+    compiled = torch.compile(calls, fullgraph=True, options=INDUCTOR_OPTIONS | {"cpp_wrapper": True,
+                             "aot_inductor.custom_ops_to_c_shims": c_shims()})
+    with torch.no_grad():
+        got, code = run_and_get_cpp_code(compiled, x)
+        want = calls(x)
+    for name in ("quant_gemm", "quant_gemm_multi", "small_gemm_multi", "small_glu", "cached_attention"):
+        assert f"aoti_torch_cpu_{name}(" in code and f'"neuronfx::{name}"' not in code, name
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), (i, (a - b).abs().max())

@@ -27,6 +27,7 @@ from neuronfx.errors import ConfigError, InputError
 from neuronfx.runtime.acceptance import RowFacts, Uniforms, accept
 from neuronfx.runtime.drafts import ngram_proposal
 from neuronfx.runtime.ngram import ngram_propose
+from neuronfx.runtime.speculate import verify
 
 NO_EOS: list[int] = []
 
@@ -130,6 +131,20 @@ def test_inductor_speculate_graphs_equal_plain_decode(inductor_speculative):
     runs = [neuronfx.generate(rt, neuronfx.init_state(rt, seed=i), prompts, max_new_tokens=12, eos_token_ids=NO_EOS,
                               sampling=seeded)[0].token_ids for i in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_compiled_verify_pass_gives_the_argmax_and_finiteness_of_its_logits(inductor_speculative):
+    """The speculate graph hands acceptance each position's argmax and finiteness (on the host
+    each was a pass over (n, k, V) logits, 0.3-0.4 ms a SmolLM2 step): on inductor they equal
+    ``torch.argmax`` and ``torch.isfinite`` of the logits it returns, rows of three lengths."""
+    _, rt = inductor_speculative
+    prompts = [random_prompt(n, seed=n) for n in (5, 9, 3)]
+    first, state = neuronfx.prefill_step(rt, neuronfx.init_state(rt),
+                                         PrefillBatch(seq_ids=[0, 1, 2], prompts=prompts, sampling=[GREEDY] * 3))
+    _, got = verify(rt, state, [0, 1, 2], list(first.tokens), [random_prompt(3, seed=20 + r) for r in range(3)])
+    assert got["logits"].shape[:2] == got["argmax"].shape == got["finite"].shape == (3, 4)
+    assert torch.equal(got["argmax"].long(), got["logits"].argmax(-1))
+    assert torch.equal(got["finite"], torch.isfinite(got["logits"]).all(-1)) and bool(got["finite"].all())
 
 
 def test_scheduler_batch_of_requests_equals_plain(hf, ngram_rt):

@@ -42,7 +42,7 @@ from neuronfx.runtime.distributed import init_tensor_parallel
 from neuronfx.runtime.runtime import Runtime, build_runtime
 from neuronfx.version import __version__, source_fingerprint
 
-FORMAT_VERSION = 8  # 8: greedy graphs take GreedyInputs; 7: "greedy" graphs; 6: weight_format fields, quantized weight records
+FORMAT_VERSION = 9  # 9: speculate graphs return their argmax and finiteness; 8: greedy graphs take GreedyInputs; 7: "greedy" graphs; 6: weight_format fields, quantized weight records
 """3: graphs take the KV cache as (K, V) per layer and step-input records (2: a flat KV list)."""
 MANIFEST = "manifest.json"
 PLAN = "plan.json"

@@ -142,17 +142,19 @@ class Proposal:
     raw_greedy: bool = False  # every row raw_argmax and none with a grammar: logits, samplers and targets may be empty
 
 
-def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms) -> list[list[int]]:
+def accept(runtime: Runtime, draft_width: int, rows: RowFacts, proposal: Proposal, logits: Tensor, u: Uniforms,
+           argmax: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Each row's emitted tokens: greedy rows by :func:`accept_greedy` on the argmax of the
     penalized logits (n, k, V) at every position (of the raw logits when the proposal is
     ``raw_greedy`` or every row is :func:`raw_argmax` without a grammar mask: the same argmax,
-    without the penalty pass), sampled rows by :func:`accept_sampled` with the
+    without the penalty pass; ``argmax``, the raw logits' argmax [n][k] when the verify graph
+    gave it, else computed here), sampled rows by :func:`accept_sampled` with the
     target's p and the draft's q (top-k packed for the drafter's ``draft_width``) computed with
     the sampler inputs of each position."""
     n, k = logits.shape[:2]
     drafts = proposal.tokens
     if proposal.raw_greedy or (all(m is None for m in proposal.masks) and all(map(raw_argmax, rows.params, rows.generated))):
-        return [accept_greedy(d, a) for d, a in zip(drafts, logits.argmax(-1).tolist())]
+        return [accept_greedy(d, a) for d, a in zip(drafts, logits.argmax(-1).tolist() if argmax is None else argmax)]
     last = position_sampler(runtime, rows, drafts, k - 1, torch.zeros(n), proposal.masks[k - 1])
     stacked = stack_positions([*proposal.targets, last])
     flat_logits = logits.reshape(n * k, -1)

@@ -90,7 +90,7 @@ def fused_step(runtime: Runtime, drafter: Runtime, phase: str, kv: KVCache, draf
     samples, so the draft's and target's distributions are needed). Every KV bucket is the
     smallest that holds the pass, as unfused. Returns on the host {"tokens": (n, k) int64,
     "emitted": (n,) int64 (row r emits tokens[r, :emitted[r]]), "logits": (n, k, V) float32 the
-    verify pass's}."""
+    verify pass's and their finiteness "finite" (n, k) bool}."""
     k, plan = runtime.plan.inference.speculation_length, runtime.plan
     bsz, dbsz = batch_rows(runtime, drafter, n)
     top = max(starts)
@@ -101,12 +101,13 @@ def fused_step(runtime: Runtime, drafter: Runtime, phase: str, kv: KVCache, draf
                                  device=ids.device))[:bsz], seq_ids=x.seq_ids[:bsz],
                                  block_table=x.block_table[:bsz])
         bucket = select_bucket(plan.decode_buckets, top + k, "attended KV length")
-        verified = runtime.graphs[("speculate", bsz, bucket)](runtime.weights, kv, dense_record(verify))["logits"][:n]
+        spec = runtime.graphs[("speculate", bsz, bucket)](runtime.weights, kv, dense_record(verify))
+        verified = spec["logits"][:n]
         tokens, emitted = accept_rows(
             ids[:n, 1:].long(), verified, torch.stack(logits, 1)[:n] if sampled else None,
             stack_positions([_first(s, n) for s in targets]), stack_positions([_first(s, n) for s in drawn]) if sampled else None,
             x.accept_rand[:n], x.final_rand[:n], plan.topk_width, drafter.plan.topk_width)
-        out = to_host({"tokens": tokens, "emitted": emitted, "logits": verified})
+        out = to_host({"tokens": tokens, "emitted": emitted, "logits": verified, "finite": spec["finite"][:n]})
         if phase == "decode" and bool((out["emitted"] == k).any()):  # a row kept every draft: cache the last one
             last = targets[-1]._replace(sampling_params=x.draft_sampling_params)
             draft_pass(drafter, phase, draft_kv, x, ids[:, -1], k - 1, _first(last, dbsz), top)

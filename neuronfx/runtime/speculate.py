@@ -198,23 +198,26 @@ def speculate_step(runtime: Runtime, state: State, batch: SpeculateBatch) -> tup
     return speculate(runtime, state, batch)
 
 
-def verify(runtime: Runtime, state: State, slots: Sequence[int], x0: Sequence[int], drafts: list[list[int]]) -> tuple[Rows, Tensor]:
+def verify(runtime: Runtime, state: State, slots: Sequence[int], x0: Sequence[int], drafts: list[list[int]]) -> tuple[Rows, dict[str, Tensor]]:
     """The verify pass: T = k tokens per row (its last token, then its drafts) from its slot's
-    cache_len; (its Rows, the target's logits (n, k, V) float32)."""
+    cache_len; (its Rows, the speculate graph's outputs for the n rows: "logits" (n, k, V)
+    float32, "argmax" (n, k) int32, "finite" (n, k) bool)."""
     k = runtime.plan.inference.speculation_length
     rows = plan_rows(runtime, "speculate", runtime.plan.decode_buckets, slots, [[x, *d] for x, d in zip(x0, drafts)],
                      [state.cache_lens[s] for s in slots], width=k)
-    return rows, run_rows(runtime, state, rows)["logits"][: len(slots)]
+    out = run_rows(runtime, state, rows)
+    return rows, {name: out[name][: len(slots)] for name in ("logits", "argmax", "finite")}
 
 
 @attrs.frozen
 class Verified:
     """What a speculate step's passes left for its commit: each row's emitted tokens, the verify
-    pass's logits (n, k, V) float32, each row's real drafts (None: k - 1 each), and the verify
-    graph's batch bucket and KV bucket."""
+    pass's logits (n, k, V) float32 and their finiteness (n, k) bool, each row's real drafts
+    (None: k - 1 each), and the verify graph's batch bucket and KV bucket."""
 
     emitted: list[list[int]]
     logits: Tensor
+    finite: Tensor
     drafted: tuple[int, ...] | None
     bsz: int
     bucket: int
@@ -223,11 +226,12 @@ class Verified:
 def unfused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatch, facts: RowFacts, u: Uniforms) -> Verified:
     """Propose (one host step per draft), verify, accept on the host, then catch the draft cache up."""
     proposal = propose(runtime, drafter, state, facts, batch.input_ids, u, batch.constraints, batch.history)
-    rows, logits = verify(runtime, state, facts.slots, batch.input_ids, proposal.tokens)
-    emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, logits, u)
+    rows, out = verify(runtime, state, facts.slots, batch.input_ids, proposal.tokens)
+    emitted = accept(runtime, drafter.runtime.plan.topk_width, facts, proposal, out["logits"], u, out["argmax"].tolist())
     catch_up(drafter, state, facts, proposal.tokens, [s + len(e) for s, e in zip(rows.starts, emitted)],
              runtime.plan.inference.speculation_length)
-    return Verified(emitted=emitted, logits=logits, drafted=proposal.drafted, bsz=rows.bsz, bucket=rows.bucket)
+    return Verified(emitted=emitted, logits=out["logits"], finite=out["finite"], drafted=proposal.drafted, bsz=rows.bsz,
+                    bucket=rows.bucket)
 
 
 def fused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatch, facts: RowFacts, u: Uniforms) -> Verified:
@@ -241,7 +245,7 @@ def fused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatc
                      any(not sp.greedy for sp in facts.params))
     emitted = [out["tokens"][r, :m].tolist() for r, m in enumerate(out["emitted"].tolist())]
     bucket = select_bucket(runtime.plan.decode_buckets, max(starts) + runtime.plan.inference.speculation_length)
-    return Verified(emitted=emitted, logits=out["logits"], drafted=None, bsz=batch_rows(runtime, drafter.runtime, n)[0],
+    return Verified(emitted=emitted, logits=out["logits"], finite=out["finite"], drafted=None, bsz=batch_rows(runtime, drafter.runtime, n)[0],
                     bucket=bucket)
 
 
@@ -264,7 +268,7 @@ def speculate(runtime: Runtime, state: State, batch: SpeculateBatch) -> tuple[St
     draft = sync_draft(drafter, state, slots, ends)
     new = commit(state, slots, ends, v.emitted, key)
     # Finiteness of the positions the row's tokens came from (a NaN past them is a rejected draft's).
-    finite = tuple(bool(torch.isfinite(v.logits[r, : len(e)]).all()) for r, e in enumerate(v.emitted))
+    finite = tuple(all(f[: len(e)]) for f, e in zip(v.finite.tolist(), v.emitted))
     out = StepOutput(tokens=tuple(e[-1] for e in v.emitted), new_tokens=tuple(tuple(e) for e in v.emitted), logits=None,
                      logprobs=emitted_logprobs(facts, v.logits, v.emitted), bucket=v.bucket, batch_size=v.bsz, finite=finite,
                      num_drafted=(k - 1,) * len(slots) if v.drafted is None else v.drafted)

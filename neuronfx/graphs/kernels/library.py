@@ -27,6 +27,7 @@ a build failure (no C++ compiler) warns once and falls back to ``F.linear``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import os
@@ -73,7 +74,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_gemm.c
                                                                         "quant_prefill.cpp", "w8a8_gemm.cpp", "topk.cpp",
                                                                         "kv_write.cpp"))
 """One library (one build per machine) holds every neuronfx kernel op."""
-HEADERS = (Path(__file__).parent / "csrc" / "exp16.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("exp16.h", "c_shims.h"))
 """What several sources include (hashed into the library's name with them)."""
 BUILD_UNITS = tuple(Path(__file__).parent / "csrc" / name for name in ("unit_dense.cpp", "unit_quant.cpp"))
 """What the compiler is given: two translation units that include :data:`SOURCES` (each parses
@@ -138,8 +139,47 @@ def small_gemm_available() -> bool:
     except Exception as exc:  # no compiler, unsupported platform: fall back, do not fail compile
         warnings.warn(f"neuronfx small_gemm kernel unavailable ({exc}); decode uses F.linear (slower).", stacklevel=2)
         return False
+    make_symbols_global(library_name())
     register_fakes()
     return True
+
+
+def make_symbols_global(name: str) -> None:
+    """Reopen the built library ``name`` (loaded by torch with ``RTLD_LOCAL``) with
+    ``RTLD_GLOBAL``, so that the compiled parts' C++ wrappers, linked before it is known where
+    the library lives, find its C shims (:func:`c_shims`) when the process loads them."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+
+
+C_SHIM_OPS = ("quant_gemm", "quant_gemm_multi", "quant_glu", "small_gemm", "small_gemm_multi", "small_glu", "cached_attention",
+              "w8a8_packed", "w8a8_packed_multi", "w8a8_packed_glu", "w4a8_packed", "w4a8_packed_multi", "w4a8_packed_glu")
+"""The ops of a decode step with a C entry point (``csrc/c_shims.h``): inductor's C++ wrapper
+calls them directly instead of through the dispatcher. The others (prefill's, the int8 KV
+cache's write, top-k) keep the dispatcher: they run once a layer per prefill or once a step."""
+
+C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t", "bool": "int32_t"}
+"""The C type of each schema argument type a shim takes (inductor's C++ wrapper's conventions)."""
+
+
+def c_shim_declaration(op: torch._ops.OpOverload) -> str:
+    """The C declaration of ``op``'s shim, from its schema: ``AOTITorchError
+    aoti_torch_cpu_<op>(<arguments>, AtenTensorHandle* ret0)`` (one tensor result). KeyError for
+    an argument type without a C form (:data:`C_SHIM_TYPES`)."""
+    schema = op._schema
+    args = [f"{C_SHIM_TYPES[str(a.type)]} {a.name}" for a in schema.arguments] + ["AtenTensorHandle* ret0"]
+    return f"AOTITorchError aoti_torch_cpu_{schema.name.split('::')[-1]}({', '.join(args)})"
+
+
+def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """{op: [its C declaration]} of :data:`C_SHIM_OPS`, inductor's
+    ``aot_inductor.custom_ops_to_c_shims``; empty without the kernel library."""
+    if not small_gemm_available():
+        return {}
+    ops = [getattr(torch.ops.neuronfx, name).default for name in C_SHIM_OPS]
+    return {op: [c_shim_declaration(op)] for op in ops}
 
 
 MAX_FUSED = 3

@@ -30,6 +30,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include "c_shims.h"
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
@@ -1031,4 +1032,33 @@ TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("quant_gemm", &quant_gemm);
   m.impl("quant_gemm_multi", &quant_gemm_multi);
   m.impl("quant_glu", &quant_glu);
+}
+
+// C shims (c_shims.h) of the decode products.
+NFX_SHIM(quant_gemm, AtenTensorHandle x, AtenTensorHandle data, AtenTensorHandle* scale, AtenTensorHandle* offset, int64_t format,
+         AtenTensorHandle* bias, int32_t int8_x, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(quant_gemm(nfx_shim::tensor(x), nfx_shim::tensor(data), nfx_shim::optional(scale),
+                                        nfx_shim::optional(offset), format, nfx_shim::optional(bias), int8_x != 0));
+  });
+}
+NFX_SHIM(quant_gemm_multi, AtenTensorHandle x, int64_t format, int32_t int8_x, AtenTensorHandle d0, AtenTensorHandle* s0,
+         AtenTensorHandle* o0, AtenTensorHandle* b0, AtenTensorHandle* d1, AtenTensorHandle* s1, AtenTensorHandle* o1,
+         AtenTensorHandle* b1, AtenTensorHandle* d2, AtenTensorHandle* s2, AtenTensorHandle* o2, AtenTensorHandle* b2,
+         AtenTensorHandle* ret0) {
+  using nfx_shim::optional;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(quant_gemm_multi(nfx_shim::tensor(x), format, int8_x != 0, nfx_shim::tensor(d0), optional(s0), optional(o0),
+                                              optional(b0), optional(d1), optional(s1), optional(o1), optional(b1), optional(d2),
+                                              optional(s2), optional(o2), optional(b2)));
+  });
+}
+NFX_SHIM(quant_glu, AtenTensorHandle x, AtenTensorHandle gate, AtenTensorHandle* gate_scale, AtenTensorHandle* gate_offset,
+         AtenTensorHandle up, AtenTensorHandle* up_scale, AtenTensorHandle* up_offset, int64_t format, int32_t int8_x,
+         AtenTensorHandle* ret0) {
+  using nfx_shim::optional;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(quant_glu(nfx_shim::tensor(x), nfx_shim::tensor(gate), optional(gate_scale), optional(gate_offset),
+                                       nfx_shim::tensor(up), optional(up_scale), optional(up_offset), format, int8_x != 0));
+  });
 }

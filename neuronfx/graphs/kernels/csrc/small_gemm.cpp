@@ -13,6 +13,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include "c_shims.h"
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -1543,4 +1544,28 @@ TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("small_gemm_multi", &small_gemm_multi);
   m.impl("small_glu", &small_glu);
   m.impl("cached_attention", &cached_attention);
+}
+
+// C shims (c_shims.h) of the decode products and attention.
+NFX_SHIM(small_gemm, AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { *ret0 = nfx_shim::result(small_gemm(nfx_shim::tensor(x), nfx_shim::tensor(w), nfx_shim::optional(bias))); });
+}
+NFX_SHIM(small_gemm_multi, AtenTensorHandle x, AtenTensorHandle w0, AtenTensorHandle* w1, AtenTensorHandle* w2, AtenTensorHandle* b0,
+         AtenTensorHandle* b1, AtenTensorHandle* b2, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(small_gemm_multi(nfx_shim::tensor(x), nfx_shim::tensor(w0), nfx_shim::optional(w1), nfx_shim::optional(w2),
+                                              nfx_shim::optional(b0), nfx_shim::optional(b1), nfx_shim::optional(b2)));
+  });
+}
+NFX_SHIM(small_glu, AtenTensorHandle x, AtenTensorHandle gate, AtenTensorHandle up, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { *ret0 = nfx_shim::result(small_glu(nfx_shim::tensor(x), nfx_shim::tensor(gate), nfx_shim::tensor(up))); });
+}
+NFX_SHIM(cached_attention, AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle block_table,
+         AtenTensorHandle mask, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(cached_attention(nfx_shim::tensor(q), nfx_shim::tensor(k_cache), nfx_shim::tensor(v_cache),
+                                              nfx_shim::tensor(block_table), nfx_shim::tensor(mask)));
+  });
 }

@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+#include "c_shims.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -1019,4 +1020,41 @@ TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
   m.impl("w4a8_packed", &w4a8_packed);
   m.impl("w4a8_packed_multi", &w4a8_packed_multi);
   m.impl("w4a8_packed_glu", &w4a8_packed_glu);
+}
+
+// C shims (c_shims.h) of the int8-activation decode products.
+NFX_SHIM(w8a8_packed, AtenTensorHandle x, AtenTensorHandle data, AtenTensorHandle scale, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(w8a8_packed(nfx_shim::tensor(x), nfx_shim::tensor(data), nfx_shim::tensor(scale), nfx_shim::optional(bias)));
+  });
+}
+NFX_SHIM(w8a8_packed_multi, AtenTensorHandle x, AtenTensorHandle d0, AtenTensorHandle s0, AtenTensorHandle* b0, AtenTensorHandle* d1,
+         AtenTensorHandle* s1, AtenTensorHandle* b1, AtenTensorHandle* d2, AtenTensorHandle* s2, AtenTensorHandle* b2, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(w8a8_packed_multi(nfx_shim::tensor(x), nfx_shim::tensor(d0), nfx_shim::tensor(s0), nfx_shim::optional(b0),
+                                               nfx_shim::optional(d1), nfx_shim::optional(s1), nfx_shim::optional(b1), nfx_shim::optional(d2),
+                                               nfx_shim::optional(s2), nfx_shim::optional(b2)));
+  });
+}
+NFX_SHIM(w8a8_packed_glu, AtenTensorHandle x, AtenTensorHandle gate, AtenTensorHandle gate_scale, AtenTensorHandle up,
+         AtenTensorHandle up_scale, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(w8a8_packed_glu(nfx_shim::tensor(x), nfx_shim::tensor(gate), nfx_shim::tensor(gate_scale),
+                                             nfx_shim::tensor(up), nfx_shim::tensor(up_scale)));
+  });
+}
+NFX_SHIM(w4a8_packed, AtenTensorHandle x, AtenTensorHandle data, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { *ret0 = nfx_shim::result(w4a8_packed(nfx_shim::tensor(x), nfx_shim::tensor(data), nfx_shim::optional(bias))); });
+}
+NFX_SHIM(w4a8_packed_multi, AtenTensorHandle x, AtenTensorHandle d0, AtenTensorHandle* b0, AtenTensorHandle* d1, AtenTensorHandle* b1,
+         AtenTensorHandle* d2, AtenTensorHandle* b2, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(w4a8_packed_multi(nfx_shim::tensor(x), nfx_shim::tensor(d0), nfx_shim::optional(b0), nfx_shim::optional(d1),
+                                               nfx_shim::optional(b1), nfx_shim::optional(d2), nfx_shim::optional(b2)));
+  });
+}
+NFX_SHIM(w4a8_packed_glu, AtenTensorHandle x, AtenTensorHandle gate, AtenTensorHandle up, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+      { *ret0 = nfx_shim::result(w4a8_packed_glu(nfx_shim::tensor(x), nfx_shim::tensor(gate), nfx_shim::tensor(up))); });
 }
