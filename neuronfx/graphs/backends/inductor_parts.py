@@ -147,10 +147,19 @@ def autograd_cache_keyed_by_source() -> Iterator[None]:
     source (other kernel fakes or op schemas behind the same graph) is not one. A hit is saved
     like a miss (torch wraps the loaded entry in a serializable compiled function). Measured
     2026-12-06 (tiny llama, one thread, 2-core AMD EPYC): its plan with prefill buckets (16, 32)
-    after one with (32,) compiled in 5.5 s instead of 11.5 s, 6 of its 7 parts hits."""
+    after one with (32,) compiled in 5.5 s instead of 11.5 s, 6 of its 7 parts hits. The key's
+    inductor config holds the C shims' ops (``aot_inductor.custom_ops_to_c_shims``), which
+    pickle has no stable form for: both caches were bypassed ("Cannot produce stable cache key
+    for unpicklable type"), so the key takes each op by its name."""
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCachePickler
+    from torch._inductor.codecache import FxGraphCachePickler
 
     original = AOTAutogradCachePickler._reduce_aot_config
+    original_init = FxGraphCachePickler.__init__
+
+    def init(self: FxGraphCachePickler, *args: object, **kwargs: object) -> None:
+        original_init(self, *args, **kwargs)
+        self.dispatch_table[torch._ops.OpOverload] = op_by_name
 
     def reduce(self: object, aot_config: object) -> tuple:
         fn, fields = original(self, aot_config)
@@ -159,8 +168,14 @@ def autograd_cache_keyed_by_source() -> Iterator[None]:
             fields = (*fields[:-1], source_fingerprint())
         return fn, fields
 
-    with _PATCH_LOCK, mock.patch.object(AOTAutogradCachePickler, "_reduce_aot_config", reduce):
+    with (_PATCH_LOCK, mock.patch.object(AOTAutogradCachePickler, "_reduce_aot_config", reduce),
+          mock.patch.object(FxGraphCachePickler, "__init__", init)):
         yield
+
+
+def op_by_name(op: torch._ops.OpOverload) -> tuple:
+    """A cache key's pickled form of an op overload: its qualified name ("neuronfx.quant_gemm.default")."""
+    return str, (str(op),)
 
 
 _PATCH_LOCK = threading.Lock()
