@@ -208,7 +208,7 @@ def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
     collectives); the assert-free options everywhere; the C++ wrapper's decode ops through
     their C shims."""
     from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS, inductor_options
-    from neuronfx.graphs.kernels.library import c_shims
+    from neuronfx.graphs.kernels.c_shims import c_shims
 
     hf = tiny_hf_model("llama")
     cases = {(): True, (("tp_degree", 2),): False, (("device", "cuda"),): False}

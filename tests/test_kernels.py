@@ -897,21 +897,26 @@ def test_build_units_include_every_source_once() -> None:
     assert sorted(included) == sorted(p.name for p in library.SOURCES)
 
 
-def test_c_shim_declarations_follow_the_schemas_and_resolve() -> None:
-    """Each decode op's C shim declaration has one C argument per schema argument (Tensor a
-    handle, Tensor? a pointer to one, int int64_t, bool int32_t) and ``ret0``, and its symbol is
-    visible process-wide (the library reopened ``RTLD_GLOBAL``), as a compiled part needs."""
+def test_c_shim_declarations_equal_their_cpp_definitions() -> None:
+    """Each decode op's C shim declaration, made from its schema (Tensor a handle, Tensor? a
+    pointer to one, int int64_t, bool int32_t, then ``ret0``), is the signature the C++ sources
+    define (inductor's wrapper calls through the declaration: a mismatch would pass wrong
+    arguments), and its symbol is visible process-wide (the library reopened ``RTLD_GLOBAL``),
+    as a compiled part needs."""
     import ctypes
+    import re
 
-    from neuronfx.graphs.kernels.library import C_SHIM_OPS, C_SHIM_TYPES, c_shims
+    from neuronfx.graphs.kernels.c_shims import C_SHIM_OPS, c_shims
+    from neuronfx.graphs.kernels.library import SOURCES
 
+    defined = {name: " ".join(args.split()) for path in SOURCES
+               for name, args in re.findall(r"NFX_SHIM\((\w+),([^)]*)\)", path.read_text())}
     shims = c_shims()
-    assert sorted(op.name().split("::")[1] for op in shims) == sorted(C_SHIM_OPS)
+    assert sorted(defined) == sorted(op.name().split("::")[1] for op in shims) == sorted(C_SHIM_OPS)
     process = ctypes.CDLL(None)
     for op, (declaration,) in shims.items():
         name = op.name().split("::")[1]
-        args = [f"{C_SHIM_TYPES[str(a.type)]} {a.name}" for a in op._schema.arguments]
-        assert declaration == f"AOTITorchError aoti_torch_cpu_{name}({', '.join([*args, 'AtenTensorHandle* ret0'])})"
+        assert declaration == f"AOTITorchError aoti_torch_cpu_{name}({defined[name]})", name
         assert getattr(process, f"aoti_torch_cpu_{name}") is not None
 
 
@@ -922,7 +927,7 @@ def test_compiled_calls_through_c_shims_equal_the_ops() -> None:
     from torch._inductor.utils import run_and_get_cpp_code
 
     from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS
-    from neuronfx.graphs.kernels.library import c_shims
+    from neuronfx.graphs.kernels.c_shims import c_shims
     from neuronfx.graphs.models.quant import quantize_int8
 
     g = torch.Generator().manual_seed(0)

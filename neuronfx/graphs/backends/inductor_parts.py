@@ -28,7 +28,8 @@ from neuronfx.errors import ArtifactError
 from neuronfx.graphs.backends.cuda_graphs import unwrap
 from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
 from neuronfx.graphs.kernels.bundles import compiled_ops
-from neuronfx.graphs.kernels.library import c_shims, small_gemm_available
+from neuronfx.graphs.kernels.c_shims import c_shims
+from neuronfx.graphs.kernels.library import small_gemm_available
 from neuronfx.graphs.models.layers import Weights
 from neuronfx.graphs.phases.chunk import chunk_layers
 from neuronfx.graphs.phases.compose import GraphModule, PhaseParts, build_module, phase_num_layers
@@ -111,7 +112,7 @@ def inductor_options(plan: Plan) -> dict:
     """:data:`INDUCTOR_OPTIONS`, and for a CPU plan on one rank a C++ wrapper (``cpp_wrapper``):
     the part's kernel calls and buffer handling run as compiled C++ instead of a Python
     function; the decode step's ``neuronfx::`` ops are called through their C shims
-    (``kernels.library.c_shims``), the others through the dispatcher (each returns tensors,
+    (``kernels.c_shims``), the others through the dispatcher (each returns tensors,
     not lists, so none calls back into Python). A SmolLM2 Q4_1 decode step was 1.05x
     and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds, 2026-11;
     the script has since gone); a cold compile took about as long (51.9 s against 51.5 s).

@@ -154,34 +154,6 @@ def make_symbols_global(name: str) -> None:
     ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
 
 
-C_SHIM_OPS = ("quant_gemm", "quant_gemm_multi", "quant_glu", "small_gemm", "small_gemm_multi", "small_glu", "cached_attention",
-              "w8a8_packed", "w8a8_packed_multi", "w8a8_packed_glu", "w4a8_packed", "w4a8_packed_multi", "w4a8_packed_glu")
-"""The ops of a decode step with a C entry point (``csrc/c_shims.h``): inductor's C++ wrapper
-calls them directly instead of through the dispatcher. The others (prefill's, the int8 KV
-cache's write, top-k) keep the dispatcher: they run once a layer per prefill or once a step."""
-
-C_SHIM_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "int": "int64_t", "bool": "int32_t"}
-"""The C type of each schema argument type a shim takes (inductor's C++ wrapper's conventions)."""
-
-
-def c_shim_declaration(op: torch._ops.OpOverload) -> str:
-    """The C declaration of ``op``'s shim, from its schema: ``AOTITorchError
-    aoti_torch_cpu_<op>(<arguments>, AtenTensorHandle* ret0)`` (one tensor result). KeyError for
-    an argument type without a C form (:data:`C_SHIM_TYPES`)."""
-    schema = op._schema
-    args = [f"{C_SHIM_TYPES[str(a.type)]} {a.name}" for a in schema.arguments] + ["AtenTensorHandle* ret0"]
-    return f"AOTITorchError aoti_torch_cpu_{schema.name.split('::')[-1]}({', '.join(args)})"
-
-
-def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
-    """{op: [its C declaration]} of :data:`C_SHIM_OPS`, inductor's
-    ``aot_inductor.custom_ops_to_c_shims``; empty without the kernel library."""
-    if not small_gemm_available():
-        return {}
-    ops = [getattr(torch.ops.neuronfx, name).default for name in C_SHIM_OPS]
-    return {op: [c_shim_declaration(op)] for op in ops}
-
-
 MAX_FUSED = 3
 """The most weights one ``small_gemm_multi`` / ``quant_gemm_multi`` call takes (Q, K and V): the
 ops take them as separate arguments, not lists, so that inductor's C++ wrapper calls them through

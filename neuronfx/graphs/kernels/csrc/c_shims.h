@@ -1,5 +1,5 @@
 // C entry points of the decode-path ops for inductor's C++ wrapper (custom_ops_to_c_shims,
-// declared from the ops' schemas by library.py's c_shims): the compiled part calls the kernel
+// declared from the ops' schemas by c_shims.py): the compiled part calls the kernel
 // directly instead of through the dispatcher, which per call looked the op up by name, boxed its
 // arguments into IValues and made a handle per tensor (about a third of a batch-1 step's
 // mallocs, measured with perf on SmolLM2, 2026-12-07). A shim's name is aoti_torch_cpu_<op>,
