@@ -921,17 +921,20 @@ def test_c_shim_declarations_equal_their_cpp_definitions() -> None:
 
 
 def test_compiled_calls_through_c_shims_equal_the_ops() -> None:
-    """inductor's C++ wrapper with the shims calls the kernels directly (no dispatcher lookup in
-    the generated code) and gets the ops' own outputs: optional tensors given and None, two and
-    three fused weights, the int8 format's scale, a block table and mask."""
+    """inductor's C++ wrapper with the shims calls every shimmed kernel directly (no
+    dispatcher call in the generated code) and gets the ops' own outputs: optional tensors given
+    and None, bools true and false, two and three fused weights, the int8 format's scale, the
+    packed int8 and 4-bit layouts, a block table and mask."""
     from torch._inductor.utils import run_and_get_cpp_code
 
     from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS
-    from neuronfx.graphs.kernels.c_shims import c_shims
-    from neuronfx.graphs.models.quant import quantize_int8
+    from neuronfx.graphs.kernels.c_shims import C_SHIM_OPS, c_shims
+    from neuronfx.graphs.models.quant import pack_int4, pack_int8, quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(0)
     wq, wk = quantize_int8(torch.randn(48, 64, generator=g)), quantize_int8(torch.randn(16, 64, generator=g))
+    pq, pk = pack_int8(wq), pack_int8(wk)
+    f4, u4 = (pack_int4(quantize_int4(torch.randn(32, 64, generator=g), 32)) for _ in range(2))
     w0, w1, bias = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g), torch.randn(48, generator=g)
     x = torch.randn(1, 2, 64, generator=g)
     q, cache = torch.randn(1, 4, 2, 16, generator=g), torch.randn(3, 2, 8, 16, generator=g)
@@ -940,18 +943,28 @@ def test_compiled_calls_through_c_shims_equal_the_ops() -> None:
 
     def calls(x):
         return (nfx.quant_gemm(x, wq.data, wq.scale, None, 0, bias, False),
-                nfx.quant_gemm_multi(x, 0, False, wq.data, wq.scale, None, None, wk.data, wk.scale, None, None,
+                nfx.quant_gemm_multi(x, 0, True, wq.data, wq.scale, None, None, wk.data, wk.scale, None, None,
                                      None, None, None, None),
+                nfx.quant_glu(x, wk.data, wk.scale, None, wk.data, wk.scale, None, 0, True),
+                nfx.small_gemm(x, w0, None),
                 nfx.small_gemm_multi(x, w0, w1, None, None, None, None),
                 nfx.small_glu(x, w0, w0),
-                nfx.cached_attention(q, cache, cache, table, mask))
+                nfx.cached_attention(q, cache, cache, table, mask),
+                nfx.w8a8_gemm(x, wq.data, wq.scale, bias),
+                nfx.w8a8_packed(x, pq.data, pq.scale, None),
+                nfx.w8a8_packed_multi(x, pq.data, pq.scale, bias, pk.data, pk.scale, None, None, None, None),
+                nfx.w8a8_packed_glu(x, pk.data, pk.scale, pk.data, pk.scale),
+                nfx.w4a8_packed(x, f4.data, None),
+                nfx.w4a8_packed_multi(x, f4.data, None, u4.data, None, None, None),
+                nfx.w4a8_packed_glu(x, f4.data, u4.data))
 
     compiled = torch.compile(calls, fullgraph=True, options=INDUCTOR_OPTIONS | {"cpp_wrapper": True,
                              "aot_inductor.custom_ops_to_c_shims": c_shims()})
     with torch.no_grad():
         got, code = run_and_get_cpp_code(compiled, x)
         want = calls(x)
-    for name in ("quant_gemm", "quant_gemm_multi", "small_gemm_multi", "small_glu", "cached_attention"):
-        assert f"aoti_torch_cpu_{name}(" in code and f'"neuronfx::{name}"' not in code, name
+    assert "aoti_torch_call_dispatcher(" not in code and "custom_op_wrapper" not in code
+    for name in C_SHIM_OPS:
+        assert f"AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_{name}(" in code, name
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), (i, (a - b).abs().max())

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from neuronfx.graphs.kernels.library import small_gemm_available
+from neuronfx.graphs.kernels.library import library_name, make_symbols_global, small_gemm_available
 
 C_SHIM_OPS = ("quant_gemm", "quant_gemm_multi", "quant_glu", "small_gemm", "small_gemm_multi", "small_glu", "cached_attention",
-              "w8a8_packed", "w8a8_packed_multi", "w8a8_packed_glu", "w4a8_packed", "w4a8_packed_multi", "w4a8_packed_glu")
+              "w8a8_gemm", "w8a8_packed", "w8a8_packed_multi", "w8a8_packed_glu", "w4a8_packed", "w4a8_packed_multi",
+              "w4a8_packed_glu")
 """The ops of a decode step with a C entry point (``csrc/c_shims.h``): inductor's C++ wrapper
 calls them directly instead of through the dispatcher. The others keep it: prefill's run once a
 layer per prefill, top-k once a step, and the int8 KV cache's write, once a layer, mutates its
@@ -34,8 +35,9 @@ def c_shim_declaration(op: torch._ops.OpOverload) -> str:
 
 def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
     """{op: [its C declaration]} of :data:`C_SHIM_OPS`, inductor's
-    ``aot_inductor.custom_ops_to_c_shims``; empty without the kernel library."""
-    if not small_gemm_available():
+    ``aot_inductor.custom_ops_to_c_shims``; empty without the kernel library or where its symbols
+    could not be made global (``library.make_symbols_global``)."""
+    if not small_gemm_available() or not make_symbols_global(library_name()):
         return {}
     ops = [getattr(torch.ops.neuronfx, name).default for name in C_SHIM_OPS]
     return {op: [c_shim_declaration(op)] for op in ops}

@@ -144,14 +144,23 @@ def small_gemm_available() -> bool:
     return True
 
 
-def make_symbols_global(name: str) -> None:
+@functools.cache
+def make_symbols_global(name: str) -> bool:
     """Reopen the built library ``name`` (loaded by torch with ``RTLD_LOCAL``) with
     ``RTLD_GLOBAL``, so that the compiled parts' C++ wrappers, linked before it is known where
-    the library lives, find its C shims (:func:`c_shims`) when the process loads them."""
+    the library lives, find its C shims (``kernels.c_shims``) when the process loads them. False,
+    with one warning, where that fails (no ``RTLD_NOLOAD`` on the platform, the library not at
+    its build path): the compiled parts then call the ops through the dispatcher."""
     from torch.utils.cpp_extension import _get_build_directory
 
     path = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    try:
+        ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except (OSError, AttributeError) as exc:
+        warnings.warn(f"neuronfx kernels: cannot reopen {path} with RTLD_GLOBAL ({exc}); compiled graphs call the kernels "
+                      "through the dispatcher (slower by a few us a call).", stacklevel=2)
+        return False
+    return True
 
 
 MAX_FUSED = 3

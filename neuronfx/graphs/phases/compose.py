@@ -126,7 +126,8 @@ def run_decode(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inpu
 
 def run_logits(parts: PhaseParts, num_layers: int, w: Weights, kv: KVCache, inputs: tuple) -> dict[str, Tensor]:
     """A graph whose epilogue reads no sampler: speculate (k tokens per row through every
-    layer, logits (B, k, V) out) and greedy (the argmax of each row's logits)."""
+    layer, logits (B, k, V) out with their argmax and finiteness (B, k)) and greedy (the argmax
+    of each row's logits)."""
     return parts.epilogue(w["norm"], w["lm_head"], _through_layers(parts, num_layers, w, kv, inputs))
 
 

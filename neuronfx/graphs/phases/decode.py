@@ -1,6 +1,7 @@
 """The decode-type phases: T new tokens per row at position_ids (B, T) against the slot's cache.
 Decode and draft run T = 1 and sample, greedy runs T = 1 and takes the argmax; speculate
-runs T = k and returns the logits at every position (acceptance runs on the host); the draft
+runs T = k and returns the logits at every position with their argmax and finiteness
+(acceptance runs on the host); the draft
 runs the first ``draft_layers`` layers."""
 
 from __future__ import annotations

@@ -1023,6 +1023,11 @@ TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
 }
 
 // C shims (c_shims.h) of the int8-activation decode products.
+NFX_SHIM(w8a8_gemm, AtenTensorHandle x, AtenTensorHandle data, AtenTensorHandle scale, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = nfx_shim::result(w8a8_gemm(nfx_shim::tensor(x), nfx_shim::tensor(data), nfx_shim::tensor(scale), nfx_shim::optional(bias)));
+  });
+}
 NFX_SHIM(w8a8_packed, AtenTensorHandle x, AtenTensorHandle data, AtenTensorHandle scale, AtenTensorHandle* bias, AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = nfx_shim::result(w8a8_packed(nfx_shim::tensor(x), nfx_shim::tensor(data), nfx_shim::tensor(scale), nfx_shim::optional(bias)));
