@@ -1,6 +1,7 @@
 """Build the narrower SIMD paths of csrc/quant_gemm.cpp on this CPU and check them like the tests do;
 csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references;
-csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention; and
+csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention (and
+csrc/small_gemm.cpp's cached attention, built with it, over NaN and infinite keys); and
 csrc/topk.cpp's AVX2 and scalar paths against tests/test_kernels.py's naive order.
 
 Usage: .venv/bin/python scripts/check_quant_paths.py   (about 5 min: eight extra builds)
@@ -24,7 +25,7 @@ from torch.utils.cpp_extension import load
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_kernels import CAUSAL_SHAPES, _naive_topk, naive_causal_attention  # noqa: E402
+from test_kernels import CAUSAL_SHAPES, NAN_KEY_ATOL, _naive_topk, naive_attention, naive_causal_attention, nan_key_case  # noqa: E402
 from test_quant import FORMATS, _tolerance  # noqa: E402
 from test_w4a8 import four_bit  # noqa: E402
 
@@ -142,9 +143,18 @@ def check_causal_attention(build: Path, path: str) -> bool:
     nan_rows = op.causal_attention(q, k, v).isnan().any(-1)
     same_nan = torch.equal(nan_rows, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                            .isnan().any(-1))
-    ok = isa == path and worst <= 1e-5 and same_nan
+    # small_gemm.cpp's cached attention, built alongside: NaN and infinite keys (tests/test_kernels.py's case)
+    cached_ok = True
+    for cache_dtype in (torch.float32, torch.int8):
+        (q, kc, vc, table, mask), expected = nan_key_case(cache_dtype)
+        out = op.cached_attention(q, kc, vc, table, mask)
+        ref = naive_attention(q, kc, vc, table, mask.shape[-1], mask, int16_weights=cache_dtype == torch.int8)
+        cached_ok &= torch.equal(out.isnan().any(-1), expected) and torch.equal(ref.isnan().any(-1), expected)
+        cached_ok &= (out.double().nan_to_num(0.0) - ref.nan_to_num(0.0)).abs().max().item() <= NAN_KEY_ATOL[cache_dtype]
+    ok = isa == path and worst <= 1e-5 and same_nan and cached_ok
     print(f"causal_attention.cpp built for {path}: compiled path {isa}; worst difference from float64 {worst:.2e}; "
-          f"NaN rows as SDPA's: {same_nan} -> {'ok' if ok else 'FAIL'}")
+          f"NaN rows as SDPA's: {same_nan}; small_gemm.cpp's cached attention over NaN and inf keys as the float64 "
+          f"softmax's: {cached_ok} -> {'ok' if ok else 'FAIL'}")
     return ok
 
 

@@ -275,6 +275,24 @@ def test_speculate_step_reports_a_nan_row_and_keeps_the_others(hf):
     assert out.finite == (True, False) and out.new_tokens[0] == plain.new_tokens[0]
 
 
+@pytest.mark.parametrize("phase", ["decode", "speculate"])
+def test_compiled_graphs_report_a_poisoned_slot(inductor_speculative, phase):
+    """The default backend: NaN keys in one slot reach that row's logits through the C++
+    cached-attention kernel (whose softmax once skipped a NaN score, so the compiled step
+    reported nothing where the eager one did), the step flags that row only and the other
+    row's tokens are those of the same step without the poison."""
+    _, rt = inductor_speculative
+    step = neuronfx.decode_step if phase == "decode" else neuronfx.speculate_step
+    batch = D if phase == "decode" else (lambda seq_ids, ids: neuronfx.SpeculateBatch(seq_ids=seq_ids, input_ids=ids, sampling=[GREEDY] * 2))
+    state, last = live_state(rt)
+    plain, _ = step(rt, live_state(rt)[0], batch(list(last), list(last.values())))
+    poison(state, 2)
+    out, state = step(rt, state, batch(list(last), list(last.values())))
+    tokens = (lambda o: list(o.tokens)) if phase == "decode" else (lambda o: list(o.new_tokens))
+    assert plain.finite == (True, True) and out.finite == (True, False)
+    assert tokens(out)[0] == tokens(plain)[0]
+
+
 def rt_small(hf, backend: str) -> neuronfx.Runtime:
     """Two slots, one prefill and one decode bucket: 2 graphs (cheap to export)."""
     return tiny_runtime(hf, backend, batch_size=2, batch_buckets=(2,), max_context_length=8, sequence_length=16,

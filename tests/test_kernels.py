@@ -228,7 +228,9 @@ def int16_value_weights(weights: torch.Tensor, scales: torch.Tensor, positions: 
     for span in spans.unique():
         sel = spans == span
         top = p[sel].abs().max()
-        if top > 0:
+        if top.isnan():  # a NaN weight (a NaN score) makes the span's sum NaN, as in the kernel
+            rounded[sel] = float("nan")
+        elif top > 0:
             rounded[sel] = torch.round(p[sel] / top * 32767) * top / 32767
     return torch.where(scales != 0, rounded / scales, 0.0)  # a zero row's scale is 0 (its values too)
 
@@ -412,8 +414,8 @@ def test_cached_attention_int8_keys_at_the_head_dim_limit() -> None:
 
 
 def test_cached_attention_int8_keys_with_nan_or_tiny_queries() -> None:
-    """Over int8 keys a query row holding NaN attends nothing (zeros), as over the same values in
-    an fp32 cache (every score NaN); a row whose largest |q| is below 1e-30 rounds to zeros, so its
+    """Over int8 keys a query row holding NaN gets a NaN output, as over the same values in an
+    fp32 cache (every score NaN) and as SDPA; a row whose largest |q| is below 1e-30 rounds to zeros, so its
     weights are uniform, as the fp32 cache's scores of about 1e-30 make them (then rounded to int16
     against the largest of the values' scales, :func:`int16_value_weights`)."""
     g = torch.Generator().manual_seed(5)
@@ -424,11 +426,66 @@ def test_cached_attention_int8_keys_with_nan_or_tiny_queries() -> None:
     table, mask = torch.tensor([[0]]), torch.ones(1, 1, 1, 12, dtype=torch.bool)
     out = kernel_cached_attention(q, k, v, table, 12, mask)
     as_fp32 = kernel_cached_attention(q, load_rows(k, torch.float32), load_rows(v, torch.float32), table, 12, mask)
-    assert torch.equal(out[0, 1], torch.zeros(1, 32)) and torch.equal(as_fp32[0, 1], torch.zeros(1, 32))
+    assert out[0, 1].isnan().all() and as_fp32[0, 1].isnan().all() and not out[0, [0, 2, 3]].isnan().any()
     uniform = int16_value_weights(torch.full((12,), 1 / 12, dtype=torch.float64), v[0, 1, :, 32:].contiguous().view(torch.float32)[:, 0].double(),
                                   torch.arange(12))
     torch.testing.assert_close(out[0, 2].double(), (uniform @ load_rows(v, torch.float64)[0, 1])[None], rtol=0, atol=1e-6)
     torch.testing.assert_close(out, as_fp32, rtol=0, atol=INT16_QUERY_ATOL, equal_nan=True)
+
+
+def nan_key_case(cache_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, k_cache, v_cache, block_table, mask), expected): 3 new tokens per row of 2 (a verify
+    pass), 4 query heads over 2 KV heads, a 40-position window of slots 0 and 2, with a NaN key
+    that all 3 of row 0's tokens attend (KV head 1), one only row 1's tokens 1 and 2 attend (KV
+    head 0), and (float caches) an infinite key component under query components of both signs
+    (row 1, KV head 1); expected (B, H, T) bool: the tokens whose output the float64 softmax over
+    the attended positions makes NaN (the NaN keys' tokens, and the inf key's where q . k = +inf:
+    inf - inf; -inf drops the position). Also run on the AVX2 and scalar builds by
+    scripts/check_quant_paths.py."""
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(3, 2, 48, 16, generator=g) for _ in range(2))
+    last = torch.tensor([30, 39])
+    position_ids = last[:, None] - 2 + torch.arange(3)  # (2, 3)
+    k_cache[0, 1, 12, 3] = float("nan")
+    k_cache[2, 0, 38, 5] = float("nan")
+    if cache_dtype != torch.int8:  # (an int8 row's scale would be inf, its values 0: NaN or inf by the query)
+        k_cache[2, 1, 20, 7] = float("inf")
+    empty = torch.empty(0, dtype=cache_dtype)
+    k_cache, v_cache = store_rows(k_cache, empty), store_rows(v_cache, empty)
+    q = torch.randn(2, 4, 3, 16, generator=g)
+    q[1, 2:, :, 7] = torch.tensor([[1.0, -1.0, 0.5], [-2.0, 0.25, 1.0]])  # both signs at the inf key
+    expected = torch.zeros(2, 4, 3, dtype=torch.bool)
+    expected[0, 2:] = True
+    expected[1, :2, 1:] = True
+    expected[1, 2:] = (q[1, 2:, :, 7] > 0) & (cache_dtype != torch.int8)
+    return (q, k_cache, v_cache, torch.tensor([[0], [2]], dtype=torch.int32), decode_mask(position_ids, 40)), expected
+
+
+NAN_KEY_ATOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.int8: INT16_QUERY_ATOL}
+"""How far :func:`nan_key_case`'s finite outputs may be from :func:`naive_attention`'s, by cache dtype
+(the tolerances of the other cached-attention tests)."""
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("op", ["kernel", "kernel-compiled"])
+def test_cached_attention_nan_or_inf_at_an_attended_key_makes_its_tokens_nan(cache_dtype: torch.dtype, op: str) -> None:
+    """A NaN or infinite key at an attended position makes NaN exactly the outputs the float64
+    softmax over the attended positions makes NaN (SDPA's math; :func:`nan_key_case`), each such
+    token NaN throughout, the others within the usual tolerance. The step's NaN report depends
+    on this: before, the kernel's SIMD max skipped a NaN score and its weight became 0, so a
+    compiled graph over a poisoned slot stayed finite."""
+    (q, k_cache, v_cache, table, mask), expected = nan_key_case(cache_dtype)
+
+    def attend(*args: object) -> torch.Tensor:  # its own code object: dynamo's recompile limit (8) counts per code object
+        return kernel_cached_attention(*args)
+
+    fn = kernel_cached_attention if op == "kernel" else torch.compile(attend, fullgraph=True, dynamic=False)
+    out = fn(q, k_cache, v_cache, table, 40, mask)
+    ref = naive_attention(q, k_cache, v_cache, table, 40, mask, int16_weights=cache_dtype == torch.int8)
+    nan = out.isnan().any(-1)  # (B, H, T)
+    assert torch.equal(nan, ref.isnan().any(-1)) and torch.equal(nan, expected)
+    assert torch.equal(out.isnan(), nan[..., None].expand_as(out))
+    torch.testing.assert_close(out.double().nan_to_num(0.0), ref.nan_to_num(0.0), rtol=0, atol=NAN_KEY_ATOL[cache_dtype])
 
 
 def test_cached_attention_kernel_rejects_bad_inputs() -> None:

@@ -214,10 +214,11 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     anything). Grouped-query (head h reads KV head h // (H / H_kv), HF ``repeat_kv``), scale
     1/sqrt(D), fp32 math, except q . k over int8 rows: each query row is rounded to int16 with
     one scale (its largest |q| / 32767) and its products with the keys' int8 values sum exactly
-    in int32 (a row with NaN or inf attends nothing; one whose largest |q| is below 1e-30
-    multiplies as zeros). What positions the mask hides hold (stale rows, NaN) never reaches the
-    output (their scores are replaced by -inf, their values never added), and a token that
-    attends no position gets zeros. Reference: ``bundles.gathered_attention`` (q unrounded).
+    in int32 (one whose largest |q| is below 1e-30 multiplies as zeros). A NaN or +inf score at
+    an attended position (a NaN or inf in the query or an attended key) makes that token's output
+    NaN, as SDPA's softmax does. What positions the mask hides hold (stale rows, NaN) never
+    reaches the output (their scores are replaced by -inf, their values never added), and a
+    token that attends no position gets zeros. Reference: ``bundles.gathered_attention`` (q unrounded).
     Raises RuntimeError for a block_table that is not 2-D (B, N) int32 / int64, a block_size
     that is not a multiple of 4 when N > 1, S above N * block_size, a read entry outside [0,
     num_blocks), or int8 rows of a head dim above 512. Needs :func:`small_gemm_available`."""

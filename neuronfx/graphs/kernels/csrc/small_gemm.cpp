@@ -399,7 +399,7 @@ at::Tensor small_glu(const at::Tensor& x, const at::Tensor& gate, const at::Tens
 // What positions the mask hides hold (NaN included) cannot leak: their scores become -inf and
 // their values are never added (groups of four hidden keys are not even read; an int8 value
 // row's weight there is 0, never its scale times anything); a token that attends nothing gets
-// zeros. One task per (row, KV head) or per row (attend_row); scores in two passes
+// zeros. A NaN or +inf score at an attended position makes its token's output NaN (as SDPA's). One task per (row, KV head) or per row (attend_row); scores in two passes
 // (scores, then exp and the weighted sum of values), exp vectorised (Cephes expf's polynomial).
 
 #ifdef NFX_AVX2
@@ -635,28 +635,48 @@ inline void axpy_4values(int64_t n, const float* p, const C* v, int64_t ld, int6
 }
 
 // w (S scores) -> e^(w - max) where finite, 0 where -inf; returns their sum (0 when every
-// score is -inf: the row attends nothing).
+// score is -inf: the row attends nothing). A NaN or +inf score (a NaN or inf in an attended key
+// or the query) makes the row NaN, as SDPA's softmax does (inf - inf): the weights are zeroed
+// and the sum is NaN, so normalise turns the row's output NaN and the step's NaN report sees it.
+// The SIMD max alone would skip a NaN lane and the -inf test below would then weight it 0.
 inline float softmax_weights(float* w, int64_t S) {
   float mx = -INFINITY;
+  bool nan = false;
   int64_t j = 0;
 #ifdef NFX_ATTN_AVX512
   // 16 lanes (exp16): half the instructions of 8, the same weights (one polynomial), the sum
   // in 16-lane chunks from position 0 whatever S is
   __m512 top16 = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan16 = 0;
   for (; j < S; j += 16) {  // the last chunk masked (its other lanes -inf): no scalar tail
     const __mmask16 live = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
-    top16 = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, w + j), top16);
+    const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, w + j);
+    nan16 |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    top16 = _mm512_max_ps(s, top16);
   }
   mx = _mm512_reduce_max_ps(top16);
+  nan = nan16 != 0;
 #elif defined(NFX_AVX2)
-  // the max is exact in any order; a NaN score is skipped here as by std::max below
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (; j + 8 <= S; j += 8) top = _mm256_max_ps(_mm256_loadu_ps(w + j), top);
+  // the max is exact in any order; NaN lanes are flagged apart (max_ps keeps its second operand)
+  __m256 top = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+  for (; j + 8 <= S; j += 8) {
+    const __m256 s = _mm256_loadu_ps(w + j);
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(s, s, _CMP_UNORD_Q));
+    top = _mm256_max_ps(s, top);
+  }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
   for (const float x : lanes) mx = std::max(mx, x);
+  nan = _mm256_movemask_ps(nan8) != 0;
 #endif
-  for (; j < S; ++j) mx = std::max(mx, w[j]);
+  for (; j < S; ++j) {
+    nan |= std::isnan(w[j]);
+    mx = std::max(mx, w[j]);
+  }
+  if (nan || mx == INFINITY) {
+    std::fill(w, w + S, 0.f);
+    return NAN;
+  }
   if (mx == -INFINITY) {
     std::fill(w, w + S, 0.f);
     return 0.f;
@@ -759,7 +779,7 @@ constexpr float kMinQueryMax = 1e-30f;
 constexpr int64_t kQueryPad = 16;
 
 // q (R, D) float -> q16 (R, D) and qscale[r] = (max |q_r| / 32767) * scale. A row holding a NaN
-// or an infinity gets a NaN scale (every score NaN: the row attends nothing, as a float cache's
+// or an infinity gets a NaN scale (every score NaN: the row's output is NaN, as a float cache's
 // NaN products make it); a row below kMinQueryMax gets zeros and scale 0 (uniform weights).
 inline void round_queries(const float* q, int64_t R, int64_t D, float scale, int16_t* q16, float* qscale) {
   for (int64_t r = 0; r < R; ++r) {
