@@ -108,19 +108,31 @@ what they check (that the kernels' fake implementations give the real shapes, wh
 tests/test_kernels.py checks) cannot change between calls of a static-shape graph."""
 
 
+CPU_MIN_CHUNK = 16384
+"""``cpp.min_chunk_size`` of CPU plans (inductor's default 512): elements per thread below which
+inductor's C++ kernels run on the calling thread instead of an OpenMP region. A SmolLM2 verify
+pass (5 tokens) crossed the default in nine small kernels per layer group (RoPE, the KV write,
+norms: a fork, barriers and a join each for under a microsecond of work) that the same layers
+of a decode step (1 token) ran serially; with this threshold the verify graph's layer groups
+have no parallel region of their own (the kernels' ops parallelise inside). A prefill's
+elementwise kernels (128 tokens x 576 features and up) stay parallel."""
+
+
 def inductor_options(plan: Plan) -> dict:
     """:data:`INDUCTOR_OPTIONS`, and for a CPU plan on one rank a C++ wrapper (``cpp_wrapper``):
     the part's kernel calls and buffer handling run as compiled C++ instead of a Python
     function; the decode step's ``neuronfx::`` ops are called through their C shims
     (``kernels.c_shims``), the others through the dispatcher (each returns tensors,
-    not lists, so none calls back into Python). A SmolLM2 Q4_1 decode step was 1.05x
+    not lists, so none calls back into Python); on CPU, :data:`CPU_MIN_CHUNK`. A SmolLM2 Q4_1 decode step was 1.05x
     and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds, 2026-11;
     the script has since gone); a cold compile took about as long (51.9 s against 51.5 s).
     CUDA plans keep the Python wrapper their CUDA-graph capture was written against, and
     tensor-parallel plans too: the C++ wrapper cannot call the functional collectives (torch
     2.13: "arg type Any is not yet supported by custom_op_wrapper")."""
-    cpp = plan.inference.device == "cpu" and plan.tp_degree == 1
-    return INDUCTOR_OPTIONS | {"cpp_wrapper": cpp} | ({"aot_inductor.custom_ops_to_c_shims": c_shims()} if cpp else {})
+    cpu = plan.inference.device == "cpu"
+    cpp = cpu and plan.tp_degree == 1
+    return (INDUCTOR_OPTIONS | {"cpp_wrapper": cpp} | ({"aot_inductor.custom_ops_to_c_shims": c_shims()} if cpp else {})
+            | ({"cpp.min_chunk_size": CPU_MIN_CHUNK} if cpu else {}))
 
 
 def _aot_compile(fn: Callable, args: tuple, options: dict) -> Callable:
