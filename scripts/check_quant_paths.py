@@ -2,7 +2,8 @@
 csrc/w8a8_gemm.cpp's AVX2 and scalar integer paths against the references;
 csrc/causal_attention.cpp's AVX2 and scalar paths against the float64 causal attention (and
 csrc/small_gemm.cpp's cached attention, built with it, over NaN and infinite keys); and
-csrc/topk.cpp's AVX2 and scalar paths against tests/test_kernels.py's naive order.
+csrc/topk.cpp's AVX2 and scalar paths against tests/test_kernels.py's naive order (and its
+argmax_rows against torch.argmax).
 
 Usage: .venv/bin/python scripts/check_quant_paths.py   (about 5 min: eight extra builds)
 
@@ -25,7 +26,7 @@ from torch.utils.cpp_extension import load
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from test_kernels import CAUSAL_SHAPES, NAN_KEY_ATOL, _naive_topk, naive_attention, naive_causal_attention, nan_key_case  # noqa: E402
+from test_kernels import CAUSAL_SHAPES, NAN_KEY_ATOL, _naive_topk, argmax_cases, naive_attention, naive_causal_attention, nan_key_case  # noqa: E402
 from test_quant import FORMATS, _tolerance  # noqa: E402
 from test_w4a8 import four_bit  # noqa: E402
 
@@ -179,8 +180,16 @@ def check_topk(build: Path, path: str) -> bool:
             want_values, want_ids = _naive_topk(x[r].tolist(), k)
             want = torch.tensor(want_values)
             ok &= indices[r].tolist() == want_ids and torch.equal(values[r].nan_to_num(), want.nan_to_num())
-    print(f"topk.cpp built for {path}: the naive order's values and indices at k = 256 and 20: {'ok' if ok else 'FAIL'}")
-    return ok
+    # argmax_rows (same file): torch.argmax and isfinite on tests/test_kernels.py's cases, cut
+    # to lengths with and without the vector pass, and on the rows above
+    cases = argmax_cases()
+    argmax_ok = True
+    for rows in (cases, cases[:, :31].contiguous(), cases[:, :1].contiguous(), x):
+        arg, finite = op.argmax_rows(rows)
+        argmax_ok &= arg.tolist() == rows.argmax(-1).tolist() and finite.tolist() == torch.isfinite(rows).all(-1).tolist()
+    print(f"topk.cpp built for {path}: the naive order's values and indices at k = 256 and 20: {'ok' if ok else 'FAIL'}; "
+          f"argmax_rows as torch.argmax and isfinite: {'ok' if argmax_ok else 'FAIL'}")
+    return ok and argmax_ok
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from neuronfx.graphs.kernels.bundles import (
 from neuronfx.graphs.kernels.library import (
     FP32_KERNEL_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
+    argmax_rows,
     causal_attention,
     causal_attention_isa,
     small_gemm,
@@ -821,6 +822,44 @@ def test_topk_rows_matches_torch_topk(rows: int, vocab: int, k: int) -> None:
     values, indices = topk_rows(x, k)
     want = torch.topk(x, k, dim=-1)
     assert torch.equal(values, want.values) and torch.equal(indices, want.indices) and indices.dtype == torch.int64
+
+
+def argmax_cases() -> torch.Tensor:
+    """Rows of 1,000 logits (62 16-lane chunks and a tail of 8) for :func:`argmax_rows`: random;
+    ties of the largest value in several lanes and chunks; the largest in the tail; a NaN (two,
+    the later first in its lane); +inf; -inf elsewhere; all -inf; +0.0 after -0.0 as the
+    largest; integers 0-3 (ties everywhere). Also run on the AVX2 and scalar builds by
+    scripts/check_quant_paths.py."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(10, 1000, generator=g)
+    x[1, [700, 37, 38, 515]] = 9.0
+    x[2, 997] = 9.0
+    x[3, [600, 40]] = float("nan")
+    x[4, 300] = float("inf")
+    x[5, 11] = float("-inf")
+    x[6] = float("-inf")
+    x[7] = -1.0
+    x[7, 21], x[7, 500] = -0.0, 0.0
+    x[8] = torch.randint(0, 4, (1000,), generator=g).float()
+    x[9, 0] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("vocab", [1000, 31, 1, 49152])
+def test_argmax_rows_is_torch_argmax_and_isfinite(vocab: int) -> None:
+    """Each row's first index of its largest value (NaN above every number) and whether it is all
+    finite: torch.argmax and torch.isfinite(...).all() exactly, over :func:`argmax_cases` cut
+    to ``vocab`` (short rows without the vector pass; V = 1) and random rows of SmolLM2's vocabulary."""
+    x = argmax_cases()[:, :vocab].contiguous() if vocab <= 1000 else torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    arg, finite = argmax_rows(x)
+    assert arg.dtype == torch.int32 and finite.dtype == torch.bool
+    assert arg.tolist() == x.argmax(-1).tolist() and finite.tolist() == torch.isfinite(x).all(-1).tolist()
+    if vocab == 1000:
+        assert arg.tolist()[:4] == [int(x[0].argmax()), 37, 997, 40] and finite.tolist()[3:7] == [False] * 4
+    arg, finite = CPU_OPS.argmax(x.view(1, *x.shape))  # the ops record's form: leading dims kept
+    assert arg.shape == finite.shape == (1, x.shape[0]) and torch.equal(arg[0], x.argmax(-1).int())
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be"):
+        argmax_rows(x.double())
 
 
 def test_topk_rows_orders_ties_by_index_and_nan_first() -> None:

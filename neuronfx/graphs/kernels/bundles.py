@@ -36,7 +36,7 @@ from neuronfx.graphs.kernels.library import (
 )
 from neuronfx.graphs.models import int8_x, quant
 from neuronfx.graphs.models.kv_rows import load_rows, window_rows
-from neuronfx.graphs.models.ops import Ops, Weight, torch_topk, write_kv
+from neuronfx.graphs.models.ops import Ops, Weight, torch_argmax, torch_topk, write_kv
 
 Tensor = torch.Tensor
 
@@ -284,6 +284,13 @@ def kernel_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     return cpu_kernels.cached_attention(q, k_cache, v_cache, block_table, mask)
 
 
+def kernel_argmax(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``ops.argmax`` (``models/ops.torch_argmax``) as one ``neuronfx::argmax_rows`` call over
+    x's rows (..., V) float32 -> ((...) int32, (...) bool); the same values."""
+    arg, finite = cpu_kernels.argmax_rows(x.reshape(-1, x.shape[-1]))
+    return arg.view(x.shape[:-1]), finite.view(x.shape[:-1])
+
+
 def kernel_store_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offsets: Tensor, k: Tensor, v: Tensor) -> None:
     """``ops.store_kv`` (``models/ops.write_kv``) with int8 caches' rows quantized and written by
     one ``neuronfx::store_int8_kv`` call (``csrc/kv_write.cpp``, the same bits as eager
@@ -327,6 +334,7 @@ def cpu_kernel_ops(dtype: str, int8: Int8Paths = FLOAT_PATHS) -> Ops:
         causal_attention=kernel_causal_attention if causal_kernel else causal_sdpa_fp32 if widen else causal_sdpa,
         cached_attention=kernel_cached_attention if kernels else fused_cached_attention,
         topk=cpu_kernels.topk_rows if kernels else torch_topk,
+        argmax=kernel_argmax if kernels else torch_argmax,
         store_kv=kernel_store_kv if kernels else write_kv,
     )
 

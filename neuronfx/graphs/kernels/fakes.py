@@ -28,6 +28,7 @@ def register_fakes() -> None:
     torch.library.register_fake("neuronfx::cached_attention")(_cached_attention_fake)
     torch.library.register_fake("neuronfx::causal_attention")(_causal_attention_fake)
     torch.library.register_fake("neuronfx::topk_rows")(_topk_rows_fake)
+    torch.library.register_fake("neuronfx::argmax_rows")(_argmax_rows_fake)
     torch.library.register_fake("neuronfx::store_int8_kv")(_store_int8_kv_fake)
 
 
@@ -114,3 +115,7 @@ def _cached_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
+
+
+def _argmax_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0],), dtype=torch.int32), x.new_empty((x.shape[0],), dtype=torch.bool)

@@ -27,6 +27,11 @@ def torch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values, indices = torch.topk(x, k, dim=-1)
     return values, indices
 
+
+def torch_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., V) float -> (``x.argmax(-1)`` as int32, ``torch.isfinite(x).all(-1)``), both (...)."""
+    return x.argmax(-1).to(torch.int32), torch.isfinite(x).all(-1)
+
 Tensor = torch.Tensor
 Weight = Tensor | QuantizedWeight
 """A linear weight: a float (out, in) tensor or a quantized record (``models/quant.py``)."""
@@ -81,6 +86,9 @@ class Ops:
       default :func:`write_kv`).
     - ``topk(x, k)``: the sampler's top-k, x (B, V) float32 -> (values (B, k) sorted
       descending, indices (B, k) int64) (``phases/sampling.py``'s ``TopK``; default ``torch.topk``).
+    - ``argmax(x)``: logits (..., V) float32 -> (the first index of each row's largest value,
+      NaN above every number, as ``torch.argmax``: (...) int32; whether the row is all finite:
+      (...) bool) (default :func:`torch_argmax`).
     Defaults are the identities of one process.
     """
 
@@ -96,4 +104,5 @@ class Ops:
     parallel_out: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     gather_vocab: Callable[[Tensor], Tensor] = attrs.field(default=identity)
     topk: TopK = attrs.field(default=torch_topk)
+    argmax: Callable[[Tensor], tuple[Tensor, Tensor]] = attrs.field(default=torch_argmax)
     store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], None] = attrs.field(default=write_kv)

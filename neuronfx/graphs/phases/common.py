@@ -126,7 +126,8 @@ def greedy_head(plan: Plan, ops: Ops, math: FamilyMath, norm: Tensor, lm_head: T
     largest value, as ``torch.argmax``), "finite": (B,) bool} and with ``output_logits``
     "logits" (B, V) float32: :func:`head` for rows the sampler would give their raw argmax."""
     out_logits = logits(plan, ops, math, norm, lm_head, hidden)  # (B, V)
-    out = {"finite": torch.isfinite(out_logits).all(-1), "tokens": out_logits.argmax(-1).to(torch.int32)}
+    tokens, finite = ops.argmax(out_logits)
+    out = {"finite": finite, "tokens": tokens}
     if plan.inference.output_logits:
         out["logits"] = out_logits
     return out

@@ -157,7 +157,113 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {vals, idx};
 }
 
+// One row x (V >= 1) -> its argmax as torch.argmax takes it (the first index of the largest
+// value; the first NaN's where there is one: NaN ranks above every number) and whether every
+// value is finite, in one pass: each lane keeps its first index of its largest value (a strict
+// greater-than), then the lanes' ties go to the lowest index. Inductor's fused argmax and
+// isfinite over a verify pass's 5 x 49,152 logits took 0.36 ms (an OpenMP region per row, an
+// index per lane carried through a generic reduction); topk_rows at k = 1, 0.05 ms.
+void row_argmax(const float* x, int64_t V, int32_t* arg, bool* finite) {
+  float best = x[0];
+  int64_t at = 0, i = 1;
+  bool nan = std::isnan(x[0]), fin = std::isfinite(x[0]);
+#if defined(__AVX512F__)
+  if (V >= 32) {
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512 top = _mm512_loadu_ps(x);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), lane = idx;
+    __mmask16 odd = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(_mm512_abs_ps(top), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+    for (i = 16; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      lane = _mm512_add_epi32(lane, step);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_mov_ps(top, gt, v);
+      idx = _mm512_mask_mov_epi32(idx, gt, lane);
+      odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+    }
+    alignas(64) float tops[16];
+    alignas(64) int32_t ids[16];
+    _mm512_store_ps(tops, top);
+    _mm512_store_si512(ids, idx);
+    best = tops[0], at = ids[0];
+    for (int l = 1; l < 16; ++l)
+      if (tops[l] > best || (tops[l] == best && ids[l] < at)) best = tops[l], at = ids[l];
+    // a NaN or an infinity in the lanes: the scalar pass below settles the row (rare)
+    nan = false, fin = odd == 0;
+    if (!fin) i = V;
+  }
+#elif defined(__AVX2__)
+  if (V >= 16) {
+    const __m256i step = _mm256_set1_epi32(8);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), inf = _mm256_set1_ps(INFINITY);
+    __m256 top = _mm256_loadu_ps(x);
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), lane = idx;
+    // not (|v| < inf): NaN or an infinity
+    __m256 odd = _mm256_cmp_ps(_mm256_and_ps(top, magnitude), inf, _CMP_NLT_UQ);
+    for (i = 8; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      lane = _mm256_add_epi32(lane, step);
+      const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+      top = _mm256_blendv_ps(top, v, gt);
+      idx = _mm256_blendv_epi8(idx, lane, _mm256_castps_si256(gt));
+      odd = _mm256_or_ps(odd, _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_NLT_UQ));
+    }
+    alignas(32) float tops[8];
+    alignas(32) int32_t ids[8];
+    _mm256_store_ps(tops, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ids), idx);
+    best = tops[0], at = ids[0];
+    for (int l = 1; l < 8; ++l)
+      if (tops[l] > best || (tops[l] == best && ids[l] < at)) best = tops[l], at = ids[l];
+    nan = false, fin = _mm256_movemask_ps(odd) == 0;
+    if (!fin) i = V;
+  }
+#endif
+  if (!fin && i == V) {  // the vector pass saw a NaN or an infinity: the whole row in scalar order
+    best = x[0], at = 0, nan = std::isnan(x[0]);
+    for (i = 1; i < V; ++i) {
+      if (nan) break;
+      if (std::isnan(x[i])) nan = true, at = i;
+      else if (x[i] > best) best = x[i], at = i;
+    }
+    *arg = static_cast<int32_t>(at);
+    *finite = false;
+    return;
+  }
+  for (; i < V; ++i) {  // the tail (or a short row) after the lanes
+    fin &= std::isfinite(x[i]);
+    if (nan) continue;
+    if (std::isnan(x[i])) nan = true, at = i;
+    else if (x[i] > best) best = x[i], at = i;
+  }
+  *arg = static_cast<int32_t>(at);
+  *finite = fin;
+}
+
+// x (N, V) float32, V >= 1 -> (argmax (N,) int32, finite (N,) bool): row_argmax of each row.
+std::tuple<at::Tensor, at::Tensor> argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "argmax_rows: x must be (N, V) float32");
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(V >= 1 && V < (int64_t{1} << 31), "argmax_rows: V = ", V, " must be in [1, 2^31)");
+  auto xc = x.contiguous();
+  auto arg = at::empty({N}, x.options().dtype(at::kInt));
+  auto finite = at::empty({N}, x.options().dtype(at::kBool));
+  const float* xp = xc.data_ptr<float>();
+  int32_t* ap = arg.data_ptr<int32_t>();
+  bool* fp = finite.data_ptr<bool>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row_argmax(xp + r * V, V, ap + r, fp + r);
+  });
+  return {arg, finite};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(neuronfx, m) { m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)"); }
-TORCH_LIBRARY_IMPL(neuronfx, CPU, m) { m.impl("topk_rows", &topk_rows); }
+TORCH_LIBRARY_FRAGMENT(neuronfx, m) {
+  m.def("topk_rows(Tensor x, int k) -> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor x) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(neuronfx, CPU, m) {
+  m.impl("topk_rows", &topk_rows);
+  m.impl("argmax_rows", &argmax_rows);
+}
