@@ -4,6 +4,7 @@ give ArtifactError/ConfigError before anything runs."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,6 +59,11 @@ def test_round_trip_identical_tokens_and_logits(hf, backend, request, tmp_path):
     assert json.loads((tmp_path / "rt" / GENERATION_CONFIG).read_text())["eos_token_id"] == list(rt.plan.model.eos_token_ids)
     if backend == "inductor":  # and in a fresh process (custom ops registered, kernels found)
         assert _tokens_in_fresh_process(tmp_path / "rt") == want_tokens
+        # a process without the kernel library: a named ArtifactError, not the loader's ImportError
+        without = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path / "rt"), str(Path(__file__).parent)],
+                                 capture_output=True, text=True, timeout=600, env=os.environ | {"NEURONFX_KERNELS": "0"})
+        assert without.returncode != 0 and "neuronfx.errors.ArtifactError" in without.stderr, without.stderr[-3000:]
+        assert "undefined symbol: aoti_torch_cpu_" in without.stderr and "NEURONFX_KERNELS=0" in without.stderr
 
 
 FRESH = """

@@ -272,7 +272,15 @@ def test_auto_is_a_backend_choice_in_the_compile_cache_key(monkeypatch):
     monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: choice.Int8Paths(frozenset({("int8", "prefill")})))
     assert inductor.choices(plan)["int8_activations"] == "int8/prefill"
     assert "int8_activations" not in inductor.choices(tiny_plan(hf, "inductor", weight_format="int8", activation_format="int8"))
+    # graphs built with the kernel library link its C shims: not served to a process without it
+    assert inductor.choices(plan)["kernels"] is True and "kernels" not in inductor.choices(tiny_plan(hf, "inductor", device="cuda"))
+    monkeypatch.setattr(inductor, "small_gemm_available", lambda: False)  # (the real one is cached per process)
+    without_kernels = cache_key(plan)
+    assert inductor.choices(plan)["kernels"] is False
+    monkeypatch.undo()
+    monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: choice.Int8Paths(frozenset({("int8", "prefill")})))
     key = cache_key(plan)
+    assert key != without_kernels
     monkeypatch.setattr(choice, "measured_paths", lambda h, i, b: choice.FLOAT_PATHS)
     assert cache_key(plan) != key  # a runtime compiled for other paths is not reused
 

@@ -39,6 +39,7 @@ from neuronfx.graphs.backends import compile_workers, cuda_graphs, inductor_dir,
 from neuronfx.graphs.backends.records import Backend, Built, progress_bar
 from neuronfx.graphs.kernels.activation_choice import pack_weights, plan_int8_paths
 from neuronfx.graphs.kernels.gemm_choice import widen_16bit_prefill
+from neuronfx.graphs.kernels.library import small_gemm_available
 from neuronfx.graphs.models.layers import Weights
 
 
@@ -91,8 +92,12 @@ def choices(plan: Plan) -> dict[str, object]:
     compiled functions guard on it: they refuse to run under another), and the 16-bit prefill
     path of a 16-bit CPU plan (``kernels.bundles.cpu_kernel_ops``), measured once per machine
     (``kernels/gemm_choice.py``; none on CUDA, where no CPU kernel is bound), and the products
-    that take int8 activations under ``activation_format="auto"`` (``kernels/activation_choice.py``)."""
+    that take int8 activations under ``activation_format="auto"`` (``kernels/activation_choice.py``),
+    and on CPU whether neuronfx's kernel library loaded (graphs built with it link its C shims
+    and do not load in a process without it, ``NEURONFX_KERNELS=0``)."""
     out: dict[str, object] = {"num_threads": torch.get_num_threads()}
+    if plan.inference.device == "cpu":
+        out["kernels"] = small_gemm_available()
     dtype = plan.inference.dtype
     if dtype != "float32" and plan.inference.device == "cpu":
         out["widen_16bit"] = widen_16bit_prefill(dtype)

@@ -332,12 +332,24 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
 
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (inductor's cache directory must hold its kernels, or they
-    are compiled again from the saved source)."""
-    if plan.inference.device == "cpu":  # CUDA graphs call no neuronfx kernel
-        small_gemm_available()  # compiled code may call neuronfx's custom ops: register them first
+    are compiled again from the saved source). ArtifactError when a part does not load in a CPU
+    process without neuronfx's kernel library (``NEURONFX_KERNELS=0``, or its build failed): the
+    parts' C++ wrappers link the kernels' C shims, so loading them there fails on an undefined
+    symbol (an ImportError naming ``aoti_torch_cpu_<op>``)."""
+    # compiled code may call neuronfx's custom ops: register them first (CUDA graphs call none)
+    kernels = plan.inference.device == "cpu" and small_gemm_available()
     fns = []
     for name in part_files(spec):
         with open(src / name, "rb") as f:
-            fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
+            try:
+                fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
+            except ImportError as exc:
+                if plan.inference.device != "cpu" or kernels:
+                    raise
+                raise ArtifactError(
+                    f"{src / name} does not load here ({exc}): its graphs call neuronfx's C++ kernels, which this process "
+                    "has not loaded (NEURONFX_KERNELS=0, or their build failed: see the warning above). Load it where "
+                    "the kernels build, or compile the model again in this process (neuronfx.compile) and save that."
+                ) from exc
     parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=phase_group_size(plan, spec.phase))
     return GraphModule(parts, spec.phase, phase_num_layers(plan, spec.phase))
