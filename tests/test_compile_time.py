@@ -207,7 +207,7 @@ def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
     CUDA-graph capture) and tensor-parallel ones (the C++ wrapper cannot call the functional
     collectives); the assert-free options everywhere; the C++ wrapper's decode ops through
     their C shims; CPU plans' small kernels on the calling thread (``cpp.min_chunk_size``)."""
-    from neuronfx.graphs.backends.inductor_parts import CPU_MIN_CHUNK, INDUCTOR_OPTIONS, inductor_options
+    from neuronfx.graphs.backends.inductor_parts import INDUCTOR_OPTIONS, cpu_min_chunk, inductor_options
     from neuronfx.graphs.kernels.c_shims import c_shims
 
     hf = tiny_hf_model("llama")
@@ -219,4 +219,6 @@ def test_cpu_plans_on_one_rank_compile_with_the_cpp_wrapper():
         assert INDUCTOR_OPTIONS.items() <= options.items()
         # the C++ wrapper calls the decode ops through their C shims (test_kernels checks them)
         assert options.get("aot_inductor.custom_ops_to_c_shims", {}) == (c_shims() if cpp else {}) and c_shims()
-        assert options.get("cpp.min_chunk_size") == (None if overrides == (("device", "cuda"),) else CPU_MIN_CHUNK)
+        assert options.get("cpp.min_chunk_size") == (None if overrides == (("device", "cuda"),) else cpu_min_chunk(torch.get_num_threads()))
+    # the bound is in total elements: 32,768 whatever the thread count, never under inductor's 512 a thread
+    assert [cpu_min_chunk(n) for n in (1, 2, 8, 64, 128)] == [32768, 16384, 4096, 512, 512]

@@ -229,7 +229,7 @@ def int16_value_weights(weights: torch.Tensor, scales: torch.Tensor, positions: 
     for span in spans.unique():
         sel = spans == span
         top = p[sel].abs().max()
-        if top.isnan():  # a NaN weight (a NaN score) makes the span's sum NaN, as in the kernel
+        if top.isnan():  # a NaN weight (a NaN score): the row's output is NaN, as the kernel's (its sum is NaN)
             rounded[sel] = float("nan")
         elif top > 0:
             rounded[sel] = torch.round(p[sel] / top * 32767) * top / 32767
@@ -825,13 +825,14 @@ def test_topk_rows_matches_torch_topk(rows: int, vocab: int, k: int) -> None:
 
 
 def argmax_cases() -> torch.Tensor:
-    """Rows of 1,000 logits (62 16-lane chunks and a tail of 8) for :func:`argmax_rows`: random;
-    ties of the largest value in several lanes and chunks; the largest in the tail; a NaN (two,
-    the later first in its lane); +inf; -inf elsewhere; all -inf; +0.0 after -0.0 as the
-    largest; integers 0-3 (ties everywhere). Also run on the AVX2 and scalar builds by
-    scripts/check_quant_paths.py."""
+    """Rows of 1,003 logits (62 16-lane chunks and a tail of 11 on AVX-512; 125 8-lane chunks and
+    a tail of 3 on AVX2) for :func:`argmax_rows`: random; ties of the largest value in several
+    lanes and chunks; the largest in the AVX-512 tail; a NaN (two, the later first in its lane);
+    +inf; -inf elsewhere; all -inf; +0.0 after -0.0 as the largest; integers 0-3 (ties
+    everywhere); a NaN first in the last tail value; +inf only in the AVX-512 tail. Also run on
+    the AVX2 and scalar builds by scripts/check_quant_paths.py."""
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(10, 1000, generator=g)
+    x = torch.randn(12, 1003, generator=g)
     x[1, [700, 37, 38, 515]] = 9.0
     x[2, 997] = 9.0
     x[3, [600, 40]] = float("nan")
@@ -840,22 +841,26 @@ def argmax_cases() -> torch.Tensor:
     x[6] = float("-inf")
     x[7] = -1.0
     x[7, 21], x[7, 500] = -0.0, 0.0
-    x[8] = torch.randint(0, 4, (1000,), generator=g).float()
+    x[8] = torch.randint(0, 4, (1003,), generator=g).float()
     x[9, 0] = float("nan")
+    x[10, 1002] = float("nan")
+    x[11, 995] = float("inf")
     return x
 
 
-@pytest.mark.parametrize("vocab", [1000, 31, 1, 49152])
+@pytest.mark.parametrize("vocab", [1003, 40, 31, 1, 49152])
 def test_argmax_rows_is_torch_argmax_and_isfinite(vocab: int) -> None:
     """Each row's first index of its largest value (NaN above every number) and whether it is all
     finite: torch.argmax and torch.isfinite(...).all() exactly, over :func:`argmax_cases` cut
-    to ``vocab`` (short rows without the vector pass; V = 1) and random rows of SmolLM2's vocabulary."""
-    x = argmax_cases()[:, :vocab].contiguous() if vocab <= 1000 else torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    to ``vocab`` (40: one AVX-512 chunk and a tail; 31: no AVX-512 vector pass; V = 1) and random
+    rows of SmolLM2's vocabulary."""
+    x = argmax_cases()[:, :vocab].contiguous() if vocab <= 1003 else torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
     arg, finite = argmax_rows(x)
     assert arg.dtype == torch.int32 and finite.dtype == torch.bool
     assert arg.tolist() == x.argmax(-1).tolist() and finite.tolist() == torch.isfinite(x).all(-1).tolist()
-    if vocab == 1000:
-        assert arg.tolist()[:4] == [int(x[0].argmax()), 37, 997, 40] and finite.tolist()[3:7] == [False] * 4
+    if vocab == 1003:
+        assert arg.tolist()[1:4] == [37, 997, 40] and arg.tolist()[10:] == [1002, 995] and finite.tolist()[3:7] == [False] * 4
+        assert finite.tolist()[10:] == [False, False]
     arg, finite = CPU_OPS.argmax(x.view(1, *x.shape))  # the ops record's form: leading dims kept
     assert arg.shape == finite.shape == (1, x.shape[0]) and torch.equal(arg[0], x.argmax(-1).int())
     with pytest.raises(RuntimeError, match="argmax_rows: x must be"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,14 +109,22 @@ what they check (that the kernels' fake implementations give the real shapes, wh
 tests/test_kernels.py checks) cannot change between calls of a static-shape graph."""
 
 
-CPU_MIN_CHUNK = 16384
-"""``cpp.min_chunk_size`` of CPU plans (inductor's default 512): elements per thread below which
-inductor's C++ kernels run on the calling thread instead of an OpenMP region. A SmolLM2 verify
-pass (5 tokens) crossed the default in nine small kernels per layer group (RoPE, the KV write,
+CPU_SERIAL_ELEMENTS = 32768
+"""Elements below which inductor's generated C++ kernels of a CPU plan run on the calling thread
+instead of an OpenMP region (:func:`cpu_min_chunk`). A SmolLM2 verify pass (5 tokens) crossed
+inductor's default (512 a thread) in nine small kernels per layer group (RoPE, the KV write,
 norms: a fork, barriers and a join each for under a microsecond of work) that the same layers
-of a decode step (1 token) ran serially; with this threshold the verify graph's layer groups
-have no parallel region of their own (the kernels' ops parallelise inside). A prefill's
-elementwise kernels (128 tokens x 576 features and up) stay parallel."""
+of a decode step (1 token) ran serially; under this bound the verify graph's layer groups have
+no parallel region of their own (the kernels' ops parallelise inside). A prefill's elementwise
+kernels (128 tokens x 576 features and up) stay parallel. Measured on 2 threads only."""
+
+
+def cpu_min_chunk(threads: int) -> int:
+    """``cpp.min_chunk_size`` for ``threads`` intra-op threads: inductor runs a kernel serially
+    when its elements // threads fall below it, so :data:`CPU_SERIAL_ELEMENTS` // threads (at
+    least inductor's own 512) keeps the bound in total elements whatever the thread count (the
+    count is part of the compile-cache key, ``inductor.choices``)."""
+    return max(512, CPU_SERIAL_ELEMENTS // max(1, threads))
 
 
 def inductor_options(plan: Plan) -> dict:
@@ -123,7 +132,7 @@ def inductor_options(plan: Plan) -> dict:
     the part's kernel calls and buffer handling run as compiled C++ instead of a Python
     function; the decode step's ``neuronfx::`` ops are called through their C shims
     (``kernels.c_shims``), the others through the dispatcher (each returns tensors,
-    not lists, so none calls back into Python); on CPU, :data:`CPU_MIN_CHUNK`. A SmolLM2 Q4_1 decode step was 1.05x
+    not lists, so none calls back into Python); on CPU, :func:`cpu_min_chunk` of torch's thread count. A SmolLM2 Q4_1 decode step was 1.05x
     and 1.06x faster with it at batch 1 and 1.01x at batch 8 (in-process A/Bs of 10 rounds, 2026-11;
     the script has since gone); a cold compile took about as long (51.9 s against 51.5 s).
     CUDA plans keep the Python wrapper their CUDA-graph capture was written against, and
@@ -132,7 +141,7 @@ def inductor_options(plan: Plan) -> dict:
     cpu = plan.inference.device == "cpu"
     cpp = cpu and plan.tp_degree == 1
     return (INDUCTOR_OPTIONS | {"cpp_wrapper": cpp} | ({"aot_inductor.custom_ops_to_c_shims": c_shims()} if cpp else {})
-            | ({"cpp.min_chunk_size": CPU_MIN_CHUNK} if cpu else {}))
+            | ({"cpp.min_chunk_size": cpu_min_chunk(torch.get_num_threads())} if cpu else {}))
 
 
 def _aot_compile(fn: Callable, args: tuple, options: dict) -> Callable:
@@ -330,6 +339,15 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
     return part_files(spec)
 
 
+def kernels_missing(loaded: bool) -> str:
+    """Why a compiled part cannot find the kernels' C shims in this process, for an error."""
+    if os.environ.get("NEURONFX_KERNELS", "1") == "0":
+        return "NEURONFX_KERNELS=0 turns the kernel library off in this process"
+    if not loaded:
+        return "the kernel library did not build or load here (its warning above says why)"
+    return "the kernel library's symbols could not be made global (its warning above says why)"
+
+
 def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
     """The graph from its saved parts (inductor's cache directory must hold its kernels, or they
     are compiled again from the saved source). ArtifactError when a part does not load in a CPU
@@ -344,12 +362,12 @@ def load_graph(plan: Plan, spec: GraphSpec, src: Path) -> GraphModule:
             try:
                 fns.append(PrecompiledPart(None, torch.compiler.load_compiled_function(f)))
             except ImportError as exc:
-                if plan.inference.device != "cpu" or kernels:
+                if "aoti_torch_cpu_" not in str(exc):
                     raise
                 raise ArtifactError(
-                    f"{src / name} does not load here ({exc}): its graphs call neuronfx's C++ kernels, which this process "
-                    "has not loaded (NEURONFX_KERNELS=0, or their build failed: see the warning above). Load it where "
-                    "the kernels build, or compile the model again in this process (neuronfx.compile) and save that."
+                    f"{src / name} does not load here ({exc}): its graphs call neuronfx's C++ kernels through their C "
+                    f"shims, and {kernels_missing(kernels)}. Load it where the kernels build, or compile the model again "
+                    "in this process (neuronfx.compile) and save that."
                 ) from exc
     parts = PhaseParts(prologue=fns[0], layers=fns[1], epilogue=fns[2], group_size=phase_group_size(plan, spec.phase))
     return GraphModule(parts, spec.phase, phase_num_layers(plan, spec.phase))
