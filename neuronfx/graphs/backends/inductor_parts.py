@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from neuronfx.graphs.backends.cuda_graphs import unwrap
 from neuronfx.graphs.kernels.activation_choice import plan_int8_paths
 from neuronfx.graphs.kernels.bundles import compiled_ops
 from neuronfx.graphs.kernels.c_shims import c_shims
-from neuronfx.graphs.kernels.library import small_gemm_available
+from neuronfx.graphs.kernels.library import kernels_turned_off, small_gemm_available
 from neuronfx.graphs.models.layers import Weights
 from neuronfx.graphs.phases.chunk import chunk_layers
 from neuronfx.graphs.phases.compose import GraphModule, PhaseParts, build_module, phase_num_layers
@@ -341,7 +340,7 @@ def save_parts(spec: GraphSpec, graph: object, out: Path) -> list[str]:
 
 def kernels_missing(loaded: bool) -> str:
     """Why a compiled part cannot find the kernels' C shims in this process, for an error."""
-    if os.environ.get("NEURONFX_KERNELS", "1") == "0":
+    if kernels_turned_off():
         return "NEURONFX_KERNELS=0 turns the kernel library off in this process"
     if not loaded:
         return "the kernel library did not build or load here (its warning above says why)"

@@ -125,11 +125,16 @@ def build_lock(name: str) -> Iterator[None]:
         yield
 
 
+def kernels_turned_off() -> bool:
+    """Whether ``NEURONFX_KERNELS=0`` turns the kernel library off in this process."""
+    return os.environ.get("NEURONFX_KERNELS", "1") == "0"
+
+
 @functools.cache
 def small_gemm_available() -> bool:
     """Build (first call on a machine) and load the kernel library; False, with one warning,
     when it cannot be built or ``NEURONFX_KERNELS=0``."""
-    if os.environ.get("NEURONFX_KERNELS", "1") == "0":
+    if kernels_turned_off():
         return False
     from torch.utils.cpp_extension import load
 
