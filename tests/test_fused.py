@@ -101,6 +101,31 @@ def test_fused_equals_unfused_for_every_option(hf, unrelated, kind, monkeypatch)
     assert len(calls) > 0 and sum(calls) == passes  # one fused call per step, its rows' passes
 
 
+@pytest.mark.parametrize("kind", ["draft-model", "same-model"])
+def test_plain_greedy_rows_accept_on_the_verify_graphs_argmax(hf, unrelated, kind, monkeypatch):
+    """Rows that take the argmax of their raw logits (``acceptance.raw_argmax``) accept on the
+    speculate graph's argmax, as unfused acceptance does: no penalty pass over the (n * k, V)
+    logits runs, and the tokens and statistics are unfused speculation's and transformers'
+    (drafts rejected at every position, or all kept). A greedy row with a repetition penalty
+    still takes the penalty pass, with unfused speculation's tokens."""
+    from neuronfx.graphs.phases import speculation
+
+    unfused_rt, fused_rt = pair(hf, kind, unrelated)
+    passes, original = [], speculation.penalized_logits
+    monkeypatch.setattr(speculation, "penalized_logits", lambda *a: passes.append(1) or original(*a))
+    prompts = [random_prompt(n, seed=80 + n) for n in (7, 4)]
+    for params in (GREEDY, SamplingParams(repetition_penalty=1.3)):
+        passes.clear()
+        runs = [neuronfx.generate(rt, neuronfx.init_state(rt), prompts, sampling=params, max_new_tokens=12, eos_token_ids=NO_EOS)[0]
+                for rt in (unfused_rt, fused_rt)]
+        assert runs[0].token_ids == runs[1].token_ids and runs[0].speculation == runs[1].speculation
+        assert bool(passes) == (params is not GREEDY)
+        if params is GREEDY:
+            assert [list(t) for t in runs[1].token_ids] == [hf_greedy(hf, p, 12) for p in prompts]
+            accepted = sum(s.accepted for s in runs[1].speculation)
+            assert accepted == (0 if kind == "draft-model" else sum(s.drafted for s in runs[1].speculation))
+
+
 def test_fused_acceptance_keeps_the_target_distribution():
     """The first token a fused step emits is distributed as the target's sampler distribution at
     that position (temperature, top-k, top-p, min-p, penalties over the counts), against the

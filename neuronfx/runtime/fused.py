@@ -81,13 +81,15 @@ def _first(record: SamplerInputs, rows: int) -> SamplerInputs:
 
 
 def fused_step(runtime: Runtime, drafter: Runtime, phase: str, kv: KVCache, draft_kv: KVCache, inputs: FusedSpeculateInputs,
-               n: int, starts: Sequence[int], sampled: bool) -> dict[str, Tensor]:
+               n: int, starts: Sequence[int], sampled: bool, raw: bool = False) -> dict[str, Tensor]:
     """One fused speculate step of the n rows of ``inputs`` (cache_lens ``starts``): the
     drafter's ``phase`` graphs ("draft": the target's first layers on ``kv``; "decode": a draft
     runtime's on ``draft_kv``, and when a row accepted every draft one more pass caching the last
     draft), the target's speculate
     graph and :func:`~neuronfx.graphs.phases.speculation.accept_rows` (``sampled``: some row
-    samples, so the draft's and target's distributions are needed). Every KV bucket is the
+    samples, so the draft's and target's distributions are needed; ``raw``: every row takes the
+    argmax of its raw logits, ``acceptance.raw_argmax``, so acceptance reads the speculate graph's
+    argmax, as unfused acceptance does). Every KV bucket is the
     smallest that holds the pass, as unfused. Returns on the host {"tokens": (n, k) int64,
     "emitted": (n,) int64 (row r emits tokens[r, :emitted[r]]), "logits": (n, k, V) float32 the
     verify pass's and their finiteness "finite" (n, k) bool}."""
@@ -106,7 +108,7 @@ def fused_step(runtime: Runtime, drafter: Runtime, phase: str, kv: KVCache, draf
         tokens, emitted = accept_rows(
             ids[:n, 1:].long(), verified, torch.stack(logits, 1)[:n] if sampled else None,
             stack_positions([_first(s, n) for s in targets]), stack_positions([_first(s, n) for s in drawn]) if sampled else None,
-            x.accept_rand[:n], x.final_rand[:n], plan.topk_width, drafter.plan.topk_width)
+            x.accept_rand[:n], x.final_rand[:n], plan.topk_width, drafter.plan.topk_width, spec["argmax"][:n] if raw else None)
         out = to_host({"tokens": tokens, "emitted": emitted, "logits": verified, "finite": spec["finite"][:n]})
         if phase == "decode" and bool((out["emitted"] == k).any()):  # a row kept every draft: cache the last one
             last = targets[-1]._replace(sampling_params=x.draft_sampling_params)

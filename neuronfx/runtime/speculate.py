@@ -34,6 +34,7 @@ from neuronfx.runtime.acceptance import (
     Uniforms,
     accept,
     emitted_logprobs,
+    raw_argmax,
     speculation_uniforms,
 )
 from neuronfx.runtime.batch import sampler_inputs
@@ -242,7 +243,7 @@ def fused(runtime: Runtime, drafter: Drafter, state: State, batch: SpeculateBatc
         reserve(rt.plan, st.kv, st.blocks, facts.slots, starts, [s + k for s in starts])
     inputs = fused_inputs(runtime, drafter.runtime, facts, batch.input_ids, starts, u, state.blocks, dstate.blocks)
     out = fused_step(runtime, drafter.runtime, drafter.phase, state.kv, drafter.state(state).kv, inputs, n, starts,
-                     any(not sp.greedy for sp in facts.params))
+                     any(not sp.greedy for sp in facts.params), all(map(raw_argmax, facts.params, facts.generated)))
     emitted = [out["tokens"][r, :m].tolist() for r, m in enumerate(out["emitted"].tolist())]
     bucket = select_bucket(runtime.plan.decode_buckets, max(starts) + runtime.plan.inference.speculation_length)
     return Verified(emitted=emitted, logits=out["logits"], finite=out["finite"], drafted=None, bsz=batch_rows(runtime, drafter.runtime, n)[0],
