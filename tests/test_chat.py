@@ -176,10 +176,22 @@ def test_cli_piped_stdin(chat_model, runtime, monkeypatch, capsys):
     (["--temperature", "-1"], "SamplingParamsError"),
     (["--max-new-tokens", "600"], "SequenceLengthExceededError"),
     (["--min-tokens", "9", "--max-new-tokens", "8"], "SamplingParamsError: --min-tokens=9 is > --max-new-tokens=8"),
+    # b"caf\xe9" from a Latin-1 shell: Python's argv decoding (surrogateescape) makes the byte U+DCE9
+    (["--system", "caf\udce9"], "InputError: the argument --system 'caf\\udce9' has byte 0xE9 at character 3, which is not UTF-8"),
 ])
 def test_cli_rejects_bad_options_before_loading(chat_model, capsys, args, error):
     assert main(["chat", *[str(chat_model[0]) if a == "MODEL" else a for a in args]]) == 2
     assert f"neuronfx: error: {error}" in capsys.readouterr().err
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(chat_model, runtime):
+    """A piped line holding a byte that is not UTF-8 (stdin's surrogateescape: 0xFF -> U+DCFF) is
+    not sent (the tokenizer would raise on it); the session answers the next line."""
+    _, _, tok = chat_model
+    turns, _, err, pending = run_session(runtime, tok, ["\udcff\udcfe x", "hi"])
+    assert "[your message has byte 0xFF at character 0, which is not UTF-8; it was not sent. Type UTF-8 text.]" in err
+    assert pending == [] and len(turns) == 1
+    assert turns[0].token_ids == greedy(runtime, conversation_ids(tok, [{"role": "user", "content": "hi"}]))
 
 
 def test_pseudo_terminal_session(chat_model, runtime):

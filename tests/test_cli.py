@@ -53,6 +53,20 @@ def test_generate_rejects_bad_options_before_loading(args, error, capsys):
     assert f"error: {error}:" in err
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--prompt", "caf\udce9"], "--prompt 'caf\\udce9' has byte 0xE9 at character 3"),
+    (["--chat", "\udcff"], "--chat '\\udcff' has byte 0xFF at character 0"),
+    (["--stop=x\udc80"], "'--stop=x\\udc80' has byte 0x80 at character 8"),
+])
+def test_text_that_is_not_utf8_is_refused_before_anything_parses(args, named, capsys):
+    """A byte that is not UTF-8 in a text option (Python decodes argv with surrogateescape: 0xE9
+    arrives as U+DCE9, which the tokenizer raises a TypeError on) is an InputError naming the
+    argument, the byte and where it is, before the model loads."""
+    assert main(["generate", "--max-new-tokens", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: InputError: the argument {named}, which is not UTF-8; pass UTF-8 text" in err
+
+
 def test_commands_and_benchmarks_are_one_module_each():
     """Each module of neuronfx/cli/ exporting COMMAND is listed once in COMMANDS (and each of
     neuronfx/bench/ exporting BENCHMARK in BENCHMARKS): adding one is a module and an entry."""

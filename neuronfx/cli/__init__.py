@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from neuronfx.cli import bench, bench_serving, cache, chat, check_accuracy, env, generate, plan, serve
 from neuronfx.cli import compile as compile_command
 from neuronfx.cli.launch import launch_ranks, quiet_other_ranks, rank_tag
+from neuronfx.cli.options import check_argv_text
 from neuronfx.cli.types import Subcommand
 from neuronfx.errors import NeuronfxError
 from neuronfx.runtime.distributed import under_launcher
@@ -42,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = by_name.get(argv[0]) if argv else None
     if command is not None and command.legacy_argv is not None:
         argv = [argv[0], *command.legacy_argv(argv[1:])]
+    try:
+        check_argv_text(argv)
+    except NeuronfxError as exc:
+        print(f"neuronfx: error{rank_tag()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     command = by_name[args.command]
     try:

