@@ -115,3 +115,32 @@ def test_huge_page_zeros_are_aligned_advised_zeros(dtype: torch.dtype) -> None:
     assert int(t.sum()) == 1
     small = huge_page_zeros((4, 5), dtype)
     assert small.shape == (4, 5) and not small.any() and "hg" not in _vm_flags(small.data_ptr())
+
+
+def test_a_kv_cache_the_memory_cannot_hold_is_a_config_error(monkeypatch) -> None:
+    """When the KV cache's allocation fails (the mapping's ENOMEM, as ``neuronfx generate
+    --batch-size 100000`` met it: 2.2 TB for SmolLM2) the error is a ConfigError naming the
+    cache's size, the plan's numbers and the options that shrink it; another OSError is not
+    taken for it."""
+    import errno
+
+    from helpers import tiny_hf_model, tiny_plan
+
+    from neuronfx.errors import ConfigError
+    from neuronfx.graphs.phases import inputs
+
+    plan = tiny_plan(tiny_hf_model(), batch_size=2, sequence_length=64)
+    def failing(exc: Exception):
+        def allocate(*args: object) -> torch.Tensor:
+            raise exc
+        return allocate
+
+    for exc in (OSError(errno.ENOMEM, "Cannot allocate memory"), RuntimeError("DefaultCPUAllocator: can't allocate memory")):
+        monkeypatch.setattr(inputs, "huge_page_zeros", failing(exc))
+        with pytest.raises(ConfigError, match=rf"the plan's KV cache is {plan.kv.nbytes / 2**20:.1f} MiB \(batch_size=2, "
+                           r"sequence_length=64, kv_cache_dtype=float32, 2 layers\) and cpu memory could not hold it .*"
+                           r"lower --batch-size or --sequence-length"):
+            inputs.empty_kv(plan)
+    monkeypatch.setattr(inputs, "huge_page_zeros", failing(OSError(errno.EACCES, "denied")))
+    with pytest.raises(PermissionError):
+        inputs.empty_kv(plan)
