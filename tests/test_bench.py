@@ -108,6 +108,8 @@ def test_bench_rejects_bad_sizes(capsys):
     (["--weight-format", "gguf", "--compare", "transformers"], "InputError", "transformers cannot run the kept blocks"),
     (["--rounds", "3"], "InputError", "--rounds=3"),
     (["--rounds", "0", "--compare", "transformers"], "InputError", "--rounds=0"),
+    (["--plot", "/nonexistent/dir/x.png"], "InputError", "the directory '/nonexistent/dir' does not exist or cannot be written"),
+    (["--plot", "/"], "InputError", "--plot '/' is a directory"),
 ])
 def test_bench_checks_options_before_loading(args, error, names, capsys):
     assert main(["bench", "latency", "--model", "/nonexistent.gguf", *args]) == 2  # the checkpoint would be a CheckpointError

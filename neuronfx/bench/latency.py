@@ -24,7 +24,7 @@ from neuronfx.bench.llama_cpp import import_llama_cpp, llama_cpp_engine
 from neuronfx.bench.openvino import PipelineSizes, import_genai, openvino_engine
 from neuronfx.bench.openvino_export import cached_ir, check_exporter, ov_weights
 from neuronfx.bench.options import Log, add_model, check_at_least, logger
-from neuronfx.bench.plot import plot
+from neuronfx.bench.plot import check_plot_path, plot
 from neuronfx.bench.rounds import comparison_table, format_rounds
 from neuronfx.bench.timing import BenchResult, transformers_engine
 from neuronfx.bench.types import Benchmark
@@ -79,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_options(args: argparse.Namespace) -> LatencySpec:
     """The options checked before anything loads: the spec of the run. Raises InputError
-    (sizes, --rounds, combinations), ConfigError (device, weight source) and
-    BackendUnavailableError (llama-cpp-python missing for --compare llama.cpp)."""
+    (sizes, --rounds, combinations, a --plot path that cannot be written), ConfigError (device,
+    weight source) and BackendUnavailableError (llama-cpp-python missing for --compare
+    llama.cpp, matplotlib for --plot)."""
     check_at_least("batch_sizes", args.batch_sizes, 1)
     check_at_least("prompt_lens", args.prompt_lens, 1)
     check_at_least("gen_lens", args.gen_lens, 2)
@@ -99,6 +100,8 @@ def check_options(args: argparse.Namespace) -> LatencySpec:
     check_device(InferenceConfig(device=args.device, backend=args.backend, weight_format=args.weight_format,
                                  activation_format=args.activation_format))
     check_weight_source(InferenceConfig(weight_format=args.weight_format), args.model or checkpoints.default_model_path())
+    if args.plot:
+        check_plot_path(args.plot)
     return LatencySpec(backend=args.backend, dtype=args.dtype, batch_sizes=tuple(args.batch_sizes), prompt_lens=tuple(args.prompt_lens),
                        gen_lens=tuple(args.gen_lens), weight_format=args.weight_format, weight_group_size=args.weight_group_size,
                        device=args.device, activation_format=args.activation_format, kv_cache_dtype=args.kv_cache_dtype, rounds=rounds,

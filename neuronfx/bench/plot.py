@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
 from typing import Any
 
-from neuronfx.errors import BackendUnavailableError
+from neuronfx.errors import BackendUnavailableError, InputError
+
+
+def check_plot_path(path: str) -> None:
+    """Before the benchmark runs: InputError when ``path``'s directory does not exist or cannot
+    be written, or ``path`` is a directory; BackendUnavailableError without matplotlib."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise InputError(f"--plot {path!r} is a directory; give a file name, e.g. --plot {target / 'latency.png'}.")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise InputError(f"--plot {path!r}: the directory {str(folder)!r} does not exist or cannot be written; create it or "
+                         "give a path in a writable one.")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BackendUnavailableError("--plot needs matplotlib: pip install 'neuronfx[bench]' (or pip install matplotlib).")
 
 
 def plot(data: dict[str, Any], path: str) -> None:
