@@ -854,6 +854,22 @@ def test_serve_rejects_bad_options_at_once(capsys):
         assert time.perf_counter() - t0 < 5 and f"error: {error}" in capsys.readouterr().err
 
 
+def test_a_chat_template_that_is_not_utf8_or_does_not_render_stops_serve(model_dir, tmp_path, capsys):
+    """--chat-template in Latin-1: exit 2 before loading, naming the byte; one with a Jinja syntax
+    error: the server stops when it has loaded (the template rendered once), exit 2 naming the
+    template and the line, where it used to serve and answer every chat request 400."""
+    latin1, broken = tmp_path / "latin1.jinja", tmp_path / "broken.jinja"
+    latin1.write_bytes(b"{{ 'caf\xe9' }}")
+    broken.write_text("{% if %}broken")
+    t0 = time.perf_counter()
+    assert main(["serve", "--chat-template", str(latin1)]) == 2
+    assert time.perf_counter() - t0 < 5
+    assert f"error: InputError: --chat-template '{latin1}' is not UTF-8 (byte 0xE9 at offset 7)" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), *PLAN, "--port", "0", "--chat-template", str(broken)]) == 2
+    assert (f"neuronfx: error: InputError: --chat-template '{broken}' does not render a one-message conversation: "
+            "TemplateSyntaxError (line 1): Expected an expression") in capsys.readouterr().err
+
+
 def test_serve_on_a_busy_port_fails_before_loading(model_dir, capsys):
     """A second server on a port in use: exit 2 at once with one line naming the port and
     --port, before it says "serving" or loads anything."""

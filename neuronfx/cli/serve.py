@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
     check_one_process(inference)
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
-    template = Path(args.chat_template).read_text() if args.chat_template else None
+    template = read_chat_template(args.chat_template)
     if args.data_parallel_size is not None:
         return serve_replicas_cli(args, saved, inference, name, template)
     return serve(functools.partial(build_served, args, saved, inference, template), model_name=name, host=args.host,
@@ -244,16 +244,45 @@ def replica_application(argv: Sequence[str]) -> Application:
     saved, inference = plan_inference(args, defaults={"batch_size": SERVE_BATCH_SIZE})
     check_one_process(inference)
     name = args.served_model_name or args.model or Path(checkpoints.default_model_path()).stem
-    template = Path(args.chat_template).read_text() if args.chat_template else None
+    template = read_chat_template(args.chat_template)
     spec, scaling, chars = replica_setup(args, saved, inference, name, template)
     return replicas.application(spec, scaling, chars)
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of --chat-template ``path`` (None: not given). InputError when it cannot be read
+    or is not UTF-8 (naming the byte's offset), before anything loads."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise InputError(f"--chat-template {path!r} cannot be read ({exc.strerror}); give the path of a Jinja chat template.") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--chat-template {path!r} is not UTF-8 (byte 0x{exc.object[exc.start]:02X} at offset {exc.start}); save "
+                         "the template as UTF-8, e.g. iconv -f latin1 -t utf-8.") from None
+
+
+def check_chat_template(tokenizer: object, path: str) -> None:
+    """InputError naming --chat-template ``path`` when its template does not render a
+    one-message conversation (a Jinja syntax error, an undefined filter): found when the server
+    starts, not as a 400 on every chat request."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as exc:
+        line = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise InputError(f"--chat-template {path!r} does not render a one-message conversation: {type(exc).__name__}{line}: "
+                         f"{exc}; fix the template.") from None
 
 
 def build_served(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, template: str | None) -> Served:
     """Load a saved runtime, or load the checkpoint and compile it (through the compile cache),
     as ``args`` say (:func:`neuronfx.cli.loading.load_runtime`), with the tokenizer's chat
-    template replaced by ``template`` when given (vLLM's --chat-template). Runs in the engine
-    thread (a replica's, under ``--data-parallel-size``). Raises what loading and compiling raise."""
+    template replaced by ``template`` when given (vLLM's --chat-template; InputError when it does
+    not render, :func:`check_chat_template`). Runs in the engine thread (a replica's, under
+    ``--data-parallel-size``). Raises what loading and compiling raise."""
     from neuronfx.server.served import Served
 
     log = logging.getLogger("neuronfx.server")
@@ -265,6 +294,7 @@ def build_served(args: argparse.Namespace, saved: Path | None, inference: Infere
     log.info("%s", loaded.summary())
     if template is not None:
         loaded.tokenizer.chat_template = template
+        check_chat_template(loaded.tokenizer, args.chat_template)
     return Served(runtime=loaded.runtime, tokenizer=loaded.tokenizer)
 
 COMMAND = Subcommand(name="serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...) over the "
