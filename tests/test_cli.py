@@ -22,7 +22,12 @@ from neuronfx.cli import main
         (["--max-new-tokens", "600"], "SequenceLengthExceededError"),
         (["--stream", "--json"], "InputError"),
         (["--min-p", "2"], "SamplingParamsError"),
-        (["--logprobs", "21"], "SamplingParamsError"),
+        (["--logprobs", "21", "--json"], "SamplingParamsError"),
+        (["--logprobs", "2"], "InputError"),  # printed in --json's object only
+        (["--pooling", "mean"], "InputError"),  # read only by --task embed
+        (["--prompt-lookup-min", "2"], "InputError"),  # read only by --speculative-method ngram
+        (["--weight-group-size", "64"], "InputError"),  # read only by --weight-format int4
+        (["--max-prefix-blocks", "8"], "InputError"),  # read only with --enable-prefix-caching
         (["--presence-penalty", "3"], "SamplingParamsError"),
         (["--repetition-penalty", "0"], "SamplingParamsError"),
         (["--min-tokens", "-1"], "SamplingParamsError"),
@@ -177,7 +182,9 @@ def test_speculative_cli_accepts_every_option_and_equals_plain(tiny_model_dir, c
     # a stop string, streamed: the printed text is the JSON run's text, cut before the stop
     words = plain["text"][0].split()
     stop = f"{words[4]} {words[5]}"
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w5 w9 w11 w3 w200", *OPTIONS, "--stop", stop,
+    at = OPTIONS.index("--logprobs")
+    streamed = OPTIONS[:at] + OPTIONS[at + 2:]  # --logprobs N prints with --json only
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "w5 w9 w11 w3 w200", *streamed, "--stop", stop,
                  "--speculation-length", "3", *draft, "--stream"]) == 0
     assert capsys.readouterr().out == plain["text"][0][: plain["text"][0].index(stop)] + "\n"
 

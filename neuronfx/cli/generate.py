@@ -51,10 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_generate_flags(args: argparse.Namespace) -> None:
-    """:func:`check_cli_flags` and generate's own: InputError for --stream with --json."""
+    """:func:`check_cli_flags` and generate's own: InputError for --stream with --json, and for
+    --logprobs without --json (only its object prints them)."""
     check_cli_flags(args)
     if args.stream and args.json:
         raise InputError("--stream prints text as it comes; --json prints one object at the end: pick one.")
+    if args.logprobs is not None and not args.json:
+        raise InputError(f"--logprobs {args.logprobs}: the logprobs are printed in --json's object only; add --json.")
 
 
 def tp_degree(args: argparse.Namespace) -> int:

@@ -211,8 +211,32 @@ def _add_weight_options(p: argparse.ArgumentParser, defaults: InferenceConfig) -
 
 def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) -> InferenceConfig:
     """The plan options given on the command line over ``defaults`` (a command's own, e.g.
-    serve's batch size) over InferenceConfig's defaults. Raises ConfigError for a bad value."""
-    return InferenceConfig(**((defaults or {}) | given_plan_options(args)))
+    serve's batch size) over InferenceConfig's defaults. Raises ConfigError for a bad value and
+    InputError for an option the plan would ignore (:func:`check_options_apply`)."""
+    options = (defaults or {}) | given_plan_options(args)
+    check_options_apply(options)
+    return InferenceConfig(**options)
+
+
+OPTIONS_THAT_NEED = (
+    (("pooling", "normalize"), "task", "embed", "--task embed"),
+    (("weight_group_size",), "weight_format", "int4", "--weight-format int4"),
+    (("prompt_lookup_min", "prompt_lookup_max"), "speculative_method", "ngram", "--speculative-method ngram"),
+    (("prefix_block_size", "max_prefix_blocks"), "enable_prefix_caching", True, "--enable-prefix-caching"),
+)
+"""(options, the option they need, its value, the flag that sets it): each option is read only
+under that setting (InferenceConfig ignores it otherwise)."""
+
+
+def check_options_apply(options: dict) -> None:
+    """InputError when ``options`` (InferenceConfig fields given) hold one the plan would ignore
+    (:data:`OPTIONS_THAT_NEED`), as ``--kv-block-size`` without ``--kv-layout blocks`` is refused:
+    a flag that silently does nothing is a typo's twin."""
+    for names, needs, value, flag in OPTIONS_THAT_NEED:
+        ignored = [f"--{n.replace('_', '-')}" for n in names if n in options and options.get(needs) != value]
+        if ignored:
+            raise InputError(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} only with {flag}; add it, or "
+                             f"drop {' and '.join(ignored)}.")
 
 
 def given_plan_options(args: argparse.Namespace) -> dict:
