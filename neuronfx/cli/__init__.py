@@ -24,13 +24,16 @@ DESCRIPTION = ("neuronfx runs decoder-only LLMs as a fixed set of static-shape g
                "transformers, and benchmark.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command in :data:`COMMANDS`."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser of every command in :data:`COMMANDS`, and each command's own parser by name
+    (an unknown option is reported with its command's usage, not the top level's)."""
     parser = argparse.ArgumentParser(prog="neuronfx", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
     for command in COMMANDS:
-        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.description or command.help))
-    return parser
+        commands[command.name] = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        command.add_arguments(commands[command.name])
+    return parser, commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NeuronfxError as exc:
         print(f"neuronfx: error{rank_tag()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    parser, parsers = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2
     command = by_name[args.command]
     try:
         tp = command.tp_degree(args) if command.tp_degree is not None else 1
