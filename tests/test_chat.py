@@ -177,7 +177,7 @@ def test_cli_piped_stdin(chat_model, runtime, monkeypatch, capsys):
     (["--max-new-tokens", "600"], "SequenceLengthExceededError"),
     (["--min-tokens", "9", "--max-new-tokens", "8"], "SamplingParamsError: --min-tokens=9 is > --max-new-tokens=8"),
     # b"caf\xe9" from a Latin-1 shell: Python's argv decoding (surrogateescape) makes the byte U+DCE9
-    (["--system", "caf\udce9"], "InputError: the argument --system 'caf\\udce9' has byte 0xE9 at character 3, which is not UTF-8"),
+    (["--system", "caf\udce9"], "InputError: --system 'caf\\udce9' has byte 0xE9 at character 3, which is not UTF-8"),
 ])
 def test_cli_rejects_bad_options_before_loading(chat_model, capsys, args, error):
     assert main(["chat", *[str(chat_model[0]) if a == "MODEL" else a for a in args]]) == 2
@@ -192,6 +192,23 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(chat_model, 
     assert "[your message has byte 0xFF at character 0, which is not UTF-8; it was not sent. Type UTF-8 text.]" in err
     assert pending == [] and len(turns) == 1
     assert turns[0].token_ids == greedy(runtime, conversation_ids(tok, [{"role": "user", "content": "hi"}]))
+
+
+def test_piped_bytes_that_are_not_utf8_under_a_strict_stdin(chat_model, runtime):
+    """Under a stdin that decodes strictly (PYTHONIOENCODING=utf-8:strict, as a UTF-8 locale other
+    than C.UTF-8 gives) a piped line holding a byte that is not UTF-8 is refused and the session
+    answers the next line (chat reconfigures stdin to surrogateescape), where it used to end on a
+    UnicodeDecodeError."""
+    import subprocess
+
+    path, _, tok = chat_model
+    done = subprocess.run([sys.executable, "-m", "neuronfx", "chat", "--model", str(path), *PLAN_ARGS, "--max-new-tokens", str(NEW)],
+                          input=b"\xff\xfe x\nhi\n", capture_output=True, cwd=str(ROOT), timeout=120,
+                          env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8:strict"})
+    assert done.returncode == 0, done.stderr.decode()
+    reply = tok.decode(list(greedy(runtime, conversation_ids(tok, [{"role": "user", "content": "hi"}]))), skip_special_tokens=True)
+    assert done.stdout.decode() == f"> > {reply}\n> \n"
+    assert "[your message has byte 0xFF at character 0, which is not UTF-8; it was not sent. Type UTF-8 text.]" in done.stderr.decode()
 
 
 def test_pseudo_terminal_session(chat_model, runtime):

@@ -24,10 +24,6 @@ from neuronfx.cli import main
         (["--min-p", "2"], "SamplingParamsError"),
         (["--logprobs", "21", "--json"], "SamplingParamsError"),
         (["--logprobs", "2"], "InputError"),  # printed in --json's object only
-        (["--pooling", "mean"], "InputError"),  # read only by --task embed
-        (["--prompt-lookup-min", "2"], "InputError"),  # read only by --speculative-method ngram
-        (["--weight-group-size", "64"], "InputError"),  # read only by --weight-format int4
-        (["--max-prefix-blocks", "8"], "InputError"),  # read only with --enable-prefix-caching
         (["--presence-penalty", "3"], "SamplingParamsError"),
         (["--repetition-penalty", "0"], "SamplingParamsError"),
         (["--min-tokens", "-1"], "SamplingParamsError"),
@@ -61,15 +57,60 @@ def test_generate_rejects_bad_options_before_loading(args, error, capsys):
 @pytest.mark.parametrize("args, named", [
     (["--prompt", "caf\udce9"], "--prompt 'caf\\udce9' has byte 0xE9 at character 3"),
     (["--chat", "\udcff"], "--chat '\\udcff' has byte 0xFF at character 0"),
-    (["--stop=x\udc80"], "'--stop=x\\udc80' has byte 0x80 at character 8"),
+    (["--stop=x\udc80"], "--stop 'x\\udc80' has byte 0x80 at character 1"),
 ])
-def test_text_that_is_not_utf8_is_refused_before_anything_parses(args, named, capsys):
+def test_text_that_is_not_utf8_is_refused_before_loading(args, named, capsys):
     """A byte that is not UTF-8 in a text option (Python decodes argv with surrogateescape: 0xE9
     arrives as U+DCE9, which the tokenizer raises a TypeError on) is an InputError naming the
-    argument, the byte and where it is, before the model loads."""
+    option, the byte and where it is, before the model loads."""
     assert main(["generate", "--max-new-tokens", "2", *args]) == 2
     err = capsys.readouterr().err
-    assert f"error: InputError: the argument {named}, which is not UTF-8; pass UTF-8 text" in err
+    assert f"error: InputError: {named}, which is not UTF-8; pass UTF-8 text" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pooling", "mean"], "--pooling applies only with --task embed; add it, or drop --pooling."),
+    (["--no-normalize"], "--no-normalize applies only with --task embed; add it, or drop --no-normalize."),
+    (["--weight-group-size", "64", "--weight-format", "int8"],
+     "--weight-group-size applies only with --weight-format int4; add it, or drop --weight-group-size."),
+    (["--prompt-lookup-min", "2", "--prompt-lookup-max", "3"], "--prompt-lookup-min and --prompt-lookup-max apply only with "
+     "--speculative-method ngram --num-speculative-tokens K; add it, or drop --prompt-lookup-min and --prompt-lookup-max."),
+    (["--prefix-block-size", "8"], "--prefix-block-size applies only with --enable-prefix-caching; add it, or drop --prefix-block-size."),
+    (["--max-prefix-blocks", "8"], "--max-prefix-blocks applies only with --enable-prefix-caching; add it, or drop --max-prefix-blocks."),
+])
+def test_an_option_its_plan_would_ignore_is_refused(args, message, capsys):
+    """A plan option read only under another (InferenceConfig ignores it otherwise) is an
+    InputError naming it and what it needs, before loading, in every command that plans."""
+    for command in ("generate", "plan", "compile"):
+        assert main([command, *args, *(["--out", "/nonexistent/out"] if command == "compile" else [])]) == 2
+        assert f"error: InputError: {message}" in capsys.readouterr().err, command
+
+
+def test_options_with_what_they_need_are_accepted():
+    """The same options with what they need pass the check (InferenceConfig takes them)."""
+    from neuronfx import InferenceConfig
+    from neuronfx.cli.options import check_options_apply
+
+    for options in ({"task": "embed", "pooling": "mean", "normalize": False}, {"weight_format": "int4", "weight_group_size": 64},
+                    {"speculative_method": "ngram", "speculation_length": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+                    {"enable_prefix_caching": True, "prefix_block_size": 8, "max_prefix_blocks": 8}, {}):
+        check_options_apply(options)
+        InferenceConfig(**options)
+
+
+def test_a_path_that_is_not_utf8_is_a_path(capsys):
+    """A file name that is not UTF-8 is not text for the tokenizer: it opens through the same
+    surrogateescape, so a missing one is the checkpoint's error, not the text check's."""
+    assert main(["generate", "--max-new-tokens", "2", "--model", "/nonexistent/caf\udce9.gguf"]) == 2
+    assert "error: CheckpointError" in capsys.readouterr().err
+
+
+def test_an_unknown_option_shows_its_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--frobnicate", "3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: neuronfx generate ")
+    assert err.endswith("neuronfx generate: error: unrecognized arguments: --frobnicate 3\n")
 
 
 def test_commands_and_benchmarks_are_one_module_each():

@@ -5,6 +5,7 @@ cache's memory (``huge_page_zeros``): zeros, aligned, advised for transparent hu
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -129,18 +130,27 @@ def test_a_kv_cache_the_memory_cannot_hold_is_a_config_error(monkeypatch) -> Non
     from neuronfx.errors import ConfigError
     from neuronfx.graphs.phases import inputs
 
-    plan = tiny_plan(tiny_hf_model(), batch_size=2, sequence_length=64)
-    def failing(exc: Exception):
+    def failing(exc: BaseException):
         def allocate(*args: object) -> torch.Tensor:
             raise exc
         return allocate
 
+    plan = tiny_plan(tiny_hf_model(), batch_size=2, sequence_length=64)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     for exc in (OSError(errno.ENOMEM, "Cannot allocate memory"), RuntimeError("DefaultCPUAllocator: can't allocate memory")):
         monkeypatch.setattr(inputs, "huge_page_zeros", failing(exc))
-        with pytest.raises(ConfigError, match=rf"the plan's KV cache is {plan.kv.nbytes / 2**20:.1f} MiB \(batch_size=2, "
-                           r"sequence_length=64, kv_cache_dtype=float32, 2 layers\) and cpu memory could not hold it .*"
-                           r"lower --batch-size or --sequence-length"):
+        with pytest.raises(ConfigError) as raised:
             inputs.empty_kv(plan)
+        assert str(raised.value) == (
+            f"the plan's KV cache is {plan.kv.nbytes / 2**20:.1f} MiB (batch_size=2 slots of sequence_length=64 positions, 2 "
+            f"layers, float32) and cpu memory could not hold it ({type(exc).__name__}: {str(exc)[:120]}); this machine has "
+            f"{memory:.1f} GiB of memory; shrink it: a lower batch_size or sequence_length, or kv_layout='blocks' with a "
+            "kv_cache_memory budget, or kv_cache_dtype='int8' (a quarter of fp32's bytes) (the CLI's flags of the same names).")
+    paged = tiny_plan(tiny_hf_model(), kv_layout="blocks", kv_block_size=8, kv_cache_dtype="int8")
+    monkeypatch.setattr(inputs, "huge_page_zeros", failing(MemoryError()))
+    with pytest.raises(ConfigError, match=rf"\({paged.kv.total_blocks} blocks of 8 positions \(num_kv_blocks / kv_cache_memory\), "
+                       r"2 layers, int8\) .*; shrink it: fewer blocks \(num_kv_blocks, kv_cache_memory\) \(the CLI"):
+        inputs.empty_kv(paged)
     monkeypatch.setattr(inputs, "huge_page_zeros", failing(OSError(errno.EACCES, "denied")))
     with pytest.raises(PermissionError):
         inputs.empty_kv(plan)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from neuronfx.cli import bench, bench_serving, cache, chat, check_accuracy, env, generate, plan, serve
 from neuronfx.cli import compile as compile_command
 from neuronfx.cli.launch import launch_ranks, quiet_other_ranks, rank_tag
-from neuronfx.cli.options import check_argv_text
+from neuronfx.cli.options import check_text_options
 from neuronfx.cli.types import Subcommand
 from neuronfx.errors import NeuronfxError
 from neuronfx.runtime.distributed import under_launcher
@@ -46,17 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = by_name.get(argv[0]) if argv else None
     if command is not None and command.legacy_argv is not None:
         argv = [argv[0], *command.legacy_argv(argv[1:])]
-    try:
-        check_argv_text(argv)
-    except NeuronfxError as exc:
-        print(f"neuronfx: error{rank_tag()}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
     parser, parsers = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2
     command = by_name[args.command]
     try:
+        check_text_options(args)
         tp = command.tp_degree(args) if command.tp_degree is not None else 1
         if tp > 1 and not under_launcher():
             return launch_ranks(main, argv, tp)

@@ -18,6 +18,7 @@ replies.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -278,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
     """Load (or compile) the runtime, then converse on stdin/stdout until /exit or end of
     input; returns the exit status (130 after Ctrl-C at the prompt)."""
     options, saved, inference = check_chat_options(args)
+    if isinstance(sys.stdin, io.TextIOWrapper):  # a byte that is not UTF-8: a surrogate chat_loop refuses, not a UnicodeDecodeError
+        sys.stdin.reconfigure(errors="surrogateescape")
     interactive, progress = sys.stdin.isatty(), sys.stderr.isatty()
     loaded = load_runtime(args, saved, inference, progress=progress)
     runtime = with_draft_model(args, loaded.runtime, inference, progress)

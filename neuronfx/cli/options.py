@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
@@ -35,8 +34,9 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 def not_utf8(text: str) -> str | None:
     """What in ``text`` UTF-8 cannot encode, in words (None: nothing). Python decodes the command
-    line and a piped stdin with ``surrogateescape``: a byte that is not UTF-8 (0xE9, Latin-1's
-    "e" with an acute accent) arrives as the lone surrogate U+DCE9, which no tokenizer takes."""
+    line with ``surrogateescape`` (chat's stdin too, reconfigured so): a byte that is not UTF-8
+    (0xE9, Latin-1's "e" with an acute accent) arrives as the lone surrogate U+DCE9, which no
+    tokenizer takes."""
     found = _LONE_SURROGATE.search(text)
     if found is None:
         return None
@@ -45,15 +45,21 @@ def not_utf8(text: str) -> str | None:
     return f"{what} at character {found.start()}, which is not UTF-8"
 
 
-def check_argv_text(argv: Sequence[str]) -> None:
-    """InputError naming the first command-line argument that is not UTF-8 text (:func:`not_utf8`)
-    and the option it belongs to, before anything parses or loads."""
-    for i, arg in enumerate(argv):
-        problem = not_utf8(arg)
-        if problem is not None:
-            option = f"{argv[i - 1]} " if i and argv[i - 1].startswith("-") and not arg.startswith("-") else ""
-            raise InputError(f"the argument {option}{ascii(arg)[:60]} has {problem}; pass UTF-8 text (a UTF-8 terminal, or the "
-                             "text re-encoded, e.g. iconv -f latin1 -t utf-8).")
+TEXT_OPTIONS = ("prompt", "chat", "system", "stop", "regex", "choice")
+"""The options whose values are text for the tokenizer (paths are not: a file name that is not
+UTF-8 still opens, through the same surrogateescape)."""
+
+
+def check_text_options(args: argparse.Namespace) -> None:
+    """InputError naming the first text option (:data:`TEXT_OPTIONS`) whose value is not UTF-8
+    text (:func:`not_utf8`), before anything loads."""
+    for name in TEXT_OPTIONS:
+        value = vars(args).get(name)
+        for text in [value] if isinstance(value, str) else value or ():
+            problem = not_utf8(text)
+            if problem is not None:
+                raise InputError(f"--{name} {ascii(text)[:60]} has {problem}; pass UTF-8 text (a UTF-8 terminal, or the text "
+                                 "re-encoded, e.g. iconv -f latin1 -t utf-8).")
 
 
 PLAN_OPTIONS = ("batch_size", "max_context_length", "sequence_length", "dtype", "kv_cache_dtype", "kv_layout", "kv_block_size",
@@ -221,11 +227,18 @@ def inference_from_args(args: argparse.Namespace, defaults: dict | None = None) 
 OPTIONS_THAT_NEED = (
     (("pooling", "normalize"), "task", "embed", "--task embed"),
     (("weight_group_size",), "weight_format", "int4", "--weight-format int4"),
-    (("prompt_lookup_min", "prompt_lookup_max"), "speculative_method", "ngram", "--speculative-method ngram"),
+    (("prompt_lookup_min", "prompt_lookup_max"), "speculative_method", "ngram", "--speculative-method ngram --num-speculative-tokens K"),
     (("prefix_block_size", "max_prefix_blocks"), "enable_prefix_caching", True, "--enable-prefix-caching"),
 )
 """(options, the option they need, its value, the flag that sets it): each option is read only
 under that setting (InferenceConfig ignores it otherwise)."""
+
+
+def flag_of(name: str, value: object) -> str:
+    """The command-line flag that gave InferenceConfig field ``name`` ``value`` (``--no-normalize``
+    for normalize=False)."""
+    flag = name.replace("_", "-")
+    return f"--no-{flag}" if value is False else f"--{flag}"
 
 
 def check_options_apply(options: dict) -> None:
@@ -233,7 +246,7 @@ def check_options_apply(options: dict) -> None:
     (:data:`OPTIONS_THAT_NEED`), as ``--kv-block-size`` without ``--kv-layout blocks`` is refused:
     a flag that silently does nothing is a typo's twin."""
     for names, needs, value, flag in OPTIONS_THAT_NEED:
-        ignored = [f"--{n.replace('_', '-')}" for n in names if n in options and options.get(needs) != value]
+        ignored = [flag_of(n, options[n]) for n in names if n in options and options.get(needs) != value]
         if ignored:
             raise InputError(f"{' and '.join(ignored)} {'apply' if len(ignored) > 1 else 'applies'} only with {flag}; add it, or "
                              f"drop {' and '.join(ignored)}.")

@@ -266,15 +266,18 @@ def read_chat_template(path: str | None) -> str | None:
 def check_chat_template(tokenizer: object, path: str) -> None:
     """InputError naming --chat-template ``path`` when its template does not render a
     one-message conversation (a Jinja syntax error, an undefined filter): found when the server
-    starts, not as a 400 on every chat request."""
+    starts, not as a 400 on every chat request. (A template that refuses a lone user message,
+    one demanding a system message, say, is refused too.)"""
     import jinja2
 
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InputError(f"--chat-template {path!r} does not render a one-message conversation: TemplateSyntaxError (line "
+                         f"{exc.lineno}): {exc}; fix the template.") from None
     except jinja2.TemplateError as exc:
-        line = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
-        raise InputError(f"--chat-template {path!r} does not render a one-message conversation: {type(exc).__name__}{line}: "
-                         f"{exc}; fix the template.") from None
+        raise InputError(f"--chat-template {path!r} does not render a one-message conversation: {type(exc).__name__}: {exc}; "
+                         "fix the template.") from None
 
 
 def build_served(args: argparse.Namespace, saved: Path | None, inference: InferenceConfig, template: str | None) -> Served:

@@ -7,6 +7,7 @@ filled with tensors.
 from __future__ import annotations
 
 import errno
+import os
 from typing import NamedTuple
 
 import torch
@@ -38,8 +39,9 @@ def empty_kv(plan: Plan) -> KVCache:
     """A zero KV cache for ``plan`` (``plan.kv.nbytes`` bytes) on the plan's device; on the CPU
     each layer's K and V of a huge page or more on transparent huge pages
     (``memory.huge_page_zeros``: a step streams the cache; pages come in as they are written).
-    Raises ConfigError, naming the cache's size and the options that shrink it, when the device
-    cannot allocate it (the mapping's ENOMEM, torch's allocator or CUDA out of memory)."""
+    Raises ConfigError (:func:`kv_too_large`), naming the cache's size and the fields that shrink
+    it, when the device cannot allocate it (the mapping's ENOMEM, torch's allocator or CUDA out
+    of memory)."""
     def zeros(layer: int) -> torch.Tensor:
         shape, dtype = plan.kv.layer_shape(layer), torch_dtype(plan.kv.dtype)
         if plan.inference.device == "cpu":
@@ -51,12 +53,26 @@ def empty_kv(plan: Plan) -> KVCache:
     except (MemoryError, OSError, RuntimeError) as exc:
         if not out_of_memory(exc):
             raise
-        inf = plan.inference
-        raise ConfigError(f"the plan's KV cache is {plan.kv.nbytes / 2**20:.1f} MiB (batch_size={inf.batch_size}, "
-                          f"sequence_length={inf.sequence_length}, kv_cache_dtype={plan.kv.dtype}, {plan.kv.num_layers} layers) "
-                          f"and {inf.device} memory could not hold it ({type(exc).__name__}: {str(exc)[:120]}); lower --batch-size or "
-                          "--sequence-length, store it smaller (--kv-cache-dtype int8), or page it (--kv-layout blocks "
-                          "--kv-cache-memory BYTES).") from None
+        raise ConfigError(kv_too_large(plan, f"{type(exc).__name__}: {str(exc)[:120]}")) from None
+
+
+def kv_too_large(plan: Plan, failure: str) -> str:
+    """The message of a KV cache the device could not allocate (``failure``): its size, what
+    sets it, the machine's memory (CPU plans) and the InferenceConfig fields that shrink it."""
+    inf, kv = plan.inference, plan.kv
+    if kv.paged:
+        made_of = f"{kv.total_blocks} blocks of {kv.positions_per_block} positions (num_kv_blocks / kv_cache_memory)"
+        fixes = ["fewer blocks (num_kv_blocks, kv_cache_memory)"]
+    else:
+        made_of = f"batch_size={inf.batch_size} slots of sequence_length={inf.sequence_length} positions"
+        fixes = ["a lower batch_size or sequence_length", "kv_layout='blocks' with a kv_cache_memory budget"]
+    if kv.dtype not in ("int8", "float8_e4m3fn"):
+        fixes.append("kv_cache_dtype='int8' (a quarter of fp32's bytes)")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if inf.device == "cpu" else None
+    has = f"; this machine has {total / 2**30:.1f} GiB of memory" if total else ""
+    return (f"the plan's KV cache is {kv.nbytes / 2**20:.1f} MiB ({made_of}, {kv.num_layers} layers, {kv.dtype}) and "
+            f"{inf.device} memory could not hold it ({failure}){has}; shrink it: {', or '.join(fixes)} (the CLI's flags of the same "
+            "names).")
 
 
 def out_of_memory(exc: BaseException) -> bool:
